@@ -1,0 +1,391 @@
+"""The config tree: typed dataclasses, TOML loading, dotted overrides, validation.
+
+Every user-facing setting lives here. `load_config` reads a TOML file, applies `--a.b=value`
+overrides, checks types and values, and raises `ConfigError` (one line naming the key) on any
+mistake, before any work starts. The CLI turns a ConfigError into exit code 2.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import tomli_w
+
+from trinity_train.errors import ConfigError
+
+BLOCK_VARIANTS = ("trinity", "sandwich", "prenorm", "gemma3", "normformer")
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int = 8192
+    hidden_size: int = 256
+    num_layers: int = 4
+    num_dense_layers: int = 1
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 64
+    intermediate_size: int = 768  # dense FFN width
+    num_experts: int = 8
+    num_experts_per_tok: int = 2  # top-k
+    num_shared_experts: int = 1
+    moe_intermediate_size: int = 128  # width of one routed expert
+    route_scale: float = 1.0
+    sliding_window: int = 128  # keys a local layer sees, itself included
+    global_every: int = 4  # layer i is global when (i+1) % global_every == 0
+    rope_theta: float = 10000.0
+    global_rope_theta: float = 1000000.0  # only the gemma3 block puts RoPE on global layers
+    norm_eps: float = 1e-5
+    block: str = "trinity"  # one of BLOCK_VARIANTS
+    init_std: float = 0.0  # 0 means 0.5 / sqrt(hidden_size)
+    expert_impl: str = "grouped"  # "grouped" (torch._grouped_mm) or "loop"
+    load_balance: str = "sign"  # "sign", "smebu" or "none"
+    bias_update_rate: float = 1e-3  # gamma of the sign rule
+    smebu_lambda: float = 5e-4
+    smebu_beta: float = 0.5
+    smebu_kappa: float = 2.0
+    aux_loss_alpha: float = 0.0  # sequence-wise aux loss weight (DeepSeek-V3 uses 1e-4)
+    z_loss_weight: float = 0.0
+    doc_masking: bool = False  # intra-document attention and per-document positions
+    loss_chunk_tokens: int = 4096  # cross entropy is computed this many tokens at a time
+
+
+@dataclass
+class DataSource:
+    path: str = ""
+    weight: float = 1.0
+
+
+@dataclass
+class DataConfig:
+    path: str = ""  # a prepared dataset directory; empty means the embedded default corpus
+    cache_dir: str = "~/.cache/trinity-train"
+    seq_len: int = 256
+    seed: int = 1234
+    vocab_size: int = 8192  # tokenizer size trained for the embedded default corpus
+    val_fraction: float = 0.02
+    mix: list[DataSource] = field(default_factory=list)  # weighted sources; overrides `path`
+    skip_ranges: list[list[int]] = field(default_factory=list)  # [start, end) global batches
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 300
+    micro_batch_size: int = 8
+    grad_accum: int = 1
+    grad_clip: float = 1.0
+    seed: int = 0
+    eval_every: int = 50
+    eval_batches: int = 4
+    dtype: str = "fp32"  # "fp32" or "bf16" (autocast)
+    compile: bool = False
+    activation_checkpointing: bool = False
+    device: str = "auto"  # "auto", "cpu" or "cuda"
+    log_every: int = 10  # progress-bar refresh and console lines
+
+
+@dataclass
+class OptimConfig:
+    name: str = "adamw"  # "adamw" or "muon"
+    lr: float = 3e-3  # AdamW peak learning rate
+    muon_lr: float = 1e-3
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    muon_momentum: float = 0.95
+    muon_nesterov: bool = True
+    muon_ns_steps: int = 5
+    muon_scale: str = "spectral"  # "spectral" or "rms_match"
+    muon_router: bool = True  # router gate goes to Muon
+    schedule: str = "wsd"  # "wsd", "cosine" or "constant"
+    warmup_steps: int = 30
+    decay_fraction: float = 0.2  # WSD: last fraction of steps decays linearly to min_lr_ratio
+    min_lr_ratio: float = 0.0  # WSD decays to this; cosine to this (Trinity Large: 0.1)
+
+
+@dataclass
+class ParallelConfig:
+    dp_replicate: int = 1
+    dp_shard: int = -1  # -1: whatever is left of the world size
+    tp: int = 1
+    ep: int = 1
+
+
+@dataclass
+class CheckpointConfig:
+    every: int = 100
+    keep: int = 3
+    resume: str = "none"  # "none", "auto" (newest in the run directory) or a checkpoint path
+    init_from: str = ""  # a checkpoint (e.g. from import-hf) whose model weights start the run
+    async_save: bool = False
+
+
+@dataclass
+class StabilityConfig:
+    skip_nonfinite: bool = True  # a step with a non-finite loss or gradient is not applied
+    spike_zscore: float = 0.0  # >0: skip a step whose loss is this many std above the recent mean
+    window: int = 50  # recent steps the spike statistics use
+    min_history: int = 20  # no spike verdict before this many steps
+
+
+@dataclass
+class MetricsConfig:
+    jsonl: bool = True
+    tensorboard: bool = False
+    wandb: bool = False
+    wandb_project: str = "trinity-train"
+    progress_bar: bool = True
+
+
+@dataclass
+class RunConfig:
+    dir: str = "runs/debug"
+    name: str = "debug"
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    stability: StabilityConfig = field(default_factory=StabilityConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+
+# ---------------------------------------------------------------------------- loading
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def _coerce(value: Any, tp: Any, key: str) -> Any:
+    """Check `value` against the annotated type `tp`; ints are accepted where floats are."""
+    origin = typing.get_origin(tp)
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}: expected a table, got {value!r}")
+        return _build(tp, value, key)
+    if origin is list:
+        (item_tp,) = typing.get_args(tp)
+        if not isinstance(value, list):
+            raise ConfigError(f"{key}: expected a list, got {value!r}")
+        return [_coerce(v, item_tp, f"{key}[{i}]") for i, v in enumerate(value)]
+    if origin in (typing.Union, types.UnionType):
+        raise TypeError(f"union types are not supported in the config ({key})")
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+    elif tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    elif tp is str:
+        if isinstance(value, str):
+            return value
+    raise ConfigError(f"{key}: expected {_type_name(tp)}, got {value!r}")
+
+
+def _build(cls: type, table: dict, prefix: str) -> Any:
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for k, v in table.items():
+        key = f"{prefix}.{k}" if prefix else k
+        if k not in names:
+            raise ConfigError(_unknown_key_message(key, k, names))
+        kwargs[k] = _coerce(v, hints[k], key)
+    return cls(**kwargs)
+
+
+def _unknown_key_message(key: str, name: str, names: list[str]) -> str:
+    close = difflib.get_close_matches(name, names, n=1)
+    hint = f" (did you mean '{key.rsplit('.', 1)[0] + '.' if '.' in key else ''}{close[0]}'?)" if close else ""
+    return f"unknown config key '{key}'{hint}"
+
+
+def _parse_override_value(text: str) -> Any:
+    """Read a command-line value as a TOML literal, falling back to a bare string."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def parse_overrides(args: list[str]) -> dict:
+    """Turn ['--train.steps=50', '--run.dir', 'x'] into a nested dict."""
+    nested: dict = {}
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if not arg.startswith("--") or len(arg) == 2:
+            raise ConfigError(f"unexpected argument '{arg}': overrides look like --section.key=value")
+        body = arg[2:]
+        if "=" in body:
+            path, text = body.split("=", 1)
+        elif i + 1 < len(args) and not args[i + 1].startswith("--"):
+            path, text = body, args[i + 1]
+            i += 1
+        else:
+            raise ConfigError(f"override '{arg}' has no value: write --{body}=VALUE")
+        parts = path.split(".")
+        if len(parts) < 2 or not all(parts):
+            raise ConfigError(f"override '{arg}': the key must be a dotted path like --train.steps=50")
+        node = nested
+        for p in parts[:-1]:
+            node = node.setdefault(p, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override '{arg}' conflicts with another override")
+        node[parts[-1]] = _parse_override_value(text)
+        i += 1
+    return nested
+
+
+def _merge(base: dict, extra: dict) -> dict:
+    out = dict(base)
+    for k, v in extra.items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = _merge(out[k], v)
+        else:
+            out[k] = v
+    return out
+
+
+def config_from_dict(table: dict) -> Config:
+    cfg = _build(Config, table, "")
+    validate(cfg)
+    return cfg
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | dict | None = None) -> Config:
+    table: dict = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file '{p}' does not exist")
+        try:
+            table = tomllib.loads(p.read_text())
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"config file '{p}' is not valid TOML: {e}") from None
+    if overrides:
+        extra = parse_overrides(overrides) if isinstance(overrides, list) else overrides
+        table = _merge(table, extra)
+    return config_from_dict(table)
+
+
+def config_to_dict(cfg: Config) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def save_config(cfg: Config, path: str | Path) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(str(path) + ".tmp")
+    tmp.write_text(tomli_w.dumps(config_to_dict(cfg)))
+    tmp.replace(path)
+
+
+# ---------------------------------------------------------------------------- validation
+
+
+def _require(cond: bool, key: str, msg: str) -> None:
+    if not cond:
+        raise ConfigError(f"{key}: {msg}")
+
+
+def _one_of(value: str, allowed: tuple, key: str) -> None:
+    _require(value in allowed, key, f"must be one of {', '.join(map(repr, allowed))}, got {value!r}")
+
+
+def validate(cfg: Config) -> None:
+    m = cfg.model
+    for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
+                 "intermediate_size", "num_experts", "num_experts_per_tok", "moe_intermediate_size",
+                 "global_every", "loss_chunk_tokens"):
+        _require(getattr(m, name) > 0, f"model.{name}", f"must be positive, got {getattr(m, name)}")
+    _require(m.sliding_window > 0, "model.sliding_window", f"must be positive, got {m.sliding_window}")
+    _require(0 <= m.num_dense_layers <= m.num_layers, "model.num_dense_layers",
+             f"must be between 0 and model.num_layers={m.num_layers}, got {m.num_dense_layers}")
+    _require(m.num_shared_experts >= 0, "model.num_shared_experts", "must be >= 0")
+    _require(m.num_heads % m.num_kv_heads == 0, "model.num_heads",
+             f"{m.num_heads} heads are not divisible by model.num_kv_heads={m.num_kv_heads}")
+    _require(m.num_experts_per_tok <= m.num_experts, "model.num_experts_per_tok",
+             f"top-k {m.num_experts_per_tok} exceeds model.num_experts={m.num_experts}")
+    _require(m.head_dim % 2 == 0, "model.head_dim", f"must be even for RoPE, got {m.head_dim}")
+    _require(m.norm_eps > 0, "model.norm_eps", "must be positive")
+    _require(m.route_scale > 0, "model.route_scale", "must be positive")
+    _require(m.init_std >= 0, "model.init_std", "must be >= 0 (0 selects 0.5/sqrt(hidden_size))")
+    _require(m.aux_loss_alpha >= 0 and m.z_loss_weight >= 0, "model.aux_loss_alpha",
+             "loss weights must be >= 0")
+    _one_of(m.block, BLOCK_VARIANTS, "model.block")
+    _one_of(m.expert_impl, ("grouped", "loop"), "model.expert_impl")
+    _one_of(m.load_balance, ("sign", "smebu", "none"), "model.load_balance")
+
+    d = cfg.data
+    _require(d.seq_len > 0, "data.seq_len", f"must be positive, got {d.seq_len}")
+    _require(0.0 < d.val_fraction < 0.5, "data.val_fraction", f"must be in (0, 0.5), got {d.val_fraction}")
+    _require(d.vocab_size >= 256 + 2, "data.vocab_size", "must be at least 258 (bytes plus specials)")
+    for i, src in enumerate(d.mix):
+        _require(bool(src.path), f"data.mix[{i}].path", "must name a prepared dataset directory")
+        _require(src.weight > 0, f"data.mix[{i}].weight", f"must be positive, got {src.weight}")
+    for i, r in enumerate(d.skip_ranges):
+        _require(len(r) == 2 and 0 <= r[0] < r[1], f"data.skip_ranges[{i}]",
+                 f"must be [start, end) with 0 <= start < end, got {r}")
+
+    t = cfg.train
+    for name in ("steps", "micro_batch_size", "grad_accum", "eval_batches", "log_every"):
+        _require(getattr(t, name) > 0, f"train.{name}", f"must be positive, got {getattr(t, name)}")
+    _require(t.eval_every >= 0, "train.eval_every", "must be >= 0 (0 disables validation)")
+    _require(t.grad_clip >= 0, "train.grad_clip", "must be >= 0 (0 disables clipping)")
+    _one_of(t.dtype, ("fp32", "bf16"), "train.dtype")
+    _one_of(t.device, ("auto", "cpu", "cuda"), "train.device")
+
+    o = cfg.optim
+    _one_of(o.name, ("adamw", "muon"), "optim.name")
+    _one_of(o.schedule, ("wsd", "cosine", "constant"), "optim.schedule")
+    _one_of(o.muon_scale, ("spectral", "rms_match"), "optim.muon_scale")
+    _require(o.lr > 0 and o.muon_lr > 0, "optim.lr", "learning rates must be positive")
+    _require(0 <= o.beta1 < 1 and 0 <= o.beta2 < 1, "optim.beta1", "betas must be in [0, 1)")
+    _require(o.weight_decay >= 0, "optim.weight_decay", "must be >= 0")
+    _require(o.warmup_steps >= 0, "optim.warmup_steps", "must be >= 0")
+    _require(0 <= o.decay_fraction <= 1, "optim.decay_fraction", "must be in [0, 1]")
+    _require(0 <= o.min_lr_ratio <= 1, "optim.min_lr_ratio", "must be in [0, 1]")
+    _require(o.muon_ns_steps > 0, "optim.muon_ns_steps", "must be positive")
+
+    p = cfg.parallel
+    for name in ("dp_replicate", "tp", "ep"):
+        _require(getattr(p, name) >= 1, f"parallel.{name}", f"must be >= 1, got {getattr(p, name)}")
+    _require(p.dp_shard == -1 or p.dp_shard >= 1, "parallel.dp_shard", "must be >= 1, or -1 for the rest")
+    _require(m.num_heads % p.tp == 0 and m.num_kv_heads % p.tp == 0, "parallel.tp",
+             f"tp={p.tp} must divide model.num_heads={m.num_heads} and model.num_kv_heads={m.num_kv_heads}")
+    _require(m.num_experts % p.ep == 0, "parallel.ep",
+             f"ep={p.ep} must divide model.num_experts={m.num_experts}")
+
+    c = cfg.checkpoint
+    _require(c.every >= 0, "checkpoint.every", "must be >= 0 (0 disables periodic checkpoints)")
+    _require(c.keep >= 1, "checkpoint.keep", "must be >= 1")
+
+    s = cfg.stability
+    _require(s.spike_zscore >= 0, "stability.spike_zscore", "must be >= 0 (0 disables)")
+    _require(s.window >= 2 and 1 <= s.min_history <= s.window, "stability.min_history",
+             "needs window >= 2 and 1 <= min_history <= window")
+
+    _require(bool(cfg.run.dir), "run.dir", "must not be empty")
+
+
+def init_std(m: ModelConfig) -> float:
+    return m.init_std if m.init_std > 0 else 0.5 / math.sqrt(m.hidden_size)
