@@ -40,10 +40,11 @@ class ModelConfig:
     moe_intermediate_size: int = 128  # width of one routed expert
     route_scale: float = 1.0
     sliding_window: int = 128  # keys a local layer sees, itself included
-    global_every: int = 4  # layer i is global when (i+1) % global_every == 0
+    global_every: int = 0  # layer i is global when (i+1) % global_every == 0; 0: the block's own
+    #                        pattern (4, i.e. 3 local : 1 global; gemma3: 6, i.e. 5 : 1)
     rope_theta: float = 10000.0
     global_rope_theta: float = 1000000.0  # only the gemma3 block puts RoPE on global layers
-    norm_eps: float = 1e-5
+    norm_eps: float = 0.0  # 0: the block's own (1e-5; gemma3: 1e-6)
     block: str = "trinity"  # one of BLOCK_VARIANTS
     init_std: float = 0.0  # 0 means 0.5 / sqrt(hidden_size)
     expert_impl: str = "grouped"  # "grouped" (torch._grouped_mm) or "loop"
@@ -315,7 +316,7 @@ def validate(cfg: Config) -> None:
     m = cfg.model
     for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
                  "intermediate_size", "num_experts", "num_experts_per_tok", "moe_intermediate_size",
-                 "global_every", "loss_chunk_tokens"):
+                 "loss_chunk_tokens"):
         _require(getattr(m, name) > 0, f"model.{name}", f"must be positive, got {getattr(m, name)}")
     _require(m.sliding_window > 0, "model.sliding_window", f"must be positive, got {m.sliding_window}")
     _require(0 <= m.num_dense_layers <= m.num_layers, "model.num_dense_layers",
@@ -326,7 +327,8 @@ def validate(cfg: Config) -> None:
     _require(m.num_experts_per_tok <= m.num_experts, "model.num_experts_per_tok",
              f"top-k {m.num_experts_per_tok} exceeds model.num_experts={m.num_experts}")
     _require(m.head_dim % 2 == 0, "model.head_dim", f"must be even for RoPE, got {m.head_dim}")
-    _require(m.norm_eps > 0, "model.norm_eps", "must be positive")
+    _require(m.global_every >= 0, "model.global_every", "must be >= 0 (0: the block's own pattern)")
+    _require(m.norm_eps >= 0, "model.norm_eps", "must be >= 0 (0: the block's own)")
     _require(m.route_scale > 0, "model.route_scale", "must be positive")
     _require(m.init_std >= 0, "model.init_std", "must be >= 0 (0 selects 0.5/sqrt(hidden_size))")
     _require(m.aux_loss_alpha >= 0 and m.z_loss_weight >= 0, "model.aux_loss_alpha",
@@ -389,3 +391,16 @@ def validate(cfg: Config) -> None:
 
 def init_std(m: ModelConfig) -> float:
     return m.init_std if m.init_std > 0 else 0.5 / math.sqrt(m.hidden_size)
+
+
+def global_every(m: ModelConfig) -> int:
+    """Every this-many-th layer is global (full causal attention)."""
+    return m.global_every if m.global_every > 0 else (6 if m.block == "gemma3" else 4)
+
+
+def norm_eps(m: ModelConfig) -> float:
+    return m.norm_eps if m.norm_eps > 0 else (1e-6 if m.block == "gemma3" else 1e-5)
+
+
+def is_global_layer(m: ModelConfig, i: int) -> bool:
+    return (i + 1) % global_every(m) == 0
