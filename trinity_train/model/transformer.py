@@ -1,0 +1,133 @@
+"""TrinityModel: embedding (* sqrt(d)), decoder blocks, final norm, untied head, and its init.
+
+Labels are aligned with the inputs: `labels[b, t]` is the token that position t should predict
+(the data loader shifts them), and -100 marks positions that do not count.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from trinity_train.config import ModelConfig, init_std
+from trinity_train.errors import ConfigError
+from trinity_train.model.attention import (Attention, build_attention_mask,
+                                           positions_from_documents, rotary_cos_sin)
+from trinity_train.model.blocks import TransformerBlock, block_style, make_rms_norm
+from trinity_train.model.loss import IGNORE_INDEX, chunked_cross_entropy
+from trinity_train.model.moe import MoE, expert_alignment_problem, update_expert_bias
+from trinity_train.model.norms import LayerNorm, RMSNorm
+
+
+@dataclass
+class ModelOutput:
+    logits: torch.Tensor | None  # [B, T, V] only when no labels were given
+    ce_sum: torch.Tensor  # fp32 scalar: summed cross entropy over counted labels
+    num_tokens: torch.Tensor  # long scalar: counted labels
+    aux_loss: torch.Tensor  # fp32 scalar: alpha-weighted sequence-wise aux loss, summed over layers
+    z_loss: torch.Tensor  # fp32 scalar: weighted router z-loss, summed over layers, token mean
+    tokens_per_expert: torch.Tensor  # fp32 [num_moe_layers, E], detached
+
+
+class TrinityModel(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(TransformerBlock(cfg, i) for i in range(cfg.num_layers))
+        self.norm = make_rms_norm(block_style(cfg), cfg.hidden_size)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    @property
+    def moe_layers(self) -> list[MoE]:
+        return [layer.mlp for layer in self.layers if layer.is_moe]
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """Draw every parameter (DESIGN §3). Deterministic under `torch.manual_seed`, and usable
+        after `to_empty()` from the meta device."""
+        for module in self.modules():
+            if isinstance(module, (RMSNorm, LayerNorm, Attention, MoE)):
+                module.reset_parameters()  # gains, head scales, expert-bias buffers
+        std = init_std(self.cfg)
+        for param in self.parameters():
+            if param.ndim >= 2:  # every matrix: embedding, projections, experts, router, head
+                nn.init.trunc_normal_(param, mean=0.0, std=std, a=-3 * std, b=3 * std)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None,
+                document_ids: torch.Tensor | None = None) -> ModelOutput:
+        cfg = self.cfg
+        batch, seq_len = input_ids.shape
+        device = input_ids.device
+        documents = document_ids if cfg.doc_masking else None
+        if position_ids is None:
+            position_ids = (positions_from_documents(documents) if documents is not None
+                            else torch.arange(seq_len, device=device)[None])
+
+        h = self.embed(input_ids) * math.sqrt(cfg.hidden_size)
+
+        # Built once per forward and shared by every layer of the same kind.
+        masks = {is_global: build_attention_mask(seq_len, None if is_global else cfg.sliding_window,
+                                                 documents, device)
+                 for is_global in {layer.is_global for layer in self.layers}}
+        rotary = {theta: rotary_cos_sin(position_ids, cfg.head_dim, theta, h.dtype)
+                  for theta in {layer.rope_theta for layer in self.layers} if theta is not None}
+
+        moe_aux = []
+        for layer in self.layers:
+            h, aux = layer(h, masks[layer.is_global], rotary.get(layer.rope_theta))
+            if aux is not None:
+                moe_aux.append(aux)
+        h = self.norm(h)
+
+        zero = torch.zeros((), dtype=torch.float32, device=device)
+        if labels is None:
+            logits = self.lm_head(h)
+            ce_sum, num_tokens = zero, torch.zeros((), dtype=torch.long, device=device)
+        else:
+            logits = None
+            ce_sum, num_tokens = chunked_cross_entropy(h.reshape(-1, cfg.hidden_size),
+                                                       labels.reshape(-1), self.lm_head,
+                                                       cfg.loss_chunk_tokens)
+
+        aux_loss = sum((a.aux_loss for a in moe_aux), zero)
+        z_loss = zero
+        if cfg.z_loss_weight > 0 and moe_aux:
+            router_z = sum(a.router_z for a in moe_aux)  # [B, T]
+            counted = (labels != IGNORE_INDEX) if labels is not None else torch.ones_like(router_z,
+                                                                                          dtype=torch.bool)
+            z_loss = cfg.z_loss_weight * (router_z * counted).sum() / counted.sum().clamp_min(1)
+        tokens_per_expert = (torch.stack([a.tokens_per_expert for a in moe_aux]) if moe_aux
+                             else torch.zeros(0, cfg.num_experts, device=device))
+        return ModelOutput(logits, ce_sum, num_tokens, aux_loss, z_loss, tokens_per_expert)
+
+    def update_expert_biases(self, counts: torch.Tensor) -> None:
+        """Apply the configured load-balancing rule once, from counts [num_moe_layers, E] summed
+        over the optimizer step's micro-batches (and ranks)."""
+        layers = self.moe_layers
+        expected = (len(layers), self.cfg.num_experts)
+        if tuple(counts.shape) != expected:
+            raise ValueError(f"update_expert_biases: counts must have shape {expected} "
+                             f"(MoE layers, experts), got {tuple(counts.shape)}")
+        cfg = self.cfg
+        for moe, layer_counts in zip(layers, counts):
+            update_expert_bias(moe.expert_bias, moe.bias_momentum, layer_counts, cfg.load_balance,
+                               gamma=cfg.bias_update_rate, smebu_lambda=cfg.smebu_lambda,
+                               smebu_beta=cfg.smebu_beta, smebu_kappa=cfg.smebu_kappa)
+
+
+def build_model(cfg: ModelConfig, device: str | torch.device = "cpu") -> TrinityModel:
+    """Build on `device` and initialise; on "meta" nothing is allocated or drawn (materialise with
+    `to_empty` and call `init_weights` after parallelising)."""
+    problem = expert_alignment_problem(cfg)
+    if problem is not None:
+        raise ConfigError(problem)
+    with torch.device(device):
+        model = TrinityModel(cfg)
+    if torch.device(device).type != "meta":
+        model.init_weights()
+    return model
