@@ -1,0 +1,62 @@
+"""Thin wrappers over `torch.distributed.checkpoint` save/load for one or many processes.
+
+DCP works in a single process without a process group (`no_dist`), and warns that it is doing
+so; that is our intended single-process mode, so the warning is silenced here and only here.
+Load failures (missing keys, shape mismatches, unreadable files) become a CheckpointError that
+names the checkpoint and the first reason DCP gave.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+
+from trinity_train.errors import CheckpointError
+
+
+@contextlib.contextmanager
+def _single_process_quiet():
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+def _no_dist() -> bool:
+    return not dist.is_initialized()
+
+
+def save(state: dict[str, Any], path: Path) -> None:
+    with _single_process_quiet():
+        dcp.save(state, checkpoint_id=str(path), no_dist=_no_dist())
+
+
+def async_save(state: dict[str, Any], path: Path) -> Future:
+    """Starts writing after staging a copy of `state`, so training may change it right away."""
+    with _single_process_quiet():
+        return dcp.async_save(state, checkpoint_id=str(path), no_dist=_no_dist())
+
+
+def _first_failure(error: CheckpointException) -> str:
+    for failure in error.failures.values():
+        exc = failure[0] if isinstance(failure, tuple) else failure
+        return str(exc) or type(exc).__name__
+    return str(error)
+
+
+def load(state: dict[str, Any], path: Path) -> None:
+    """Load `path` into `state` in place (Stateful values get `load_state_dict` afterwards)."""
+    try:
+        with _single_process_quiet():
+            dcp.load(state, checkpoint_id=str(path), no_dist=_no_dist())
+    except CheckpointException as e:
+        raise CheckpointError(f"checkpoint '{path}' could not be loaded: {_first_failure(e)}") from None
+    except (OSError, EOFError, RuntimeError, ValueError, KeyError) as e:
+        # Truncated or corrupt files surface as these from the reader or from unpickling.
+        raise CheckpointError(f"checkpoint '{path}' could not be loaded: {type(e).__name__}: {e}") from None

@@ -1,0 +1,138 @@
+"""Where checkpoints live on disk and how a directory becomes one atomically.
+
+A checkpoint is a directory `step_00000100/` holding the DCP files and, written last, `meta.json`.
+It is written as `step_00000100.tmp/` and renamed, so a checkpoint directory with its final name
+is complete; anything else (`*.tmp`, `*.old`, a directory without `meta.json`) is ignored and
+cleaned up. Filesystem changes are made by one process (the coordinator, rank 0).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from trinity_train.errors import CheckpointError
+
+META_FILE = "meta.json"
+DCP_METADATA_FILE = ".metadata"  # written by torch.distributed.checkpoint once all ranks finished
+FORMAT = "trinity-train-checkpoint"
+FORMAT_VERSION = 1
+_STEP_DIR = re.compile(r"^step_(\d{8})$")
+
+
+def step_dir_name(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+def is_coordinator() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def is_complete(path: Path) -> bool:
+    return path.is_dir() and (path / META_FILE).is_file() and (path / DCP_METADATA_FILE).is_file()
+
+
+def list_checkpoints(checkpoints_dir: Path) -> list[tuple[int, Path]]:
+    """Complete checkpoints under `checkpoints_dir`, oldest first."""
+    if not checkpoints_dir.is_dir():
+        return []
+    found = []
+    for entry in checkpoints_dir.iterdir():
+        match = _STEP_DIR.match(entry.name)
+        if match and is_complete(entry):
+            found.append((int(match.group(1)), entry))
+    return sorted(found)
+
+
+def newest_checkpoint(checkpoints_dir: Path) -> Path | None:
+    found = list_checkpoints(checkpoints_dir)
+    return found[-1][1] if found else None
+
+
+def remove_incomplete(checkpoints_dir: Path) -> list[Path]:
+    """Delete leftovers of interrupted saves (`*.tmp`, `*.old`); returns what was removed."""
+    removed = []
+    if checkpoints_dir.is_dir():
+        for entry in checkpoints_dir.iterdir():
+            if entry.is_dir() and entry.suffix in (".tmp", ".old"):
+                shutil.rmtree(entry, ignore_errors=True)
+                removed.append(entry)
+    return removed
+
+
+def write_json_atomic(path: Path, payload: dict) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(payload, f, indent=2, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+    tmp.replace(path)
+
+
+def commit(tmp_dir: Path, final_dir: Path, meta: dict) -> None:
+    """Write `meta.json` into `tmp_dir` (last file of the checkpoint), then rename it into place.
+
+    A directory of the same name from an earlier run is moved aside first (POSIX rename does not
+    replace a non-empty directory), so at every instant `final_dir` is either the old or the new
+    complete checkpoint.
+    """
+    write_json_atomic(tmp_dir / META_FILE, {"format": FORMAT, "format_version": FORMAT_VERSION, **meta})
+    old = final_dir.with_name(final_dir.name + ".old")
+    if final_dir.exists():
+        if old.exists():
+            shutil.rmtree(old)
+        final_dir.rename(old)
+    tmp_dir.rename(final_dir)
+    if old.exists():
+        shutil.rmtree(old)
+
+
+def apply_retention(checkpoints_dir: Path, keep: int) -> list[Path]:
+    """Delete all but the newest `keep` complete checkpoints; returns the deleted ones."""
+    found = list_checkpoints(checkpoints_dir)
+    doomed = [path for _, path in found[:-keep]] if keep > 0 else []
+    for path in doomed:
+        # Rename first so a crash mid-delete leaves an ignored `.old`, not a broken checkpoint.
+        trash = path.with_name(path.name + ".old")
+        path.rename(trash)
+        shutil.rmtree(trash, ignore_errors=True)
+    return doomed
+
+
+def read_meta(path: Path) -> dict[str, Any]:
+    """The checkpoint's `meta.json`, or a CheckpointError saying why it is not a checkpoint."""
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointError(f"checkpoint '{path}' does not exist")
+    if not path.is_dir():
+        raise CheckpointError(f"checkpoint '{path}' is not a directory")
+    if path.suffix == ".tmp":
+        raise CheckpointError(f"checkpoint '{path}' is an unfinished save (its name ends in .tmp); "
+                              "use a complete checkpoint")
+    meta_file = path / META_FILE
+    if not meta_file.is_file():
+        raise CheckpointError(f"checkpoint '{path}' is incomplete: it has no {META_FILE} "
+                              "(the save was interrupted); use another checkpoint")
+    try:
+        meta = json.loads(meta_file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"checkpoint '{path}' has a corrupt {META_FILE}: {e}") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise CheckpointError(f"'{path}' is not a trinity-train checkpoint ({META_FILE} lacks format={FORMAT!r})")
+    if meta.get("format_version") != FORMAT_VERSION:
+        raise CheckpointError(f"checkpoint '{path}' has format version {meta.get('format_version')}, "
+                              f"this trinity-train reads version {FORMAT_VERSION}")
+    if not (path / DCP_METADATA_FILE).is_file():
+        raise CheckpointError(f"checkpoint '{path}' is incomplete: the DCP {DCP_METADATA_FILE} file is missing")
+    return meta

@@ -1,0 +1,45 @@
+"""Model-only checkpoints: the weights plus the config that builds the model.
+
+They are what `import-hf` writes and what a run can start from (`checkpoint.init_from`).
+`load_model_checkpoint` also reads the model out of a full training checkpoint, which is what
+`export-hf` needs. Same on-disk format as training checkpoints (DCP + meta.json), just fewer
+components.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from trinity_train.checkpoint import dcp_io
+from trinity_train.checkpoint.compat import config_from_meta
+from trinity_train.checkpoint.layout import read_meta
+from trinity_train.checkpoint.manager import checkpoint_meta, write_checkpoint
+from trinity_train.checkpoint.stateful import ModelState
+from trinity_train.config import Config
+from trinity_train.errors import CheckpointError
+from trinity_train.model import build_model
+
+
+def save_model_checkpoint(model: nn.Module, cfg: Config, out_dir: str | Path) -> Path:
+    """Write `model`'s weights and `cfg` (the full config; its model section builds the model)."""
+    out_dir = Path(out_dir)
+    if out_dir.exists():
+        raise CheckpointError(f"'{out_dir}' already exists; choose another output directory or delete it")
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    write_checkpoint({"model": ModelState(model)}, out_dir, checkpoint_meta("model", 0, cfg, ["model"]))
+    return out_dir
+
+
+def load_model_checkpoint(path: str | Path, device: str | torch.device = "cpu") -> tuple[nn.Module, Config]:
+    """Build the checkpoint's model on `device` and load its weights (model or training checkpoint)."""
+    path = Path(path)
+    meta = read_meta(path)
+    cfg = config_from_meta(meta, path)
+    if "model" not in meta.get("components", []):
+        raise CheckpointError(f"checkpoint '{path}' holds no model weights")
+    model = build_model(cfg.model, device=device)
+    dcp_io.load({"model": ModelState(model)}, path)
+    return model, cfg
