@@ -115,10 +115,11 @@ class OptimConfig:
 
 @dataclass
 class ParallelConfig:
-    dp_replicate: int = 1
-    dp_shard: int = -1  # -1: whatever is left of the world size
-    tp: int = 1
-    ep: int = 1
+    # world size = dp_replicate * dp_shard * tp; ep takes its ranks from dp_shard (DESIGN §4)
+    dp_replicate: int = 1  # HSDP replicas (each holds a full FSDP-sharded copy)
+    dp_shard: int = -1  # ranks FSDP shards weights over; -1: whatever is left of the world size
+    tp: int = 1  # tensor parallel (heads and FFN width split, sequence-parallel norms)
+    ep: int = 1  # expert parallel: routed experts split whole over this many of the dp_shard ranks
 
 
 @dataclass
@@ -136,6 +137,7 @@ class StabilityConfig:
     spike_zscore: float = 0.0  # >0: skip a step whose loss is this many std above the recent mean
     window: int = 50  # recent steps the spike statistics use
     min_history: int = 20  # no spike verdict before this many steps
+    max_consecutive_skips: int = 10  # this many skipped steps in a row stop the run with an error
 
 
 @dataclass
@@ -144,7 +146,9 @@ class MetricsConfig:
     tensorboard: bool = False
     wandb: bool = False
     wandb_project: str = "trinity-train"
+    wandb_mode: str = "auto"  # "auto": online with an API key (WANDB_API_KEY or netrc), else offline
     progress_bar: bool = True
+    peak_flops: float = 0.0  # one device's peak FLOP/s for MFU; 0: measured with a matmul at start
 
 
 @dataclass
@@ -372,10 +376,22 @@ def validate(cfg: Config) -> None:
     for name in ("dp_replicate", "tp", "ep"):
         _require(getattr(p, name) >= 1, f"parallel.{name}", f"must be >= 1, got {getattr(p, name)}")
     _require(p.dp_shard == -1 or p.dp_shard >= 1, "parallel.dp_shard", "must be >= 1, or -1 for the rest")
+    # Rules that need no world size; parallel/mesh.py checks the rest once the ranks are known.
     _require(m.num_heads % p.tp == 0 and m.num_kv_heads % p.tp == 0, "parallel.tp",
-             f"tp={p.tp} must divide model.num_heads={m.num_heads} and model.num_kv_heads={m.num_kv_heads}")
+             f"tp={p.tp} must divide model.num_heads={m.num_heads} and model.num_kv_heads="
+             f"{m.num_kv_heads} (each rank holds whole heads)")
+    for key, width in (("intermediate_size", m.intermediate_size),
+                       ("moe_intermediate_size", m.moe_intermediate_size)):
+        _require(width % p.tp == 0, "parallel.tp",
+                 f"tp={p.tp} must divide model.{key}={width} (each rank holds 1/tp of the FFN width)")
+    _require(d.seq_len % p.tp == 0, "parallel.tp",
+             f"tp={p.tp} must divide data.seq_len={d.seq_len} (sequence parallelism splits the "
+             f"sequence over the tp ranks)")
     _require(m.num_experts % p.ep == 0, "parallel.ep",
-             f"ep={p.ep} must divide model.num_experts={m.num_experts}")
+             f"ep={p.ep} must divide model.num_experts={m.num_experts} (each rank holds whole experts)")
+    _require(p.dp_shard == -1 or p.dp_shard % p.ep == 0, "parallel.ep",
+             f"ep={p.ep} must divide the expert-data-parallel size parallel.dp_shard={p.dp_shard} "
+             f"(expert parallelism takes its ranks from dp_shard)")
 
     c = cfg.checkpoint
     _require(c.every >= 0, "checkpoint.every", "must be >= 0 (0 disables periodic checkpoints)")
@@ -385,6 +401,11 @@ def validate(cfg: Config) -> None:
     _require(s.spike_zscore >= 0, "stability.spike_zscore", "must be >= 0 (0 disables)")
     _require(s.window >= 2 and 1 <= s.min_history <= s.window, "stability.min_history",
              "needs window >= 2 and 1 <= min_history <= window")
+    _require(s.max_consecutive_skips >= 1, "stability.max_consecutive_skips", "must be >= 1")
+
+    mc = cfg.metrics
+    _one_of(mc.wandb_mode, ("auto", "online", "offline"), "metrics.wandb_mode")
+    _require(mc.peak_flops >= 0, "metrics.peak_flops", "must be >= 0 (0 measures it)")
 
     _require(bool(cfg.run.dir), "run.dir", "must not be empty")
 
