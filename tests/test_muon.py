@@ -1,0 +1,171 @@
+"""Muon on one process: Newton-Schulz, equality with torch.optim.Muon / AdamW, group rules."""
+
+import math
+
+import pytest
+import torch
+from torch.optim._muon import _zeropower_via_newtonschulz
+
+from trinity_train.optim.muon import Muon, update_scale
+from trinity_train.optim.newton_schulz import NS_COEFFICIENTS, newton_schulz
+
+
+def _spread_spectrum(rows, cols, generator):
+    """A matrix with singular values log-uniform over two decades, like a real gradient's."""
+    k = min(rows, cols)
+    u, _ = torch.linalg.qr(torch.randn(rows, k, generator=generator))
+    v, _ = torch.linalg.qr(torch.randn(cols, k, generator=generator))
+    s = torch.logspace(-2, 0, k)
+    return u @ torch.diag(s) @ v.T
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_newton_schulz_singular_values_near_one(dtype):
+    gen = torch.Generator().manual_seed(0)
+    for shape in [(64, 32), (32, 64), (96, 96), (128, 48)]:
+        for g in (_spread_spectrum(*shape, gen), torch.randn(shape[0], 2 * shape[1], generator=gen)):
+            s = torch.linalg.svdvals(newton_schulz(g, 5, dtype).float())
+            assert 0.5 <= s.min() and s.max() <= 1.5, (shape, s.min(), s.max())
+
+
+def test_newton_schulz_output_dtype_and_shape():
+    g = torch.randn(3, 40, 24)
+    for dtype in (torch.float32, torch.bfloat16):
+        out = newton_schulz(g, 5, dtype)
+        assert out.shape == g.shape and out.dtype == dtype
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_batched_experts_equal_loop_over_experts(dtype):
+    g = torch.randn(6, 48, 20, generator=torch.Generator().manual_seed(1))
+    batched = newton_schulz(g, 5, dtype)
+    for e in range(g.shape[0]):
+        torch.testing.assert_close(batched[e], newton_schulz(g[e], 5, dtype), rtol=1e-6, atol=1e-6)
+
+
+def test_bf16_newton_schulz_is_torchs():
+    gen = torch.Generator().manual_seed(2)
+    for shape in [(40, 24), (24, 40), (32, 32)]:
+        g = torch.randn(shape, generator=gen)
+        ours = newton_schulz(g, 5, torch.bfloat16)
+        assert torch.equal(ours, _zeropower_via_newtonschulz(g, NS_COEFFICIENTS, 5, 1e-7))
+
+
+def test_update_scales():
+    assert update_scale("spectral", (96, 32)) == pytest.approx(math.sqrt(3))
+    assert update_scale("spectral", (32, 96)) == 1.0
+    assert update_scale("spectral", (8, 96, 32)) == pytest.approx(math.sqrt(3))  # per expert
+    assert update_scale("rms_match", (32, 96)) == pytest.approx(0.2 * math.sqrt(96))
+
+
+def _random_grads(shapes, steps, seed):
+    gen = torch.Generator().manual_seed(seed)
+    return [[torch.randn(s, generator=gen) for s in shapes] for _ in range(steps)]
+
+
+def _run(optimizer, params, grads):
+    for step_grads in grads:
+        for p, g in zip(params, step_grads):
+            p.grad = g.clone()
+        optimizer.step()
+
+
+@pytest.mark.parametrize("scale,torch_scale", [("spectral", "original"), ("rms_match", "match_rms_adamw")])
+@pytest.mark.parametrize("nesterov", [True, False])
+def test_matches_torch_muon_on_matrices(scale, torch_scale, nesterov):
+    shapes = [(48, 16), (16, 48), (24, 24)]
+    init = [torch.randn(s, generator=torch.Generator().manual_seed(i)) for i, s in enumerate(shapes)]
+    grads = _random_grads(shapes, steps=3, seed=7)
+    ours = [torch.nn.Parameter(t.clone()) for t in init]
+    ref = [torch.nn.Parameter(t.clone()) for t in init]
+    kw = dict(lr=0.02, weight_decay=0.1, momentum=0.95, nesterov=nesterov)
+    _run(Muon(ours, scale=scale, ns_dtype="bf16", **kw), ours, grads)
+    _run(torch.optim.Muon(ref, adjust_lr_fn=torch_scale, **kw), ref, grads)
+    for a, b in zip(ours, ref):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert not torch.equal(ours[0], init[0])
+
+
+def test_expert_stack_equals_each_expert_as_its_own_matrix():
+    experts, out, inp = 4, 24, 40
+    init = torch.randn(experts, out, inp, generator=torch.Generator().manual_seed(3))
+    grads = _random_grads([(experts, out, inp)], steps=3, seed=4)
+    stacked = torch.nn.Parameter(init.clone())
+    _run(Muon([stacked], lr=0.01, ns_dtype="fp32"), [stacked], grads)
+    singles = [torch.nn.Parameter(init[e].clone()) for e in range(experts)]
+    per_expert_grads = [[g[0][e] for e in range(experts)] for g in grads]
+    _run(Muon(singles, lr=0.01, ns_dtype="fp32"), singles, per_expert_grads)
+    for e in range(experts):
+        torch.testing.assert_close(stacked[e], singles[e], rtol=1e-6, atol=1e-6)
+
+
+def test_adamw_groups_match_torch_adamw():
+    shapes = [(32,), (10, 8)]
+    init = [torch.randn(s, generator=torch.Generator().manual_seed(5)) for s in shapes]
+    grads = _random_grads(shapes, steps=3, seed=6)
+    ours = [torch.nn.Parameter(t.clone()) for t in init]
+    ref = [torch.nn.Parameter(t.clone()) for t in init]
+    kw = dict(lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    _run(Muon([{"params": ours, "kind": "adamw", **kw}]), ours, grads)
+    _run(torch.optim.AdamW(ref, **kw), ref, grads)
+    for a, b in zip(ours, ref):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_one_optimizer_steps_both_kinds_with_their_own_lr():
+    matrix = torch.nn.Parameter(torch.randn(16, 8))
+    gain = torch.nn.Parameter(torch.ones(8))
+    opt = Muon([{"params": [matrix], "kind": "muon", "lr": 1e-2},
+                {"params": [gain], "kind": "adamw", "lr": 1e-3, "weight_decay": 0.0}])
+    matrix0, gain0 = matrix.detach().clone(), gain.detach().clone()
+    matrix.grad, gain.grad = torch.randn(16, 8), torch.randn(8)
+    opt.step()
+    # AdamW's first step moves every coordinate by lr (sign of the gradient).
+    torch.testing.assert_close((gain0 - gain).abs(), torch.full((8,), 1e-3), rtol=1e-4, atol=0)
+    assert not torch.equal(matrix, matrix0)
+
+
+def test_missing_gradient_is_a_zero_gradient():
+    a, b = (torch.nn.Parameter(torch.randn(12, 6, generator=torch.Generator().manual_seed(8)))
+            for _ in range(2))
+    b.data.copy_(a.data)
+    opt_a, opt_b = Muon([a], lr=0.01, ns_dtype="fp32"), Muon([b], lr=0.01, ns_dtype="fp32")
+    g = torch.randn(12, 6)
+    a.grad, b.grad = g.clone(), g.clone()
+    opt_a.step(), opt_b.step()
+    a.grad, b.grad = None, torch.zeros(12, 6)
+    opt_a.step(), opt_b.step()
+    torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_rejects_bad_groups():
+    with pytest.raises(ValueError, match="adamw"):
+        Muon([torch.nn.Parameter(torch.ones(4))])
+    with pytest.raises(ValueError, match="kind"):
+        Muon([{"params": [torch.nn.Parameter(torch.ones(4, 4))], "kind": "sgd"}])
+    with pytest.raises(ValueError, match="scale"):
+        Muon([torch.nn.Parameter(torch.ones(4, 4))], scale="moonlight")
+
+
+def test_state_dict_round_trip_continues_identically():
+    shapes = [(20, 12), (12,)]
+    grads = _random_grads(shapes, steps=4, seed=9)
+
+    def build():
+        torch.manual_seed(10)
+        params = [torch.nn.Parameter(torch.randn(s)) for s in shapes]
+        opt = Muon([{"params": params[:1]}, {"params": params[1:], "kind": "adamw"}],
+                   ns_dtype="fp32")
+        return params, opt
+
+    straight, opt = build()
+    _run(opt, straight, grads)
+    first, opt1 = build()
+    _run(opt1, first, grads[:2])
+    resumed, opt2 = build()
+    for p, q in zip(resumed, first):
+        p.data.copy_(q.data)
+    opt2.load_state_dict(opt1.state_dict())
+    _run(opt2, resumed, grads[2:])
+    for a, b in zip(straight, resumed):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)

@@ -1,0 +1,280 @@
+"""Distributed Muon: whole-matrix Newton-Schulz on sharded DTensors, work spread over ranks.
+
+One optimizer object holds two kinds of parameter groups (`group["kind"]`):
+
+- `"muon"`: hidden matrices (2-D) and routed-expert stacks `[E, out, in]` (one matrix per expert).
+  Nesterov momentum as in `torch.optim.Muon`, then Newton-Schulz on the *whole logical* matrix,
+  decoupled weight decay, and an update scale computed from the global shape.
+- `"adamw"`: everything else, stepped with torch's own functional AdamW.
+
+Parameters may be plain tensors or DTensors in any layout FSDP2, TP and EP produce (`Shard`,
+FSDP's `_StridedShard`, `Replicate`, on 1-D to 4-D meshes). For a DTensor, the mesh dimensions
+split into two sets:
+
+- *batch* dims shard the expert dimension: every rank already holds whole matrices, so those
+  matrices are orthogonalised where they are, with no communication;
+- *gather* dims shard a matrix dimension, or replicate the tensor: the matrix must be assembled
+  on one rank of the gather group before Newton-Schulz can run.
+
+Matrices with the same layout are processed in rounds of `n` (the gather group's size). A round
+stacks the n updates into one DTensor `[n, ...]` and redistributes it so that the stacked dim is
+sharded over the gather dims: each rank of the group then holds exactly one whole matrix (an
+all-to-all done by DTensor), orthogonalises it, and the reverse redistribution hands every rank
+its shard of every result. Matrices are dealt to the ranks round-robin, largest first, so the
+Newton-Schulz work is balanced and nobody repeats anybody's work; a short round is padded with
+zeros that no rank orthogonalises. The sequence of rounds depends only on the parameters'
+shapes and layouts, so every rank issues the same collectives in the same order; a parameter
+without a gradient (an expert that received no tokens) takes part with a zero gradient.
+
+State is stored per parameter with the parameter's own layout, so
+`torch.distributed.checkpoint.state_dict.get_optimizer_state_dict` keys it by parameter name and
+DCP reshards it when the parallel layout changes.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor.placement_types import Placement, _StridedShard
+from torch.optim.adam import adam
+
+from trinity_train.optim.newton_schulz import newton_schulz
+
+SCALES = ("spectral", "rms_match")
+NS_DTYPES = ("auto", "bf16", "fp32")
+KINDS = ("muon", "adamw")
+
+
+def update_scale(scale: str, shape: torch.Size | tuple[int, ...]) -> float:
+    """Factor on the learning rate for an orthogonalised update of a `[..., fan_out, fan_in]` weight.
+
+    `spectral` (Trinity, Keller Jordan): sqrt(max(1, fan_out / fan_in)), an update of unit
+    spectral norm per unit of lr. `rms_match` (Moonlight): 0.2 * sqrt(max(fan_out, fan_in)), an
+    update whose RMS matches AdamW's, so AdamW's learning rate carries over.
+    """
+    fan_out, fan_in = shape[-2], shape[-1]
+    if scale == "spectral":
+        return math.sqrt(max(1.0, fan_out / fan_in))
+    if scale == "rms_match":
+        return 0.2 * math.sqrt(max(fan_out, fan_in))
+    raise ValueError(f"unknown Muon update scale {scale!r}; expected one of {SCALES}")
+
+
+def ns_dtype_for(name: str, device: torch.device) -> torch.dtype:
+    """Newton-Schulz working precision: bf16 on GPUs (it is stable there and twice as fast)."""
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return torch.bfloat16 if name == "bf16" else torch.float32
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The rank-local storage of a (D)Tensor; in-place edits of it edit the tensor."""
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+def _grad_like_param(p: torch.Tensor) -> torch.Tensor | None:
+    """The gradient in the parameter's own layout (TP can leave a replicated weight's grad Partial)."""
+    g = p.grad
+    if isinstance(g, DTensor) and g.placements != p.placements:
+        g = g.redistribute(p.device_mesh, p.placements)
+    return g
+
+
+def _shard_dim(placement: Placement) -> int | None:
+    if isinstance(placement, (Shard, _StridedShard)):
+        return placement.dim
+    return None
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """How one parameter's matrices are spread over ranks, and who must gather what."""
+
+    mesh: DeviceMesh | None  # None: a plain tensor, whole on this rank
+    placements: tuple[Placement, ...]
+    gather_dims: tuple[int, ...]  # mesh dims over which a matrix is split or replicated
+
+    @staticmethod
+    def of(p: torch.Tensor) -> _Layout:
+        if not isinstance(p, DTensor):
+            return _Layout(None, (), ())
+        matrix_dims = (p.ndim - 2, p.ndim - 1)
+        gather = []
+        for i, placement in enumerate(p.placements):
+            dim = _shard_dim(placement)
+            if placement.is_partial():
+                raise ValueError(f"Muon got a parameter with a Partial placement ({p.placements})")
+            if dim is None or dim in matrix_dims:
+                gather.append(i)
+        return _Layout(p.device_mesh, tuple(p.placements), tuple(gather))
+
+    @property
+    def group_size(self) -> int:
+        return math.prod(self.mesh.size(i) for i in self.gather_dims) if self.mesh is not None else 1
+
+    def my_slot(self) -> int:
+        """This rank's index along the gather dims, flattened in mesh order as DTensor nests them."""
+        coord = self.mesh.get_coordinate()
+        slot = 0
+        for i in self.gather_dims:
+            slot = slot * self.mesh.size(i) + coord[i]
+        return slot
+
+
+class Muon(torch.optim.Optimizer):
+    """Muon for groups with `kind="muon"`, AdamW for groups with `kind="adamw"` (see module doc).
+
+    Muon options per group: lr, weight_decay, momentum, nesterov, ns_steps, scale
+    ("spectral" | "rms_match"), ns_dtype ("auto" | "bf16" | "fp32"). AdamW options per group:
+    lr, betas, eps, weight_decay.
+    """
+
+    def __init__(self, params: Iterable, lr: float = 1e-3, weight_decay: float = 0.1,
+                 momentum: float = 0.95, nesterov: bool = True, ns_steps: int = 5,
+                 scale: str = "spectral", ns_dtype: str = "auto",
+                 betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8):
+        defaults = dict(kind="muon", lr=lr, weight_decay=weight_decay, momentum=momentum,
+                        nesterov=nesterov, ns_steps=ns_steps, scale=scale, ns_dtype=ns_dtype,
+                        betas=betas, eps=eps)
+        super().__init__(params, defaults)
+
+    def add_param_group(self, param_group: dict) -> None:
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        if group["kind"] not in KINDS:
+            raise ValueError(f"param group kind must be one of {KINDS}, got {group['kind']!r}")
+        if group["kind"] != "muon":
+            return
+        if group["scale"] not in SCALES:
+            raise ValueError(f"Muon scale must be one of {SCALES}, got {group['scale']!r}")
+        if group["ns_dtype"] not in NS_DTYPES:
+            raise ValueError(f"Muon ns_dtype must be one of {NS_DTYPES}, got {group['ns_dtype']!r}")
+        if not 0.0 <= group["momentum"] < 1.0:
+            raise ValueError(f"Muon momentum must be in [0, 1), got {group['momentum']}")
+        for p in group["params"]:
+            if p.ndim < 2:
+                raise ValueError(f"Muon takes matrices or expert stacks, got a parameter of "
+                                 f"shape {tuple(p.shape)}; put it in an 'adamw' group")
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            if group["kind"] == "adamw":
+                self._adamw_step(group)
+        self._muon_step([g for g in self.param_groups if g["kind"] == "muon"])
+        return loss
+
+    # ------------------------------------------------------------------------------ AdamW
+
+    def _adamw_step(self, group: dict) -> None:
+        params, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            state = self.state[p]
+            if not state:
+                state["step"] = torch.tensor(0.0, dtype=torch.float32)
+                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            # Elementwise math needs no collectives: run it on the local shards.
+            params.append(_local(p))
+            grads.append(_local(_grad_like_param(p)))
+            exp_avgs.append(_local(state["exp_avg"]))
+            exp_avg_sqs.append(_local(state["exp_avg_sq"]))
+            steps.append(state["step"])
+        if not params:
+            return
+        beta1, beta2 = group["betas"]
+        adam(params, grads, exp_avgs, exp_avg_sqs, [], steps, decoupled_weight_decay=True,
+             amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"],
+             weight_decay=group["weight_decay"], eps=group["eps"], maximize=False)
+
+    # ------------------------------------------------------------------------------- Muon
+
+    def _muon_step(self, groups: list[dict]) -> None:
+        # Matrices that share a layout, shape and Newton-Schulz setting can share rounds.
+        buckets: dict[tuple, list[tuple[torch.Tensor, dict]]] = {}
+        for group in groups:
+            for p in group["params"]:
+                layout = _Layout.of(p)
+                dtype = ns_dtype_for(group["ns_dtype"], p.device)
+                key = (layout, tuple(p.shape), dtype, group["ns_steps"])
+                buckets.setdefault(key, []).append((p, group))
+        # Largest matrices first, then deal round-robin: the per-rank work stays balanced.
+        dealt: dict[tuple, int] = {}
+        for key in sorted(buckets, key=lambda k: -math.prod(k[1][-2:])):
+            layout, _, dtype, steps = key
+            members = buckets[key]
+            n = layout.group_size
+            deal_key = (layout.mesh, layout.gather_dims)
+            for start in range(0, len(members), n):
+                round_members = members[start:start + n]
+                first = dealt.get(deal_key, 0)
+                dealt[deal_key] = first + len(round_members)
+                updates = [self._nesterov_update(p, group, dtype) for p, group in round_members]
+                if n == 1:
+                    ortho = [newton_schulz(u, steps, dtype) for u in updates]
+                else:
+                    ortho = _orthogonalise_round(layout, [p for p, _ in round_members], updates,
+                                                 first, steps, dtype)
+                for (p, group), o in zip(round_members, ortho):
+                    _apply_update(p, group, o)
+
+    def _nesterov_update(self, p: torch.Tensor, group: dict, dtype: torch.dtype) -> torch.Tensor:
+        """Advance the momentum buffer; return this rank's shard of the update to orthogonalise."""
+        state = self.state[p]
+        if "momentum_buffer" not in state:
+            state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        buf = _local(state["momentum_buffer"])
+        g = _grad_like_param(p)
+        # No gradient (e.g. an expert that got no tokens): a zero gradient, so the collectives
+        # of its round still happen on every rank.
+        g = torch.zeros_like(buf) if g is None else _local(g)
+        momentum = group["momentum"]
+        buf.lerp_(g, 1 - momentum)
+        update = g.lerp(buf, momentum) if group["nesterov"] else buf
+        return update.to(dtype)
+
+
+def _orthogonalise_round(layout: _Layout, params: list[torch.Tensor], updates: list[torch.Tensor],
+                         first: int, steps: int, dtype: torch.dtype) -> list[torch.Tensor]:
+    """Newton-Schulz on up to n sharded matrices, each on one rank of the gather group.
+
+    Returns each matrix's result as this rank's shard, in the parameter's layout.
+    """
+    n = layout.group_size
+    slots = [(first + i) % n for i in range(len(params))]
+    pieces = [DTensor.from_local(u, layout.mesh, layout.placements, run_check=False,
+                                 shape=p.shape, stride=p.stride())
+              for p, u in zip(params, updates)]
+    stack = [torch.zeros_like(pieces[0])] * n
+    for slot, piece in zip(slots, pieces):
+        stack[slot] = piece
+    stacked = torch.stack(stack)  # [n, *shape]; the param's placements shift by one dim
+    owner_placements = list(stacked.placements)
+    for i in layout.gather_dims:
+        owner_placements[i] = Shard(0)
+    owned = stacked.redistribute(layout.mesh, owner_placements)
+    local = owned.to_local()  # [1, ...]: one whole matrix (or expert stack) per rank
+    if layout.my_slot() in slots:
+        local = newton_schulz(local, steps, dtype)
+    result = DTensor.from_local(local, layout.mesh, owner_placements, run_check=False,
+                                shape=stacked.shape, stride=stacked.stride())
+    shards = result.redistribute(layout.mesh, stacked.placements).to_local()
+    return [shards[slot] for slot in slots]
+
+
+def _apply_update(p: torch.Tensor, group: dict, ortho: torch.Tensor) -> None:
+    lr = group["lr"]
+    param = _local(p)
+    param.mul_(1 - lr * group["weight_decay"])
+    param.add_(ortho, alpha=-lr * update_scale(group["scale"], p.shape))
