@@ -105,8 +105,9 @@ class OptimConfig:
     muon_momentum: float = 0.95
     muon_nesterov: bool = True
     muon_ns_steps: int = 5
-    muon_scale: str = "spectral"  # "spectral" or "rms_match"
-    muon_router: bool = True  # router gate goes to Muon
+    muon_scale: str = "spectral"  # "spectral" (lr*sqrt(max(1, out/in))) or "rms_match" (Moonlight)
+    muon_ns_dtype: str = "auto"  # Newton-Schulz precision: "auto" (bf16 on GPU, fp32 on CPU), "bf16", "fp32"
+    muon_router: bool = True  # router gate goes to Muon (else AdamW)
     schedule: str = "wsd"  # "wsd", "cosine" or "constant"
     warmup_steps: int = 30
     decay_fraction: float = 0.2  # WSD: last fraction of steps decays linearly to min_lr_ratio
@@ -371,6 +372,8 @@ def validate(cfg: Config) -> None:
     _require(0 <= o.decay_fraction <= 1, "optim.decay_fraction", "must be in [0, 1]")
     _require(0 <= o.min_lr_ratio <= 1, "optim.min_lr_ratio", "must be in [0, 1]")
     _require(o.muon_ns_steps > 0, "optim.muon_ns_steps", "must be positive")
+    _require(0 <= o.muon_momentum < 1, "optim.muon_momentum", f"must be in [0, 1), got {o.muon_momentum}")
+    _one_of(o.muon_ns_dtype, ("auto", "bf16", "fp32"), "optim.muon_ns_dtype")
 
     p = cfg.parallel
     for name in ("dp_replicate", "tp", "ep"):
