@@ -1,0 +1,109 @@
+"""Metrics sinks: JSONL, TensorBoard, W&B (offline without a key), console progress, resume trim."""
+
+import json
+import math
+
+import pytest
+import torch
+
+from trinity_train.config import Config
+from trinity_train.observe import METRICS_FILE, MetricsRecorder, discard_records_after, measure_peak_flops, mfu
+from trinity_train.observe.jsonl import JsonlWriter, read_jsonl
+from trinity_train.observe.wandb_sink import resolve_mode
+
+
+def train_record(i, loss=2.0, skipped=False):
+    return {"iter": i, "step": i, "loss": loss, "grad_norm": 1.0, "lr": 1e-3, "tokens_per_s": 100.0,
+            "mfu": 0.1, "skipped": skipped, "moe_cv_per_layer": [0.5, 0.25]}
+
+
+def test_jsonl_writes_one_object_per_line_with_nan_as_null(tmp_path):
+    writer = JsonlWriter(tmp_path / "m.jsonl")
+    writer.write({"loss": math.nan, "x": [1.0, math.inf]})
+    writer.write({"loss": 1.5})
+    writer.close()
+    with open(tmp_path / "m.jsonl", "a") as f:
+        f.write('{"torn": ')  # a crash mid-line
+    assert read_jsonl(tmp_path / "m.jsonl") == [{"loss": None, "x": [1.0, None]}, {"loss": 1.5}]
+
+
+def test_resume_trim_keeps_records_up_to_the_checkpoint(tmp_path):
+    writer = JsonlWriter(tmp_path / METRICS_FILE)
+    for i in range(1, 6):
+        writer.write({"kind": "train", "iter": i, "step": i})
+    writer.write({"kind": "val", "iter": 5, "step": 5, "val_loss": 3.0})
+    writer.close()
+    discard_records_after(tmp_path, 3)
+    assert [r["iter"] for r in read_jsonl(tmp_path / METRICS_FILE)] == [1, 2, 3]
+
+
+def test_recorder_feeds_jsonl_tensorboard_and_offline_wandb(tmp_path, monkeypatch):
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc: no key anywhere
+    cfg = Config()
+    cfg.metrics.tensorboard = True
+    cfg.metrics.wandb = True
+    cfg.metrics.progress_bar = False
+    cfg.train.steps = 2
+    recorder = MetricsRecorder(cfg, tmp_path, start_step=0)
+    recorder.event("run_start", step=0)
+    recorder.train(train_record(1))
+    recorder.train(train_record(2, loss=math.nan, skipped=True))
+    recorder.validation({"iter": 2, "step": 2, "val_loss": 1.75})
+    assert recorder.sinks[1].mode == "offline"
+    recorder.close()
+
+    records = read_jsonl(tmp_path / METRICS_FILE)
+    assert [(r["kind"], r["iter"]) for r in records] == [("train", 1), ("train", 2), ("val", 2)]
+    assert records[1]["loss"] is None and records[1]["skipped"] is True
+    assert json.loads((tmp_path / "events.jsonl").read_text().splitlines()[0])["event"] == "run_start"
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    tb = EventAccumulator(str(tmp_path / "tb"))
+    tb.Reload()
+    assert [e.value for e in tb.Scalars("train/loss")] == [2.0]  # the NaN of the skipped step is left out
+    assert [e.value for e in tb.Scalars("val/val_loss")] == [1.75]
+    assert [e.value for e in tb.Scalars("train/moe_cv_per_layer/1")] == [0.25, 0.25]
+    assert list((tmp_path / "wandb").glob("offline-run-*"))
+
+
+def test_wandb_mode_follows_the_api_key(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    assert resolve_mode("auto") == "offline"
+    monkeypatch.setenv("WANDB_API_KEY", "x" * 40)
+    assert resolve_mode("auto") == "online"
+    assert resolve_mode("offline") == "offline"
+
+
+def test_console_lines_without_a_bar(tmp_path, capsys):
+    cfg = Config()
+    cfg.metrics.progress_bar = False
+    cfg.train.steps = 4
+    cfg.train.log_every = 2
+    recorder = MetricsRecorder(cfg, tmp_path, start_step=0)
+    for i in range(1, 5):
+        recorder.train(train_record(i, loss=3.0 - i * 0.5))
+    recorder.close()
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 2
+    assert lines[0].startswith("step 2/4 loss 2.0000 tok/s 100 lr 1.00e-03 eta ")
+    assert lines[1].startswith("step 4/4 loss 1.0000")
+
+
+def test_non_main_ranks_write_nothing(tmp_path):
+    recorder = MetricsRecorder(Config(), tmp_path, start_step=0, is_main=False)
+    recorder.train(train_record(1))
+    recorder.event("x")
+    recorder.close()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_mfu_and_peak_probe():
+    assert mfu(tokens_per_s=1000.0, flops_per_token=6e6, peak_flops_per_device=1e10, num_devices=2) == pytest.approx(0.3)
+    torch.manual_seed(3)
+    expected = torch.rand(2)
+    torch.manual_seed(3)
+    assert measure_peak_flops(torch.device("cpu"), torch.float32, size=64) > 0
+    assert torch.equal(torch.rand(2), expected)  # probing leaves the training RNG alone

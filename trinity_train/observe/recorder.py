@@ -1,0 +1,81 @@
+"""Fan a run's records out to every configured sink.
+
+- `metrics.jsonl`: one object per training iteration (`"kind": "train"`) and one per validation
+  (`"kind": "val"`); TensorBoard and W&B get the same numbers as scalars.
+- `events.jsonl`: what happened to the run (start, resume, checkpoint saved, step skipped, end).
+- the console: progress bar or periodic lines.
+Only the main process (rank 0) writes; the others get a recorder that discards.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from trinity_train.config import Config
+from trinity_train.observe.jsonl import JsonlWriter, keep_records
+from trinity_train.observe.progress import ProgressDisplay
+
+METRICS_FILE = "metrics.jsonl"
+EVENTS_FILE = "events.jsonl"
+
+
+def discard_records_after(run_dir: Path, iteration: int) -> None:
+    """On resume from a checkpoint taken after `iteration`, drop what the interrupted run logged
+    past it, so the resumed run's metrics read exactly like an uninterrupted run's."""
+    keep_records(Path(run_dir) / METRICS_FILE, lambda r: r.get("iter", 0) <= iteration)
+
+
+class MetricsRecorder:
+    def __init__(self, cfg: Config, run_dir: Path, start_step: int, is_main: bool = True):
+        self.is_main = is_main
+        self.sinks: list = []
+        self.metrics = None
+        self.events = None
+        self.progress = None
+        if not is_main:
+            return
+        run_dir = Path(run_dir)
+        self.events = JsonlWriter(run_dir / EVENTS_FILE)
+        if cfg.metrics.jsonl:
+            self.metrics = JsonlWriter(run_dir / METRICS_FILE)
+        if cfg.metrics.tensorboard:
+            from trinity_train.observe.tensorboard_sink import TensorBoardSink
+
+            self.sinks.append(TensorBoardSink(run_dir / "tb"))
+        if cfg.metrics.wandb:
+            from trinity_train.observe.wandb_sink import WandbSink
+
+            self.sinks.append(WandbSink(cfg, run_dir))
+        self.progress = ProgressDisplay(cfg.train.steps, start_step, cfg.metrics.progress_bar, cfg.train.log_every)
+
+    def _write(self, kind: str, record: dict) -> None:
+        record = {"kind": kind, **record}
+        if self.metrics is not None:
+            self.metrics.write(record)
+        for sink in self.sinks:
+            sink.write(kind, record)
+
+    def train(self, record: dict) -> None:
+        if self.is_main:
+            self._write("train", record)
+            self.progress.update(record)
+
+    def validation(self, record: dict) -> None:
+        if self.is_main:
+            self._write("val", record)
+            self.progress.validation(record["val_loss"], record["step"])
+
+    def event(self, name: str, **fields) -> None:
+        if self.is_main:
+            self.events.write({"event": name, "time": time.time(), **fields})
+
+    def close(self) -> None:
+        if not self.is_main:
+            return
+        self.progress.close()
+        for sink in self.sinks:
+            sink.close()
+        for writer in (self.metrics, self.events):
+            if writer is not None:
+                writer.close()
