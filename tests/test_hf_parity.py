@@ -3,6 +3,7 @@ imported weights give the same logits here, and the conversions lose nothing."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -160,3 +161,22 @@ def test_bf16_export_keeps_norms_and_expert_bias_in_fp32(tmp_path):
     assert sd["layers.0.attn_norm.weight"].dtype == torch.float32
     assert sd["layers.1.mlp.experts.up_proj"].dtype == torch.bfloat16
     assert sd["embed.weight"].dtype == torch.bfloat16
+
+
+@pytest.mark.filterwarnings("ignore:Initializing zero-element tensors")  # transformers' own init
+def test_model_without_shared_experts_converts_both_ways(tmp_path):
+    # transformers keeps a zero-width shared expert where we have none; both sides must accept that
+    cfg = dataclasses.replace(tiny_trinity_config(), num_shared_experts=0)
+    ours = random_trinity_model(cfg)
+    theirs, info = transformers.AfmoeForCausalLM.from_pretrained(
+        save_hf(ours, tmp_path / "ours"), dtype=torch.float32, output_loading_info=True)
+    assert not any(info.values()), info  # no missing, unexpected or mismatched tensors
+    ids = tokens(cfg.vocab_size)
+    with torch.no_grad():
+        assert (theirs.eval()(ids).logits - ours(ids).logits).abs().max().item() <= TOLERANCE
+
+    theirs.save_pretrained(tmp_path / "theirs")
+    cfg_back, sd = load_hf(tmp_path / "theirs")
+    assert cfg_back.num_shared_experts == 0
+    for name, tensor in ours.state_dict().items():
+        assert torch.equal(sd[name], tensor), name

@@ -245,6 +245,18 @@ def _hf_expert_name(layer: int, expert: int, proj: str) -> str:
     return f"model.layers.{layer}.mlp.experts.{expert}.{proj}.weight"
 
 
+def _zero_width_shared_expert(layer: int, hidden_size: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """afmoe without shared experts still has a shared-expert MLP, of width 0 (ours has none)."""
+    prefix = f"model.layers.{layer}.mlp.shared_experts."
+    return {prefix + "gate_proj.weight": torch.zeros(0, hidden_size, dtype=dtype),
+            prefix + "up_proj.weight": torch.zeros(0, hidden_size, dtype=dtype),
+            prefix + "down_proj.weight": torch.zeros(hidden_size, 0, dtype=dtype)}
+
+
+def _moe_layers(reference: dict[str, torch.Tensor]) -> list[int]:
+    return sorted({int(m[1]) for name in reference if (m := _ROUTED_EXPERTS.fullmatch(name))})
+
+
 def _in_dtype_of_origin(name: str, tensor: torch.Tensor) -> torch.Tensor:
     return tensor.float() if name.endswith(_FP32_SUFFIXES) else tensor
 
@@ -285,6 +297,9 @@ def to_hf_state_dict(sd: dict[str, torch.Tensor], model_cfg: ModelConfig) -> dic
                 out[_hf_expert_name(layer, j, proj)] = weight.clone()
         else:
             out[_hf_name(name)] = _in_dtype_of_origin(name, tensor)
+    if model_cfg.num_shared_experts == 0:  # what save_pretrained writes, so transformers finds all
+        for layer in _moe_layers(reference):
+            out.update(_zero_width_shared_expert(layer, model_cfg.hidden_size, sd["embed.weight"].dtype))
     return out
 
 
@@ -336,9 +351,12 @@ def from_hf_state_dict(hf_sd: dict[str, torch.Tensor], model_cfg: ModelConfig) -
     remaining = dict(hf_sd)
     missing: list[str] = []
     out: dict[str, torch.Tensor] = {}
-    expert_layers = sorted({int(m[1]) for name in reference if (m := _ROUTED_EXPERTS.fullmatch(name))})
-    for layer in expert_layers:
+    for layer in _moe_layers(reference):
         out.update(_take_routed_experts(remaining, layer, reference, missing))
+        if model_cfg.num_shared_experts == 0:
+            for name, empty in _zero_width_shared_expert(layer, model_cfg.hidden_size, torch.float32).items():
+                if name in remaining and remaining[name].shape == empty.shape:
+                    del remaining[name]
     for name, ref in reference.items():
         if name.endswith(_OURS_ONLY_SUFFIXES):
             out[name] = torch.zeros(ref.shape, dtype=ref.dtype)
