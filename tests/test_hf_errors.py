@@ -1,5 +1,5 @@
 """What the HF interop refuses, and how: every user mistake is one CheckpointError that names the
-field, tensor or path; exports are complete or absent."""
+field, tensor or path; exports are complete or absent. Also the config variants it must accept."""
 
 from __future__ import annotations
 
@@ -91,6 +91,14 @@ def test_older_config_without_rope_parameters_or_layer_types():
         del hf_cfg[key]
     cfg = from_hf_config(hf_cfg)  # flat rope_theta and global_attn_every_n_layers, as transformers 4
     assert (cfg.rope_theta, cfg.global_every) == (5e4, 4)
+
+
+def test_expert_sizes_the_grouped_gemm_cannot_take_import_with_the_loop(tmp_path):
+    cfg = small_config(moe_intermediate_size=12, expert_impl="loop")
+    out = save_hf(build_model(cfg), tmp_path / "hf")
+    imported, state_dict = load_hf(out)
+    assert imported.expert_impl == "loop"
+    build_model(imported).load_state_dict(state_dict)
 
 
 # ---------------------------------------------------------------------------- directories

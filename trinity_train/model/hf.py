@@ -24,6 +24,7 @@ from safetensors.torch import load_file
 from trinity_train.config import (Config, ModelConfig, global_every, init_std, is_global_layer,
                                   norm_eps, validate)
 from trinity_train.errors import CheckpointError, ConfigError
+from trinity_train.model.moe import expert_alignment_problem
 
 HF_CONFIG_FILE = "config.json"
 HF_WEIGHTS_FILE = "model.safetensors"
@@ -211,6 +212,8 @@ def from_hf_config(hf: dict) -> ModelConfig:
         norm_eps=_float_field(hf, "rms_norm_eps"),
         block="trinity",
     )
+    if expert_alignment_problem(model_cfg) is not None:  # sizes the grouped GEMM cannot take
+        model_cfg.expert_impl = "loop"
     try:
         validate(Config(model=model_cfg))
     except ConfigError as e:
