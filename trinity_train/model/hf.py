@@ -25,6 +25,7 @@ from trinity_train.config import (Config, ModelConfig, global_every, init_std, i
                                   norm_eps, validate)
 from trinity_train.errors import CheckpointError, ConfigError
 from trinity_train.model.moe import expert_alignment_problem
+from trinity_train.model.transformer import build_model
 
 HF_CONFIG_FILE = "config.json"
 HF_WEIGHTS_FILE = "model.safetensors"
@@ -226,8 +227,6 @@ def from_hf_config(hf: dict) -> ModelConfig:
 
 def _reference_state(model_cfg: ModelConfig) -> dict[str, torch.Tensor]:
     """Names and shapes of our model's state dict for this config, from a storage-free build."""
-    from trinity_train.model import build_model  # here, not at the top: the package may import hf
-
     return build_model(model_cfg, device="meta").state_dict()
 
 
