@@ -1,0 +1,131 @@
+"""Expert parallelism: routed experts split whole over the `ep` ranks, tokens sent to them and back.
+
+The model's MoE sorts its token copies by expert and calls `experts(x_sorted, counts)` (the seam in
+`model/moe.py`). With `ExpertParallel` applied to that `GroupedExperts` module the call becomes
+(torchtitan's ExpertParallel pattern):
+
+1. dispatch: the per-expert counts are exchanged with an all-to-all, then the tokens themselves
+   with an autograd-aware `all_to_all_single` of uneven splits; what arrives is ordered
+   (source rank, local expert) and is permuted to (local expert, source rank), so every local
+   expert sees one contiguous group;
+2. the module's own forward runs on the local expert shards (one grouped GEMM per projection);
+3. combine: the permutation is undone and the results travel back with the reverse all-to-all.
+
+When tensor parallelism is on too, each expert's width is also split over `tp` (gate/up by rows,
+down by columns). Every tp rank holds the same tokens, so the expert input gets an identity forward
+/ all-reduce backward, and the partial outputs are all-reduced (Megatron's f and g operators).
+
+The expert weights are DTensors on the `(ep, tp)` mesh: `Shard(0)` over ep (whole experts) and the
+width shard over tp, so FSDP, the optimizer and checkpoints see their global `[E, ...]` shape.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.distributed._functional_collectives import all_to_all_single, all_to_all_single_autograd
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import ParallelStyle
+
+from trinity_train.parallel.local_shards import local_shards, wrap_forward
+
+# Which dim of each stacked expert weight holds the expert width I (split over tp).
+EXPERT_WIDTH_DIM = {"gate_proj": 1, "up_proj": 1, "down_proj": 2}
+
+
+@dataclass
+class DispatchPlan:
+    """What `combine_tokens` needs to undo `dispatch_tokens`."""
+
+    input_splits: list[int]  # rows this rank sent to each ep rank
+    output_splits: list[int]  # rows this rank received from each ep rank
+    order: torch.Tensor  # received row i is local row order[i] after the permutation
+
+
+def _exclusive_cumsum(x: torch.Tensor) -> torch.Tensor:
+    return torch.cumsum(x, dim=0) - x
+
+
+def dispatch_tokens(x_sorted: torch.Tensor, counts: torch.Tensor, group
+                    ) -> tuple[torch.Tensor, torch.Tensor, DispatchPlan]:
+    """Send each token copy to the rank that owns its expert.
+
+    x_sorted [N, d] token copies sorted by global expert id, counts [E] long copies per expert.
+    Returns (tokens [M, d] grouped by local expert, counts per local expert [E / ep], plan).
+    """
+    ep = group.size()
+    num_local = counts.numel() // ep
+    with torch.no_grad():
+        # received[s * num_local + j]: copies that rank s sends to my local expert j
+        received = all_to_all_single(counts, None, None, group)
+        received = torch.ops._c10d_functional.wait_tensor(received)
+        per_rank_sent = counts.view(ep, num_local).sum(dim=1)
+        received = received.view(ep, num_local)
+        splits = torch.stack([per_rank_sent, received.sum(dim=1)]).cpu()  # one device sync
+    input_splits, output_splits = splits.tolist()
+    tokens = all_to_all_single_autograd(x_sorted, output_splits, input_splits, group)
+
+    # Arrived blocks are ordered (source s, expert j); gather them in (expert j, source s) order.
+    with torch.no_grad():
+        block_start = _exclusive_cumsum(received.flatten()).view(ep, num_local).t().flatten()
+        block_len = received.t().flatten()
+        out_start = _exclusive_cumsum(block_len)
+        total = sum(output_splits)
+        order = (torch.repeat_interleave(block_start - out_start, block_len, output_size=total)
+                 + torch.arange(total, device=counts.device))
+    local_counts = received.sum(dim=0)
+    return tokens[order], local_counts, DispatchPlan(input_splits, output_splits, order)
+
+
+def combine_tokens(y_local: torch.Tensor, plan: DispatchPlan, group) -> torch.Tensor:
+    """Inverse of `dispatch_tokens`: results back to the ranks and rows their tokens came from."""
+    arrived_order = torch.empty_like(y_local).index_copy(0, plan.order, y_local)
+    return all_to_all_single_autograd(arrived_order, plan.input_splits, plan.output_splits, group)
+
+
+def _tp_input(x: torch.Tensor, tp_mesh: DeviceMesh) -> torch.Tensor:
+    """Identity forward; backward all-reduces the partial input gradients of the width shards."""
+    return DTensor.from_local(x, tp_mesh, [Replicate()], run_check=False).to_local(
+        grad_placements=[Partial()])
+
+
+def _tp_output(y: torch.Tensor, tp_mesh: DeviceMesh) -> torch.Tensor:
+    """All-reduce the partial sums of the width shards; backward passes the gradient through."""
+    return DTensor.from_local(y, tp_mesh, [Partial()], run_check=False).full_tensor()
+
+
+class ExpertParallel(ParallelStyle):
+    """Apply to a `GroupedExperts` module with the 2-D `(ep, tp)` mesh (either may be size 1)."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        if device_mesh.ndim != 2:
+            raise ValueError("ExpertParallel expects the 2-D (ep, tp) mesh")
+        ep_mesh, tp_mesh = device_mesh[device_mesh.mesh_dim_names[0]], device_mesh[
+            device_mesh.mesh_dim_names[1]]
+        for name, width_dim in EXPERT_WIDTH_DIM.items():
+            weight = getattr(module, name)
+            placements = [Shard(0), Shard(width_dim) if tp_mesh.size() > 1 else Replicate()]
+            # src_data_rank=None: every rank cuts its shard from its own copy (no communication).
+            module.register_parameter(
+                name, nn.Parameter(distribute_tensor(weight.data, device_mesh, placements, src_data_rank=None)))
+        ep_group = ep_mesh.get_group() if ep_mesh.size() > 1 else None
+        tp = tp_mesh if tp_mesh.size() > 1 else None
+
+        def around(mod: nn.Module, forward, x_sorted: torch.Tensor, counts: torch.Tensor):
+            if tp is not None:
+                x_sorted = _tp_input(x_sorted, tp)
+            if ep_group is not None:
+                x_sorted, counts, plan = dispatch_tokens(x_sorted, counts, ep_group)
+            with local_shards(mod):
+                out = forward(x_sorted, counts)
+            if ep_group is not None:
+                out = combine_tokens(out, plan, ep_group)
+            if tp is not None:
+                out = _tp_output(out, tp)
+            return out
+
+        wrap_forward(module, around, prefix="ExpertParallel")
+        return module
