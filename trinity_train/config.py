@@ -66,15 +66,23 @@ class DataSource:
 
 
 @dataclass
+class DataPhase:
+    start_tokens: int = 0  # training tokens (all ranks) after which these weights apply
+    weights: list[float] = field(default_factory=list)  # one per data.mix source; 0 leaves it out
+
+
+@dataclass
 class DataConfig:
     path: str = ""  # a prepared dataset directory; empty means the embedded default corpus
     cache_dir: str = "~/.cache/trinity-train"
     seq_len: int = 256
-    seed: int = 1234
+    seed: int = 1234  # the sample order (and mixing); the same seed gives the same batches
     vocab_size: int = 8192  # tokenizer size trained for the embedded default corpus
-    val_fraction: float = 0.02
+    val_fraction: float = 0.02  # documents of the embedded default corpus held out for validation
     mix: list[DataSource] = field(default_factory=list)  # weighted sources; overrides `path`
+    phases: list[DataPhase] = field(default_factory=list)  # later mixes of data.mix, in token order
     skip_ranges: list[list[int]] = field(default_factory=list)  # [start, end) global batches
+    verify_checksums: bool = True  # hash every shard at start (sizes are always checked)
 
 
 @dataclass
@@ -349,6 +357,17 @@ def validate(cfg: Config) -> None:
     for i, src in enumerate(d.mix):
         _require(bool(src.path), f"data.mix[{i}].path", "must name a prepared dataset directory")
         _require(src.weight > 0, f"data.mix[{i}].weight", f"must be positive, got {src.weight}")
+    _require(not d.phases or bool(d.mix), "data.phases", "needs data.mix: phases re-weight its sources")
+    previous_start = 0
+    for i, phase in enumerate(d.phases):
+        key = f"data.phases[{i}]"
+        _require(phase.start_tokens > previous_start, f"{key}.start_tokens",
+                 f"must be positive and after the previous phase's, got {phase.start_tokens}")
+        previous_start = phase.start_tokens
+        _require(len(phase.weights) == len(d.mix), f"{key}.weights",
+                 f"needs one weight per data.mix source ({len(d.mix)}), got {len(phase.weights)}")
+        _require(all(w >= 0 for w in phase.weights) and sum(phase.weights) > 0, f"{key}.weights",
+                 f"must be >= 0 with a positive sum, got {phase.weights}")
     for i, r in enumerate(d.skip_ranges):
         _require(len(r) == 2 and 0 <= r[0] < r[1], f"data.skip_ranges[{i}]",
                  f"must be [start, end) with 0 <= start < end, got {r}")

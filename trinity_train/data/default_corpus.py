@@ -1,0 +1,75 @@
+"""The embedded default corpus: the running interpreter's own standard library source.
+
+It exists on every machine, so `trinity-train train` works with no data at all. The corpus is
+every `*.py` file under `sysconfig.get_paths()["stdlib"]`, sorted, excluding `site-packages`
+and `dist-packages` (third-party code whose size varies from machine to machine). The standard
+library's own tests stay in: they double the corpus (CPython 3.11: ~1,800 files, ~31 MB,
+~8.6M tokens with the 8k BPE), which keeps it near the ~10M tokens the debug model wants while
+still building in seconds. Each file is one document.
+
+It is built by the same `prepare()` as `prepare-data` (an 8k byte-level BPE trained on it, a held-out
+validation split), under `data.cache_dir`, in a directory keyed by the Python version, the file list
+and the data options, so another interpreter gets its own. A file lock makes concurrent first runs
+(several torchrun ranks) safe: one builds, the others wait and then reuse it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+import sysconfig
+from pathlib import Path
+
+from filelock import FileLock
+
+from trinity_train.config import DataConfig
+from trinity_train.data.prepare import PrepareOptions, prepare
+from trinity_train.data.shards import FORMAT_VERSION, MANIFEST
+
+_EXCLUDED_DIRS = {"site-packages", "dist-packages", "__pycache__"}
+_SPLIT_SEED = 0  # which files are held out; fixed so that data.seed only changes the order
+
+
+def stdlib_root() -> Path:
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+def corpus_files(root: Path) -> list[Path]:
+    """The corpus, deterministic: sorted paths, no third-party packages, no empty files."""
+    return sorted(p for p in root.rglob("*.py")
+                  if p.is_file() and p.stat().st_size > 0
+                  and not _EXCLUDED_DIRS.intersection(p.relative_to(root).parts))
+
+
+def corpus_dir(cfg: DataConfig, root: Path, files: list[Path]) -> Path:
+    """Where this interpreter's corpus lives for these options."""
+    listing = [[str(p.relative_to(root)), p.stat().st_size] for p in files]
+    key = hashlib.sha256(json.dumps({
+        "python": sys.version, "files": listing, "vocab_size": cfg.vocab_size,
+        "val_fraction": cfg.val_fraction, "format_version": FORMAT_VERSION,
+    }, sort_keys=True).encode()).hexdigest()[:16]
+    version = f"{sys.version_info.major}{sys.version_info.minor}"
+    return Path(cfg.cache_dir).expanduser() / f"stdlib-py{version}-{key}"
+
+
+def default_dataset(cfg: DataConfig, root: Path | None = None, progress: bool = True) -> Path:
+    """The prepared default corpus, built on first use; returns its directory."""
+    root = root or stdlib_root()
+    files = corpus_files(root)
+    out = corpus_dir(cfg, root, files)
+    if (out / MANIFEST).is_file():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(out) + ".lock"):
+        if (out / MANIFEST).is_file():  # another process built it while this one waited
+            return out
+        print(f"building the default corpus ({len(files)} standard-library files of Python "
+              f"{sys.version.split()[0]}) in {out}; later runs reuse it", file=sys.stderr)
+        prepare(PrepareOptions(
+            inputs=[str(p) for p in files], out=str(out), format="text", sample_by="document",
+            encoding_errors="replace",  # a few test files are deliberately not UTF-8
+            train_tokenizer=cfg.vocab_size, val_fraction=cfg.val_fraction, seed=_SPLIT_SEED,
+            num_proc=min(2, os.cpu_count() or 1), progress=progress))
+    return out

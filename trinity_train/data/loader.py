@@ -1,0 +1,266 @@
+"""Deterministic, resumable, data-parallel batches from prepared datasets.
+
+A split is cut into fixed-length sequences: sequence j is tokens [j*L, j*L + L + 1) (L inputs and
+their next-token labels; neighbours share one token). Global batch *i* is samples
+[i*G, (i+1)*G) of the stream `mixing.py` defines (G = micro_batch_size * grad_accum * dp_size),
+and data-parallel rank r reads rows [r*R, (r+1)*R) of it (R = G / dp_size). So a batch is a pure
+function of (manifests, seed, i): the loader's whole state is its position, `skip(n)` is O(1), and
+resuming with another dp_size (same G) gives the same global batches. If G itself changes at a
+resume, the stream continues from the number of samples already consumed, so no sample is
+repeated or lost either way.
+
+Batch indices listed in the skip ledger or in `data.skip_ranges` are never produced: the loader
+jumps over them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from trinity_train.config import Config
+from trinity_train.data.default_corpus import default_dataset
+from trinity_train.data.ledger import LEDGER_FILENAME, SkipLedger
+from trinity_train.data.mixing import EpochOrder, MixSchedule
+from trinity_train.data.shards import PreparedDataset, TokenSplit
+from trinity_train.errors import DataError
+
+_STATE_VERSION = 1
+
+
+@dataclass
+class Batch:
+    """This rank's rows of one global batch; every tensor is [rows, seq_len] int64."""
+
+    input_ids: torch.Tensor
+    labels: torch.Tensor  # input_ids shifted left by one: the next token at each position
+    position_ids: torch.Tensor  # restart at 0 at each document start when doc_masking, else arange
+    document_ids: torch.Tensor  # 0, 1, ... for the documents a row touches, in order
+    index: int  # the global batch index (training) or validation batch number
+
+
+class SequenceReader:
+    """Turns sequence numbers of one split into model rows."""
+
+    def __init__(self, split: TokenSplit, seq_len: int, doc_positions: bool):
+        self.split, self.seq_len, self.doc_positions = split, seq_len, doc_positions
+        self.num_sequences = max(0, (split.num_tokens - 1) // seq_len)
+
+    def rows(self, sequences: np.ndarray, out: dict[str, np.ndarray], row_ids: np.ndarray) -> None:
+        """Fill rows `row_ids` of the arrays in `out` with these sequences."""
+        L = self.seq_len
+        for row, seq in zip(row_ids.tolist(), sequences.tolist()):
+            start = seq * L
+            tokens = self.split.read(start, L + 1)
+            out["input_ids"][row] = tokens[:-1]
+            out["labels"][row] = tokens[1:]
+            doc_starts = self.split.document_starts(start, start + L)
+            positions = np.arange(start, start + L)
+            doc = np.searchsorted(doc_starts, positions, side="right") - 1
+            out["document_ids"][row] = doc
+            out["position_ids"][row] = positions - doc_starts[doc] if self.doc_positions else positions - start
+
+
+def _empty_rows(rows: int, seq_len: int) -> dict[str, np.ndarray]:
+    return {k: np.empty((rows, seq_len), dtype=np.int64)
+            for k in ("input_ids", "labels", "position_ids", "document_ids")}
+
+
+def _to_batch(arrays: dict[str, np.ndarray], index: int) -> Batch:
+    return Batch(**{k: torch.from_numpy(v) for k, v in arrays.items()}, index=index)
+
+
+class _MixedRows:
+    """Reads stream samples -> rows, for a set of sources and their schedule."""
+
+    def __init__(self, readers: list[SequenceReader], schedule: MixSchedule, orders: list[EpochOrder] | None):
+        self.readers, self.schedule, self.orders = readers, schedule, orders
+
+    def locate(self, samples: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        return self.schedule.locate(samples)
+
+    def read(self, samples: np.ndarray, seq_len: int) -> dict[str, np.ndarray]:
+        source, index = self.locate(samples)
+        out = _empty_rows(len(samples), seq_len)
+        for k in np.unique(source).tolist():
+            rows = np.flatnonzero(source == k)
+            seqs = self.orders[k].sequences(index[rows]) if self.orders else index[rows]
+            self.readers[k].rows(seqs, out, rows)
+        return out
+
+
+class TrainLoader:
+    def __init__(self, mixed: _MixedRows, seq_len: int, rows_per_rank: int, dp_rank: int, dp_size: int,
+                 seed: int, fingerprint: str, skips: list[SkipLedger]):
+        self._mixed, self.seq_len = mixed, seq_len
+        self.rows_per_rank, self.dp_rank, self.dp_size = rows_per_rank, dp_rank, dp_size
+        self.global_batch_size = rows_per_rank * dp_size
+        self.seed, self.fingerprint, self.skips = seed, fingerprint, skips
+        self._position = 0
+        # Batch i starts at sample anchor_sample + (i - anchor_batch) * G; (0, 0) unless a resume
+        # changed the global batch size.
+        self._anchor_batch, self._anchor_sample = 0, 0
+
+    @property
+    def position(self) -> int:
+        """Global batches consumed (skipped ones included): the index of the next batch."""
+        return self._position
+
+    def _first_sample(self, index: int) -> int:
+        if index < self._anchor_batch:
+            raise ValueError(f"batch {index} precedes this run's resume point {self._anchor_batch}")
+        return self._anchor_sample + (index - self._anchor_batch) * self.global_batch_size
+
+    def _next_allowed(self, index: int) -> int:
+        while True:
+            moved = index
+            for ledger in self.skips:
+                moved = ledger.next_allowed(moved)
+            if moved == index:
+                return index
+            index = moved
+
+    def batch_at(self, index: int) -> Batch:
+        """This rank's rows of global batch `index` (ignores skips and does not move)."""
+        first = self._first_sample(index) + self.dp_rank * self.rows_per_rank
+        samples = np.arange(first, first + self.rows_per_rank, dtype=np.int64)
+        return _to_batch(self._mixed.read(samples, self.seq_len), index)
+
+    def next_batch(self) -> Batch:
+        index = self._next_allowed(self._position)
+        batch = self.batch_at(index)
+        self._position = index + 1
+        return batch
+
+    def skip(self, n: int) -> None:
+        if n < 0:
+            raise ValueError(f"cannot skip a negative number of batches ({n})")
+        self._position += n
+
+    def state_dict(self) -> dict:
+        return {"version": _STATE_VERSION, "position": self._position,
+                "samples_consumed": self._first_sample(self._position),
+                "global_batch_size": self.global_batch_size, "anchor_batch": self._anchor_batch,
+                "anchor_sample": self._anchor_sample, "seed": self.seed, "fingerprint": self.fingerprint}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("fingerprint") != self.fingerprint:
+            raise DataError(f"the checkpoint's data position belongs to other data (fingerprint "
+                            f"{state.get('fingerprint')}, this run: {self.fingerprint}); resume with the same "
+                            "datasets, mix and seq_len, or start a new run")
+        if state.get("seed") != self.seed:
+            raise DataError(f"the checkpoint was trained with data.seed={state.get('seed')}, this run has "
+                            f"data.seed={self.seed}; resume with the same seed")
+        position = int(state["position"])
+        if int(state["global_batch_size"]) == self.global_batch_size:
+            self._anchor_batch, self._anchor_sample = int(state["anchor_batch"]), int(state["anchor_sample"])
+        else:  # a new global batch size: continue the stream where the old run stopped
+            self._anchor_batch, self._anchor_sample = position, int(state["samples_consumed"])
+        self._position = position
+
+
+class ValidationLoader:
+    """Validation batches: the validation splits read in order (mixed by the first weights)."""
+
+    def __init__(self, mixed: _MixedRows, seq_len: int, rows_per_rank: int, dp_rank: int, dp_size: int):
+        self._mixed, self.seq_len = mixed, seq_len
+        self.rows_per_rank, self.dp_rank = rows_per_rank, dp_rank
+        self.global_batch_size = rows_per_rank * dp_size
+
+    def _batch_is_available(self, j: int) -> bool:
+        source, index = self._mixed.locate(np.arange(j * self.global_batch_size,
+                                                     (j + 1) * self.global_batch_size))
+        limits = np.array([r.num_sequences for r in self._mixed.readers])
+        return bool(np.all(index < limits[source]))
+
+    def num_batches(self, limit: int) -> int:
+        """How many of the first `limit` global validation batches the splits can fill."""
+        n = 0
+        while n < limit and self._batch_is_available(n):
+            n += 1
+        return n
+
+    def batches(self, n: int):
+        """The first n validation batches (fewer if the validation data runs out); same every call."""
+        for j in range(self.num_batches(n)):
+            first = j * self.global_batch_size + self.dp_rank * self.rows_per_rank
+            samples = np.arange(first, first + self.rows_per_rank, dtype=np.int64)
+            yield _to_batch(self._mixed.read(samples, self.seq_len), j)
+
+
+# ---------------------------------------------------------------------------- building
+
+
+def _sources(cfg: Config) -> list[tuple[Path, float]]:
+    if cfg.data.mix:
+        return [(Path(s.path).expanduser(), s.weight) for s in cfg.data.mix]
+    return [(Path(cfg.data.path).expanduser() if cfg.data.path else default_dataset(cfg.data), 1.0)]
+
+
+def _phases(cfg: Config, weights: list[float]) -> list[tuple[int, list[float]]]:
+    """(first sample, weights) per phase; phase starts are given in tokens."""
+    phases = [(0, weights)]
+    for p in cfg.data.phases:
+        phases.append((p.start_tokens // cfg.data.seq_len, list(p.weights)))
+    return phases
+
+
+def _fingerprint(datasets: list[PreparedDataset], phases: list, seq_len: int) -> str:
+    payload = {"datasets": [d.fingerprint for d in datasets], "phases": phases, "seq_len": seq_len}
+    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def build_loaders(cfg: Config, dp_rank: int = 0, dp_size: int = 1,
+                  ledger: SkipLedger | None = None) -> tuple[TrainLoader, ValidationLoader]:
+    """The train loader and validation loader of data-parallel rank `dp_rank` of `dp_size`.
+
+    `ledger` is the run's skip ledger (shared with the stability code, which may add ranges while
+    training); by default it is read from `<run.dir>/skip_ledger.json`.
+    """
+    if not 0 <= dp_rank < dp_size:
+        raise ValueError(f"dp_rank {dp_rank} is outside [0, {dp_size})")
+    d = cfg.data
+    sources = _sources(cfg)
+    datasets = [PreparedDataset.open(path, verify_checksums=d.verify_checksums) for path, _ in sources]
+    for ds in datasets:
+        if ds.vocab_size > cfg.model.vocab_size:
+            raise DataError(f"dataset '{ds.path}' has a vocabulary of {ds.vocab_size} tokens but "
+                            f"model.vocab_size is {cfg.model.vocab_size}; set --model.vocab_size={ds.vocab_size}")
+    rows = cfg.train.micro_batch_size * cfg.train.grad_accum
+    global_batch = rows * dp_size
+    phases = _phases(cfg, [w for _, w in sources])
+    doc_positions = cfg.model.doc_masking
+
+    train_readers = [SequenceReader(ds.splits["train"], d.seq_len, doc_positions) for ds in datasets]
+    for k, (ds, reader) in enumerate(zip(datasets, train_readers)):
+        if reader.num_sequences < 1 and any(weights[k] > 0 for _, weights in phases):
+            raise DataError(f"dataset '{ds.path}' is too small: its {ds.splits['train'].num_tokens} training "
+                            f"tokens do not make one sequence of data.seq_len={d.seq_len} (+1) tokens")
+    total_sequences = sum(r.num_sequences for r in train_readers)
+    if total_sequences < global_batch:
+        raise DataError(f"the training data holds {total_sequences} sequences of data.seq_len={d.seq_len}, "
+                        f"fewer than one global batch of {global_batch} (micro_batch_size "
+                        f"{cfg.train.micro_batch_size} x grad_accum {cfg.train.grad_accum} x {dp_size} ranks); "
+                        "add data or lower the batch size or seq_len")
+    orders = [EpochOrder(r.num_sequences, d.seed, k) for k, r in enumerate(train_readers)]
+    train_mixed = _MixedRows(train_readers, MixSchedule(phases, d.seed), orders)
+
+    ledger = ledger if ledger is not None else SkipLedger.load(Path(cfg.run.dir) / LEDGER_FILENAME)
+    skips = [ledger, SkipLedger.from_ranges(d.skip_ranges, reason="data.skip_ranges")]
+    train = TrainLoader(train_mixed, d.seq_len, rows, dp_rank, dp_size, d.seed,
+                        _fingerprint(datasets, phases, d.seq_len), skips)
+
+    val_readers = [SequenceReader(ds.splits["val"], d.seq_len, doc_positions) for ds in datasets]
+    val_mixed = _MixedRows(val_readers, MixSchedule(phases[:1], d.seed), orders=None)
+    val = ValidationLoader(val_mixed, d.seq_len, rows, dp_rank, dp_size)
+    if cfg.train.eval_every > 0 and val.num_batches(1) == 0:
+        raise DataError(f"the validation split{'s' if len(datasets) > 1 else ''} of "
+                        f"{', '.join(str(ds.path) for ds in datasets)} cannot fill one global batch of "
+                        f"{global_batch} sequences of {d.seq_len} tokens; prepare with a larger "
+                        "--val-fraction, or set train.eval_every=0")
+    return train, val

@@ -1,0 +1,270 @@
+"""The on-disk format of a prepared dataset, and the code that writes and reads it.
+
+A prepared dataset is a directory:
+
+    manifest.json       written last: it exists only when every file it lists is complete
+    tokenizer.json      the `tokenizers` tokenizer the ids come from
+    train/00000.bin     token ids, flat, native uint16 (vocabulary <= 65536) or uint32: np.memmap-able
+    train/00000.idx     int64 document offsets into that .bin: [0, end of doc 0, end of doc 1, ...]
+    train/00000.json    the shard's record (counts, sizes, sha256, build key): the shard is finished
+    val/...             the held-out validation split, same layout
+
+Every document ends with the EOS token and lies wholly inside one shard, so shard edges are
+document edges. Data files are written under temporary names and renamed; the record is written
+after them, and the manifest after all records, so an interrupted build leaves nothing that
+looks complete but is not.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+
+import numpy as np
+
+from trinity_train.data.atomic import atomic_write_json, temp_sibling
+from trinity_train.errors import DataError
+
+FORMAT_NAME = "trinity-train-tokens"
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+TOKENIZER_FILE = "tokenizer.json"
+SPLITS = ("train", "val")
+OFFSET_DTYPE = np.dtype("<i8")
+_HASH_CHUNK = 1 << 24
+
+
+def token_dtype_for(vocab_size: int) -> np.dtype:
+    return np.dtype("<u2") if vocab_size <= 1 << 16 else np.dtype("<u4")
+
+
+def file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_HASH_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def shard_paths(split_dir: Path, index: int) -> tuple[Path, Path, Path]:
+    stem = f"{index:05d}"
+    return split_dir / f"{stem}.bin", split_dir / f"{stem}.idx", split_dir / f"{stem}.json"
+
+
+# ---------------------------------------------------------------------------- writing
+
+
+class ShardWriter:
+    """Streams documents into one shard; `finish()` makes it visible, leaving the context aborts."""
+
+    def __init__(self, split_dir: Path, index: int, dtype: np.dtype, build_key: str):
+        split_dir.mkdir(parents=True, exist_ok=True)
+        self.index = index
+        self.dtype = np.dtype(dtype)
+        self.build_key = build_key
+        self._bin, self._idx, self._record = shard_paths(split_dir, index)
+        self._tmp_bin, self._tmp_idx = temp_sibling(self._bin), temp_sibling(self._idx)
+        self._bin_file = open(self._tmp_bin, "wb")
+        self._bin_hash = hashlib.sha256()
+        self._doc_ends: list[np.ndarray] = []
+        self.num_tokens = 0
+        self.num_documents = 0
+
+    def add(self, tokens: np.ndarray, doc_lengths: np.ndarray) -> None:
+        """Append documents given as their concatenated ids and their lengths (each > 0)."""
+        data = np.ascontiguousarray(tokens, dtype=self.dtype).tobytes()
+        self._bin_file.write(data)
+        self._bin_hash.update(data)
+        self._doc_ends.append(self.num_tokens + np.cumsum(doc_lengths, dtype=np.int64))
+        self.num_tokens += int(len(tokens))
+        self.num_documents += int(len(doc_lengths))
+
+    def finish(self) -> dict:
+        self._bin_file.flush()
+        os.fsync(self._bin_file.fileno())
+        self._bin_file.close()
+        offsets = np.concatenate([np.zeros(1, np.int64), *self._doc_ends]).astype(OFFSET_DTYPE)
+        offsets_bytes = offsets.tobytes()
+        self._tmp_idx.write_bytes(offsets_bytes)
+        os.replace(self._tmp_bin, self._bin)
+        os.replace(self._tmp_idx, self._idx)
+        record = {
+            "index": self.index,
+            "build_key": self.build_key,
+            "num_tokens": self.num_tokens,
+            "num_documents": self.num_documents,
+            "files": {
+                self._bin.name: {"bytes": self.num_tokens * self.dtype.itemsize,
+                                 "sha256": self._bin_hash.hexdigest()},
+                self._idx.name: {"bytes": len(offsets_bytes),
+                                 "sha256": hashlib.sha256(offsets_bytes).hexdigest()},
+            },
+        }
+        atomic_write_json(self._record, record)
+        return record
+
+    def __enter__(self) -> "ShardWriter":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is not None:
+            self._bin_file.close()
+            self._tmp_bin.unlink(missing_ok=True)
+            self._tmp_idx.unlink(missing_ok=True)
+
+
+def finished_shard(split_dir: Path, index: int, build_key: str) -> dict | None:
+    """The record of a shard a previous run finished for the same build, or None."""
+    _, _, record_path = shard_paths(split_dir, index)
+    try:
+        record = json.loads(record_path.read_text())
+    except (OSError, ValueError):
+        return None
+    if record.get("build_key") != build_key:
+        return None
+    for name, info in record["files"].items():
+        path = split_dir / name
+        if not path.is_file() or path.stat().st_size != info["bytes"]:
+            return None
+    return record
+
+
+def write_manifest(out_dir: Path, manifest: dict) -> None:
+    atomic_write_json(out_dir / MANIFEST, manifest)
+
+
+# ---------------------------------------------------------------------------- reading
+
+
+def read_manifest(path: Path) -> dict:
+    manifest_path = path / MANIFEST
+    if not path.is_dir():
+        raise DataError(f"dataset directory '{path}' does not exist; create it with "
+                        "`trinity-train prepare-data --input ... --out {path}`")
+    if not manifest_path.is_file():
+        raise DataError(f"'{path}' is not a complete prepared dataset (no {MANIFEST}); "
+                        "run `trinity-train prepare-data` to finish it")
+    try:
+        manifest = json.loads(manifest_path.read_text())
+    except ValueError as e:
+        raise DataError(f"'{manifest_path}' is not valid JSON ({e}); prepare the dataset again") from None
+    if manifest.get("format") != FORMAT_NAME or manifest.get("version") != FORMAT_VERSION:
+        raise DataError(f"'{manifest_path}' is not a {FORMAT_NAME} v{FORMAT_VERSION} manifest; "
+                        "prepare the dataset again with this version of trinity-train")
+    return manifest
+
+
+def manifest_fingerprint(manifest: dict) -> str:
+    return hashlib.sha256(json.dumps(manifest, sort_keys=True).encode()).hexdigest()[:16]
+
+
+@dataclass
+class _Shard:
+    tokens_path: Path
+    offsets_path: Path
+    num_tokens: int
+    num_documents: int
+
+
+class TokenSplit:
+    """One split of a prepared dataset, read as one long token array cut into documents."""
+
+    def __init__(self, dtype: np.dtype, shards: list[_Shard]):
+        self.dtype = dtype
+        self._shards = [s for s in shards if s.num_tokens > 0]
+        sizes = [s.num_tokens for s in self._shards]
+        self._starts = np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)])
+        self.num_tokens = int(self._starts[-1])
+        self.num_documents = sum(s.num_documents for s in self._shards)
+        self._tokens: dict[int, np.ndarray] = {}
+        self._offsets: dict[int, np.ndarray] = {}
+
+    def _shard_tokens(self, i: int) -> np.ndarray:
+        if i not in self._tokens:
+            self._tokens[i] = np.memmap(self._shards[i].tokens_path, dtype=self.dtype, mode="r")
+        return self._tokens[i]
+
+    def _shard_offsets(self, i: int) -> np.ndarray:
+        if i not in self._offsets:
+            self._offsets[i] = np.memmap(self._shards[i].offsets_path, dtype=OFFSET_DTYPE, mode="r")
+        return self._offsets[i]
+
+    def _shards_overlapping(self, start: int, end: int) -> range:
+        first = int(np.searchsorted(self._starts, start, side="right")) - 1
+        last = int(np.searchsorted(self._starts, end, side="left")) - 1
+        return range(first, last + 1)
+
+    def read(self, start: int, length: int) -> np.ndarray:
+        """Tokens [start, start + length), across shard edges."""
+        if start < 0 or start + length > self.num_tokens:
+            raise IndexError(f"tokens [{start}, {start + length}) outside [0, {self.num_tokens})")
+        parts = []
+        for i in self._shards_overlapping(start, start + length):
+            base = int(self._starts[i])
+            lo, hi = max(start - base, 0), min(start + length - base, self._shards[i].num_tokens)
+            parts.append(self._shard_tokens(i)[lo:hi])
+        return np.concatenate(parts) if len(parts) > 1 else np.asarray(parts[0])
+
+    def document_starts(self, start: int, end: int) -> np.ndarray:
+        """Global start offsets of the documents overlapping [start, end), first one <= start."""
+        parts = []
+        for i in self._shards_overlapping(start, end):
+            base = int(self._starts[i])
+            offsets = self._shard_offsets(i)
+            lo = int(np.searchsorted(offsets, max(start - base, 0), side="right")) - 1
+            # offsets[-1] is the shard's end, not a document start
+            hi = min(int(np.searchsorted(offsets, end - base, side="left")), len(offsets) - 1)
+            parts.append(np.asarray(offsets[lo:hi]) + base)
+        return np.concatenate(parts)
+
+
+class PreparedDataset:
+    """A prepared dataset directory, checked against its manifest."""
+
+    def __init__(self, path: Path, manifest: dict):
+        self.path = path
+        self.manifest = manifest
+        self.fingerprint = manifest_fingerprint(manifest)
+        self.vocab_size: int = manifest["tokenizer"]["vocab_size"]
+        self.eos_id: int = manifest["tokenizer"]["eos_id"]
+        self.dtype = np.dtype(manifest["dtype"])
+
+    @classmethod
+    def open(cls, path: str | Path, verify_checksums: bool = True) -> "PreparedDataset":
+        path = Path(path).expanduser()
+        dataset = cls(path, read_manifest(path))
+        dataset.verify(checksums=verify_checksums)
+        return dataset
+
+    def _files(self):
+        for split in SPLITS:
+            for shard in self.manifest["splits"][split]["shards"]:
+                for name, info in shard["files"].items():
+                    yield self.path / split / name, info
+
+    def verify(self, checksums: bool) -> None:
+        """Every listed file exists with its recorded size (and, with `checksums`, its sha256)."""
+        for path, info in self._files():
+            if not path.is_file():
+                raise DataError(f"dataset '{self.path}' is missing '{path}'; prepare it again")
+            if path.stat().st_size != info["bytes"]:
+                raise DataError(f"'{path}' has {path.stat().st_size} bytes but the manifest says "
+                                f"{info['bytes']}: the dataset changed or is damaged; prepare it again")
+            if checksums and file_sha256(path) != info["sha256"]:
+                raise DataError(f"'{path}' does not match its manifest checksum: the dataset changed "
+                                "or is damaged; prepare it again")
+
+    @cached_property
+    def splits(self) -> dict[str, TokenSplit]:
+        out = {}
+        for split in SPLITS:
+            shards = []
+            for s in self.manifest["splits"][split]["shards"]:
+                bin_path, idx_path, _ = shard_paths(self.path / split, s["index"])
+                shards.append(_Shard(bin_path, idx_path, s["num_tokens"], s["num_documents"]))
+            out[split] = TokenSplit(self.dtype, shards)
+        return out
