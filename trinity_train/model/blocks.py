@@ -59,9 +59,8 @@ def layer_rope_theta(cfg: ModelConfig, i: int) -> float | None:
 
 
 def make_rms_norm(style: BlockStyle, dim: int, gain: float = 1.0) -> RMSNorm:
-    """An RMSNorm of the block's form; a (1 + g) norm always starts at g = 0."""
-    return RMSNorm(dim, style.eps, unit_offset=style.unit_offset,
-                   init_gain=0.0 if style.unit_offset else gain)
+    """An RMSNorm of the block's form whose effective gain starts at `gain`."""
+    return RMSNorm(dim, style.eps, unit_offset=style.unit_offset, init_gain=gain)
 
 
 class TransformerBlock(nn.Module):

@@ -17,6 +17,7 @@ class ParameterCounts:
     active: int  # used by one token: total minus the routed experts it is not sent to
     embedding: int  # the input embedding table (a lookup: no FLOPs)
     routed_experts: int  # all routed-expert weights
+    vectors: int  # norm gains and biases, head scales: elementwise, no matmul FLOPs
 
 
 def _gated_ffn(d: int, width: int) -> int:
@@ -26,32 +27,31 @@ def _gated_ffn(d: int, width: int) -> int:
 def count_parameters(m: ModelConfig) -> ParameterCounts:
     style = block_style(m)
     d, hd = m.hidden_size, m.head_dim
-    attn = d * hd * (2 * m.num_heads + 2 * m.num_kv_heads) + m.num_heads * hd * d  # q,gate,k,v,o
-    attn += 2 * hd  # q_norm, k_norm
-    norms = 2 * d  # attn_norm, mlp_norm
-    if style.post_norms:
-        norms += 2 * d
-    if style.normformer:
-        attn += m.num_heads  # head_scale
-        norms += 2 * d  # LayerNorm attn_post_norm (weight and bias)
-    mid_norm = 2 if style.normformer else 0  # LayerNorm (weight, bias) per unit of FFN width
-
-    dense_ffn = _gated_ffn(d, m.intermediate_size) + mid_norm * m.intermediate_size
-    shared_width = m.moe_intermediate_size * m.num_shared_experts
-    shared = _gated_ffn(d, shared_width) + (mid_norm * shared_width if shared_width else 0)
-    one_expert = _gated_ffn(d, m.moe_intermediate_size)
-    moe_fixed = d * m.num_experts + shared  # router gate + shared expert
-
     num_moe = m.num_layers - m.num_dense_layers
+    shared_width = m.moe_intermediate_size * m.num_shared_experts
+    one_expert = _gated_ffn(d, m.moe_intermediate_size)
     routed = num_moe * m.num_experts * one_expert
     embedding = m.vocab_size * d
-    total = (embedding + m.vocab_size * d + d  # embedding, lm_head, final norm
-             + m.num_layers * (attn + norms)
-             + m.num_dense_layers * dense_ffn
-             + num_moe * moe_fixed + routed)
+
+    matrices = (embedding + m.vocab_size * d  # embedding, lm_head
+                + m.num_layers * d * hd * (3 * m.num_heads + 2 * m.num_kv_heads)  # q,gate,o,k,v
+                + m.num_dense_layers * _gated_ffn(d, m.intermediate_size)
+                + num_moe * (d * m.num_experts + _gated_ffn(d, shared_width))  # router, shared
+                + routed)
+
+    per_layer = 2 * hd + 2 * d  # q_norm, k_norm, attn_norm, mlp_norm
+    if style.post_norms:
+        per_layer += 2 * d
+    vectors = m.num_layers * per_layer + d  # + final norm
+    if style.normformer:
+        # head scales, LayerNorm attn_post_norm, LayerNorm mid norms (dense FFN, shared expert)
+        vectors += m.num_layers * (m.num_heads + 2 * d)
+        vectors += 2 * (m.num_dense_layers * m.intermediate_size + num_moe * shared_width)
+
+    total = matrices + vectors
     unused = num_moe * (m.num_experts - m.num_experts_per_tok) * one_expert
     return ParameterCounts(total=total, active=total - unused, embedding=embedding,
-                           routed_experts=routed)
+                           routed_experts=routed, vectors=vectors)
 
 
 def attended_keys_per_query(m: ModelConfig, layer: int, seq_len: int) -> float:
@@ -67,14 +67,15 @@ def attended_keys_per_query(m: ModelConfig, layer: int, seq_len: int) -> float:
 def training_flops_per_token(m: ModelConfig, seq_len: int) -> float:
     """Forward + backward FLOPs per trained token.
 
-    6 * (active parameters except the embedding lookup): 2 per multiply-add forward, 4 backward.
+    6 * (active matrix parameters except the embedding lookup): 2 FLOPs per multiply-add forward,
+    4 backward (input and weight gradients); norm gains and other vectors do no matmul.
     Attention scores and the weighted sum of values add 2 * 2 * heads * head_dim FLOPs per attended
     key forward, times 3 for training: 12 * heads * head_dim * keys, summed over layers. Keys are
     those actually attended (causal, and the window on local layers), not the padded T x T square
     some MFU conventions use; document masking, which only removes work, is ignored.
     """
     counts = count_parameters(m)
-    matmul = 6 * (counts.active - counts.embedding)
+    matmul = 6 * (counts.active - counts.embedding - counts.vectors)
     attention = sum(12 * m.num_heads * m.head_dim * attended_keys_per_query(m, i, seq_len)
                     for i in range(m.num_layers))
     return matmul + attention

@@ -12,8 +12,9 @@ class RMSNorm(nn.Module):
     """RMSNorm over the last dimension.
 
     `unit_offset=False` is the Trinity/T5 form `weight * x / rms(x)`; `unit_offset=True` is the
-    Gemma form `(1 + weight) * x / rms(x)`, whose gain is initialised to zero. `init_gain` is the
-    value `init_weights` gives the stored weight (e.g. 1/sqrt(L) for Trinity's post norms).
+    Gemma form `(1 + weight) * x / rms(x)`. `init_gain` is the effective gain `reset_parameters`
+    sets (e.g. 1/sqrt(L) for Trinity's post norms); the Gemma form stores it minus one, so its
+    weight starts at zero.
     """
 
     def __init__(self, dim: int, eps: float, unit_offset: bool = False, init_gain: float = 1.0):
@@ -25,7 +26,7 @@ class RMSNorm(nn.Module):
 
     def reset_parameters(self) -> None:
         with torch.no_grad():
-            self.weight.fill_(self.init_gain)
+            self.weight.fill_(self.init_gain - 1.0 if self.unit_offset else self.init_gain)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gain = self.weight.float()

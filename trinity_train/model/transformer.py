@@ -126,8 +126,11 @@ def build_model(cfg: ModelConfig, device: str | torch.device = "cpu") -> Trinity
     problem = expert_alignment_problem(cfg)
     if problem is not None:
         raise ConfigError(problem)
-    with torch.device(device):
+    # Constructed on meta so that no default initialisation is drawn and thrown away; the values
+    # depend only on the RNG state when `init_weights` runs.
+    with torch.device("meta"):
         model = TrinityModel(cfg)
     if torch.device(device).type != "meta":
+        model.to_empty(device=device)
         model.init_weights()
     return model
