@@ -33,9 +33,9 @@ from trinity_train import __version__
 from trinity_train.data.atomic import atomic_write_json, atomic_write_text
 from trinity_train.data.documents import (FORMATS, TEXT, ReadReport, load_documents,
                                           resolve_inputs)
-from trinity_train.data.shards import (FORMAT_NAME, FORMAT_VERSION, MANIFEST, SPLITS, TOKENIZER_FILE,
-                                       ShardWriter, file_sha256, finished_shard, read_manifest,
-                                       shard_paths, token_dtype_for, write_manifest)
+from trinity_train.data.shards import (FORMAT_VERSION, MANIFEST, SPLITS, TOKENIZER_FILE, ShardWriter,
+                                       file_sha256, finished_shard, new_manifest, read_manifest,
+                                       shard_paths, split_summary, token_dtype_for, write_manifest)
 from trinity_train.data.tokenizer import (find_eos_id, load_tokenizer, tokenizer_sha256,
                                           train_byte_level_bpe, vocab_size_of)
 from trinity_train.errors import DataError
@@ -107,22 +107,15 @@ def prepare(opts: PrepareOptions) -> Path:
         if splits["train"]["num_tokens"] == 0:
             raise DataError("the input holds no text: every document is empty")
         _remove_stale_files(out, splits)
-        manifest = {
-            "format": FORMAT_NAME,
-            "version": FORMAT_VERSION,
-            "created_by": f"trinity-train {__version__}",
-            "build_key": build_key,
-            "inputs": {"files": [str(p) for p, _ in inputs.files], "hub": inputs.hub_name,
-                       "bytes": inputs.total_bytes(), "text_field": opts.text_field},
-            "tokenizer": {"file": TOKENIZER_FILE, "sha256": tokenizer_sha256(tokenizer),
-                          "vocab_size": vocab_size, "eos_token": eos_token, "eos_id": eos_id},
-            "dtype": dtype.str,
-            "val_fraction": opts.val_fraction,
-            "seed": opts.seed,
-            "bad_records_skipped": report.bad_records,
-            "splits": splits,
-        }
-        write_manifest(out, manifest)
+        write_manifest(out, new_manifest(
+            build_key,
+            tokenizer={"file": TOKENIZER_FILE, "sha256": tokenizer_sha256(tokenizer),
+                       "vocab_size": vocab_size, "eos_token": eos_token, "eos_id": eos_id},
+            dtype=dtype, splits=splits,
+            created_by=f"trinity-train {__version__}",
+            inputs={"files": [str(p) for p, _ in inputs.files], "hub": inputs.hub_name,
+                    "bytes": inputs.total_bytes(), "text_field": opts.text_field},
+            val_fraction=opts.val_fraction, seed=opts.seed, bad_records_skipped=report.bad_records))
     finally:
         shutil.rmtree(work, ignore_errors=True)
     opts.stats.update(reused=False, seconds=time.perf_counter() - started, input_bytes=inputs.total_bytes(),
@@ -241,8 +234,7 @@ def _write_split(docs: datasets.Dataset, split_dir: Path, split: str, encoder: D
         shards.append(record)
         bar.update(end - start)
         bar.set_postfix_str(f"{sum(s['num_tokens'] for s in shards):,} {split} tokens")
-    return {"num_tokens": sum(s["num_tokens"] for s in shards),
-            "num_documents": sum(s["num_documents"] for s in shards), "shards": shards}
+    return split_summary(shards)
 
 
 def _write_shard(docs: datasets.Dataset, split_dir: Path, index: int, encoder: DocumentEncoder,

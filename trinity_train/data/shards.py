@@ -133,6 +133,21 @@ def finished_shard(split_dir: Path, index: int, build_key: str) -> dict | None:
     return record
 
 
+def split_summary(shard_records: list[dict]) -> dict:
+    """A split's manifest entry: its totals and its shards' records."""
+    return {"num_tokens": sum(s["num_tokens"] for s in shard_records),
+            "num_documents": sum(s["num_documents"] for s in shard_records), "shards": shard_records}
+
+
+def new_manifest(build_key: str, tokenizer: dict, dtype: np.dtype, splits: dict, **details) -> dict:
+    """`tokenizer`: file, sha256, vocab_size, eos_token, eos_id. `details`: what made the data."""
+    missing = {"vocab_size", "eos_id"} - set(tokenizer)
+    if missing or set(splits) != set(SPLITS):
+        raise ValueError(f"a manifest needs tokenizer {sorted(missing)} and splits {SPLITS}")
+    return {"format": FORMAT_NAME, "version": FORMAT_VERSION, "build_key": build_key,
+            "tokenizer": tokenizer, "dtype": np.dtype(dtype).str, "splits": splits, **details}
+
+
 def write_manifest(out_dir: Path, manifest: dict) -> None:
     atomic_write_json(out_dir / MANIFEST, manifest)
 
