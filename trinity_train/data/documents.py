@@ -157,7 +157,7 @@ def _load_files(fmt: str, files: list[Path], text_field: str, cache_dir: Path, n
         kwargs = {"sample_by": sample_by, "encoding_errors": encoding_errors}
     elif fmt in ("json", "csv"):
         kwargs = {"encoding_errors": encoding_errors}
-    where = f"'{files[0]}'" if len(files) == 1 else f"the {len(files)} {fmt} inputs"
+    where = f"'{files[0]}'" if len(files) == 1 else f"the {len(files)} {fmt} input files"
     try:
         ds = datasets.load_dataset(fmt, data_files=[str(p) for p in files], split="train",
                                    cache_dir=str(cache_dir), num_proc=_procs(num_proc, len(files)),
@@ -177,7 +177,8 @@ def _load_files(fmt: str, files: list[Path], text_field: str, cache_dir: Path, n
         problem = first_json_problem(files, text_field)
         if problem:  # a record lacks the field: say which one
             raise DataError(f"{problem}; fix it, or pass --skip-bad-records to skip bad records")
-    return _text_column(ds, text_field, where, skip_bad_records, report, num_proc)
+    # A text file's documents are its raw text: there is no field to choose.
+    return _text_column(ds, TEXT if fmt == "text" else text_field, where, skip_bad_records, report, num_proc)
 
 
 def _procs(num_proc: int, num_items: int) -> int | None:
@@ -193,11 +194,11 @@ def _text_column(ds: datasets.Dataset, text_field: str, where: str, skip_bad_rec
                  report: ReadReport, num_proc: int) -> datasets.Dataset:
     """Keep only `text_field`, renamed `text`, after checking it holds strings."""
     if text_field not in ds.column_names:
-        raise DataError(f"{where} has no field '{text_field}' (fields: {', '.join(ds.column_names)}); "
+        raise DataError(f"{where}: no field '{text_field}' (fields: {', '.join(ds.column_names)}); "
                         "choose the text field with --text-field")
     feature = ds.features[text_field]
     if not (isinstance(feature, datasets.Value) and feature.dtype in ("string", "large_string")):
-        raise DataError(f"field '{text_field}' of {where} holds {feature}, not text; "
+        raise DataError(f"{where}: field '{text_field}' holds {feature}, not text; "
                         "choose the text field with --text-field")
     ds = ds.select_columns([text_field])
     if text_field != TEXT:
@@ -205,10 +206,10 @@ def _text_column(ds: datasets.Dataset, text_field: str, where: str, skip_bad_rec
     missing = ds.data.column(TEXT).null_count
     if missing:
         if not skip_bad_records:
-            raise DataError(f"{missing} records of {where} have no '{text_field}' value; "
+            raise DataError(f"{where}: {missing} records have no '{text_field}' value; "
                             "fix them, or pass --skip-bad-records to skip them")
         report.bad_records += missing
-        report.bad_examples.append(f"{missing} records of {where} without a '{text_field}' value")
+        report.bad_examples.append(f"{where}: {missing} records without a '{text_field}' value")
         ds = ds.filter(_is_present, batched=True, input_columns=[TEXT], num_proc=_procs(num_proc, len(ds)))
     return ds
 

@@ -63,7 +63,8 @@ def find_eos_id(tokenizer: Tokenizer, eos_token: str | None = None) -> tuple[str
 
 
 def vocab_size_of(tokenizer: Tokenizer) -> int:
-    return tokenizer.get_vocab_size(with_added_tokens=True)
+    """One more than the largest id: what the token dtype and the embedding must hold (ids may have gaps)."""
+    return max(tokenizer.get_vocab(with_added_tokens=True).values()) + 1
 
 
 def tokenizer_sha256(tokenizer: Tokenizer) -> str:
