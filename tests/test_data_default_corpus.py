@@ -59,10 +59,12 @@ def _build_in_child(cfg: DataConfig, root: Path, builds, results) -> None:
     real_prepare = default_corpus.prepare
 
     def counted_prepare(opts):
-        with builds.get_lock():
-            builds.value += 1
-        time.sleep(0.5)  # hold the lock long enough for the other processes to arrive
-        return real_prepare(opts)
+        time.sleep(0.5)  # let every process get past the "already built?" check first
+        out = real_prepare(opts)
+        if not opts.stats["reused"]:
+            with builds.get_lock():
+                builds.value += 1
+        return out
 
     default_corpus.prepare = counted_prepare
     results.put(str(default_corpus.default_dataset(cfg, root=root, progress=False)))

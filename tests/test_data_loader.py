@@ -1,5 +1,6 @@
 """The train and validation loaders: determinism, DP slicing, resume, skips, mixing, boundaries."""
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -189,7 +190,8 @@ def test_position_ids_restart_at_documents_with_doc_masking(tmp_path):
                                         batch.document_ids.tolist()):
                 begun = [int(np.searchsorted(starts, t, side="right")) - 1 for t in tokens]
                 assert doc == [b - begun[0] for b in begun]
-                expected = [t - starts[b] for t, b in zip(tokens, begun)] if masking else list(range(SEQ))
+                row_starts = [max(starts[b], tokens[0]) for b in begun]  # the first document: from the row
+                expected = [t - s for t, s in zip(tokens, row_starts)] if masking else list(range(SEQ))
                 assert pos == expected
 
 
@@ -240,6 +242,18 @@ def test_vocabulary_larger_than_the_model_is_rejected(tmp_path):
     path = make_dataset(tmp_path / "ds", counting_docs(1, [400]), counting_docs(1, [100]), vocab_size=70_000)
     with pytest.raises(DataError, match="model.vocab_size"):
         build_loaders(config(path, tmp_path, mbs=1))
+
+
+def test_mixing_datasets_of_different_tokenizers_is_rejected(tmp_path):
+    paths = []
+    for name in ("a", "b"):
+        path = make_dataset(tmp_path / name, counting_docs(1, [400]), counting_docs(1, [100]))
+        manifest = json.loads((path / "manifest.json").read_text())
+        manifest["tokenizer"]["sha256"] = name * 64
+        write_manifest(path, manifest)
+        paths.append({"path": str(path), "weight": 1.0})
+    with pytest.raises(DataError, match="different tokenizers"):
+        build_loaders(config(None, tmp_path, mbs=1, mix=paths))
 
 
 def test_damaged_or_incomplete_dataset_is_rejected(dataset, tmp_path):

@@ -9,8 +9,8 @@ still building in seconds. Each file is one document.
 
 It is built by the same `prepare()` as `prepare-data` (an 8k byte-level BPE trained on it, a held-out
 validation split), under `data.cache_dir`, in a directory keyed by the Python version, the file list
-and the data options, so another interpreter gets its own. A file lock makes concurrent first runs
-(several torchrun ranks) safe: one builds, the others wait and then reuse it.
+and the data options, so another interpreter gets its own. prepare()'s file lock makes concurrent
+first runs (several torchrun ranks) safe: one builds, the others wait and then reuse it.
 """
 
 from __future__ import annotations
@@ -21,8 +21,6 @@ import os
 import sys
 import sysconfig
 from pathlib import Path
-
-from filelock import FileLock
 
 from trinity_train.config import DataConfig
 from trinity_train.data.prepare import PrepareOptions, prepare
@@ -61,15 +59,12 @@ def default_dataset(cfg: DataConfig, root: Path | None = None, progress: bool = 
     out = corpus_dir(cfg, root, files)
     if (out / MANIFEST).is_file():
         return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with FileLock(str(out) + ".lock"):
-        if (out / MANIFEST).is_file():  # another process built it while this one waited
-            return out
-        print(f"building the default corpus ({len(files)} standard-library files of Python "
-              f"{sys.version.split()[0]}) in {out}; later runs reuse it", file=sys.stderr)
-        prepare(PrepareOptions(
-            inputs=[str(p) for p in files], out=str(out), format="text", sample_by="document",
-            encoding_errors="replace",  # a few test files are deliberately not UTF-8
-            train_tokenizer=cfg.vocab_size, val_fraction=cfg.val_fraction, seed=_SPLIT_SEED,
-            num_proc=min(2, os.cpu_count() or 1), progress=progress))
-    return out
+    print(f"the default corpus ({len(files)} standard-library files of Python {sys.version.split()[0]}) "
+          f"is built once, in {out}", file=sys.stderr)
+    # prepare() holds a lock on `out`: of concurrent first runs one builds, the others wait for it
+    # and then find its manifest.
+    return prepare(PrepareOptions(
+        inputs=[str(p) for p in files], out=str(out), format="text", sample_by="document",
+        encoding_errors="replace",  # a few test files are deliberately not UTF-8
+        train_tokenizer=cfg.vocab_size, val_fraction=cfg.val_fraction, seed=_SPLIT_SEED,
+        num_proc=min(2, os.cpu_count() or 1), progress=progress))

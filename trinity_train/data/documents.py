@@ -123,7 +123,7 @@ def load_documents(inputs: Inputs, text_field: str, cache_dir: Path, num_proc: i
     datasets.logging.set_verbosity_error()
     report = ReadReport()
     if inputs.hub_name:
-        parts = [_load_hub(inputs, text_field, cache_dir, num_proc, skip_bad_records, report)]
+        parts = [_load_hub(inputs, text_field, num_proc, skip_bad_records, report)]
     else:
         parts = []
         for fmt in FORMATS:
@@ -137,8 +137,9 @@ def load_documents(inputs: Inputs, text_field: str, cache_dir: Path, num_proc: i
     return docs, report
 
 
-def _load_hub(inputs: Inputs, text_field: str, cache_dir: Path, num_proc: int,
-              skip_bad_records: bool, report: ReadReport) -> datasets.Dataset:
+def _load_hub(inputs: Inputs, text_field: str, num_proc: int, skip_bad_records: bool,
+              report: ReadReport) -> datasets.Dataset:
+    """Through the user's own Hugging Face cache, so a download is made once."""
     try:
         ds = datasets.load_dataset(inputs.hub_name, inputs.hub_config or None, split=inputs.hub_split,
                                    num_proc=num_proc if num_proc > 1 else None)

@@ -39,7 +39,7 @@ class Batch:
 
     input_ids: torch.Tensor
     labels: torch.Tensor  # input_ids shifted left by one: the next token at each position
-    position_ids: torch.Tensor  # restart at 0 at each document start when doc_masking, else arange
+    position_ids: torch.Tensor  # doc_masking: restart at 0 at the row and each document start; else arange
     document_ids: torch.Tensor  # 0, 1, ... for the documents a row touches, in order
     index: int  # the global batch index (training) or validation batch number
 
@@ -59,7 +59,9 @@ class SequenceReader:
             tokens = self.split.read(start, L + 1)
             out["input_ids"][row] = tokens[:-1]
             out["labels"][row] = tokens[1:]
-            doc_starts = self.split.document_starts(start, start + L)
+            # A row's first document counts from the row start, as the model's own default does
+            # (RoPE is relative, so only positions within one document matter).
+            doc_starts = np.maximum(self.split.document_starts(start, start + L), start)
             positions = np.arange(start, start + L)
             doc = np.searchsorted(doc_starts, positions, side="right") - 1
             out["document_ids"][row] = doc
@@ -227,6 +229,10 @@ def build_loaders(cfg: Config, dp_rank: int = 0, dp_size: int = 1,
     d = cfg.data
     sources = _sources(cfg)
     datasets = [PreparedDataset.open(path, verify_checksums=d.verify_checksums) for path, _ in sources]
+    tokenizers = {ds.manifest["tokenizer"].get("sha256") for ds in datasets}
+    if len(tokenizers) > 1:
+        raise DataError(f"the data.mix sources were tokenized with {len(tokenizers)} different tokenizers "
+                        f"({', '.join(str(ds.path) for ds in datasets)}); prepare them all with one tokenizer.json")
     for ds in datasets:
         if ds.vocab_size > cfg.model.vocab_size:
             raise DataError(f"dataset '{ds.path}' has a vocabulary of {ds.vocab_size} tokens but "

@@ -26,13 +26,13 @@ from pathlib import Path
 import datasets
 import numpy as np
 import pyarrow.compute as pc
+from filelock import FileLock
 from tokenizers import Tokenizer
 from tqdm import tqdm
 
 from trinity_train import __version__
 from trinity_train.data.atomic import atomic_write_json, atomic_write_text
-from trinity_train.data.documents import (FORMATS, TEXT, ReadReport, load_documents,
-                                          resolve_inputs)
+from trinity_train.data.documents import FORMATS, TEXT, Inputs, load_documents, resolve_inputs
 from trinity_train.data.shards import (FORMAT_VERSION, MANIFEST, SPLITS, TOKENIZER_FILE, ShardWriter,
                                        file_sha256, finished_shard, new_manifest, read_manifest,
                                        shard_paths, split_summary, token_dtype_for, write_manifest)
@@ -41,6 +41,8 @@ from trinity_train.data.tokenizer import (find_eos_id, load_tokenizer, tokenizer
 from trinity_train.errors import DataError
 
 _TRAINED_TOKENIZER_RECORD = "tokenizer.build.json"  # which build trained tokenizer.json
+_LOCK = ".prepare.lock"
+_WORK_PREFIX = ".work-"
 _ENCODE_BATCH = 512
 _WRITE_BATCH = 8192
 
@@ -70,7 +72,10 @@ class PrepareOptions:
 
 
 def prepare(opts: PrepareOptions) -> Path:
-    """Build (or finish, or confirm) the prepared dataset in `opts.out`; returns its path."""
+    """Build (or finish, or confirm) the prepared dataset in `opts.out`; returns its path.
+
+    Runs on the same `out` take turns (a file lock): a second one finds the first one's manifest.
+    """
     _check_options(opts)
     started = time.perf_counter()
     out = Path(opts.out).expanduser()
@@ -80,49 +85,57 @@ def prepare(opts: PrepareOptions) -> Path:
     tokenizer_spec = ({"train_vocab": opts.train_tokenizer} if opts.train_tokenizer
                       else {"sha256": file_sha256(_existing(opts.tokenizer))})
     build_key = _build_key(opts, inputs.fingerprint(), tokenizer_spec)
-    if (out / MANIFEST).is_file():
-        previous = read_manifest(out)
-        if previous.get("build_key") == build_key:
-            opts.stats.update(reused=True, seconds=time.perf_counter() - started)
-            return out
-        if not opts.overwrite:
-            raise DataError(f"'{out}' already holds a different prepared dataset; choose another --out "
-                            "or pass --overwrite to replace it")
-        (out / MANIFEST).unlink()  # from here on the directory no longer looks complete
     out.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix=".work-", dir=out))  # datasets' cache; never reused
-    try:
-        docs, report = load_documents(inputs, opts.text_field, work, opts.num_proc,
-                                      opts.skip_bad_records, opts.sample_by, opts.encoding_errors)
-        split_docs = split_validation(docs, opts.val_fraction, opts.seed)
-        tokenizer = _tokenizer(opts, out, build_key, split_docs["train"])
-        eos_token, eos_id = find_eos_id(tokenizer, opts.eos_token or None)
-        vocab_size = vocab_size_of(tokenizer)
-        dtype = _token_dtype(opts.dtype, vocab_size)
-        encoder = DocumentEncoder(tokenizer.to_str(), eos_id)
-        with tqdm(total=len(docs), unit="doc", desc=f"prepare {out.name}", disable=not opts.progress,
-                  file=sys.stderr) as bar:
-            splits = {name: _write_split(split_docs[name], out / name, name, encoder, dtype, build_key,
-                                         opts, bar) for name in SPLITS}
-        if splits["train"]["num_tokens"] == 0:
-            raise DataError("the input holds no text: every document is empty")
-        _remove_stale_files(out, splits)
-        write_manifest(out, new_manifest(
-            build_key,
-            tokenizer={"file": TOKENIZER_FILE, "sha256": tokenizer_sha256(tokenizer),
-                       "vocab_size": vocab_size, "eos_token": eos_token, "eos_id": eos_id},
-            dtype=dtype, splits=splits,
-            created_by=f"trinity-train {__version__}",
-            inputs={"files": [str(p) for p, _ in inputs.files], "hub": inputs.hub_name,
-                    "bytes": inputs.total_bytes(), "text_field": opts.text_field},
-            val_fraction=opts.val_fraction, seed=opts.seed, bad_records_skipped=report.bad_records))
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-    opts.stats.update(reused=False, seconds=time.perf_counter() - started, input_bytes=inputs.total_bytes(),
+    with FileLock(str(out / _LOCK)):
+        if (out / MANIFEST).is_file():
+            previous = read_manifest(out)
+            if previous.get("build_key") == build_key:
+                opts.stats.update(reused=True, seconds=time.perf_counter() - started)
+                return out
+            if not opts.overwrite:
+                raise DataError(f"'{out}' already holds a different prepared dataset; choose another "
+                                "--out or pass --overwrite to replace it")
+            (out / MANIFEST).unlink()  # from here on the directory no longer looks complete
+        for stale in out.glob(f"{_WORK_PREFIX}*"):  # left by a killed run (we hold the lock)
+            shutil.rmtree(stale, ignore_errors=True)
+        work = Path(tempfile.mkdtemp(prefix=_WORK_PREFIX, dir=out))  # datasets' cache; never reused
+        try:
+            _build(opts, out, inputs, build_key, work)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+    opts.stats["seconds"] = time.perf_counter() - started
+    return out
+
+
+def _build(opts: PrepareOptions, out: Path, inputs: Inputs, build_key: str, work: Path) -> None:
+    docs, report = load_documents(inputs, opts.text_field, work, opts.num_proc,
+                                  opts.skip_bad_records, opts.sample_by, opts.encoding_errors)
+    split_docs = split_validation(docs, opts.val_fraction, opts.seed)
+    tokenizer = _tokenizer(opts, out, build_key, split_docs["train"])
+    eos_token, eos_id = find_eos_id(tokenizer, opts.eos_token or None)
+    vocab_size = vocab_size_of(tokenizer)
+    dtype = _token_dtype(opts.dtype, vocab_size)
+    encoder = DocumentEncoder(tokenizer.to_str(), eos_id)
+    with tqdm(total=len(docs), unit="doc", desc=f"prepare {out.name}", disable=not opts.progress,
+              file=sys.stderr) as bar:
+        splits = {name: _write_split(split_docs[name], out / name, name, encoder, dtype, build_key,
+                                     opts, bar) for name in SPLITS}
+    if splits["train"]["num_tokens"] == 0:
+        raise DataError("the input holds no text: every document is empty")
+    _remove_stale_files(out, splits)
+    write_manifest(out, new_manifest(
+        build_key,
+        tokenizer={"file": TOKENIZER_FILE, "sha256": tokenizer_sha256(tokenizer),
+                   "vocab_size": vocab_size, "eos_token": eos_token, "eos_id": eos_id},
+        dtype=dtype, splits=splits,
+        created_by=f"trinity-train {__version__}",
+        inputs={"files": [str(p) for p, _ in inputs.files], "hub": inputs.hub_name,
+                "bytes": inputs.total_bytes(), "text_field": opts.text_field},
+        val_fraction=opts.val_fraction, seed=opts.seed, bad_records_skipped=report.bad_records))
+    opts.stats.update(reused=False, input_bytes=inputs.total_bytes(),
                       train_tokens=splits["train"]["num_tokens"], val_tokens=splits["val"]["num_tokens"],
                       documents=sum(s["num_documents"] for s in splits.values()),
                       bad_records=report.bad_records, bad_examples=report.bad_examples)
-    return out
 
 
 def _check_options(opts: PrepareOptions) -> None:
