@@ -226,3 +226,16 @@ def test_worker_processes_write_the_same_shards(tmp_path):
     for split in ("train", "val"):
         a, b = PreparedDataset.open(one).splits[split], PreparedDataset.open(two).splits[split]
         assert np.array_equal(a.read(0, a.num_tokens), b.read(0, b.num_tokens))
+
+
+def test_bad_input_through_the_cli_is_one_line_and_exit_1(tmp_path, capsys):
+    from trinity_train.cli import main
+
+    src = write_jsonl(tmp_path / "a.jsonl", documents(10))
+    src.write_text(src.read_text() + "{oops\n")
+    for bad_input, says in ((tmp_path / "missing.jsonl", "does not exist"), (src, "a.jsonl:11: malformed JSON")):
+        rc = main(["prepare-data", "--input", str(bad_input), "--out", str(tmp_path / "out"),
+                   "--train-tokenizer", "300", "--no-progress"])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert rc == 1 and len(err) == 1 and err[0].startswith("error: ") and says in err[0]
+        assert not (tmp_path / "out" / "manifest.json").exists()

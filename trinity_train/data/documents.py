@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import glob
 import json
-import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
