@@ -287,7 +287,7 @@ def test_each_matrix_is_orthogonalised_once(two_ranks):
     total = flops[0]["single_process"]
     assert total > 0
     assert sum(f["rank"] for f in flops) == total  # nobody repeats anybody's work
-    assert max(f["rank"] for f in flops) <= 0.6 * total  # and it is split about evenly
+    assert max(f["rank"] for f in flops) <= 0.55 * total  # and it is split about evenly
 
 
 def test_state_reloads_under_another_layout(two_ranks):

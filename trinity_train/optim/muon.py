@@ -16,15 +16,16 @@ split into two sets:
 - *gather* dims shard a matrix dimension, or replicate the tensor: the matrix must be assembled
   on one rank of the gather group before Newton-Schulz can run.
 
-Matrices with the same layout are processed in rounds of `n` (the gather group's size). A round
-stacks the n updates into one DTensor `[n, ...]` and redistributes it so that the stacked dim is
-sharded over the gather dims: each rank of the group then holds exactly one whole matrix (an
-all-to-all done by DTensor), orthogonalises it, and the reverse redistribution hands every rank
-its shard of every result. Matrices are dealt to the ranks round-robin, largest first, so the
-Newton-Schulz work is balanced and nobody repeats anybody's work; a short round is padded with
-zeros that no rank orthogonalises. The sequence of rounds depends only on the parameters'
-shapes and layouts, so every rank issues the same collectives in the same order; a parameter
-without a gradient (an expert that received no tokens) takes part with a zero gradient.
+Matrices are dealt to the ranks of their gather group largest first, each to the rank with
+the least Newton-Schulz work so far (round-robin while loads tie), so the work is balanced and
+nobody repeats anybody's work. Matrices of one layout and shape then go in rounds of at most one
+per rank: a round stacks n updates (n = the gather group's size; zeros where a rank has nothing
+this round) into one DTensor `[n, ...]` and redistributes it so that the stacked dim is sharded
+over the gather dims. Each rank then holds one whole matrix (an all-to-all done by DTensor),
+orthogonalises it, and the reverse redistribution hands every rank its shard of every result.
+The plan depends only on the parameters' shapes and layouts, so every rank issues the same
+collectives in the same order; a parameter without a gradient (an expert that received no
+tokens) takes part with a zero gradient.
 
 State is stored per parameter with the parameter's own layout, so
 `torch.distributed.checkpoint.state_dict.get_optimizer_state_dict` keys it by parameter name and
@@ -209,23 +210,21 @@ class Muon(torch.optim.Optimizer):
                 dtype = ns_dtype_for(group["ns_dtype"], p.device)
                 key = (layout, tuple(p.shape), dtype, group["ns_steps"])
                 buckets.setdefault(key, []).append((p, group))
-        # Largest matrices first, then deal round-robin: the per-rank work stays balanced.
-        dealt: dict[tuple, int] = {}
-        for key in sorted(buckets, key=lambda k: -math.prod(k[1][-2:])):
-            layout, _, dtype, steps = key
+        # Largest first, each matrix to the least-loaded rank of its gather group (the classic
+        # greedy). Loads depend only on shapes and layouts, so every rank computes the same plan.
+        loads: dict[tuple, list[int]] = {}
+        for key in sorted(buckets, key=lambda k: -_ns_cost(k[1])):
+            layout, shape, dtype, steps = key
             members = buckets[key]
-            n = layout.group_size
-            deal_key = (layout.mesh, layout.gather_dims)
-            for start in range(0, len(members), n):
-                round_members = members[start:start + n]
-                first = dealt.get(deal_key, 0)
-                dealt[deal_key] = first + len(round_members)
+            group_loads = loads.setdefault((layout.mesh, layout.gather_dims), [0] * layout.group_size)
+            for round_plan in _deal(len(members), _ns_cost(shape), group_loads):
+                round_members = [members[i] for i, _ in round_plan]
                 updates = [self._nesterov_update(p, group, dtype) for p, group in round_members]
-                if n == 1:
+                if layout.group_size == 1:
                     ortho = [newton_schulz(u, steps, dtype) for u in updates]
                 else:
                     ortho = _orthogonalise_round(layout, [p for p, _ in round_members], updates,
-                                                 first, steps, dtype)
+                                                 [slot for _, slot in round_plan], steps, dtype)
                 for (p, group), o in zip(round_members, ortho):
                     _apply_update(p, group, o)
 
@@ -245,14 +244,28 @@ class Muon(torch.optim.Optimizer):
         return update.to(dtype)
 
 
+def _deal(count: int, cost: int, loads: list[int]) -> list[list[tuple[int, int]]]:
+    """Give each of `count` equal matrices to the least-loaded slot (updating `loads`).
+
+    Returns rounds of (matrix index, slot) with at most one matrix per slot: round r holds the
+    r-th matrix of every slot that got more than r.
+    """
+    per_slot: list[list[int]] = [[] for _ in loads]
+    for i in range(count):
+        slot = min(range(len(loads)), key=lambda j: (loads[j], j))
+        loads[slot] += cost
+        per_slot[slot].append(i)
+    rounds = max(len(q) for q in per_slot)
+    return [[(q[r], slot) for slot, q in enumerate(per_slot) if r < len(q)] for r in range(rounds)]
+
+
 def _orthogonalise_round(layout: _Layout, params: list[torch.Tensor], updates: list[torch.Tensor],
-                         first: int, steps: int, dtype: torch.dtype) -> list[torch.Tensor]:
+                         slots: list[int], steps: int, dtype: torch.dtype) -> list[torch.Tensor]:
     """Newton-Schulz on up to n sharded matrices, each on one rank of the gather group.
 
     Returns each matrix's result as this rank's shard, in the parameter's layout.
     """
     n = layout.group_size
-    slots = [(first + i) % n for i in range(len(params))]
     pieces = [DTensor.from_local(u, layout.mesh, layout.placements, run_check=False,
                                  shape=p.shape, stride=p.stride())
               for p, u in zip(params, updates)]
@@ -271,6 +284,12 @@ def _orthogonalise_round(layout: _Layout, params: list[torch.Tensor], updates: l
                                 shape=stacked.shape, stride=stacked.stride())
     shards = result.redistribute(layout.mesh, stacked.placements).to_local()
     return [shards[slot] for slot in slots]
+
+
+def _ns_cost(shape: tuple[int, ...]) -> int:
+    """Newton-Schulz work on a `[..., rows, cols]` weight, up to a constant factor."""
+    small, large = sorted(shape[-2:])
+    return math.prod(shape[:-2]) * (2 * small * small * large + small ** 3)
 
 
 def _apply_update(p: torch.Tensor, group: dict, ortho: torch.Tensor) -> None:
