@@ -178,7 +178,7 @@ def test_skip_is_constant_time_and_moves_the_position(dataset, tmp_path):
 
 def test_position_ids_restart_at_documents_with_doc_masking(tmp_path):
     path = make_dataset(tmp_path / "ds", counting_docs(1, [5, 20, 3, 40, 8, 30, 60]),
-                        counting_docs(1000, [SEQ * 3]))
+                        counting_docs(1000, [SEQ * 3]), shard_documents=3)  # rows cross shard edges
     starts = np.cumsum([1, 5, 20, 3, 40, 8, 30, 60])[:-1]  # token value at each document start
     for masking in (True, False):
         cfg = config(path, tmp_path, mbs=2)
