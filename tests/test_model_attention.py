@@ -80,3 +80,22 @@ def test_local_layers_ignore_keys_outside_the_window():
         a, b = model(ids).logits, model(edited).logits
     assert (a[0, :3] - b[0, :3]).abs().max() > 1e-4  # positions 0-2 see position 0
     torch.testing.assert_close(a[0, 3:], b[0, 3:])  # window 3: position 3 on no longer does
+
+
+def test_masks_and_rotary_tables_are_built_once_per_forward_per_layer_kind(monkeypatch):
+    import trinity_train.model.transformer as transformer
+
+    calls = {"mask": 0, "rotary": 0}
+
+    def counting(name, fn):
+        def wrapped(*args, **kwargs):
+            calls[name] += 1
+            return fn(*args, **kwargs)
+        return wrapped
+
+    monkeypatch.setattr(transformer, "build_attention_mask",
+                        counting("mask", transformer.build_attention_mask))
+    monkeypatch.setattr(transformer, "rotary_cos_sin", counting("rotary", transformer.rotary_cos_sin))
+    model = build_model(tiny(num_layers=8, doc_masking=True))  # 6 local + 2 global layers
+    model(torch.randint(0, 64, (2, 6)), document_ids=torch.zeros(2, 6, dtype=torch.long))
+    assert calls == {"mask": 2, "rotary": 1}
