@@ -286,16 +286,28 @@ def config_from_dict(table: dict) -> Config:
     return cfg
 
 
+def _read_toml(path: Path, seen: tuple[Path, ...] = ()) -> dict:
+    """Read a config file; a top-level `base = "other.toml"` (relative to this file) is read first
+    and this file's tables are merged over it, so an ablation is its base plus what differs."""
+    if not path.is_file():
+        raise ConfigError(f"config file '{path}' does not exist")
+    try:
+        table = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"config file '{path}' is not valid TOML: {e}") from None
+    base = table.pop("base", None)
+    if base is None:
+        return table
+    if not isinstance(base, str):
+        raise ConfigError(f"{path}: base: expected the path of another config file, got {base!r}")
+    base_path = (path.parent / base).resolve()
+    if base_path in seen or base_path == path.resolve():
+        raise ConfigError(f"{path}: base '{base}' includes itself")
+    return _merge(_read_toml(base_path, seen + (path.resolve(),)), table)
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | dict | None = None) -> Config:
-    table: dict = {}
-    if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"config file '{p}' does not exist")
-        try:
-            table = tomllib.loads(p.read_text())
-        except tomllib.TOMLDecodeError as e:
-            raise ConfigError(f"config file '{p}' is not valid TOML: {e}") from None
+    table = _read_toml(Path(path)) if path is not None else {}
     if overrides:
         extra = parse_overrides(overrides) if isinstance(overrides, list) else overrides
         table = _merge(table, extra)
