@@ -120,6 +120,20 @@ def test_resume_at_k_equals_never_stopping(dataset, tmp_path):
         assert torch.equal(e.input_ids, g.input_ids) and e.index == g.index
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_loader_state_round_trips_through_a_dcp_checkpoint(dataset, tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    first, _ = build_loaders(config(dataset, tmp_path))
+    take(first, 3)
+    dcp.save({"loader": first}, checkpoint_id=str(tmp_path / "ckpt"))
+    expected = take(first, 2)
+    resumed, _ = build_loaders(config(dataset, tmp_path))
+    dcp.load({"loader": resumed}, checkpoint_id=str(tmp_path / "ckpt"))
+    assert resumed.position == 3
+    assert all(torch.equal(e.input_ids, g.input_ids) for e, g in zip(expected, take(resumed, 2)))
+
+
 def test_resume_with_other_dp_size_keeps_global_order(dataset, tmp_path):
     reference, _ = build_loaders(config(dataset, tmp_path, mbs=8))
     expected = [b.input_ids for b in take(reference, 6)]

@@ -97,6 +97,8 @@ class _MixedRows:
 
 
 class TrainLoader:
+    """This rank's training batches; its state is a position in the global batch sequence."""
+
     def __init__(self, mixed: _MixedRows, seq_len: int, rows_per_rank: int, dp_rank: int, dp_size: int,
                  seed: int, fingerprint: str, skips: list[SkipLedger]):
         self._mixed, self.seq_len = mixed, seq_len
