@@ -15,8 +15,9 @@ When tensor parallelism is on too, each expert's width is also split over `tp` (
 down by columns). Every tp rank holds the same tokens, so the expert input gets an identity forward
 / all-reduce backward, and the partial outputs are all-reduced (Megatron's f and g operators).
 
-The expert weights are DTensors on the `(ep, tp)` mesh: `Shard(0)` over ep (whole experts) and the
-width shard over tp, so FSDP, the optimizer and checkpoints see their global `[E, ...]` shape.
+The expert weights are DTensors on the `ep` and/or `tp` mesh dims: `Shard(0)` over ep (whole
+experts) and the width shard over tp, so FSDP, the optimizer and checkpoints see their global
+`[E, ...]` shape.
 """
 
 from __future__ import annotations
@@ -98,21 +99,19 @@ def _tp_output(y: torch.Tensor, tp_mesh: DeviceMesh) -> torch.Tensor:
 
 
 class ExpertParallel(ParallelStyle):
-    """Apply to a `GroupedExperts` module with the 2-D `(ep, tp)` mesh (either may be size 1)."""
+    """Apply to a `GroupedExperts` module with a mesh whose dims are "ep", "tp" or both."""
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        if device_mesh.ndim != 2:
-            raise ValueError("ExpertParallel expects the 2-D (ep, tp) mesh")
-        ep_mesh, tp_mesh = device_mesh[device_mesh.mesh_dim_names[0]], device_mesh[
-            device_mesh.mesh_dim_names[1]]
+        names = device_mesh.mesh_dim_names or ()
+        if not set(names) <= {"ep", "tp"} or not names:
+            raise ValueError(f"ExpertParallel needs a mesh with dims 'ep' and/or 'tp', got {names}")
         for name, width_dim in EXPERT_WIDTH_DIM.items():
-            weight = getattr(module, name)
-            placements = [Shard(0), Shard(width_dim) if tp_mesh.size() > 1 else Replicate()]
+            placements = [Shard(0) if dim == "ep" else Shard(width_dim) for dim in names]
             # src_data_rank=None: every rank cuts its shard from its own copy (no communication).
-            module.register_parameter(
-                name, nn.Parameter(distribute_tensor(weight.data, device_mesh, placements, src_data_rank=None)))
-        ep_group = ep_mesh.get_group() if ep_mesh.size() > 1 else None
-        tp = tp_mesh if tp_mesh.size() > 1 else None
+            module.register_parameter(name, nn.Parameter(distribute_tensor(
+                getattr(module, name).data, device_mesh, placements, src_data_rank=None)))
+        ep_group = device_mesh["ep"].get_group() if "ep" in names else None
+        tp = device_mesh["tp"] if "tp" in names else None
 
         def around(mod: nn.Module, forward, x_sorted: torch.Tensor, counts: torch.Tensor):
             if tp is not None:

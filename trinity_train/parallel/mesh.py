@@ -1,0 +1,149 @@
+"""The parallel layout: how many ranks replicate, shard, split tensors and split experts, and the one
+DeviceMesh that names those groups.
+
+The world is `dp_replicate x dp_shard x tp` ranks. Expert parallelism borrows its ranks from
+`dp_shard` (as in torchtitan): the `ep` ranks of a group see different data in attention and the
+dense layers, and exchange tokens so that each routed expert lives whole on one of them. What is
+left of `dp_shard` after `ep` (`efsdp = dp_shard / ep`) shards the experts FSDP-style.
+
+Three views of one world mesh name the groups the rest of the code asks for, tp innermost so a
+tensor-parallel group sits on neighbouring ranks (one node):
+
+- dense  `(dp_replicate, dp_shard, tp)`: FSDP/HSDP and TP of everything but the routed experts;
+- sparse `(dp_replicate, efsdp, ep, tp)`: the routed experts, split over ep (and tp) and sharded
+  FSDP-style over efsdp;
+- data   `(dp, tp)`: which slice of the batch a rank reads, and what losses are summed over.
+
+They are unflattened from the same 1-D world mesh, so DTensors and FSDP can combine their dims.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from trinity_train.config import Config
+from trinity_train.errors import ConfigError
+from trinity_train.model.moe import GROUPED_MM_ALIGNMENT
+
+
+@dataclass
+class ParallelDims:
+    """Resolved sizes of every parallel dimension, checked against the world size and the model."""
+
+    dp_replicate: int
+    dp_shard: int
+    tp: int
+    ep: int
+    world_size: int
+    mesh: DeviceMesh | None = field(default=None, repr=False)  # the 1-D world, set by build_mesh
+    _dense: DeviceMesh | None = field(default=None, repr=False)
+    _sparse: DeviceMesh | None = field(default=None, repr=False)
+    _data: DeviceMesh | None = field(default=None, repr=False)
+
+    @classmethod
+    def from_config(cls, cfg: Config, world_size: int) -> ParallelDims:
+        """Resolve `dp_shard = -1` and reject a layout that cannot run on `world_size` ranks.
+
+        `cfg` is validated (`config.validate` holds the rules that need no world size: tp divides
+        heads, FFN widths and seq_len; ep divides the experts)."""
+        p = cfg.parallel
+        fixed = p.dp_replicate * p.tp
+        if p.dp_shard == -1:
+            if world_size % fixed:
+                raise ConfigError(
+                    f"parallel: {world_size} ranks cannot be split into dp_replicate={p.dp_replicate} "
+                    f"x tp={p.tp} = {fixed} groups; start a multiple of {fixed} processes or change "
+                    f"parallel.dp_replicate / parallel.tp")
+            dp_shard = world_size // fixed
+        else:
+            dp_shard = p.dp_shard
+            if fixed * dp_shard != world_size:
+                raise ConfigError(
+                    f"parallel: dp_replicate={p.dp_replicate} x dp_shard={dp_shard} x tp={p.tp} = "
+                    f"{fixed * dp_shard} ranks, but {world_size} processes were started; start "
+                    f"{fixed * dp_shard} processes or set parallel.dp_shard=-1 to use what is left")
+        if dp_shard % p.ep:
+            raise ConfigError(
+                f"parallel.ep: ep={p.ep} must divide the expert-data-parallel size "
+                f"dp_shard={dp_shard} (expert parallelism takes its ranks from dp_shard); "
+                f"choose an ep that divides {dp_shard} or start more processes")
+        m = cfg.model
+        if m.expert_impl == "grouped" and (m.moe_intermediate_size // p.tp) % GROUPED_MM_ALIGNMENT:
+            raise ConfigError(
+                f"parallel.tp: each rank's expert width model.moe_intermediate_size / tp = "
+                f"{m.moe_intermediate_size // p.tp} must be a multiple of {GROUPED_MM_ALIGNMENT} for "
+                f"model.expert_impl='grouped'; use a smaller tp or model.expert_impl='loop'")
+        return cls(p.dp_replicate, dp_shard, p.tp, p.ep, world_size)
+
+    @property
+    def efsdp(self) -> int:
+        """Ranks that shard each expert FSDP-style: what is left of dp_shard after ep."""
+        return self.dp_shard // self.ep
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel ranks: each reads a different slice of the global batch."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def is_distributed(self) -> bool:
+        return self.world_size > 1
+
+    def build_mesh(self, device_type: str) -> DeviceMesh:
+        """Create the world mesh and its three views (every rank must call this)."""
+        world = init_device_mesh(device_type, (self.world_size,), mesh_dim_names=("world",))
+        self._dense = world._unflatten(0, (self.dp_replicate, self.dp_shard, self.tp),
+                                       ("dp_replicate", "dp_shard", "tp"))
+        self._sparse = world._unflatten(0, (self.dp_replicate, self.efsdp, self.ep, self.tp),
+                                        ("dp_replicate", "efsdp", "ep", "tp"))
+        self._data = world._unflatten(0, (self.dp, self.tp), ("dp", "tp"))
+        self.mesh = world
+        return world
+
+    def _require_mesh(self) -> None:
+        if self.mesh is None:
+            raise RuntimeError("ParallelDims.build_mesh() has not been called")
+
+    @property
+    def dp_mesh(self) -> DeviceMesh:
+        """1-D mesh over all data-parallel ranks (batch slices, loss and token-count sums)."""
+        self._require_mesh()
+        return self._data["dp"]
+
+    @property
+    def fsdp_mesh(self) -> DeviceMesh:
+        """FSDP mesh of the non-expert weights: 1-D (FSDP) or 2-D (HSDP: replicate, shard)."""
+        self._require_mesh()
+        return self._dense["dp_replicate", "dp_shard"] if self.dp_replicate > 1 else self._dense["dp_shard"]
+
+    @property
+    def expert_fsdp_mesh(self) -> DeviceMesh:
+        """FSDP mesh of expert-parallel routed experts: the data-parallel ranks not used by ep."""
+        self._require_mesh()
+        return self._sparse["dp_replicate", "efsdp"] if self.dp_replicate > 1 else self._sparse["efsdp"]
+
+    @property
+    def tp_mesh(self) -> DeviceMesh:
+        self._require_mesh()
+        return self._dense["tp"]
+
+    @property
+    def expert_mesh(self) -> DeviceMesh | None:
+        """The mesh the routed-expert weights are split over: "ep" (whole experts) and/or "tp"
+        (their width), or None when neither is on. Without ep the experts stay in their block's
+        FSDP unit, so their tp dim comes from the same (dense) view as the block's."""
+        self._require_mesh()
+        if self.ep > 1:
+            return self._sparse["ep", "tp"] if self.tp > 1 else self._sparse["ep"]
+        return self._dense["tp"] if self.tp > 1 else None
+
+    @property
+    def dp_rank(self) -> int:
+        return self.dp_mesh.get_local_rank() if self.mesh is not None else 0
+
+    def describe(self) -> str:
+        return (f"world={self.world_size} dp_replicate={self.dp_replicate} dp_shard={self.dp_shard} "
+                f"(ep={self.ep} x efsdp={self.efsdp}) tp={self.tp}")
+

@@ -1,0 +1,60 @@
+"""Joining the job: read torchrun's environment, pick the device and backend, build the mesh.
+
+`torchrun` (see `launch/`) sets RANK, WORLD_SIZE, LOCAL_RANK and the rendezvous address. One
+process without torchrun is a world of one and needs no process group. GPUs mean one device per
+process (LOCAL_RANK) and NCCL; otherwise the CPU and gloo.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+
+from trinity_train.config import Config
+from trinity_train.errors import ConfigError
+from trinity_train.parallel.mesh import ParallelDims
+
+
+def world_size_from_env() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def resolve_device(cfg: Config) -> torch.device:
+    """This process's device: `train.device`, where "auto" means a GPU when one is visible."""
+    wanted = cfg.train.device
+    if wanted == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("train.device: 'cuda' was asked for but no GPU is visible; "
+                          "use train.device='auto' or 'cpu'")
+    if wanted == "cpu" or not torch.cuda.is_available():
+        return torch.device("cpu")
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if local_rank >= torch.cuda.device_count():
+        raise ConfigError(f"LOCAL_RANK={local_rank} but only {torch.cuda.device_count()} GPUs are "
+                          f"visible: start at most that many processes per node (--nproc_per_node)")
+    return torch.device("cuda", local_rank)
+
+
+def init_distributed(cfg: Config) -> tuple[ParallelDims, torch.device]:
+    """Check the layout against the world size, join the process group and build the mesh.
+
+    The layout is checked before the process group starts, so a wrong one fails in every rank at
+    once with the same message instead of hanging in a collective.
+    """
+    dims = ParallelDims.from_config(cfg, world_size_from_env())
+    device = resolve_device(cfg)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if not dims.is_distributed:
+        return dims, device
+    if not dist.is_initialized():
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, device_id=device if device.type == "cuda" else None)
+    dims.build_mesh(device.type)
+    return dims, device
+
+
+def destroy_distributed() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,64 @@
+"""The global scalars of a distributed step: summed losses and counts, and the gradient norm.
+
+Data-parallel ranks see different tokens, so loss sums, token counts and tokens-per-expert are
+summed over the `dp` mesh dim; tensor-parallel ranks see the same tokens and hold the same
+values, so they are not summed again. The gradient norm is computed from DTensor gradients, which
+know how each one is split: a gradient sharded by FSDP, TP and EP, or replicated over some ranks,
+contributes its squared norm exactly once (expert gradients are not counted once per ep rank).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Iterable
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from trinity_train.parallel.mesh import ParallelDims
+
+
+def sum_over_data_parallel(tensor: torch.Tensor, dims: ParallelDims) -> torch.Tensor:
+    """Sum `tensor` over the data-parallel ranks, in place (and return it); a no-op on one rank."""
+    if dims.mesh is not None and dims.dp > 1:
+        dist.all_reduce(tensor, group=dims.dp_mesh.get_group())
+    return tensor
+
+
+def _params_by_mesh(parameters: Iterable[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """Parameters with a gradient, grouped by the mesh it lives on (None for plain tensors):
+    DTensor ops, the foreach ones included, only combine tensors of one mesh."""
+    groups: dict[object, list[torch.Tensor]] = defaultdict(list)
+    for p in parameters:
+        if p.grad is not None:
+            groups[p.grad.device_mesh if isinstance(p.grad, DTensor) else None].append(p)
+    return list(groups.values())
+
+
+def _global_norm(groups: list[list[torch.Tensor]]) -> torch.Tensor:
+    squares = []
+    for params in groups:  # one reduction per mesh
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type=2.0)
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()
+        squares.append(norm.float().square())
+    if not squares:
+        return torch.zeros(())
+    return torch.stack(squares).sum().sqrt()
+
+
+def global_grad_norm(parameters: Iterable[torch.Tensor]) -> torch.Tensor:
+    """L2 norm of all gradients as one vector, the same on every rank (fp32 scalar)."""
+    return _global_norm(_params_by_mesh(parameters))
+
+
+def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float) -> torch.Tensor:
+    """Scale all gradients so their global norm is at most `max_norm` (0 disables); returns the
+    norm before clipping, for logging and the stability checks."""
+    groups = _params_by_mesh(parameters)
+    total = _global_norm(groups)
+    if max_norm > 0:
+        for params in groups:
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+    return total
