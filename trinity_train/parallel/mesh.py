@@ -99,6 +99,14 @@ class ParallelDims:
         self._sparse = world._unflatten(0, (self.dp_replicate, self.efsdp, self.ep, self.tp),
                                         ("dp_replicate", "efsdp", "ep", "tp"))
         self._data = world._unflatten(0, (self.dp, self.tp), ("dp", "tp"))
+        # Flattened groups for reductions over several dims at once (a global gradient norm of a
+        # weight sharded over FSDP and TP is one all-reduce over both, not one per dim).
+        for view, dims in ((self._dense, ("dp_shard", "tp")),
+                           (self._dense, ("dp_replicate", "dp_shard", "tp")),
+                           (self._sparse, ("efsdp", "ep")),
+                           (self._sparse, ("efsdp", "ep", "tp")),
+                           (self._sparse, ("dp_replicate", "efsdp", "ep", "tp"))):
+            view[dims]._flatten("_".join(dims))
         self.mesh = world
         return world
 
