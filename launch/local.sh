@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Train on one node with N processes (N GPUs, or N gloo ranks on the CPU).
+#
+#   launch/local.sh N [--config FILE] [--section.key=value ...]
+#
+# Everything after N goes to `trinity-train train`; the layout comes from the config, e.g.
+#   launch/local.sh 4 --parallel.tp=2            # tp 2 x FSDP 2
+#   launch/local.sh 8 --parallel.ep=4            # experts over 4 ranks, FSDP over all 8
+# N defaults to the number of visible GPUs when given as "gpus".
+set -euo pipefail
+
+usage="usage: launch/local.sh N|gpus [--config FILE] [--section.key=value ...]"
+nproc="${1:?$usage}"
+shift
+if [[ "$nproc" == "gpus" ]]; then
+    nproc="$(nvidia-smi --list-gpus 2>/dev/null | wc -l)"
+    [[ "$nproc" -gt 0 ]] || { echo "launch/local.sh: no GPU visible; give the process count" >&2; exit 2; }
+fi
+[[ "$nproc" =~ ^[1-9][0-9]*$ ]] || { echo "$usage" >&2; exit 2; }
+
+# --standalone: a private c10d rendezvous on a free local port, so several jobs can share a node.
+exec torchrun --standalone --nnodes=1 --nproc-per-node="$nproc" -m trinity_train.cli train "$@"
