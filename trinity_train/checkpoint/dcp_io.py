@@ -1,14 +1,13 @@
 """Thin wrappers over `torch.distributed.checkpoint` save/load for one or many processes.
 
 DCP works in a single process without a process group (`no_dist`), and warns that it is doing
-so; that is our intended single-process mode, so the warning is silenced here and only here.
-Load failures (missing keys, shape mismatches, unreadable files) become a CheckpointError that
+so, also from the thread of an asynchronous save; that is our intended single-process mode, so
+that one warning is filtered out. Load failures (missing keys, shape mismatches, unreadable files) become a CheckpointError that
 names the checkpoint and the first reason DCP gave.
 """
 
 from __future__ import annotations
 
-import contextlib
 import warnings
 from concurrent.futures import Future
 from pathlib import Path
@@ -20,27 +19,21 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from trinity_train.errors import CheckpointError
 
-
-@contextlib.contextmanager
-def _single_process_quiet():
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        yield
-
-
 def _no_dist() -> bool:
+    # Installed on every call (not once at import), so it also holds where the filter list was
+    # reset since; filters are process-wide, so it covers the asynchronous save's thread too.
+    warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized",
+                            category=UserWarning)
     return not dist.is_initialized()
 
 
 def save(state: dict[str, Any], path: Path) -> None:
-    with _single_process_quiet():
-        dcp.save(state, checkpoint_id=str(path), no_dist=_no_dist())
+    dcp.save(state, checkpoint_id=str(path), no_dist=_no_dist())
 
 
 def async_save(state: dict[str, Any], path: Path) -> Future:
     """Starts writing after staging a copy of `state`, so training may change it right away."""
-    with _single_process_quiet():
-        return dcp.async_save(state, checkpoint_id=str(path), no_dist=_no_dist())
+    return dcp.async_save(state, checkpoint_id=str(path), no_dist=_no_dist())
 
 
 def _first_failure(error: CheckpointException) -> str:
@@ -53,8 +46,7 @@ def _first_failure(error: CheckpointException) -> str:
 def load(state: dict[str, Any], path: Path) -> None:
     """Load `path` into `state` in place (Stateful values get `load_state_dict` afterwards)."""
     try:
-        with _single_process_quiet():
-            dcp.load(state, checkpoint_id=str(path), no_dist=_no_dist())
+        dcp.load(state, checkpoint_id=str(path), no_dist=_no_dist())
     except CheckpointException as e:
         raise CheckpointError(f"checkpoint '{path}' could not be loaded: {_first_failure(e)}") from None
     except (OSError, EOFError, RuntimeError, ValueError, KeyError) as e:

@@ -1,0 +1,213 @@
+"""The training loop on a tiny Trinity MoE and a tiny prepared corpus: exact resume, gradient
+accumulation, skipped steps, metrics, run-directory rules, init_from and activation checkpointing."""
+
+import json
+import math
+import random
+
+import pytest
+import torch
+
+from trinity_train.checkpoint import ModelState, save_model_checkpoint
+from trinity_train.checkpoint.layout import list_checkpoints
+from trinity_train.config import load_config
+from trinity_train.data.prepare import PrepareOptions, prepare
+from trinity_train.errors import ConfigError
+from trinity_train.observe.jsonl import read_jsonl
+from trinity_train.train import Trainer, build_model_for_training, train
+
+WORDS = ("the quick brown fox jumps over a lazy dog while one small cat sat on the warm mat and "
+         "birds sang in tall green trees near old stone walls").split()
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """~14k tokens of word salad with a 300-token BPE: enough for ~100 batches of 2x2x16 tokens."""
+    root = tmp_path_factory.mktemp("corpus")
+    rng = random.Random(0)
+    docs = root / "docs"
+    docs.mkdir()
+    for i in range(40):
+        (docs / f"doc{i:02d}.txt").write_text(" ".join(rng.choice(WORDS) for _ in range(300)))
+    return prepare(PrepareOptions(inputs=[str(docs)], out=str(root / "prepared"), train_tokenizer=300,
+                                  val_fraction=0.1, progress=False))
+
+
+def tiny_config(corpus, run_dir, **sections):
+    table = {
+        "model": {"vocab_size": 320, "hidden_size": 32, "num_layers": 4, "num_dense_layers": 1,
+                  "num_heads": 2, "num_kv_heads": 1, "head_dim": 16, "intermediate_size": 64,
+                  "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16,
+                  "sliding_window": 8, "bias_update_rate": 1e-2},
+        "data": {"path": str(corpus), "seq_len": 16},
+        "train": {"steps": 6, "micro_batch_size": 2, "grad_accum": 2, "eval_every": 3, "eval_batches": 2},
+        "optim": {"lr": 3e-3, "warmup_steps": 2, "decay_fraction": 0.5},  # the lr changes every step
+        "checkpoint": {"every": 2, "keep": 5},
+        "metrics": {"progress_bar": False, "peak_flops": 1e11, "tensorboard": False},
+        "run": {"dir": str(run_dir)},
+    }
+    for section, values in sections.items():
+        table[section] = {**table.get(section, {}), **values}
+    return load_config(None, table)
+
+
+def train_records(run_dir):
+    return [r for r in read_jsonl(run_dir / "metrics.jsonl") if r["kind"] == "train"]
+
+
+def val_records(run_dir):
+    return [r for r in read_jsonl(run_dir / "metrics.jsonl") if r["kind"] == "val"]
+
+
+class StopAfterStep(Exception):
+    pass
+
+
+def stop_at(monkeypatch, step):
+    """Make the trainer die right after it finishes `step` (and saves its checkpoint)."""
+    original = Trainer._one_iteration
+
+    def one_iteration(self, *args):
+        original(self, *args)
+        if self.state.step == step:
+            raise StopAfterStep()
+
+    monkeypatch.setattr(Trainer, "_one_iteration", one_iteration)
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_resume_reproduces_an_uninterrupted_run_exactly(corpus, tmp_path, monkeypatch, async_save):
+    straight = Trainer(tiny_config(corpus, tmp_path / "straight"))
+    straight.run()
+    expected = [(r["step"], r["loss"], r["grad_norm"]) for r in train_records(tmp_path / "straight")]
+    assert [s for s, _, _ in expected] == [1, 2, 3, 4, 5, 6]
+
+    interrupted = tmp_path / "interrupted"
+    with monkeypatch.context() as m:
+        stop_at(m, 4)
+        with pytest.raises(StopAfterStep):
+            train(tiny_config(corpus, interrupted, checkpoint={"async_save": async_save}))
+    if async_save:  # the in-flight save of step 4 died with the process: resume from step 2
+        assert [s for s, _ in list_checkpoints(interrupted / "checkpoints")] == [2]
+    resumed = Trainer(tiny_config(corpus, interrupted, checkpoint={"resume": "auto", "async_save": async_save}))
+    assert resumed.resume_from.name == ("step_00000002" if async_save else "step_00000004")
+    resumed.run()
+
+    assert [(r["step"], r["loss"], r["grad_norm"]) for r in train_records(interrupted)] == expected
+    assert val_records(interrupted) == val_records(tmp_path / "straight")
+    for (name, a), (_, b) in zip(straight.model.state_dict().items(), resumed.model.state_dict().items()):
+        assert torch.equal(a, b), name
+    events = [json.loads(line)["event"] for line in (interrupted / "events.jsonl").read_text().splitlines()]
+    assert "resume" in events
+
+
+def test_gradient_accumulation_equals_one_large_batch(corpus, tmp_path):
+    one = Trainer(tiny_config(corpus, tmp_path / "one", train={"steps": 2, "micro_batch_size": 4, "grad_accum": 1,
+                                                               "eval_every": 0}))
+    one.run()
+    four = Trainer(tiny_config(corpus, tmp_path / "four", train={"steps": 2, "micro_batch_size": 1,
+                                                                 "grad_accum": 4, "eval_every": 0}))
+    four.run()
+    for a, b in zip(train_records(tmp_path / "one"), train_records(tmp_path / "four")):
+        assert a["tokens"] == b["tokens"] == 4 * 16
+        assert a["loss"] == pytest.approx(b["loss"], abs=1e-6)
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5)
+    for (name, a), (_, b) in zip(one.model.state_dict().items(), four.model.state_dict().items()):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5, msg=name)
+
+
+def test_metrics_and_validation_lines(corpus, tmp_path):
+    trainer = Trainer(tiny_config(corpus, tmp_path / "run", train={"steps": 6, "eval_every": 3}))
+    summary = trainer.run()
+    records = train_records(tmp_path / "run")
+    assert len(records) == 6
+    for r in records:
+        for key in ("iter", "step", "loss", "grad_norm", "lr", "tokens_per_s", "mfu", "moe_max_load",
+                    "moe_min_load", "moe_cv", "moe_cv_per_layer"):
+            assert key in r, key
+        assert len(r["moe_cv_per_layer"]) == 3  # layers 1-3 are MoE
+        assert r["tokens_per_s"] > 0 and r["mfu"] > 0 and r["skipped"] is False
+    # Warmup over 2 steps, then WSD's decay over the last 3 of 6.
+    assert [r["lr"] for r in records] == pytest.approx([1.5e-3, 3e-3, 3e-3, 3e-3, 2e-3, 1e-3])
+    vals = val_records(tmp_path / "run")
+    assert [v["step"] for v in vals] == [0, 3, 6]
+    assert vals[0]["val_loss"] == pytest.approx(math.log(320), abs=0.3)  # an untrained model guesses
+    assert vals[-1]["val_loss"] < vals[0]["val_loss"]
+    assert summary.first_val_loss == vals[0]["val_loss"] and summary.last_val_loss == vals[-1]["val_loss"]
+    assert (tmp_path / "run" / "config.toml").is_file()
+    assert [s for s, _ in list_checkpoints(tmp_path / "run" / "checkpoints")] == [2, 4, 6]
+    # The expert biases moved once per step, by the sign rule's 1e-2 (centred) each time.
+    biases = torch.stack([moe.expert_bias for moe in trainer.model.moe_layers])
+    assert biases.abs().max() > 0 and biases.abs().max() <= 6 * 1e-2 * 2
+
+
+def test_non_finite_step_is_skipped_and_recorded(corpus, tmp_path, monkeypatch):
+    trainer = Trainer(tiny_config(corpus, tmp_path / "run", train={"steps": 4, "eval_every": 0},
+                                  checkpoint={"every": 0}))
+    forward = trainer.model.forward
+    calls = {"n": 0}
+
+    def poisoned_forward(*args, **kwargs):
+        out = forward(*args, **kwargs)
+        calls["n"] += 1
+        if calls["n"] == 5:  # first micro-batch of iteration 3
+            out.ce_sum = out.ce_sum * float("nan")
+        return out
+
+    monkeypatch.setattr(trainer.model, "forward", poisoned_forward)
+    summary = trainer.run()
+
+    records = train_records(tmp_path / "run")
+    assert [(r["iter"], r["step"], r["skipped"]) for r in records] == [
+        (1, 1, False), (2, 2, False), (3, 2, True), (4, 3, False), (5, 4, False)]
+    assert records[2]["loss"] is None and records[2]["skip_reason"] == "nonfinite"
+    assert summary.skipped_steps == 1 and summary.step == 4
+    ledger = json.loads((tmp_path / "run" / "skip_ledger.json").read_text())
+    assert [(r["start"], r["end"]) for r in ledger["ranges"]] == [(2, 3)]  # global batch 2 (0-based)
+    assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
+    assert trainer.scheduler.last_epoch == 4  # the skipped step did not advance the schedule
+
+
+def test_run_directory_of_a_different_run_is_refused(corpus, tmp_path):
+    run_dir = tmp_path / "run"
+    train(tiny_config(corpus, run_dir, train={"steps": 2, "eval_every": 0}))
+    with pytest.raises(ConfigError, match=r"run.dir: .* different config \(optim.lr: 0.003 -> 0.001\)"):
+        Trainer(tiny_config(corpus, run_dir, train={"steps": 2, "eval_every": 0}, optim={"lr": 1e-3}))
+
+    # The same config again starts over: the metrics describe the new run only.
+    train(tiny_config(corpus, run_dir, train={"steps": 2, "eval_every": 0}))
+    assert [r["iter"] for r in train_records(run_dir)] == [1, 2]
+
+
+def test_resume_of_a_finished_run_has_nothing_to_do(corpus, tmp_path):
+    cfg = tiny_config(corpus, tmp_path / "run", train={"steps": 2, "eval_every": 0})
+    train(cfg)
+    cfg.checkpoint.resume = "auto"
+    summary = train(cfg)
+    assert summary.describe().startswith("nothing to do")
+    assert [r["iter"] for r in train_records(tmp_path / "run")] == [1, 2]
+
+
+def test_init_from_starts_from_the_given_weights(corpus, tmp_path):
+    cfg = tiny_config(corpus, tmp_path / "run", train={"steps": 1, "eval_every": 0, "seed": 1})
+    donor = build_model_for_training(cfg, torch.device("cpu"))
+    save_model_checkpoint(donor, cfg, tmp_path / "donor")
+
+    cfg.train.seed = 2  # a different init, so matching weights can only come from the donor
+    cfg.checkpoint.init_from = str(tmp_path / "donor")
+    trainer = Trainer(cfg)
+    trainer._restore_or_init()
+    for (name, a), (_, b) in zip(ModelState(donor).state_dict().items(), ModelState(trainer.model).state_dict().items()):
+        assert torch.equal(a, b), name
+
+
+def test_activation_checkpointing_changes_nothing_but_memory(corpus, tmp_path):
+    plain = Trainer(tiny_config(corpus, tmp_path / "plain", train={"steps": 2, "eval_every": 0}))
+    plain.run()
+    ac = Trainer(tiny_config(corpus, tmp_path / "ac", train={"steps": 2, "eval_every": 0,
+                                                            "activation_checkpointing": True}))
+    ac.run()
+    assert [r["loss"] for r in train_records(tmp_path / "plain")] == [r["loss"] for r in train_records(tmp_path / "ac")]
+    assert list(ModelState(plain.model).state_dict()) == list(ModelState(ac.model).state_dict())
+    for (name, a), (_, b) in zip(ModelState(plain.model).state_dict().items(), ModelState(ac.model).state_dict().items()):
+        assert torch.equal(a, b), name

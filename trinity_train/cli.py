@@ -1,0 +1,160 @@
+"""`trinity-train <command>`: train, prepare-data, export-hf, import-hf, ckpt inspect|verify.
+
+A user mistake (any `UserError`) ends with one line `error: <message>` on stderr and the error's
+exit code: 2 for configuration, 1 otherwise. Heavy imports (torch, the model, data libraries)
+happen inside the commands, so a bad configuration is reported before any of them load.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from trinity_train.config import Config, load_config, validate
+from trinity_train.errors import UserError
+
+# configs/debug.toml of the source tree; an installed copy without it uses the dataclass
+# defaults, which equal it.
+DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "debug.toml"
+
+
+def default_config_path() -> Path | None:
+    return DEFAULT_CONFIG if DEFAULT_CONFIG.is_file() else None
+
+
+def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
+    cfg = load_config(args.config or default_config_path(), overrides)
+    from trinity_train.train import train
+
+    summary = train(cfg)
+    print(summary.describe())
+    return 0
+
+
+def cmd_prepare_data(args: argparse.Namespace) -> int:
+    from trinity_train.data.prepare import run_prepare
+
+    return run_prepare(args)
+
+
+def cmd_export_hf(args: argparse.Namespace) -> int:
+    from trinity_train.checkpoint import load_model_checkpoint
+    from trinity_train.model.hf import save_hf
+
+    model, cfg = load_model_checkpoint(args.checkpoint)
+    out = save_hf(model, args.out_dir, cfg.model)
+    print(f"exported {args.checkpoint} to {out} (load it with transformers.AutoModelForCausalLM.from_pretrained)")
+    return 0
+
+
+def cmd_import_hf(args: argparse.Namespace) -> int:
+    from trinity_train.checkpoint import save_model_checkpoint
+    from trinity_train.model import build_model
+    from trinity_train.model.hf import load_hf
+
+    hf_dir = Path(args.hf_dir)
+    out = Path(args.out) if args.out else Path("runs") / "imported" / hf_dir.resolve().name
+    model_cfg, state_dict = load_hf(hf_dir)
+    cfg = Config(model=model_cfg)
+    validate(cfg)
+    # Allocated without drawing an init that the imported weights would overwrite anyway.
+    model = build_model(model_cfg, device="meta").to_empty(device="cpu")
+    model.load_state_dict(state_dict, strict=True)
+    save_model_checkpoint(model, cfg, out)
+    print(f"imported {hf_dir} to {out}; start a run from it with --checkpoint.init_from={out}")
+    return 0
+
+
+def _print_summary(summary: dict, as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(summary, indent=2))
+        return
+    m = summary["model"]
+    print(f"{summary['path']}: {summary['kind']} checkpoint at step {summary['step']} ({summary['created']})")
+    print(f"  model: {m['block']}, {m['layers']} layers, hidden {m['hidden_size']}, "
+          f"{m['experts']} experts top-{m['top_k']}, vocab {m['vocab_size']}")
+    for name, c in summary["components"].items():
+        print(f"  {name}: {c['tensors']} tensors ({c['bytes'] / 2**20:.2f} MiB), {c['objects']} other values")
+    print(f"  files: {summary['files_bytes'] / 2**20:.2f} MiB")
+
+
+def cmd_ckpt(args: argparse.Namespace) -> int:
+    from trinity_train.checkpoint import inspect_checkpoint, verify_checkpoint
+
+    if args.ckpt_command == "inspect":
+        _print_summary(inspect_checkpoint(args.path), args.json)
+    else:
+        summary = verify_checkpoint(args.path)
+        print(f"ok: {args.path} is complete and loadable ({summary['kind']} checkpoint, step {summary['step']})")
+    return 0
+
+
+def _add_prepare_data(subparsers) -> None:
+    parser = subparsers.add_parser("prepare-data", help="tokenize a dataset into packed token shards")
+    from trinity_train.data.prepare import add_prepare_arguments
+
+    add_prepare_arguments(parser)
+
+
+def build_parser(argv: list[str]) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="trinity-train", allow_abbrev=False,
+                                     description="Pretrain Trinity-style Mixture-of-Experts language models.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    train = sub.add_parser("train", allow_abbrev=False, help="train a model (default: configs/debug.toml)",
+                           description="Train. Any config key can be overridden: --section.key=value "
+                                       "(e.g. --train.steps=50 --run.dir=runs/x).")
+    train.add_argument("--config", help="TOML config file (default: configs/debug.toml)")
+
+    # Only the command being run imports its dependencies; prepare-data's options come from the
+    # data package, so it is loaded only for that command (and for the top-level --help).
+    if not argv or argv[0] in ("prepare-data", "-h", "--help"):
+        _add_prepare_data(sub)
+
+    export = sub.add_parser("export-hf", help="write a checkpoint as a Hugging Face afmoe model")
+    export.add_argument("checkpoint", help="a training or model checkpoint directory")
+    export.add_argument("out_dir", help="new directory for config.json and safetensors")
+
+    imp = sub.add_parser("import-hf", help="turn a Hugging Face afmoe model into a checkpoint")
+    imp.add_argument("hf_dir", help="directory with config.json and safetensors")
+    imp.add_argument("--out", help="checkpoint directory to create (default: runs/imported/<name>)")
+
+    ckpt = sub.add_parser("ckpt", help="inspect or verify a checkpoint")
+    ckpt_sub = ckpt.add_subparsers(dest="ckpt_command", required=True, metavar="ACTION")
+    inspect = ckpt_sub.add_parser("inspect", help="describe a checkpoint")
+    inspect.add_argument("path")
+    inspect.add_argument("--json", action="store_true", help="print the summary as JSON")
+    verify = ckpt_sub.add_parser("verify", help="check that a checkpoint is complete and loadable")
+    verify.add_argument("path")
+    return parser
+
+
+def run(argv: list[str]) -> int:
+    parser = build_parser(argv)
+    args, extra = parser.parse_known_args(argv)
+    if args.command == "train":
+        return cmd_train(args, extra)
+    if extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    handlers = {"prepare-data": cmd_prepare_data, "export-hf": cmd_export_hf,
+                "import-hf": cmd_import_hf, "ckpt": cmd_ckpt}
+    return handlers[args.command](args)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        return run(argv)
+    except UserError as e:
+        message = " ".join(str(e).split())  # one line, whatever the message holds
+        print(f"error: {message}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,458 @@
+"""The Trainer: composes model, data, optimizer, schedule, stability, checkpoints and metrics.
+
+One optimizer step (`TrainingStep`), as data flows (DESIGN §2):
+  forward + backward over the micro-batches, each scaled so the summed gradient is that of the
+  token-weighted mean cross entropy of the whole global batch (plus aux and z losses) ->
+  global loss and pre-clip gradient norm -> `StepGuard` verdict (apply or skip) ->
+  clip, optimizer step, expert-bias update from the step's tokens per expert, scheduler step.
+
+Every place where a distributed run must combine values across data-parallel ranks goes through
+`Reductions` (marked "DP all-reduce"); in one process it is the identity. Each rank's loss is
+its share of the global token-weighted mean, so the data-parallel gradient reduction must SUM
+rank gradients, not average them (FSDP2: `set_gradient_divide_factor(1.0)`). Model, optimizer and
+data come in through small builders (`build_model_for_training`, `build_optimizer`,
+`build_loaders`), so parallelism can be applied from outside without touching the step.
+
+Determinism: everything is seeded from `train.seed`, the data order is a pure function of the
+seed and the batch index, and a checkpoint holds every piece of state the next step reads (model
+with expert biases, optimizer, scheduler, loader position, guard history, counters, RNG streams),
+so a resumed run computes bit-identical losses to an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from trinity_train.checkpoint import CheckpointManager, ModelState, OptimizerState, RNGState, load_checkpoint
+from trinity_train.checkpoint.compat import config_differences, describe_differences
+from trinity_train.config import Config, config_to_dict, load_config, save_config
+from trinity_train.data import build_loaders
+from trinity_train.data.ledger import LEDGER_FILENAME, SkipLedger
+from trinity_train.errors import ConfigError
+from trinity_train.model import build_model
+from trinity_train.model.counting import training_flops_per_token
+from trinity_train.observe import MetricsRecorder, discard_records_after, expert_load_stats, measure_peak_flops, mfu
+from trinity_train.optim.groups import build_optimizer
+from trinity_train.optim.schedule import build_scheduler
+from trinity_train.parallel.process_group import resolve_device
+from trinity_train.stability import StepGuard, Verdict
+
+IGNORE_INDEX = -100
+CONFIG_FILE = "config.toml"
+
+
+# ---------------------------------------------------------------------------- small seams
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)  # every device's generator
+
+
+def local_grad_norm(params: list[nn.Parameter]) -> torch.Tensor:
+    """The L2 norm of all gradients together (DTensor gradients give their global norm)."""
+    norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+    return norm.full_tensor() if isinstance(norm, DTensor) else norm
+
+
+@dataclass
+class Reductions:
+    """How a step's local values become global ones: the seam where distribution plugs in.
+
+    `sum_over_dp` sums a tensor over the data-parallel ranks (identity in one process);
+    `grad_norm` is the global pre-clip gradient norm; `dp_size` is the number of data-parallel
+    ranks whose gradients the DP reduction sums.
+    """
+
+    sum_over_dp: Callable[[torch.Tensor], torch.Tensor] = lambda t: t
+    grad_norm: Callable[[list[nn.Parameter]], torch.Tensor] = local_grad_norm
+    dp_size: int = 1
+
+
+def autocast_context(cfg: Config, device: torch.device):
+    if cfg.train.dtype == "bf16":
+        return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def apply_training_wrappers(model: nn.Module, cfg: Config) -> nn.Module:
+    """Activation checkpointing, then compilation, per block (DESIGN §4 order), in place: the
+    parameter names seen by checkpoints are unchanged."""
+    if cfg.train.activation_checkpointing:
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+        for i, block in enumerate(model.layers):
+            model.layers[i] = checkpoint_wrapper(block)
+    if cfg.train.compile:
+        for block in model.layers:
+            block.compile()
+    return model
+
+
+def build_model_for_training(cfg: Config, device: torch.device) -> nn.Module:
+    """The model with freshly drawn weights (seeded by `train.seed`), on `device`, wrapped."""
+    seed_everything(cfg.train.seed)
+    model = build_model(cfg.model, device=device)
+    model.train()
+    return apply_training_wrappers(model, cfg)
+
+
+# ---------------------------------------------------------------------------- one step
+
+
+@dataclass
+class StepResult:
+    loss: float  # mean cross entropy over the step's counted tokens, all ranks
+    aux_loss: float
+    z_loss: float
+    grad_norm: float  # global, before clipping
+    tokens: int  # counted (label) tokens, all ranks
+    tokens_per_expert: torch.Tensor  # [num_moe_layers, E], summed over micro-batches and ranks
+    lrs: dict[str, float]  # learning rate of each group kind for this step
+    verdict: Verdict
+
+
+def micro_batches(batch: Any, micro_batch_size: int) -> list[dict[str, torch.Tensor]]:
+    """Split the rank's rows of a global batch into micro-batches of model inputs."""
+    fields = ("input_ids", "labels", "position_ids", "document_ids")
+    tensors = {f: getattr(batch, f) for f in fields if getattr(batch, f, None) is not None}
+    rows = tensors["input_ids"].shape[0]
+    return [{f: t[start:start + micro_batch_size] for f, t in tensors.items()}
+            for start in range(0, rows, micro_batch_size)]
+
+
+def _forward(model: nn.Module, mb: dict[str, torch.Tensor], cfg: Config, device: torch.device):
+    mb = {k: v.to(device, non_blocking=True) for k, v in mb.items()}
+    with autocast_context(cfg, device):
+        return model(mb["input_ids"], labels=mb["labels"], position_ids=mb.get("position_ids"),
+                     document_ids=mb.get("document_ids"))
+
+
+class TrainingStep:
+    """Forward/backward over micro-batches, the stability verdict, and the optimizer step."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, guard: StepGuard,
+                 cfg: Config, device: torch.device, reductions: Reductions | None = None):
+        self.model = model
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.guard = guard
+        self.cfg = cfg
+        self.device = device
+        self.reduce = reductions or Reductions()
+        self.params = [p for p in model.parameters() if p.requires_grad]
+
+    def learning_rates(self) -> dict[str, float]:
+        lrs: dict[str, float] = {}
+        for group in self.optimizer.param_groups:
+            lrs.setdefault(group.get("kind", "adamw"), float(group["lr"]))
+        return lrs
+
+    def __call__(self, batch: Any, iteration: int) -> StepResult:
+        parts = micro_batches(batch, self.cfg.train.micro_batch_size)
+        # The token-weighted mean needs the global token count before the first backward.
+        tokens = self.reduce.sum_over_dp((batch.labels != IGNORE_INDEX).sum().to(self.device))  # DP all-reduce
+        # Aux and z losses are means per micro-batch: average them over micro-batches and ranks.
+        per_part = 1.0 / (len(parts) * self.reduce.dp_size)
+
+        totals = torch.zeros(3, device=self.device)  # cross-entropy sum, aux loss, z loss
+        counts = None
+        for mb in parts:
+            out = _forward(self.model, mb, self.cfg, self.device)
+            loss = out.ce_sum / tokens.clamp_min(1) + (out.aux_loss + out.z_loss) * per_part
+            loss.backward()
+            totals += torch.stack([out.ce_sum.detach().float(), out.aux_loss.detach().float() * per_part,
+                                   out.z_loss.detach().float() * per_part])
+            counts = out.tokens_per_expert if counts is None else counts + out.tokens_per_expert
+        totals = self.reduce.sum_over_dp(totals)  # DP all-reduce
+        counts = self.reduce.sum_over_dp(counts)  # DP all-reduce
+        ce_sum, aux_loss, z_loss = totals.tolist()
+        mean_loss = ce_sum / max(int(tokens.item()), 1)
+        grad_norm = self.reduce.grad_norm(self.params)  # global over ranks and shards
+
+        lrs = self.learning_rates()
+        verdict = self.guard.judge(mean_loss, grad_norm.item(), iteration)
+        if verdict.apply:
+            if self.cfg.train.grad_clip > 0:
+                torch.nn.utils.clip_grads_with_norm_(self.params, self.cfg.train.grad_clip, grad_norm)
+            self.optimizer.step()
+            self.model.update_expert_biases(counts)
+            self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return StepResult(mean_loss, aux_loss, z_loss, grad_norm.item(), int(tokens.item()), counts, lrs, verdict)
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, val_loader: Any, cfg: Config, device: torch.device,
+             reductions: Reductions | None = None) -> tuple[float, int]:
+    """Mean cross entropy over the first `train.eval_batches` validation batches (all ranks)."""
+    reduce = reductions or Reductions()
+    model.eval()
+    totals = torch.zeros(2, dtype=torch.float64, device=device)  # cross-entropy sum, tokens
+    for batch in val_loader.batches(cfg.train.eval_batches):
+        for mb in micro_batches(batch, cfg.train.micro_batch_size):
+            out = _forward(model, mb, cfg, device)
+            totals += torch.stack([out.ce_sum.double(), out.num_tokens.double()])
+    model.train()
+    ce_sum, tokens = reduce.sum_over_dp(totals).tolist()  # DP all-reduce
+    return ce_sum / max(tokens, 1.0), int(tokens)
+
+
+# ---------------------------------------------------------------------------- the run
+
+
+class TrainerState:
+    """The loop's own counters, checkpointed with everything else."""
+
+    def __init__(self):
+        self.iteration = 0  # global batches drawn (applied and skipped steps)
+        self.step = 0  # optimizer steps applied
+        self.tokens_seen = 0
+
+    def state_dict(self) -> dict:
+        return {"iteration": self.iteration, "step": self.step, "tokens_seen": self.tokens_seen}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.iteration, self.step, self.tokens_seen = state["iteration"], state["step"], state["tokens_seen"]
+
+
+@dataclass
+class TrainSummary:
+    run_dir: Path
+    start_step: int
+    step: int
+    iteration: int
+    first_val_loss: float | None = None
+    last_val_loss: float | None = None
+    last_loss: float | None = None
+    skipped_steps: int = 0
+    wall_s: float = 0.0
+
+    def describe(self) -> str:
+        if self.start_step >= self.step:
+            return f"nothing to do: {self.run_dir} is already at step {self.step}"
+        val = ""
+        if self.last_val_loss is not None:
+            first = f"{self.first_val_loss:.4f} -> " if self.first_val_loss not in (None, self.last_val_loss) else ""
+            val = f", validation loss {first}{self.last_val_loss:.4f}"
+        return (f"trained steps {self.start_step + 1}-{self.step} in {self.wall_s:.1f}s "
+                f"(final loss {self.last_loss:.4f}{val}, {self.skipped_steps} skipped); run directory {self.run_dir}")
+
+
+def check_run_dir(cfg: Config, run_dir: Path) -> list[tuple[str, Any, Any]]:
+    """Refuse to start a fresh run over a different run; returns how the config changed."""
+    previous_file = run_dir / CONFIG_FILE
+    if not previous_file.is_file():
+        return []
+    try:
+        previous = config_to_dict(load_config(previous_file))
+    except ConfigError:
+        previous = {}
+    diffs = config_differences(previous, config_to_dict(cfg))
+    if diffs and cfg.checkpoint.resume == "none":
+        raise ConfigError(
+            f"run.dir: '{run_dir}' already holds a run with a different config "
+            f"({describe_differences(diffs)}); continue it with --checkpoint.resume=auto, "
+            "choose another --run.dir, or delete the directory")
+    return diffs
+
+
+@dataclass
+class Placement:
+    """Where this process trains and how it talks to the others. One process by default; a
+    distributed launch builds one from its device mesh."""
+
+    device: torch.device
+    dp_rank: int = 0
+    dp_size: int = 1
+    num_devices: int = 1  # devices in the job (MFU divides by their total peak)
+    is_main: bool = True  # writes files (metrics, config, ledger); checkpoints coordinate themselves
+    reductions: Reductions = field(default_factory=Reductions)
+
+
+def single_process_placement(cfg: Config) -> Placement:
+    if dist.is_initialized():
+        raise RuntimeError("a distributed run must pass its Placement to Trainer")
+    return Placement(device=resolve_device(cfg))
+
+
+ModelBuilder = Callable[[Config, torch.device], nn.Module]
+
+
+class Trainer:
+    def __init__(self, cfg: Config, placement: Placement | None = None,
+                 model_builder: ModelBuilder = build_model_for_training):
+        self.cfg = cfg
+        self.run_dir = Path(cfg.run.dir)
+        self.config_changes = check_run_dir(cfg, self.run_dir)  # before any work
+        self.placement = placement or single_process_placement(cfg)
+        self.device = self.placement.device
+        self.is_main = self.placement.is_main
+
+        self.model = model_builder(cfg, self.device)
+        self.optimizer = build_optimizer(self.model, cfg.optim)
+        self.scheduler = build_scheduler(self.optimizer, cfg)
+        self.guard = StepGuard(cfg.stability)
+        self.state = TrainerState()
+        self.checkpoints = CheckpointManager(self.run_dir, cfg.checkpoint)
+        self.resume_from = self.checkpoints.resume_path()
+        # Batches skipped by this run are recorded in the ledger and never drawn again; a fresh
+        # run starts with an empty one, a resumed run keeps what its predecessors recorded.
+        ledger_path = self.run_dir / LEDGER_FILENAME
+        self.ledger = SkipLedger.load(ledger_path) if self.resume_from else SkipLedger(ledger_path)
+        self.train_loader, self.val_loader = build_loaders(cfg, dp_rank=self.placement.dp_rank,
+                                                           dp_size=self.placement.dp_size, ledger=self.ledger)
+        self.step_fn = TrainingStep(self.model, self.optimizer, self.scheduler, self.guard, cfg, self.device,
+                                    self.placement.reductions)
+
+    def checkpoint_state(self) -> dict[str, Any]:
+        return {"model": ModelState(self.model), "optim": OptimizerState(self.model, self.optimizer),
+                "scheduler": self.scheduler, "loader": self.train_loader, "guard": self.guard,
+                "trainer": self.state, "rng": RNGState()}
+
+    def _restore_or_init(self) -> list[dict]:
+        """Load the resume checkpoint if there is one, else the init_from weights if asked;
+        returns the events to record."""
+        self.checkpoints.remove_interrupted_saves()
+        if self.resume_from is not None:
+            load_checkpoint(self.resume_from, self.checkpoint_state(), self.cfg)
+            return [{"event": "resume", "checkpoint": str(self.resume_from), "step": self.state.step,
+                     "iter": self.state.iteration}]
+        if self.cfg.checkpoint.init_from:
+            load_checkpoint(Path(self.cfg.checkpoint.init_from), {"model": ModelState(self.model)}, self.cfg)
+            return [{"event": "init_from", "checkpoint": self.cfg.checkpoint.init_from}]
+        return []
+
+    def _prepare_run_dir(self) -> None:
+        if not self.is_main:
+            return
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        save_config(self.cfg, self.run_dir / CONFIG_FILE)
+        if self.resume_from is None and self.ledger.path.exists():
+            self.ledger.save()  # a fresh run must not inherit an earlier run's skips
+        # What an interrupted or earlier run logged past this starting point is superseded.
+        discard_records_after(self.run_dir, self.state.iteration)
+
+    def _save(self, recorder: MetricsRecorder) -> None:
+        path = self.checkpoints.save(self.state.step, self.checkpoint_state(), self.cfg,
+                                     iteration=self.state.iteration)
+        recorder.event("checkpoint", step=self.state.step, iter=self.state.iteration, path=str(path),
+                       async_save=self.cfg.checkpoint.async_save)
+
+    def _validate(self, recorder: MetricsRecorder, summary: TrainSummary) -> None:
+        val_loss, val_tokens = evaluate(self.model, self.val_loader, self.cfg, self.device,
+                                        self.placement.reductions)
+        recorder.validation({"iter": self.state.iteration, "step": self.state.step, "val_loss": val_loss,
+                             "val_ppl": math.exp(min(val_loss, 50.0)), "val_tokens": val_tokens})
+        if summary.first_val_loss is None:
+            summary.first_val_loss = val_loss
+        summary.last_val_loss = val_loss
+
+    def _record_skip(self, result: StepResult, batch_index: int, recorder: MetricsRecorder) -> None:
+        self.ledger.add(batch_index, batch_index + 1, reason=f"skipped step: {result.verdict.reason}")
+        if self.is_main:
+            self.ledger.save()
+        recorder.event("skip", iter=self.state.iteration, step=self.state.step, batch=batch_index,
+                       reason=result.verdict.reason, loss=result.loss, grad_norm=result.grad_norm)
+
+    def run(self) -> TrainSummary:
+        cfg = self.cfg
+        started = time.perf_counter()
+        events = self._restore_or_init()
+        self._prepare_run_dir()
+        recorder = MetricsRecorder(cfg, self.run_dir, start_step=self.state.step, is_main=self.is_main)
+        recorder.event("run_start", step=self.state.step, iter=self.state.iteration, device=str(self.device),
+                       devices=self.placement.num_devices,
+                       resumed_from=str(self.resume_from) if self.resume_from else None)
+        if self.config_changes:
+            recorder.event("config_changed", changes=[[k, a, b] for k, a, b in self.config_changes])
+        for event in events:
+            recorder.event(event.pop("event"), **event)
+
+        throughput = Throughput(cfg, self.device, self.placement.num_devices)
+        summary = TrainSummary(self.run_dir, start_step=self.state.step, step=self.state.step,
+                               iteration=self.state.iteration)
+        try:
+            if cfg.train.eval_every > 0 and self.resume_from is None and self.state.step < cfg.train.steps:
+                self._validate(recorder, summary)  # the starting point: about ln(vocab)
+            while self.state.step < cfg.train.steps:
+                self._one_iteration(recorder, throughput, summary)
+            self.checkpoints.wait()
+        finally:
+            summary.wall_s = time.perf_counter() - started
+            summary.step, summary.iteration = self.state.step, self.state.iteration
+            recorder.event("run_end", step=self.state.step, iter=self.state.iteration, wall_s=summary.wall_s)
+            recorder.close()
+        return summary
+
+    def _one_iteration(self, recorder: MetricsRecorder, throughput: "Throughput", summary: TrainSummary) -> None:
+        cfg = self.cfg
+        started = time.perf_counter()
+        batch = self.train_loader.next_batch()
+        self.state.iteration += 1
+        result = self.step_fn(batch, self.state.iteration)
+        elapsed = time.perf_counter() - started
+        if result.verdict.apply:
+            self.state.step += 1
+            self.state.tokens_seen += result.tokens
+        else:
+            summary.skipped_steps += 1
+            self._record_skip(result, batch.index, recorder)
+        recorder.train(step_record(result, self.state, throughput.of(result.tokens, elapsed)))
+        summary.last_loss = result.loss
+        if not result.verdict.apply:
+            return
+
+        step = self.state.step
+        if cfg.train.eval_every > 0 and (step % cfg.train.eval_every == 0 or step == cfg.train.steps):
+            self._validate(recorder, summary)
+        if self.checkpoints.is_due(step) or (step == cfg.train.steps and cfg.checkpoint.every > 0):
+            self._save(recorder)
+
+
+class Throughput:
+    """Tokens per second and MFU of one step."""
+
+    def __init__(self, cfg: Config, device: torch.device, num_devices: int):
+        self.flops_per_token = training_flops_per_token(cfg.model, cfg.data.seq_len)
+        self.peak = cfg.metrics.peak_flops or measure_peak_flops(
+            device, torch.bfloat16 if cfg.train.dtype == "bf16" else torch.float32)
+        self.num_devices = num_devices
+
+    def of(self, tokens: int, seconds: float) -> dict[str, float]:
+        tokens_per_s = tokens / max(seconds, 1e-9)
+        return {"tokens_per_s": tokens_per_s, "step_time_s": seconds,
+                "mfu": mfu(tokens_per_s, self.flops_per_token, self.peak, self.num_devices)}
+
+
+def step_record(result: StepResult, state: TrainerState, throughput: dict[str, float]) -> dict[str, Any]:
+    """One line of metrics.jsonl."""
+    record = {"iter": state.iteration, "step": state.step, "loss": result.loss, "aux_loss": result.aux_loss,
+              "z_loss": result.z_loss, "grad_norm": result.grad_norm,
+              "lr": result.lrs.get("adamw", next(iter(result.lrs.values())))}
+    if "muon" in result.lrs:
+        record["lr_muon"] = result.lrs["muon"]
+    record.update(tokens=result.tokens, tokens_seen=state.tokens_seen, **throughput,
+                  skipped=not result.verdict.apply)
+    if not result.verdict.apply:
+        record["skip_reason"] = result.verdict.reason
+    record.update(expert_load_stats(result.tokens_per_expert))
+    return record
+
+
+def train(cfg: Config) -> TrainSummary:
+    """Run (or resume) the training job `cfg` describes in this process; returns what it did."""
+    return Trainer(cfg).run()
