@@ -1,0 +1,70 @@
+"""The config tree: TOML loading, dotted overrides, validation messages, the shipped configs."""
+
+from pathlib import Path
+
+import pytest
+
+from trinity_train.config import Config, config_to_dict, load_config, parse_overrides, save_config
+from trinity_train.errors import ConfigError
+
+CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+
+
+def test_debug_toml_equals_the_dataclass_defaults():
+    # `trinity-train train` without the source tree falls back to the defaults: they must agree.
+    assert config_to_dict(load_config(CONFIGS / "debug.toml")) == config_to_dict(Config())
+
+
+@pytest.mark.parametrize("name", ["debug", "nano", "mini", "large"])
+def test_shipped_configs_load(name):
+    load_config(CONFIGS / f"{name}.toml")
+
+
+def test_overrides_in_both_spellings_and_types():
+    cfg = load_config(CONFIGS / "debug.toml", ["--train.steps=50", "--run.dir", "runs/x", "--optim.lr=1e-4",
+                                                "--metrics.wandb=true", "--data.skip_ranges=[[1, 3]]"])
+    assert cfg.train.steps == 50 and cfg.run.dir == "runs/x" and cfg.optim.lr == 1e-4
+    assert cfg.metrics.wandb is True and cfg.data.skip_ranges == [[1, 3]]
+    assert isinstance(load_config(None, ["--optim.lr=1"]).optim.lr, float)  # an int where a float goes
+
+
+def test_override_values_read_as_toml_with_bare_strings():
+    assert parse_overrides(["--model.block=gemma3", "--a.b=\"quoted\"", "--a.c=2.5"]) == {
+        "model": {"block": "gemma3"}, "a": {"b": "quoted", "c": 2.5}}
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["--train.stepz=5"], "unknown config key 'train.stepz' (did you mean 'train.steps'?)"),
+    (["--modle.hidden_size=5"], "unknown config key 'modle' (did you mean 'model'?)"),
+    (["--train.steps=many"], "train.steps: expected int, got 'many'"),
+    (["--metrics.wandb=1"], "metrics.wandb: expected bool, got 1"),
+    (["--model.num_heads=5"], "model.num_heads: 5 heads are not divisible by model.num_kv_heads=2"),
+    (["--model.num_experts_per_tok=9"], "model.num_experts_per_tok: top-k 9 exceeds model.num_experts=8"),
+    (["--model.sliding_window=0"], "model.sliding_window: must be positive, got 0"),
+    (["--optim.schedule=linear"], "optim.schedule: must be one of 'wsd', 'cosine', 'constant', got 'linear'"),
+    (["--checkpoint.keep=0"], "checkpoint.keep: must be >= 1"),
+    (["--metrics.wandb_mode=sometimes"], "metrics.wandb_mode: must be one of"),
+    (["--stability.max_consecutive_skips=0"], "stability.max_consecutive_skips: must be >= 1"),
+    (["--train.steps"], "override '--train.steps' has no value"),
+    (["steps=5"], "unexpected argument 'steps=5'"),
+])
+def test_bad_values_name_the_key(overrides, message):
+    with pytest.raises(ConfigError) as info:
+        load_config(CONFIGS / "debug.toml", overrides)
+    assert message in str(info.value)
+    assert "\n" not in str(info.value)
+
+
+def test_bad_files(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "missing.toml")
+    broken = tmp_path / "broken.toml"
+    broken.write_text("[train\nsteps = 3")
+    with pytest.raises(ConfigError, match="is not valid TOML"):
+        load_config(broken)
+
+
+def test_resolved_config_round_trips_through_toml(tmp_path):
+    cfg = load_config(CONFIGS / "debug.toml", ["--train.steps=7", "--data.skip_ranges=[[0, 2]]"])
+    save_config(cfg, tmp_path / "config.toml")
+    assert config_to_dict(load_config(tmp_path / "config.toml")) == config_to_dict(cfg)
