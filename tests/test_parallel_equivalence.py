@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch.distributed.tensor import DTensor
 
-from test_parallel_harness import init_gloo, run_ranks
+from trinity_train.parallel.local_ranks import init_gloo, run_ranks
 from trinity_train.config import load_config
 from trinity_train.parallel.mesh import ParallelDims
 from trinity_train.parallel.parallelize import build_parallel_model

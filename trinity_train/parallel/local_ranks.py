@@ -1,0 +1,48 @@
+"""Run a function on N gloo ranks on this machine, started the way torchrun starts them.
+
+For tests and benchmarks of the distributed code on a CPU: `run_ranks(n, fn, *args)` spawns n
+processes with torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT on a free
+port), calls `fn(*args)` in each and returns what they return, by rank. A failure in any rank
+raises in the caller with that rank's traceback. `fn` must be importable (a module-level function).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, world: int, port: int, out_dir: str, fn: Callable, args: tuple) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    torch.set_num_threads(1)  # the ranks share the machine's cores
+    try:
+        result = fn(*args)
+        torch.save(result, Path(out_dir) / f"rank{rank}.pt")
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_ranks(world: int, fn: Callable, *args: Any) -> list:
+    with tempfile.TemporaryDirectory() as out_dir:
+        mp.spawn(_entry, args=(world, free_port(), out_dir, fn, args), nprocs=world, join=True)
+        return [torch.load(Path(out_dir) / f"rank{r}.pt", weights_only=False) for r in range(world)]
+
+
+def init_gloo() -> None:
+    """Join the process group from the environment `run_ranks` set."""
+    dist.init_process_group("gloo")
