@@ -22,6 +22,7 @@ so a resumed run computes bit-identical losses to an uninterrupted one.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import random
 import time
@@ -41,12 +42,15 @@ from trinity_train.config import Config, config_to_dict, load_config, save_confi
 from trinity_train.data import build_loaders
 from trinity_train.data.ledger import LEDGER_FILENAME, SkipLedger
 from trinity_train.errors import ConfigError
-from trinity_train.model import build_model
 from trinity_train.model.counting import training_flops_per_token
 from trinity_train.observe import MetricsRecorder, discard_records_after, expert_load_stats, measure_peak_flops, mfu
 from trinity_train.optim.groups import build_optimizer
 from trinity_train.optim.schedule import build_scheduler
-from trinity_train.parallel.process_group import resolve_device
+from trinity_train.parallel.mesh import ParallelDims
+from trinity_train.parallel.parallelize import build_parallel_model
+from trinity_train.parallel.process_group import (destroy_distributed, init_distributed, resolve_device,
+                                                  world_size_from_env)
+from trinity_train.parallel.reductions import clip_grads_with_norm_, global_grad_norm, sum_over_data_parallel
 from trinity_train.stability import StepGuard, Verdict
 
 IGNORE_INDEX = -100
@@ -73,12 +77,14 @@ class Reductions:
     """How a step's local values become global ones: the seam where distribution plugs in.
 
     `sum_over_dp` sums a tensor over the data-parallel ranks (identity in one process);
-    `grad_norm` is the global pre-clip gradient norm; `dp_size` is the number of data-parallel
-    ranks whose gradients the DP reduction sums.
+    `grad_norm` is the global pre-clip gradient norm; `clip` scales the gradients by a given
+    global norm; `dp_size` is the number of data-parallel ranks whose gradients the DP reduction
+    sums.
     """
 
     sum_over_dp: Callable[[torch.Tensor], torch.Tensor] = lambda t: t
     grad_norm: Callable[[list[nn.Parameter]], torch.Tensor] = local_grad_norm
+    clip: Callable[[list[nn.Parameter], float, torch.Tensor], None] = torch.nn.utils.clip_grads_with_norm_
     dp_size: int = 1
 
 
@@ -102,12 +108,13 @@ def apply_training_wrappers(model: nn.Module, cfg: Config) -> nn.Module:
     return model
 
 
-def build_model_for_training(cfg: Config, device: torch.device) -> nn.Module:
-    """The model with freshly drawn weights (seeded by `train.seed`), on `device`, wrapped."""
+def build_model_for_training(cfg: Config, device: torch.device, dims: ParallelDims | None = None) -> nn.Module:
+    """The model with freshly drawn weights (seeded by `train.seed`), on `device`, wrapped, and
+    split over the ranks of `dims` when given; one process draws the same weights."""
     seed_everything(cfg.train.seed)
-    model = build_model(cfg.model, device=device)
+    model = build_parallel_model(cfg, dims or ParallelDims.one_process(), device, wrap=apply_training_wrappers)
     model.train()
-    return apply_training_wrappers(model, cfg)
+    return model
 
 
 # ---------------------------------------------------------------------------- one step
@@ -187,7 +194,7 @@ class TrainingStep:
         verdict = self.guard.judge(mean_loss, grad_norm.item(), iteration)
         if verdict.apply:
             if self.cfg.train.grad_clip > 0:
-                torch.nn.utils.clip_grads_with_norm_(self.params, self.cfg.train.grad_clip, grad_norm)
+                self.reduce.clip(self.params, self.cfg.train.grad_clip, grad_norm)
             self.optimizer.step()
             self.model.update_expert_biases(counts)
             self.scheduler.step()
@@ -287,6 +294,15 @@ def single_process_placement(cfg: Config) -> Placement:
     if dist.is_initialized():
         raise RuntimeError("a distributed run must pass its Placement to Trainer")
     return Placement(device=resolve_device(cfg))
+
+
+def distributed_placement(dims: ParallelDims, device: torch.device) -> Placement:
+    """This rank's place in a torchrun job: its data-parallel slice and the cross-rank reductions."""
+    return Placement(device=device, dp_rank=dims.dp_rank, dp_size=dims.dp, num_devices=dims.world_size,
+                     is_main=dist.get_rank() == 0,
+                     reductions=Reductions(sum_over_dp=functools.partial(sum_over_data_parallel, dims=dims),
+                                           grad_norm=global_grad_norm, clip=clip_grads_with_norm_,
+                                           dp_size=dims.dp))
 
 
 ModelBuilder = Callable[[Config, torch.device], nn.Module]
@@ -454,5 +470,13 @@ def step_record(result: StepResult, state: TrainerState, throughput: dict[str, f
 
 
 def train(cfg: Config) -> TrainSummary:
-    """Run (or resume) the training job `cfg` describes in this process; returns what it did."""
-    return Trainer(cfg).run()
+    """Run (or resume) the training job `cfg` describes in this process; returns what it did.
+    Under torchrun (see launch/) this process is one rank of the job."""
+    if world_size_from_env() == 1:
+        return Trainer(cfg).run()
+    dims, device = init_distributed(cfg)  # rejects an impossible layout before joining
+    try:
+        builder = functools.partial(build_model_for_training, dims=dims)
+        return Trainer(cfg, distributed_placement(dims, device), model_builder=builder).run()
+    finally:
+        destroy_distributed()

@@ -77,6 +77,10 @@ class ParallelDims:
                 f"model.expert_impl='grouped'; use a smaller tp or model.expert_impl='loop'")
         return cls(p.dp_replicate, dp_shard, p.tp, p.ep, world_size)
 
+    @classmethod
+    def one_process(cls) -> ParallelDims:
+        return cls(1, 1, 1, 1, 1)
+
     @property
     def efsdp(self) -> int:
         """Ranks that shard each expert FSDP-style: what is left of dp_shard after ep."""

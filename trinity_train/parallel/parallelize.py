@@ -1,14 +1,18 @@
 """Make a TrinityModel distributed: the construction order of DESIGN §4.
 
-build on the meta device -> tensor parallel -> expert parallel -> FSDP/HSDP -> materialise on the
-device -> `init_weights()` shard by shard with the values one process would draw. A model never
-exists whole on one rank; one process (world size 1) takes the same path without the middle steps,
-so single- and multi-process runs start from identical weights for the same seed.
+build on the meta device -> tensor parallel -> expert parallel -> activation checkpointing and
+compile (the caller's `wrap`) -> FSDP/HSDP -> materialise on the device -> `init_weights()` shard
+by shard with the values one process would draw. A model never exists whole on one rank; one
+process takes the same path without the parallel steps, so single- and multi-process runs start
+from identical weights for the same seed.
 """
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
+from torch import nn
 from torch.distributed.tensor.parallel import parallelize_module
 
 from trinity_train.config import Config
@@ -19,25 +23,31 @@ from trinity_train.parallel.mesh import ParallelDims
 from trinity_train.parallel.sharded_init import init_weights_like_one_process
 from trinity_train.parallel.tensor_parallel import apply_tensor_parallel
 
+# Applied between the model-splitting steps and FSDP (activation checkpointing, compile).
+Wrap = Callable[[nn.Module, Config], nn.Module]
 
-def parallelize_model(model: TrinityModel, dims: ParallelDims, cfg: Config,
-                      device: torch.device) -> TrinityModel:
-    """Apply TP, EP and FSDP to a model built on the meta device (in place; returns it)."""
+
+def split_model(model: TrinityModel, dims: ParallelDims) -> TrinityModel:
+    """Tensor and expert parallelism, in place, on a model built on the meta device."""
     if dims.tp > 1:
         apply_tensor_parallel(model, dims.tp_mesh)
     expert_mesh = dims.expert_mesh
     if expert_mesh is not None:
         for moe in model.moe_layers:
             parallelize_module(moe.experts, expert_mesh, ExpertParallel())
-    apply_fsdp(model, dims, mixed_precision_policy(device, cfg.train.dtype))
     return model
 
 
-def build_parallel_model(cfg: Config, dims: ParallelDims, device: torch.device) -> TrinityModel:
+def build_parallel_model(cfg: Config, dims: ParallelDims, device: torch.device,
+                         wrap: Wrap | None = None) -> TrinityModel:
     """Build, parallelise, materialise and initialise (seeded with `train.seed`) the model."""
     model = build_model(cfg.model, device="meta")
     if dims.is_distributed:
-        parallelize_model(model, dims, cfg, device)
+        split_model(model, dims)
+    if wrap is not None:
+        model = wrap(model, cfg)
+    if dims.is_distributed:
+        apply_fsdp(model, dims, mixed_precision_policy(device, cfg.train.dtype))
     model.to_empty(device=device)
     torch.manual_seed(cfg.train.seed)
     init_weights_like_one_process(model)

@@ -53,12 +53,19 @@ def global_grad_norm(parameters: Iterable[torch.Tensor]) -> torch.Tensor:
     return _global_norm(_params_by_mesh(parameters))
 
 
+def clip_grads_with_norm_(parameters: Iterable[torch.Tensor], max_norm: float,
+                          total_norm: torch.Tensor) -> None:
+    """Scale the gradients by `max_norm / total_norm` where that is below 1 (torch's
+    `clip_grads_with_norm_`, applied one mesh at a time)."""
+    for params in _params_by_mesh(parameters):
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total_norm)
+
+
 def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float) -> torch.Tensor:
     """Scale all gradients so their global norm is at most `max_norm` (0 disables); returns the
     norm before clipping, for logging and the stability checks."""
-    groups = _params_by_mesh(parameters)
-    total = _global_norm(groups)
+    params = list(parameters)
+    total = global_grad_norm(params)
     if max_norm > 0:
-        for params in groups:
-            torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+        clip_grads_with_norm_(params, max_norm, total)
     return total
