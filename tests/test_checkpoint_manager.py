@@ -8,7 +8,8 @@ import pytest
 import torch
 from torch import nn
 
-from trinity_train.checkpoint import CheckpointManager, ModelState, OptimizerState, RNGState, load_checkpoint
+from trinity_train.checkpoint import (CheckpointManager, ModelState, OptimizerState, RNGState, load_checkpoint,
+                                      save_model_checkpoint)
 from trinity_train.checkpoint.layout import list_checkpoints
 from trinity_train.config import CheckpointConfig, Config
 from trinity_train.errors import CheckpointError
@@ -160,3 +161,24 @@ def test_incompatible_checkpoints_are_refused_with_a_reason(tmp_path):
 
     with pytest.raises(CheckpointError, match="lacks loader"):
         load_checkpoint(path, {"model": ModelState(model), "loader": Counter()}, Config())
+
+
+def test_resuming_from_weights_only_points_to_init_from(tmp_path):
+    model, opt, sched = trained_state()
+    save_model_checkpoint(model, Config(), tmp_path / "weights")
+    with pytest.raises(CheckpointError, match="lacks optim.*weights only.*--checkpoint.init_from"):
+        load_checkpoint(tmp_path / "weights", components(model, opt, sched, Counter()), Config())
+    with pytest.raises(CheckpointError, match="already exists"):
+        save_model_checkpoint(model, Config(), tmp_path / "weights")
+
+
+def test_model_compatibility_compares_resolved_architecture_only(tmp_path):
+    model, opt, sched = trained_state()
+    path = manager(tmp_path).save(2, {"model": ModelState(model)}, Config())
+    explicit = Config()
+    explicit.model.global_every, explicit.model.norm_eps = 4, 1e-5  # what 0 resolves to for trinity
+    explicit.model.expert_impl, explicit.model.aux_loss_alpha = "loop", 1e-4  # training-only settings
+    load_checkpoint(path, {"model": ModelState(model)}, explicit)
+    explicit.model.global_every = 2
+    with pytest.raises(CheckpointError, match="model.global_every: 4 -> 2"):
+        load_checkpoint(path, {"model": ModelState(model)}, explicit)

@@ -51,7 +51,7 @@ def cmd_export_hf(args: argparse.Namespace) -> int:
 
 def cmd_import_hf(args: argparse.Namespace) -> int:
     from trinity_train.checkpoint import save_model_checkpoint
-    from trinity_train.model import build_model
+    from trinity_train.checkpoint.model_only import model_to_load_into
     from trinity_train.model.hf import load_hf
 
     hf_dir = Path(args.hf_dir)
@@ -59,8 +59,7 @@ def cmd_import_hf(args: argparse.Namespace) -> int:
     model_cfg, state_dict = load_hf(hf_dir)
     cfg = Config(model=model_cfg)
     validate(cfg)
-    # Allocated without drawing an init that the imported weights would overwrite anyway.
-    model = build_model(model_cfg, device="meta").to_empty(device="cpu")
+    model = model_to_load_into(model_cfg)
     model.load_state_dict(state_dict, strict=True)
     save_model_checkpoint(model, cfg, out)
     print(f"imported {hf_dir} to {out}; start a run from it with --checkpoint.init_from={out}")

@@ -38,6 +38,7 @@ from torch.distributed.tensor import DTensor
 
 from trinity_train.checkpoint import CheckpointManager, ModelState, OptimizerState, RNGState, load_checkpoint
 from trinity_train.checkpoint.compat import config_differences, describe_differences
+from trinity_train.checkpoint.manager import read_compatible_meta
 from trinity_train.config import Config, config_to_dict, load_config, save_config
 from trinity_train.data import build_loaders
 from trinity_train.data.ledger import LEDGER_FILENAME, SkipLedger
@@ -313,7 +314,14 @@ class Trainer:
                  model_builder: ModelBuilder = build_model_for_training):
         self.cfg = cfg
         self.run_dir = Path(cfg.run.dir)
-        self.config_changes = check_run_dir(cfg, self.run_dir)  # before any work
+        # Everything that can be checked without work is checked first.
+        self.config_changes = check_run_dir(cfg, self.run_dir)
+        self.checkpoints = CheckpointManager(self.run_dir, cfg.checkpoint)
+        self.resume_from = self.checkpoints.resume_path()
+        if self.resume_from is not None:
+            read_compatible_meta(self.resume_from, cfg)
+        elif cfg.checkpoint.init_from:
+            read_compatible_meta(Path(cfg.checkpoint.init_from), cfg)
         self.placement = placement or single_process_placement(cfg)
         self.device = self.placement.device
         self.is_main = self.placement.is_main
@@ -323,8 +331,6 @@ class Trainer:
         self.scheduler = build_scheduler(self.optimizer, cfg)
         self.guard = StepGuard(cfg.stability)
         self.state = TrainerState()
-        self.checkpoints = CheckpointManager(self.run_dir, cfg.checkpoint)
-        self.resume_from = self.checkpoints.resume_path()
         # Batches skipped by this run are recorded in the ledger and never drawn again; a fresh
         # run starts with an empty one, a resumed run keeps what its predecessors recorded.
         ledger_path = self.run_dir / LEDGER_FILENAME

@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
-from trinity_train.config import Config, config_from_dict, config_to_dict
+from trinity_train.config import Config, ModelConfig, config_from_dict, global_every, norm_eps
 from trinity_train.errors import CheckpointError, ConfigError
+
+# Model settings that change how a model is trained or computed, not what its weights mean: a
+# checkpoint loads under other values of these.
+TRAINING_ONLY_MODEL_KEYS = frozenset({
+    "expert_impl", "load_balance", "bias_update_rate", "smebu_lambda", "smebu_beta", "smebu_kappa",
+    "aux_loss_alpha", "z_loss_weight", "doc_masking", "loss_chunk_tokens", "init_std"})
 
 
 def config_differences(old: dict, new: dict, prefix: str = "") -> list[tuple[str, Any, Any]]:
@@ -37,9 +44,17 @@ def config_from_meta(meta: dict, path: Path) -> Config:
         raise CheckpointError(f"checkpoint '{path}' was written with a config this version cannot read ({e})") from None
 
 
+def model_architecture(m: ModelConfig) -> dict[str, Any]:
+    """The model settings that decide the weights' shapes and meaning, with defaults resolved
+    (`global_every = 0` and `= 4` describe the same trinity model)."""
+    arch = dataclasses.asdict(m)
+    arch.update(global_every=global_every(m), norm_eps=norm_eps(m))
+    return {k: v for k, v in arch.items() if k not in TRAINING_ONLY_MODEL_KEYS}
+
+
 def check_model_compatible(checkpoint_cfg: Config, cfg: Config, path: Path) -> None:
-    """The model section decides tensor shapes and meanings; it must match exactly."""
-    diffs = config_differences(config_to_dict(checkpoint_cfg)["model"], config_to_dict(cfg)["model"], "model")
+    """The checkpoint's weights must be those of the model `cfg` builds."""
+    diffs = config_differences(model_architecture(checkpoint_cfg.model), model_architecture(cfg.model), "model")
     if diffs:
         raise CheckpointError(
             f"checkpoint '{path}' holds a different model than this run ({describe_differences(diffs)}); "

@@ -73,11 +73,17 @@ def _commit_everywhere(tmp_dir: Path, final_dir: Path, meta: dict) -> None:
     barrier()
 
 
+def read_compatible_meta(path: Path, cfg: Config) -> dict:
+    """The meta of a complete checkpoint whose model is the one `cfg` describes."""
+    meta = read_meta(path)
+    check_model_compatible(config_from_meta(meta, path), cfg, path)
+    return meta
+
+
 def load_checkpoint(path: Path, state: dict[str, Any], cfg: Config) -> dict:
     """Restore `state` from the checkpoint at `path`; returns its meta. Checks fit first."""
     path = Path(path)
-    meta = read_meta(path)
-    check_model_compatible(config_from_meta(meta, path), cfg, path)
+    meta = read_compatible_meta(path, cfg)
     missing = sorted(set(state) - set(meta.get("components", [])))
     if missing:
         hint = (" It holds model weights only: start a run from it with --checkpoint.init_from"

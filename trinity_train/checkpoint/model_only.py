@@ -18,7 +18,7 @@ from trinity_train.checkpoint.compat import config_from_meta
 from trinity_train.checkpoint.layout import read_meta
 from trinity_train.checkpoint.manager import checkpoint_meta, write_checkpoint
 from trinity_train.checkpoint.stateful import ModelState
-from trinity_train.config import Config
+from trinity_train.config import Config, ModelConfig
 from trinity_train.errors import CheckpointError
 from trinity_train.model import build_model
 
@@ -33,6 +33,16 @@ def save_model_checkpoint(model: nn.Module, cfg: Config, out_dir: str | Path) ->
     return out_dir
 
 
+def model_to_load_into(model_cfg: ModelConfig, device: str | torch.device = "cpu") -> nn.Module:
+    """A model whose every value a full state dict will overwrite: allocated without drawing an
+    init when all its state is persistent (a large model's init is slow), initialised otherwise."""
+    model = build_model(model_cfg, device="meta")
+    names = {n for n, _ in model.named_parameters()} | {n for n, _ in model.named_buffers()}
+    if names <= set(model.state_dict()):
+        return model.to_empty(device=device)
+    return build_model(model_cfg, device=device)
+
+
 def load_model_checkpoint(path: str | Path, device: str | torch.device = "cpu") -> tuple[nn.Module, Config]:
     """Build the checkpoint's model on `device` and load its weights (model or training checkpoint)."""
     path = Path(path)
@@ -40,6 +50,6 @@ def load_model_checkpoint(path: str | Path, device: str | torch.device = "cpu") 
     cfg = config_from_meta(meta, path)
     if "model" not in meta.get("components", []):
         raise CheckpointError(f"checkpoint '{path}' holds no model weights")
-    model = build_model(cfg.model, device=device)
+    model = model_to_load_into(cfg.model, device)
     dcp_io.load({"model": ModelState(model)}, path)
     return model, cfg

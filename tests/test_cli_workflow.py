@@ -1,0 +1,143 @@
+"""The whole user workflow through the real console script, on a tiny model and corpus:
+prepare-data -> train -> resume -> ckpt inspect/verify -> export-hf (loads in transformers) ->
+import-hf -> a new run initialised from the import."""
+
+import json
+import random
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from trinity_train.checkpoint import load_model_checkpoint
+from trinity_train.observe.jsonl import read_jsonl
+
+TINY_TOML = """
+[model]
+vocab_size = 320
+hidden_size = 32
+num_layers = 4
+num_dense_layers = 1
+num_heads = 2
+num_kv_heads = 1
+head_dim = 16
+intermediate_size = 64
+num_experts = 4
+num_experts_per_tok = 2
+moe_intermediate_size = 16
+sliding_window = 8
+
+[data]
+path = "data"
+seq_len = 16
+
+[train]
+steps = 4
+micro_batch_size = 2
+grad_accum = 2
+eval_every = 2
+eval_batches = 1
+
+[checkpoint]
+every = 2
+
+[metrics]
+progress_bar = false
+peak_flops = 1e11
+
+[run]
+dir = "run"
+"""
+
+
+def cli(*args, cwd, ok=True):
+    result = subprocess.run([sys.executable, "-m", "trinity_train.cli", *args], cwd=cwd, capture_output=True,
+                            text=True, timeout=600)
+    if ok:
+        assert result.returncode == 0, result.stderr
+    return result
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    """A prepared corpus (through `prepare-data`) and a trained tiny run (through `train`)."""
+    root = tmp_path_factory.mktemp("cli")
+    rng = random.Random(1)
+    words = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()
+    (root / "docs").mkdir()
+    for i in range(30):
+        (root / "docs" / f"{i}.txt").write_text(" ".join(rng.choice(words) for _ in range(250)))
+    (root / "tiny.toml").write_text(TINY_TOML)
+    cli("prepare-data", "--input", "docs", "--out", "data", "--train-tokenizer", "300", "--val-fraction", "0.1",
+        "--num-proc", "1", "--no-progress", cwd=root)
+    trained = cli("train", "--config", "tiny.toml", cwd=root)
+    assert "trained steps 1-4" in trained.stdout
+    return root
+
+
+def test_training_writes_the_run_directory(workdir):
+    run = workdir / "run"
+    assert {p.name for p in run.iterdir()} >= {"config.toml", "metrics.jsonl", "events.jsonl", "checkpoints"}
+    kinds = [(r["kind"], r["step"]) for r in read_jsonl(run / "metrics.jsonl")]
+    assert kinds == [("val", 0), ("train", 1), ("train", 2), ("val", 2), ("train", 3), ("train", 4), ("val", 4)]
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_00000002", "step_00000004"]
+
+
+def test_resume_auto_continues_from_the_newest_checkpoint(workdir):
+    result = cli("train", "--config", "tiny.toml", "--run.dir=resumed", "--train.steps=2", cwd=workdir)
+    assert "trained steps 1-2" in result.stdout
+    result = cli("train", "--config", "tiny.toml", "--run.dir=resumed", "--train.steps=3",
+                 "--checkpoint.resume=auto", cwd=workdir)
+    assert "trained steps 3-3" in result.stdout
+    assert [r["step"] for r in read_jsonl(workdir / "resumed" / "metrics.jsonl") if r["kind"] == "train"] == [1, 2, 3]
+    events = [json.loads(line) for line in (workdir / "resumed" / "events.jsonl").read_text().splitlines()]
+    assert any(e["event"] == "config_changed" and ["train.steps", 2, 3] in e["changes"] for e in events)
+    assert any(e["event"] == "resume" and e["checkpoint"].endswith("step_00000002") for e in events)
+
+
+def test_ckpt_inspect_and_verify(workdir):
+    ckpt = "run/checkpoints/step_00000004"
+    assert cli("ckpt", "verify", ckpt, cwd=workdir).stdout.startswith(f"ok: {ckpt} is complete and loadable")
+    summary = json.loads(cli("ckpt", "inspect", ckpt, "--json", cwd=workdir).stdout)
+    assert summary["step"] == 4 and summary["kind"] == "training"
+    assert set(summary["components"]) == {"model", "optim", "scheduler", "loader", "guard", "trainer", "rng"}
+    assert "model: trinity, 4 layers, hidden 32" in cli("ckpt", "inspect", ckpt, cwd=workdir).stdout
+
+    data_file = next((workdir / ckpt).glob("*.distcp"))
+    data_file.write_bytes(data_file.read_bytes()[:-10])  # damage it: the last test of this module
+    result = cli("ckpt", "verify", ckpt, cwd=workdir, ok=False)
+    assert result.returncode == 1 and result.stderr.startswith("error: ") and "truncated" in result.stderr
+
+
+@pytest.fixture(scope="module")
+def exported(workdir):
+    cli("export-hf", "run/checkpoints/step_00000002", "hf", cwd=workdir)
+    return workdir / "hf"
+
+
+def test_export_hf_loads_in_transformers_with_the_same_logits(workdir, exported):
+    from transformers import AfmoeForCausalLM
+
+    ours, _ = load_model_checkpoint(workdir / "run" / "checkpoints" / "step_00000002")
+    theirs = AfmoeForCausalLM.from_pretrained(exported).eval()
+    tokens = torch.randint(0, 320, (2, 24))  # longer than the sliding window of 8
+    with torch.no_grad():
+        torch.testing.assert_close(theirs(tokens).logits, ours.eval()(tokens).logits, atol=1e-4, rtol=0)
+
+
+def test_import_hf_gives_a_checkpoint_a_run_can_start_from(workdir, exported):
+    result = cli("import-hf", "hf", "--out", "imported", cwd=workdir)
+    assert "--checkpoint.init_from=imported" in result.stdout
+    original, _ = load_model_checkpoint(workdir / "run" / "checkpoints" / "step_00000002")
+    imported, _ = load_model_checkpoint(workdir / "imported")
+    for (name, a), (_, b) in zip(original.state_dict().items(), imported.state_dict().items()):
+        if name.endswith("bias_momentum"):
+            continue  # SMEBU state is not part of the HF format
+        assert torch.equal(a, b), name
+
+    result = cli("train", "--config", "tiny.toml", "--run.dir=from_import", "--train.steps=1",
+                 "--checkpoint.init_from=imported", cwd=workdir)
+    assert "trained steps 1-1" in result.stdout
+    events = [json.loads(line)["event"] for line in (workdir / "from_import" / "events.jsonl").read_text().splitlines()]
+    assert "init_from" in events
