@@ -18,5 +18,7 @@ if [[ "$nproc" == "gpus" ]]; then
 fi
 [[ "$nproc" =~ ^[1-9][0-9]*$ ]] || { echo "$usage" >&2; exit 2; }
 
+# An impossible layout for N processes fails here, with one line, before anything starts.
+python -m trinity_train.parallel.preflight "$nproc" "$@"
 # --standalone: a private c10d rendezvous on a free local port, so several jobs can share a node.
 exec torchrun --standalone --nnodes=1 --nproc-per-node="$nproc" -m trinity_train.cli train "$@"

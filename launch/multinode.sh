@@ -44,6 +44,8 @@ done
 [[ -n "$head" ]] || { echo "launch/multinode.sh: the head address is missing (HEAD_ADDR or MASTER_ADDR)" >&2; echo "$usage" >&2; exit 2; }
 (( node_rank < nnodes )) || { echo "launch/multinode.sh: NODE_RANK=$node_rank must be below NNODES=$nnodes" >&2; exit 2; }
 
+# An impossible layout for the whole job fails here, with one line, before anything starts.
+python -m trinity_train.parallel.preflight "$((nnodes * nproc))" "$@"
 # Node 0 hosts the rendezvous store; saying so explicitly also works when several "nodes" share
 # one machine (tests, or a quick check on a workstation).
 is_host=$([[ "$node_rank" == 0 ]] && echo true || echo false)

@@ -1,131 +1,131 @@
-"""Every parallel layout trains the debug model like one process does (DESIGN §4, the issue's
-acceptance): three AdamW steps on the same global batches give the same losses (rel <= 1e-5), the
-same parameters (<= 1e-4) and the same, rank-identical expert biases.
+"""Every parallel layout trains like one process does, through the real Trainer (the issue's
+acceptance): three AdamW steps on the same global batches give the same losses and gradient norms
+(rel <= 1e-5), the same parameters (<= 1e-4) and the same, rank-identical expert biases.
 
-The step here is spelled out (forward, token-weighted loss over the global batch, backward, global
-clipping, AdamW, expert-bias update from all-reduced counts) with the helpers `parallel/` gives
-the trainer; ranks are gloo processes on the CPU.
+Layouts: FSDP 2, TP 2, EP 2 on two gloo ranks; HSDP 2x2, TP 2 x FSDP 2, EP 2 x FSDP 2 (ep taken
+from dp_shard=4) and TP 2 x EP 2 on four. The global batch is 4 sequences everywhere (grad_accum
+makes up for fewer data-parallel ranks), so every run reads exactly the same tokens.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
+import functools
+import random
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from trinity_train.parallel.local_ranks import init_gloo, run_ranks
 from trinity_train.config import load_config
+from trinity_train.data.prepare import PrepareOptions, prepare
+from trinity_train.observe.jsonl import read_jsonl
+from trinity_train.parallel.local_ranks import init_gloo, run_ranks
 from trinity_train.parallel.mesh import ParallelDims
-from trinity_train.parallel.parallelize import build_parallel_model
-from trinity_train.parallel.reductions import clip_grad_norm_, sum_over_data_parallel
+from trinity_train.train import Trainer, build_model_for_training, distributed_placement
 
-STEPS = 3
 GLOBAL_ROWS = 4
-
 TWO_RANKS = {"fsdp2": {"dp_shard": 2}, "tp2": {"tp": 2}, "ep2": {"ep": 2}}
 FOUR_RANKS = {"hsdp2x2": {"dp_replicate": 2, "dp_shard": 2}, "tp2_fsdp2": {"tp": 2},
               "ep2_fsdp2": {"ep": 2}, "tp2_ep2": {"tp": 2, "ep": 2}}
+WORDS = "red green blue cyan magenta yellow black white grey pink brown olive navy teal".split()
 
 
-def tiny_config(parallel: dict | None = None):
-    overrides = {
-        "model": {"vocab_size": 256, "hidden_size": 64, "num_layers": 3, "num_dense_layers": 1,
-                  "num_heads": 4, "num_kv_heads": 2, "head_dim": 16, "intermediate_size": 128,
-                  "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
-                  "route_scale": 2.0, "sliding_window": 16, "global_every": 2,
-                  "bias_update_rate": 0.01},
-        "data": {"seq_len": 32},
-        "train": {"seed": 3, "grad_clip": 0.5},
-        "parallel": parallel or {},
-    }
-    return load_config(Path(__file__).parents[1] / "configs" / "debug.toml", overrides)
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    root = tmp_path_factory.mktemp("parallel_corpus")
+    rng = random.Random(1)
+    (root / "docs").mkdir()
+    for i in range(30):
+        (root / "docs" / f"d{i}.txt").write_text(" ".join(rng.choice(WORDS) for _ in range(300)))
+    return prepare(PrepareOptions(inputs=[str(root / "docs")], out=str(root / "prepared"),
+                                  train_tokenizer=300, val_fraction=0.1, progress=False))
 
 
-def global_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Counting sequences (learnable within a few steps) from a random start per row."""
-    g = torch.Generator().manual_seed(1000 + step)
-    starts = torch.randint(0, 256, (GLOBAL_ROWS, 1), generator=g)
-    tokens = (starts + torch.arange(33)) % 256
-    labels = tokens[:, 1:].clone()
-    labels[0, :5] = -100  # uneven token counts across ranks
-    return tokens[:, :-1], labels
+def layout_config(corpus, run_dir, parallel: dict, world: int):
+    dp = world // parallel.get("tp", 1)
+    return load_config(None, {
+        "model": {"vocab_size": 320, "hidden_size": 32, "num_layers": 3, "num_dense_layers": 1,
+                  "num_heads": 2, "num_kv_heads": 2, "head_dim": 16, "intermediate_size": 64,
+                  "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16,
+                  "route_scale": 2.0, "sliding_window": 8, "global_every": 2,
+                  "bias_update_rate": 1e-2},
+        "data": {"path": str(corpus), "seq_len": 16},
+        "train": {"steps": 3, "micro_batch_size": 1, "grad_accum": GLOBAL_ROWS // dp,
+                  "eval_every": 0, "grad_clip": 0.5, "seed": 5},
+        # Adam's eps is raised from 1e-8: near-zero gradients (sums that cancel to ~1e-6) differ
+        # in their last bits between summation orders, and a tiny eps turns that noise into whole
+        # lr-sized steps of either sign. 1e-4 keeps real gradients at full Adam steps.
+        "optim": {"name": "adamw", "lr": 1e-2, "eps": 1e-4, "schedule": "constant",
+                  "warmup_steps": 0},
+        "checkpoint": {"every": 0},
+        "metrics": {"progress_bar": False, "peak_flops": 1e11},
+        "run": {"dir": str(run_dir)},
+        "parallel": parallel,
+    })
 
 
-def train(cfg, dims: ParallelDims) -> dict:
-    """Three optimizer steps; returns losses, full parameters and expert biases."""
-    device = torch.device("cpu")
-    model = build_parallel_model(cfg, dims, device)
-    # Adam's eps is raised from 1e-8: near-zero gradients (sums that cancel to ~1e-6) differ in
-    # their last bits between summation orders, and with a tiny eps Adam turns that noise into
-    # whole lr-sized steps of opposite sign. 1e-4 keeps real gradients at full Adam steps.
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, betas=(0.9, 0.95), eps=1e-4,
-                                  weight_decay=0.1)
-    rows = GLOBAL_ROWS // dims.dp
-    lo = dims.dp_rank * rows
-    losses, norms = [], []
-    for step in range(STEPS):
-        tokens, labels = global_batch(step)
-        tokens, labels = tokens[lo:lo + rows], labels[lo:lo + rows]
-        global_tokens = sum_over_data_parallel((labels != -100).sum(), dims)
-        out = model(tokens, labels=labels)
-        (out.ce_sum / global_tokens).backward()
-        norms.append(clip_grad_norm_(model.parameters(), cfg.train.grad_clip).item())
-        optimizer.step()
-        optimizer.zero_grad()
-        model.update_expert_biases(sum_over_data_parallel(out.tokens_per_expert, dims))
-        losses.append((sum_over_data_parallel(out.ce_sum.detach(), dims) / global_tokens).item())
+def finished_state(trainer: Trainer) -> dict:
+    """Parameters (whole), expert biases, and the losses/grad norms rank 0 logged."""
     params = {name: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
-              for name, p in model.named_parameters()}
-    biases = torch.stack([moe.expert_bias.clone() for moe in model.moe_layers])
-    return {"losses": losses, "norms": norms, "params": params, "biases": biases}
+              for name, p in trainer.model.named_parameters()}
+    if dist.is_initialized():
+        dist.barrier()  # rank 0 has written metrics.jsonl
+    records = [r for r in read_jsonl(trainer.run_dir / "metrics.jsonl") if r["kind"] == "train"]
+    return {"params": params,
+            "biases": torch.stack([moe.expert_bias.clone() for moe in trainer.model.moe_layers]),
+            "losses": [r["loss"] for r in records], "norms": [r["grad_norm"] for r in records]}
 
 
-def _run_layouts(layouts: dict, world: int) -> dict:
+def train_layouts(corpus, root, layouts: dict) -> dict:
     init_gloo()
+    world = dist.get_world_size()
     results = {}
     for name, parallel in layouts.items():
-        cfg = tiny_config(parallel)
+        cfg = layout_config(corpus, root / name, parallel, world)
         dims = ParallelDims.from_config(cfg, world)
         dims.build_mesh("cpu")
-        results[name] = train(cfg, dims)
+        trainer = Trainer(cfg, distributed_placement(dims, torch.device("cpu")),
+                          model_builder=functools.partial(build_model_for_training, dims=dims))
+        trainer.run()
+        results[name] = finished_state(trainer)
     return results
 
 
 @pytest.fixture(scope="module")
-def reference() -> dict:
-    cfg = tiny_config()
-    return train(cfg, ParallelDims.from_config(cfg, 1))
+def reference(corpus, tmp_path_factory) -> dict:
+    trainer = Trainer(layout_config(corpus, tmp_path_factory.mktemp("one_process"), {}, 1))
+    trainer.run()
+    return finished_state(trainer)
 
 
 @pytest.fixture(scope="module")
-def two_rank_results() -> list[dict]:
-    return run_ranks(2, _run_layouts, TWO_RANKS, 2)
+def two_rank_results(corpus, tmp_path_factory) -> list[dict]:
+    return run_ranks(2, train_layouts, corpus, tmp_path_factory.mktemp("two"), TWO_RANKS)
 
 
 @pytest.fixture(scope="module")
-def four_rank_results() -> list[dict]:
-    return run_ranks(4, _run_layouts, FOUR_RANKS, 4)
+def four_rank_results(corpus, tmp_path_factory) -> list[dict]:
+    return run_ranks(4, train_layouts, corpus, tmp_path_factory.mktemp("four"), FOUR_RANKS)
 
 
 def assert_matches_reference(ranks: list[dict], layout: str, reference: dict) -> None:
+    ours = ranks[0][layout]
+    assert len(ours["losses"]) == 3
+    for step, (got, want) in enumerate(zip(ours["losses"], reference["losses"])):
+        assert abs(got - want) <= 1e-5 * abs(want), f"{layout} step {step}: loss {got} vs {want}"
+    assert ours["norms"] == pytest.approx(reference["norms"], rel=1e-5)
     for rank, results in enumerate(ranks):
-        res = results[layout]
-        for step, (got, want) in enumerate(zip(res["losses"], reference["losses"])):
-            assert abs(got - want) <= 1e-5 * abs(want), (
-                f"{layout} rank {rank} step {step}: loss {got} vs single process {want}")
-        assert res["norms"] == pytest.approx(reference["norms"], rel=1e-5)
-        assert torch.equal(res["biases"], ranks[0][layout]["biases"]), "expert_bias differs by rank"
-        assert torch.allclose(res["biases"], reference["biases"], atol=1e-7), "expert_bias differs"
-    params = ranks[0][layout]["params"]
-    assert params.keys() == reference["params"].keys()
+        biases = results[layout]["biases"]
+        assert torch.equal(biases, ours["biases"]), f"{layout}: expert_bias of rank {rank} differs"
+    assert torch.allclose(ours["biases"], reference["biases"], rtol=0, atol=1e-7)
+    assert ours["params"].keys() == reference["params"].keys()
     for name, want in reference["params"].items():
-        err = (params[name] - want).abs().max().item()
+        err = (ours["params"][name] - want).abs().max().item()
         assert err <= 1e-4, f"{layout}: {name} differs from the single process by {err}"
 
 
-def test_reference_run_trains(reference):
+def test_reference_run_learns_and_balances(reference):
     assert reference["losses"][-1] < reference["losses"][0]
     assert reference["biases"].abs().sum() > 0, "expert biases never moved"
 

@@ -1,0 +1,81 @@
+"""The launchers, end to end through torchrun and the CLI: two `launch/multinode.sh` "nodes"
+rendezvousing on 127.0.0.1 train like one `launch/local.sh` node of the same layout, and an
+impossible layout stops every rank with one clear line before any work."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from test_parallel_equivalence import corpus, layout_config  # noqa: F401  (corpus is a fixture)
+from trinity_train.config import save_config
+from trinity_train.observe.jsonl import read_jsonl
+from trinity_train.parallel.local_ranks import free_port
+
+ROOT = Path(__file__).parents[1]
+# torchrun from the environment the tests run in
+ENV = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+
+
+def launch(*args, **env: str) -> subprocess.Popen:
+    return subprocess.Popen([str(a) for a in args], cwd=ROOT, env={**ENV, **env},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def finish(proc: subprocess.Popen) -> tuple[int, str]:
+    out, err = proc.communicate(timeout=300)
+    return proc.returncode, out + err
+
+
+def train_losses(run_dir: Path) -> list[float]:
+    return [r["loss"] for r in read_jsonl(run_dir / "metrics.jsonl") if r["kind"] == "train"]
+
+
+@pytest.fixture
+def ep2_config(corpus, tmp_path):  # noqa: F811
+    path = tmp_path / "ep2.toml"
+    save_config(layout_config(corpus, tmp_path / "unused", {"ep": 2}, world=2), path)
+    return path
+
+
+def test_two_nodes_on_one_machine_train_like_one_node(ep2_config, tmp_path):
+    one_node = launch("launch/local.sh", 2, "--config", ep2_config, f"--run.dir={tmp_path / 'one'}")
+    code, log = finish(one_node)
+    assert code == 0, log[-3000:]
+
+    head = f"127.0.0.1:{free_port()}"
+    nodes = [launch("launch/multinode.sh", 2, rank, head, 1, "--", "--config", ep2_config,
+                    f"--run.dir={tmp_path / 'two'}", RDZV_ID=f"test-{os.getpid()}")
+             for rank in (0, 1)]
+    for node in nodes:
+        code, log = finish(node)
+        assert code == 0, log[-3000:]
+
+    one, two = train_losses(tmp_path / "one"), train_losses(tmp_path / "two")
+    assert len(one) == 3
+    assert two == pytest.approx(one, rel=1e-6)
+
+
+@pytest.mark.parametrize("launcher", [("launch/local.sh", 2),
+                                      ("launch/multinode.sh", 2, 0, "127.0.0.1", 1, "--")])
+def test_impossible_layout_is_refused_before_anything_starts(ep2_config, tmp_path, launcher):
+    run_dir = tmp_path / "never"
+    code, log = finish(launch(*launcher, "--config", ep2_config, "--parallel.ep=1",
+                              "--parallel.dp_shard=4", f"--run.dir={run_dir}"))
+    assert code == 2, log
+    assert log.strip() == ("error: parallel: dp_replicate=1 x dp_shard=4 x tp=1 = 4 ranks, but 2 "
+                           "processes were started; start 4 processes or set parallel.dp_shard=-1 "
+                           "to use what is left")
+    assert not run_dir.exists()
+
+
+def test_multinode_script_explains_a_missing_head_address(tmp_path):
+    env = {k: v for k, v in ENV.items() if k not in ("MASTER_ADDR", "NNODES", "NODE_RANK")}
+    done = subprocess.run(["launch/multinode.sh", "2", "0"], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 2
+    assert "head address is missing" in done.stderr

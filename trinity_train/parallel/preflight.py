@@ -1,0 +1,37 @@
+"""Check a run's parallel layout for a world size before any process starts.
+
+    python -m trinity_train.parallel.preflight WORLD_SIZE [--config FILE] [--section.key=value ...]
+
+The launchers call this first, so an impossible layout (a world size that is not the product, a
+tp that does not divide the heads, an ep that does not divide the experts or dp_shard) ends with
+the same one-line `error:` the CLI prints and exit code 2, instead of every rank failing under
+torchrun. The ranks check again when they start (`init_distributed`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from trinity_train.cli import default_config_path
+from trinity_train.config import load_config
+from trinity_train.errors import UserError
+from trinity_train.parallel.mesh import ParallelDims
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="preflight", allow_abbrev=False)
+    parser.add_argument("world_size", type=int)
+    parser.add_argument("--config")
+    args, overrides = parser.parse_known_args(argv)
+    try:
+        cfg = load_config(args.config or default_config_path(), overrides)
+        ParallelDims.from_config(cfg, args.world_size)
+    except UserError as e:
+        print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
+        return e.exit_code
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
