@@ -82,4 +82,5 @@ def test_weight_decay_only_on_hidden_matrices():
     assert not_decayed == {"embed.weight", "proj.bias", "norm.weight", "norm.bias", "head_scale"}
     assert group["weight_decay"] == 0.0
     assert all(g["kind"] == "adamw" and g["lr"] == 1e-3 for g in opt.param_groups)
+    assert opt.defaults["fused"]  # one kernel instead of a per-tensor loop
 
