@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Run the test suite. On a fresh clone it first creates .venv and installs the package, exactly
+# as the README's set-up does (torch first, so pip takes the CPU build on this machine's disk).
+#
+#   scripts/test.sh [pytest arguments]      e.g. scripts/test.sh tests/test_config.py -x
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+if ! .venv/bin/python -c "import trinity_train.cli, pytest" 2>/dev/null; then
+    python3 -m venv .venv
+    .venv/bin/pip install torch==2.13.0
+    .venv/bin/pip install -e '.[dev]'
+fi
+exec .venv/bin/python -m pytest "$@"
