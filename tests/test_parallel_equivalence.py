@@ -3,8 +3,11 @@ acceptance): three AdamW steps on the same global batches give the same losses a
 (rel <= 1e-5), the same parameters (<= 1e-4) and the same, rank-identical expert biases.
 
 Layouts: FSDP 2, TP 2, EP 2 on two gloo ranks; HSDP 2x2, TP 2 x FSDP 2, EP 2 x FSDP 2 (ep taken
-from dp_shard=4) and TP 2 x EP 2 on four. The global batch is 4 sequences everywhere (grad_accum
-makes up for fewer data-parallel ranks), so every run reads exactly the same tokens.
+from dp_shard=4) and TP 2 x EP 2 (with activation checkpointing) on four; and TP 2 for the block
+variants whose norms TP treats specially (NormFormer's width and head norms, Gemma 3's (1 + g)
+norms). The global batch is 4 sequences everywhere (grad_accum makes up for fewer data-parallel
+ranks), so every run reads exactly the same tokens. The sharded initialisation is checked too:
+bit-identical to the single process's.
 """
 
 from __future__ import annotations
@@ -25,9 +28,21 @@ from trinity_train.parallel.mesh import ParallelDims
 from trinity_train.train import Trainer, build_model_for_training, distributed_placement
 
 GLOBAL_ROWS = 4
-TWO_RANKS = {"fsdp2": {"dp_shard": 2}, "tp2": {"tp": 2}, "ep2": {"ep": 2}}
-FOUR_RANKS = {"hsdp2x2": {"dp_replicate": 2, "dp_shard": 2}, "tp2_fsdp2": {"tp": 2},
-              "ep2_fsdp2": {"ep": 2}, "tp2_ep2": {"tp": 2, "ep": 2}}
+# layout name: config sections it changes
+TWO_RANKS = {
+    "fsdp2": {"parallel": {"dp_shard": 2}},
+    "tp2": {"parallel": {"tp": 2}},
+    "ep2": {"parallel": {"ep": 2}},
+    "tp2_normformer": {"parallel": {"tp": 2}, "model": {"block": "normformer"}},
+    "tp2_gemma3": {"parallel": {"tp": 2}, "model": {"block": "gemma3"}},
+}
+FOUR_RANKS = {
+    "hsdp2x2": {"parallel": {"dp_replicate": 2, "dp_shard": 2}},
+    "tp2_fsdp2": {"parallel": {"tp": 2}},
+    "ep2_fsdp2": {"parallel": {"ep": 2}},
+    "tp2_ep2": {"parallel": {"tp": 2, "ep": 2}, "train": {"activation_checkpointing": True}},
+}
+BLOCKS = ("trinity", "normformer", "gemma3")
 WORDS = "red green blue cyan magenta yellow black white grey pink brown olive navy teal".split()
 
 
@@ -42,9 +57,9 @@ def corpus(tmp_path_factory):
                                   train_tokenizer=300, val_fraction=0.1, progress=False))
 
 
-def layout_config(corpus, run_dir, parallel: dict, world: int):
-    dp = world // parallel.get("tp", 1)
-    return load_config(None, {
+def layout_config(corpus, run_dir, changes: dict, world: int):
+    dp = world // changes.get("parallel", {}).get("tp", 1)
+    table = {
         "model": {"vocab_size": 320, "hidden_size": 32, "num_layers": 3, "num_dense_layers": 1,
                   "num_heads": 2, "num_kv_heads": 2, "head_dim": 16, "intermediate_size": 64,
                   "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16,
@@ -61,18 +76,28 @@ def layout_config(corpus, run_dir, parallel: dict, world: int):
         "checkpoint": {"every": 0},
         "metrics": {"progress_bar": False, "peak_flops": 1e11},
         "run": {"dir": str(run_dir)},
-        "parallel": parallel,
-    })
+    }
+    for section, values in changes.items():
+        table[section] = {**table.get(section, {}), **values}
+    return load_config(None, table)
 
 
-def finished_state(trainer: Trainer) -> dict:
-    """Parameters (whole), expert biases, and the losses/grad norms rank 0 logged."""
-    params = {name: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
-              for name, p in trainer.model.named_parameters()}
+def whole_params(model) -> dict[str, torch.Tensor]:
+    """By model name (activation checkpointing's wrapper adds a level to module names)."""
+    return {name.replace("_checkpoint_wrapped_module.", ""):
+            (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+            for name, p in model.named_parameters()}
+
+
+def trained(trainer: Trainer) -> dict:
+    """Initial and final parameters (whole), expert biases, and the losses/grad norms logged."""
+    initial = whole_params(trainer.model)
+    trainer.run()
+    params = whole_params(trainer.model)
     if dist.is_initialized():
         dist.barrier()  # rank 0 has written metrics.jsonl
     records = [r for r in read_jsonl(trainer.run_dir / "metrics.jsonl") if r["kind"] == "train"]
-    return {"params": params,
+    return {"initial": initial, "params": params,
             "biases": torch.stack([moe.expert_bias.clone() for moe in trainer.model.moe_layers]),
             "losses": [r["loss"] for r in records], "norms": [r["grad_norm"] for r in records]}
 
@@ -81,22 +106,22 @@ def train_layouts(corpus, root, layouts: dict) -> dict:
     init_gloo()
     world = dist.get_world_size()
     results = {}
-    for name, parallel in layouts.items():
-        cfg = layout_config(corpus, root / name, parallel, world)
+    for name, changes in layouts.items():
+        cfg = layout_config(corpus, root / name, changes, world)
         dims = ParallelDims.from_config(cfg, world)
         dims.build_mesh("cpu")
         trainer = Trainer(cfg, distributed_placement(dims, torch.device("cpu")),
                           model_builder=functools.partial(build_model_for_training, dims=dims))
-        trainer.run()
-        results[name] = finished_state(trainer)
+        results[name] = trained(trainer)
     return results
 
 
 @pytest.fixture(scope="module")
-def reference(corpus, tmp_path_factory) -> dict:
-    trainer = Trainer(layout_config(corpus, tmp_path_factory.mktemp("one_process"), {}, 1))
-    trainer.run()
-    return finished_state(trainer)
+def references(corpus, tmp_path_factory) -> dict[str, dict]:
+    """One process, per block variant."""
+    return {block: trained(Trainer(layout_config(corpus, tmp_path_factory.mktemp(block),
+                                                 {"model": {"block": block}}, 1)))
+            for block in BLOCKS}
 
 
 @pytest.fixture(scope="module")
@@ -109,8 +134,12 @@ def four_rank_results(corpus, tmp_path_factory) -> list[dict]:
     return run_ranks(4, train_layouts, corpus, tmp_path_factory.mktemp("four"), FOUR_RANKS)
 
 
-def assert_matches_reference(ranks: list[dict], layout: str, reference: dict) -> None:
+def assert_matches_reference(ranks: list[dict], layout: str, references: dict) -> None:
+    block = {**TWO_RANKS, **FOUR_RANKS}[layout].get("model", {}).get("block", "trinity")
+    reference = references[block]
     ours = ranks[0][layout]
+    for name, want in reference["initial"].items():
+        assert torch.equal(ours["initial"][name], want), f"{layout}: {name} starts differently"
     assert len(ours["losses"]) == 3
     for step, (got, want) in enumerate(zip(ours["losses"], reference["losses"])):
         assert abs(got - want) <= 1e-5 * abs(want), f"{layout} step {step}: loss {got} vs {want}"
@@ -125,16 +154,18 @@ def assert_matches_reference(ranks: list[dict], layout: str, reference: dict) ->
         assert err <= 1e-4, f"{layout}: {name} differs from the single process by {err}"
 
 
-def test_reference_run_learns_and_balances(reference):
+@pytest.mark.parametrize("block", BLOCKS)
+def test_reference_run_learns_and_balances(references, block):
+    reference = references[block]
     assert reference["losses"][-1] < reference["losses"][0]
     assert reference["biases"].abs().sum() > 0, "expert biases never moved"
 
 
 @pytest.mark.parametrize("layout", list(TWO_RANKS))
-def test_two_rank_layout_matches_one_process(two_rank_results, reference, layout):
-    assert_matches_reference(two_rank_results, layout, reference)
+def test_two_rank_layout_matches_one_process(two_rank_results, references, layout):
+    assert_matches_reference(two_rank_results, layout, references)
 
 
 @pytest.mark.parametrize("layout", list(FOUR_RANKS))
-def test_four_rank_layout_matches_one_process(four_rank_results, reference, layout):
-    assert_matches_reference(four_rank_results, layout, reference)
+def test_four_rank_layout_matches_one_process(four_rank_results, references, layout):
+    assert_matches_reference(four_rank_results, layout, references)

@@ -38,7 +38,7 @@ def train_losses(run_dir: Path) -> list[float]:
 @pytest.fixture
 def ep2_config(corpus, tmp_path):  # noqa: F811
     path = tmp_path / "ep2.toml"
-    save_config(layout_config(corpus, tmp_path / "unused", {"ep": 2}, world=2), path)
+    save_config(layout_config(corpus, tmp_path / "unused", {"parallel": {"ep": 2}}, world=2), path)
     return path
 
 

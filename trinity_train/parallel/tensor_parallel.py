@@ -101,7 +101,8 @@ def _block_plan(block: nn.Module) -> dict[str, ParallelStyle]:
     if isinstance(mlp, MoE):
         plan["mlp"] = PrepareModuleInputOutput(
             input_layouts=(SEQUENCE,), desired_input_layouts=(Replicate(),), use_local_input=True,
-            output_layouts=(Replicate(), None), desired_output_layouts=(SEQUENCE, None))
+            output_layouts=(Replicate(), None), desired_output_layouts=(SEQUENCE, None),
+            use_local_output=False)
         if mlp.shared_expert is not None:
             plan["mlp.shared_expert"] = PrepareModuleInput(input_layouts=(Replicate(),),
                                                            desired_input_layouts=(Replicate(),))
