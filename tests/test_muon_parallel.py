@@ -1,0 +1,130 @@
+"""Muon on the real model under the parallel package, against one process (the issue's acceptance).
+
+The model is built by `parallel.build_parallel_model` (TP, EP, FSDP as training builds it), the
+optimizer by `optim.build_optimizer` with `optim.name = "muon"` and fp32 Newton-Schulz. Three
+steps on the same global batches must leave every parameter within 1e-4 (relative) of the
+single-process run. One layout bans half the experts from routing, so under EP=2 one rank's
+experts receive no tokens at all: the ranks must neither hang nor drift apart.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.distributed.tensor import DTensor
+
+from trinity_train.config import load_config
+from trinity_train.optim.groups import build_optimizer
+from trinity_train.parallel.local_ranks import init_gloo, run_ranks
+from trinity_train.parallel.mesh import ParallelDims
+from trinity_train.parallel.parallelize import build_parallel_model
+from trinity_train.parallel.reductions import sum_over_data_parallel
+
+STEPS = 3
+GLOBAL_ROWS = 4
+VOCAB = 256
+TWO_RANKS = {"fsdp2": {"dp_shard": 2}, "tp2": {"tp": 2}, "ep2": {"ep": 2}, "ep2_idle_rank": {"ep": 2}}
+FOUR_RANKS = {"tp2_ep2": {"tp": 2, "ep": 2}, "tp2_fsdp2": {"tp": 2}, "ep2_fsdp2": {"ep": 2}}
+
+
+def config(parallel: dict):
+    return load_config(None, {
+        "model": {"vocab_size": VOCAB, "hidden_size": 32, "num_layers": 3, "num_dense_layers": 1,
+                  "num_heads": 2, "num_kv_heads": 2, "head_dim": 16, "intermediate_size": 64,
+                  "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16,
+                  "route_scale": 2.0, "sliding_window": 8, "global_every": 2, "load_balance": "none"},
+        "data": {"seq_len": 16},
+        "train": {"seed": 5},
+        # AdamW (embedding, head, norms) with eps 1e-4: gradients that cancel to ~1e-7 differ in
+        # their last bits between summation orders, and a tiny eps would turn that into lr-sized
+        # steps of either sign.
+        "optim": {"name": "muon", "muon_ns_dtype": "fp32", "muon_lr": 2e-2, "lr": 1e-2,
+                  "eps": 1e-4, "weight_decay": 0.1},
+        "parallel": parallel,
+    })
+
+
+def global_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(1000 + step)
+    tokens = torch.randint(0, VOCAB, (GLOBAL_ROWS, 17), generator=gen)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def train_three_steps(cfg, dims: ParallelDims, ban_experts: bool) -> dict[str, torch.Tensor]:
+    model = build_parallel_model(cfg, dims, torch.device("cpu"))
+    if ban_experts:  # experts 2 and 3 (rank 1's under ep=2) are never chosen
+        for moe in model.moe_layers:
+            moe.expert_bias[2:] = -1e4
+    optimizer = build_optimizer(model, cfg.optim)
+    rows = GLOBAL_ROWS // dims.dp
+    lo = dims.dp_rank * rows
+    for step in range(STEPS):
+        tokens, labels = (t[lo:lo + rows] for t in global_batch(step))
+        global_tokens = sum_over_data_parallel((labels != -100).sum(), dims)
+        out = model(tokens, labels=labels)
+        (out.ce_sum / global_tokens).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        if ban_experts:
+            counts = sum_over_data_parallel(out.tokens_per_expert, dims)
+            assert counts[:, 2:].sum() == 0, "the banned experts were routed to"
+    return {name: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+            for name, p in model.named_parameters()}
+
+
+def train_layouts(layouts: dict) -> dict:
+    init_gloo()
+    world = torch.distributed.get_world_size()
+    results = {}
+    for name, parallel in layouts.items():
+        cfg = config(parallel)
+        dims = ParallelDims.from_config(cfg, world)
+        dims.build_mesh("cpu")
+        results[name] = train_three_steps(cfg, dims, ban_experts=name.endswith("idle_rank"))
+    return results
+
+
+def one_process(ban_experts: bool) -> dict[str, torch.Tensor]:
+    cfg = config({})
+    return train_three_steps(cfg, ParallelDims.from_config(cfg, 1), ban_experts)
+
+
+@pytest.fixture(scope="module")
+def references() -> dict[bool, dict]:
+    return {ban: one_process(ban) for ban in (False, True)}
+
+
+@pytest.fixture(scope="module")
+def two_ranks() -> list[dict]:
+    return run_ranks(2, train_layouts, TWO_RANKS)
+
+
+@pytest.fixture(scope="module")
+def four_ranks() -> list[dict]:
+    return run_ranks(4, train_layouts, FOUR_RANKS)
+
+
+def assert_equals_one_process(ranks: list[dict], layout: str, reference: dict) -> None:
+    for rank, results in enumerate(ranks):
+        params = results[layout]
+        assert params.keys() == reference.keys()
+        for name, want in reference.items():
+            err = ((params[name] - want).norm() / want.norm()).item()
+            assert err <= 1e-4, f"{layout}, rank {rank}: {name} is {err:.2e} (relative) off one process"
+
+
+def test_reference_moves_every_muon_matrix(references):
+    cfg = config({})
+    start = build_parallel_model(cfg, ParallelDims.from_config(cfg, 1), torch.device("cpu"))
+    for name, p in start.named_parameters():
+        assert not torch.equal(references[False][name], p.detach()), f"{name} never moved"
+
+
+@pytest.mark.parametrize("layout", list(TWO_RANKS))
+def test_two_rank_layout_equals_one_process(two_ranks, references, layout):
+    assert_equals_one_process(two_ranks, layout, references[layout.endswith("idle_rank")])
+
+
+@pytest.mark.parametrize("layout", list(FOUR_RANKS))
+def test_four_rank_layout_equals_one_process(four_ranks, references, layout):
+    assert_equals_one_process(four_ranks, layout, references[False])
