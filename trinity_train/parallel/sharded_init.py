@@ -6,8 +6,9 @@ distributed model would start from different weights than the single-process one
 DTensor has no offset-aware generator at all). Here each random fill (`uniform_`, `normal_`, ...)
 on a DTensor draws the full-size tensor from the ordinary generator, exactly as one process does,
 and keeps this rank's shard; every other op of the init (comparisons, scaling, clamping, fills)
-runs on the DTensor as usual, and a value the init branches on is read globally. Every rank draws every tensor in the same order, so all ranks and the
-single process consume the generator identically.
+runs on the DTensor as usual, and a value the init branches on is read globally. Every rank
+draws every tensor in the same order, so all ranks and the single process consume the generator
+identically.
 
 Memory: one full parameter exists at a time (the largest, e.g. the stacked experts of one layer),
 never the whole model.

@@ -104,6 +104,9 @@ def _block_plan(block: nn.Module) -> dict[str, ParallelStyle]:
             output_layouts=(Replicate(), None), desired_output_layouts=(SEQUENCE, None),
             use_local_output=False)
         if mlp.shared_expert is not None:
+            # The MoE body runs on plain tensors (router, sorting, the grouped GEMM); the shared
+            # expert takes them as replicated DTensors, so gate and up sum their partial input
+            # gradients before one all-reduce, and its output is all-reduced back to plain.
             plan["mlp.shared_expert"] = PrepareModuleInput(input_layouts=(Replicate(),),
                                                            desired_input_layouts=(Replicate(),))
             plan.update(_feed_forward_plan("mlp.shared_expert", Replicate()))
