@@ -31,9 +31,22 @@ def save(state: dict[str, Any], path: Path) -> None:
     dcp.save(state, checkpoint_id=str(path), no_dist=_no_dist())
 
 
+_async_group = None
+
+
+def _async_process_group():
+    """A gloo group for the background save's collectives, so they never interleave with the
+    training collectives on the default (e.g. NCCL) group. Created on first use, which every rank
+    reaches at the same save."""
+    global _async_group
+    if _async_group is None and dist.is_initialized():
+        _async_group = dist.new_group(backend="gloo")
+    return _async_group
+
+
 def async_save(state: dict[str, Any], path: Path) -> Future:
     """Starts writing after staging a copy of `state`, so training may change it right away."""
-    return dcp.async_save(state, checkpoint_id=str(path), no_dist=_no_dist())
+    return dcp.async_save(state, checkpoint_id=str(path), no_dist=_no_dist(), process_group=_async_process_group())
 
 
 def _first_failure(error: CheckpointException) -> str:

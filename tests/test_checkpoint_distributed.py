@@ -1,0 +1,101 @@
+"""Checkpoints of a distributed run (FSDP over two gloo ranks): sharded async saves commit and
+verify, a resume continues exactly, and one process can resume the two-rank checkpoint
+(DCP reshards it: the optimizer state is keyed by parameter name)."""
+
+import functools
+import random
+import shutil
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from trinity_train.checkpoint import verify_checkpoint
+from trinity_train.config import load_config
+from trinity_train.data.prepare import PrepareOptions, prepare
+from trinity_train.observe.jsonl import read_jsonl
+from trinity_train.parallel.local_ranks import init_gloo, run_ranks
+from trinity_train.parallel.mesh import ParallelDims
+from trinity_train.train import Trainer, build_model_for_training, distributed_placement
+
+WORDS = "north south east west up down left right near far over under".split()
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    root = tmp_path_factory.mktemp("dist_ckpt_corpus")
+    rng = random.Random(2)
+    (root / "docs").mkdir()
+    for i in range(30):
+        (root / "docs" / f"d{i}.txt").write_text(" ".join(rng.choice(WORDS) for _ in range(300)))
+    return prepare(PrepareOptions(inputs=[str(root / "docs")], out=str(root / "prepared"),
+                                  train_tokenizer=300, val_fraction=0.1, progress=False))
+
+
+def config(corpus, run_dir, dp: int, **checkpoint):
+    return load_config(None, {
+        "model": {"vocab_size": 320, "hidden_size": 32, "num_layers": 2, "num_dense_layers": 1,
+                  "num_heads": 2, "num_kv_heads": 1, "head_dim": 16, "intermediate_size": 64,
+                  "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16,
+                  "sliding_window": 8, "global_every": 2, "bias_update_rate": 1e-2},
+        "data": {"path": str(corpus), "seq_len": 16},
+        # The same 4-row global batch for any number of data-parallel ranks.
+        "train": {"steps": 4, "micro_batch_size": 1, "grad_accum": 4 // dp, "eval_every": 0},
+        "optim": {"lr": 1e-2, "eps": 1e-4, "warmup_steps": 2},
+        "checkpoint": {"every": 2, **checkpoint},
+        "metrics": {"progress_bar": False, "peak_flops": 1e11},
+        "run": {"dir": str(run_dir)},
+    })
+
+
+def losses(run_dir):
+    return [(r["step"], r["loss"], r["grad_norm"]) for r in read_jsonl(run_dir / "metrics.jsonl")
+            if r["kind"] == "train"]
+
+
+def fsdp_trainer(cfg):
+    dims = ParallelDims.from_config(cfg, dist.get_world_size())
+    dims.build_mesh("cpu")
+    return Trainer(cfg, distributed_placement(dims, torch.device("cpu")),
+                   model_builder=functools.partial(build_model_for_training, dims=dims))
+
+
+def two_rank_runs(corpus, root):
+    """On each of two ranks: an uninterrupted run with async saves, then a resume from its step-2
+    checkpoint into a fresh directory."""
+    init_gloo()
+    straight = root / "straight"
+    fsdp_trainer(config(corpus, straight, dp=2, async_save=True)).run()
+
+    resumed = root / "resumed"
+    if dist.get_rank() == 0:  # a copy of the run as it stood at step 2
+        (resumed / "checkpoints").mkdir(parents=True)
+        shutil.copytree(straight / "checkpoints" / "step_00000002", resumed / "checkpoints" / "step_00000002")
+        (resumed / "metrics.jsonl").write_text(
+            "".join(line + "\n" for line in (straight / "metrics.jsonl").read_text().splitlines()[:2]))
+    dist.barrier()
+    fsdp_trainer(config(corpus, resumed, dp=2, resume="auto")).run()
+    dist.barrier()
+    return dist.get_rank()
+
+
+def test_two_rank_checkpoints_resume_exactly_and_reshard_to_one_process(corpus, tmp_path):
+    run_ranks(2, two_rank_runs, corpus, tmp_path)
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    expected = losses(straight)
+    assert [s for s, _, _ in expected] == [1, 2, 3, 4]
+    assert losses(resumed) == expected  # same layout: bit-identical
+
+    for step in ("step_00000002", "step_00000004"):
+        summary = verify_checkpoint(straight / "checkpoints" / step)
+        assert summary["components"]["model"]["tensors"] > 0
+
+    # One process resumes the sharded two-rank checkpoint and continues like the two ranks did.
+    single = tmp_path / "single"
+    (single / "checkpoints").mkdir(parents=True)
+    shutil.copytree(straight / "checkpoints" / "step_00000002", single / "checkpoints" / "step_00000002")
+    Trainer(config(corpus, single, dp=1, resume="auto")).run()
+    ours = losses(single)
+    assert [s for s, _, _ in ours] == [3, 4]
+    for (_, loss, norm), (_, ref_loss, ref_norm) in zip(ours, expected[2:]):
+        assert loss == pytest.approx(ref_loss, rel=1e-5) and norm == pytest.approx(ref_norm, rel=1e-4)
