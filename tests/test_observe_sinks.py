@@ -107,3 +107,16 @@ def test_mfu_and_peak_probe():
     torch.manual_seed(3)
     assert measure_peak_flops(torch.device("cpu"), torch.float32, size=64) > 0
     assert torch.equal(torch.rand(2), expected)  # probing leaves the training RNG alone
+
+
+def test_progress_bar_shows_step_loss_throughput_and_eta(tmp_path, capsys):
+    cfg = Config()
+    cfg.train.steps = 3
+    recorder = MetricsRecorder(cfg, tmp_path, start_step=0)
+    for i in range(1, 4):
+        recorder.train(train_record(i, loss=1.25))
+    recorder.validation({"iter": 3, "step": 3, "val_loss": 1.5})
+    recorder.close()
+    err = capsys.readouterr().err
+    assert "3/3" in err and "loss=1.2500" in err and "tok/s=100" in err and "step 3: validation loss 1.5000" in err
+    assert "<" in err  # tqdm's elapsed<remaining (the ETA)

@@ -211,3 +211,10 @@ def test_activation_checkpointing_changes_nothing_but_memory(corpus, tmp_path):
     assert list(ModelState(plain.model).state_dict()) == list(ModelState(ac.model).state_dict())
     for (name, a), (_, b) in zip(ModelState(plain.model).state_dict().items(), ModelState(ac.model).state_dict().items()):
         assert torch.equal(a, b), name
+
+
+def test_bf16_autocast_trains_close_to_fp32(corpus, tmp_path):
+    train(tiny_config(corpus, tmp_path / "fp32", train={"steps": 2, "eval_every": 0}))
+    train(tiny_config(corpus, tmp_path / "bf16", train={"steps": 2, "eval_every": 0, "dtype": "bf16"}))
+    for a, b in zip(train_records(tmp_path / "fp32"), train_records(tmp_path / "bf16")):
+        assert a["loss"] != b["loss"] and b["loss"] == pytest.approx(a["loss"], abs=0.05)
