@@ -174,9 +174,14 @@ def test_run_directory_of_a_different_run_is_refused(corpus, tmp_path):
     with pytest.raises(ConfigError, match=r"run.dir: .* different config \(optim.lr: 0.003 -> 0.001\)"):
         Trainer(tiny_config(corpus, run_dir, train={"steps": 2, "eval_every": 0}, optim={"lr": 1e-3}))
 
-    # The same config again starts over: the metrics describe the new run only.
-    train(tiny_config(corpus, run_dir, train={"steps": 2, "eval_every": 0}))
+    # The same config again starts over: the metrics describe the new run only. How a run is
+    # started or displayed (resume, progress display) is not part of what makes it different.
+    train(tiny_config(corpus, run_dir, train={"steps": 2, "eval_every": 0, "log_every": 5}))
     assert [r["iter"] for r in train_records(run_dir)] == [1, 2]
+
+    (run_dir / "config.toml").write_text("[train]\nsteps = 'two'\n")
+    with pytest.raises(ConfigError, match="config.toml this version cannot read"):
+        Trainer(tiny_config(corpus, run_dir, train={"steps": 2, "eval_every": 0}))
 
 
 def test_resume_of_a_finished_run_has_nothing_to_do(corpus, tmp_path):

@@ -260,17 +260,25 @@ class TrainSummary:
                 f"(final loss {self.last_loss:.4f}{val}, {self.skipped_steps} skipped); run directory {self.run_dir}")
 
 
+# Keys that steer how a run is started or displayed, not what it computes.
+RUN_CONTROL_KEYS = frozenset({"checkpoint.resume", "metrics.progress_bar", "train.log_every"})
+
+
 def check_run_dir(cfg: Config, run_dir: Path) -> list[tuple[str, Any, Any]]:
     """Refuse to start a fresh run over a different run; returns how the config changed."""
     previous_file = run_dir / CONFIG_FILE
     if not previous_file.is_file():
         return []
+    fresh = cfg.checkpoint.resume == "none"
     try:
         previous = config_to_dict(load_config(previous_file))
-    except ConfigError:
-        previous = {}
-    diffs = config_differences(previous, config_to_dict(cfg))
-    if diffs and cfg.checkpoint.resume == "none":
+    except ConfigError as e:
+        if fresh:
+            raise ConfigError(f"run.dir: '{run_dir}' holds a run whose config.toml this version cannot read "
+                              f"({e}); choose another --run.dir or delete the directory") from None
+        return []
+    diffs = [d for d in config_differences(previous, config_to_dict(cfg)) if d[0] not in RUN_CONTROL_KEYS]
+    if diffs and fresh:
         raise ConfigError(
             f"run.dir: '{run_dir}' already holds a run with a different config "
             f"({describe_differences(diffs)}); continue it with --checkpoint.resume=auto, "
