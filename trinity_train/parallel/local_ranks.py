@@ -32,6 +32,10 @@ def _entry(rank: int, world: int, port: int, out_dir: str, fn: Callable, args: t
     try:
         result = fn(*args)
         torch.save(result, Path(out_dir) / f"rank{rank}.pt")
+        if dist.is_initialized():
+            # Leave together: a rank that tears down its connections while a peer is still in a
+            # collective makes gloo abort that peer.
+            dist.barrier()
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
