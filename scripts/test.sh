@@ -11,4 +11,7 @@ if ! .venv/bin/python -c "import trinity_train.cli, pytest" 2>/dev/null; then
     .venv/bin/pip install torch==2.13.0
     .venv/bin/pip install -e '.[dev]'
 fi
+# Sleeping rather than spinning OpenMP waits: on a shared 2-core machine spinning threads make CPU
+# tests many times slower (see trinity_train/cli.py); the console script sets the same.
+export OMP_WAIT_POLICY="${OMP_WAIT_POLICY:-PASSIVE}"
 exec .venv/bin/python -m pytest "$@"

@@ -1,6 +1,7 @@
 """User mistakes through the real console script: one line `error: ...`, exit 2 for configuration,
 exit 1 for other user errors; never a traceback."""
 
+import os
 import subprocess
 import sys
 
@@ -54,3 +55,16 @@ def test_missing_or_broken_checkpoints_exit_1(tmp_path):
 def test_resuming_from_a_missing_checkpoint_exits_1(tmp_path):
     result = cli("train", "--run.dir=run", "--checkpoint.resume=gone/step_00000010", cwd=tmp_path)
     assert_one_line_error(result, 1, "checkpoint 'gone/step_00000010' does not exist")
+
+
+def test_openmp_threads_sleep_while_waiting_unless_the_user_chose(monkeypatch, tmp_path, capsys):
+    from trinity_train import cli as cli_module
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    assert cli_module.main(["ckpt", "verify", "nowhere"]) == 1
+    assert "does not exist" in capsys.readouterr().err
+    assert os.environ["OMP_WAIT_POLICY"] == "PASSIVE"
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
+    cli_module.main(["ckpt", "verify", "nowhere"])
+    assert os.environ["OMP_WAIT_POLICY"] == "ACTIVE"

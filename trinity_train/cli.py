@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -142,7 +143,16 @@ def run(argv: list[str]) -> int:
     return handlers[args.command](args)
 
 
+def passive_openmp_waits() -> None:
+    """OpenMP threads that spin while they wait steal the cores their partners need when the
+    machine is shared (more busy threads than cores): a CPU training step then runs 10x slower.
+    Waiting threads that sleep cost little when it is not. Must run before torch is imported;
+    a value the user set wins."""
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+
 def main(argv: list[str] | None = None) -> int:
+    passive_openmp_waits()
     argv = sys.argv[1:] if argv is None else list(argv)
     try:
         return run(argv)
