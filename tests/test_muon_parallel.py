@@ -4,7 +4,9 @@ The model is built by `parallel.build_parallel_model` (TP, EP, FSDP as training 
 optimizer by `optim.build_optimizer` with `optim.name = "muon"` and fp32 Newton-Schulz. Three
 steps on the same global batches must leave every parameter within 1e-4 (relative) of the
 single-process run. One layout bans half the experts from routing, so under EP=2 one rank's
-experts receive no tokens at all: the ranks must neither hang nor drift apart.
+experts receive no tokens at all: the ranks must neither hang nor drift apart. And a run saved
+after two steps under FSDP2 (through the trainer's checkpoint adapters) and resumed under TP2
+must take the third step exactly as the uninterrupted run does.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ import pytest
 import torch
 from torch.distributed.tensor import DTensor
 
+from trinity_train.checkpoint import dcp_io
+from trinity_train.checkpoint.stateful import ModelState, OptimizerState
 from trinity_train.config import load_config
 from trinity_train.optim.groups import build_optimizer
 from trinity_train.parallel.local_ranks import init_gloo, run_ranks
@@ -50,15 +54,18 @@ def global_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return tokens[:, :-1], tokens[:, 1:]
 
 
-def train_three_steps(cfg, dims: ParallelDims, ban_experts: bool) -> dict[str, torch.Tensor]:
+def build(cfg, dims: ParallelDims, ban_experts: bool = False):
     model = build_parallel_model(cfg, dims, torch.device("cpu"))
     if ban_experts:  # experts 2 and 3 (rank 1's under ep=2) are never chosen
         for moe in model.moe_layers:
             moe.expert_bias[2:] = -1e4
-    optimizer = build_optimizer(model, cfg.optim)
+    return model, build_optimizer(model, cfg.optim)
+
+
+def train_steps(model, optimizer, dims: ParallelDims, steps: range, ban_experts: bool = False) -> None:
     rows = GLOBAL_ROWS // dims.dp
     lo = dims.dp_rank * rows
-    for step in range(STEPS):
+    for step in steps:
         tokens, labels = (t[lo:lo + rows] for t in global_batch(step))
         global_tokens = sum_over_data_parallel((labels != -100).sum(), dims)
         out = model(tokens, labels=labels)
@@ -68,19 +75,50 @@ def train_three_steps(cfg, dims: ParallelDims, ban_experts: bool) -> dict[str, t
         if ban_experts:
             counts = sum_over_data_parallel(out.tokens_per_expert, dims)
             assert counts[:, 2:].sum() == 0, "the banned experts were routed to"
+
+
+def full_params(model) -> dict[str, torch.Tensor]:
     return {name: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
             for name, p in model.named_parameters()}
 
 
-def train_layouts(layouts: dict) -> dict:
+def train_three_steps(cfg, dims: ParallelDims, ban_experts: bool) -> dict[str, torch.Tensor]:
+    model, optimizer = build(cfg, dims, ban_experts)
+    train_steps(model, optimizer, dims, range(STEPS), ban_experts)
+    return full_params(model)
+
+
+def mesh_for(parallel: dict, world: int):
+    cfg = config(parallel)
+    dims = ParallelDims.from_config(cfg, world)
+    dims.build_mesh("cpu")
+    return cfg, dims
+
+
+def resume_under_another_layout(ckpt_dir) -> dict[str, torch.Tensor]:
+    """Two steps under FSDP2, saved; the third after loading under TP2."""
+    world = torch.distributed.get_world_size()
+    cfg, dims = mesh_for({"dp_shard": 2}, world)
+    model, optimizer = build(cfg, dims)
+    train_steps(model, optimizer, dims, range(2))
+    dcp_io.save({"model": ModelState(model), "optim": OptimizerState(model, optimizer)}, ckpt_dir)
+
+    cfg, dims = mesh_for({"tp": 2}, world)
+    model, optimizer = build(cfg, dims)
+    dcp_io.load({"model": ModelState(model), "optim": OptimizerState(model, optimizer)}, ckpt_dir)
+    train_steps(model, optimizer, dims, range(2, STEPS))
+    return full_params(model)
+
+
+def train_layouts(layouts: dict, ckpt_dir=None) -> dict:
     init_gloo()
     world = torch.distributed.get_world_size()
     results = {}
     for name, parallel in layouts.items():
-        cfg = config(parallel)
-        dims = ParallelDims.from_config(cfg, world)
-        dims.build_mesh("cpu")
+        cfg, dims = mesh_for(parallel, world)
         results[name] = train_three_steps(cfg, dims, ban_experts=name.endswith("idle_rank"))
+    if ckpt_dir is not None:
+        results["fsdp2_resumed_as_tp2"] = resume_under_another_layout(ckpt_dir)
     return results
 
 
@@ -95,8 +133,8 @@ def references() -> dict[bool, dict]:
 
 
 @pytest.fixture(scope="module")
-def two_ranks() -> list[dict]:
-    return run_ranks(2, train_layouts, TWO_RANKS)
+def two_ranks(tmp_path_factory) -> list[dict]:
+    return run_ranks(2, train_layouts, TWO_RANKS, tmp_path_factory.mktemp("muon_ckpt") / "step2")
 
 
 @pytest.fixture(scope="module")
@@ -128,3 +166,7 @@ def test_two_rank_layout_equals_one_process(two_ranks, references, layout):
 @pytest.mark.parametrize("layout", list(FOUR_RANKS))
 def test_four_rank_layout_equals_one_process(four_ranks, references, layout):
     assert_equals_one_process(four_ranks, layout, references[False])
+
+
+def test_state_saved_under_fsdp_resumes_under_tp(two_ranks, references):
+    assert_equals_one_process(two_ranks, "fsdp2_resumed_as_tp2", references[False])
