@@ -5,7 +5,7 @@ import torch
 
 from trinity_train.config import load_config
 from trinity_train.model import build_model
-from trinity_train.optim.groups import build_optimizer
+from trinity_train.optim.groups import build_optimizer, is_muon_param
 from trinity_train.optim.muon import Muon
 from trinity_train.optim.schedule import build_scheduler
 
@@ -48,6 +48,17 @@ def test_hidden_matrices_go_to_muon_and_the_rest_to_adamw(block):
     # Trinity's head is a matrix AdamW keeps (and decays); experts arrive as [E, out, in] stacks.
     assert groups[id(model.lm_head.weight)]["kind"] == "adamw"
     assert any(groups[id(p)]["kind"] == "muon" and p.ndim == 3 for p in names.values())
+
+
+def test_names_under_training_wrappers_are_still_recognised():
+    wrapped = "_orig_mod.layers.3._checkpoint_wrapped_module."
+    assert is_muon_param(wrapped + "attn.q_proj.weight", muon_router=False)
+    assert is_muon_param(wrapped + "mlp.experts.down_proj", muon_router=False)
+    assert is_muon_param(wrapped + "mlp.router.gate.weight", muon_router=True)
+    assert not is_muon_param(wrapped + "mlp.router.gate.weight", muon_router=False)
+    for name in ("embed.weight", "lm_head.weight", "norm.weight", wrapped + "attn.q_norm.weight",
+                 wrapped + "mlp.mid_norm.weight", wrapped + "attn.head_scale"):
+        assert not is_muon_param(name, muon_router=True), name
 
 
 def test_router_gate_can_stay_with_adamw():
