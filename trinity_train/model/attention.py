@@ -3,11 +3,18 @@ layer has a theta (local layers; every layer in the gemma3 variant), sliding-win
 masks, and a sigmoid output gate. NormFormer's per-head scale is optional.
 
 Masks and rotary tables depend only on the batch, not on the layer, so the model builds them once
-per forward (`build_attention_mask`, `rotary_cos_sin`) and hands the same tensors to every layer of
-a kind.
+per forward (`build_attention_mask` or `sliding_window_blocks`, and `rotary_cos_sin`) and hands the
+same tensors to every layer of a kind.
+
+A sliding window much shorter than the sequence is computed block by block
+(`SlidingWindowBlocks`): each block of window/2 queries attends to the window + window/2 keys that
+end with it, so the work grows with T * 1.5 * window instead of T^2 (T^2 / 2 causal), and no T x T
+mask is built. (flex_attention would express this too, but on CPUs it has no backward.)
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -48,6 +55,97 @@ def build_attention_mask(seq_len: int, window: int | None, document_ids: torch.T
     return mask
 
 
+@dataclass(frozen=True)
+class SlidingWindowBlocks:
+    """How `sliding_window_attention` cuts a sequence: `num_blocks` blocks of `block` queries (the
+    last one padded), each attending to the `window + block` keys that end with the block.
+    `mask` [batch * num_blocks, 1, block, window + block] is True where the query may attend."""
+
+    window: int
+    block: int
+    num_blocks: int
+    mask: torch.Tensor
+
+
+# What a layer's attention receives: a dense boolean mask, blocks of a sliding window, or None for
+# plain causal attention.
+AttentionMask = torch.Tensor | SlidingWindowBlocks | None
+
+
+def _key_blocks(x: torch.Tensor, window: int, block: int, num_blocks: int,
+                value: float = 0.0) -> torch.Tensor:
+    """x [B, T, ...] -> [B, num_blocks, ..., window + block]: for block c the positions
+    c*block - window .. c*block + block - 1 (`value` where they fall outside 0 .. T-1)."""
+    pad_end = num_blocks * block - x.shape[1]
+    padded = F.pad(x.movedim(1, -1), (window, pad_end), value=value)
+    return padded.unfold(-1, window + block, block).movedim(-2, 1)
+
+
+def sliding_window_blocks(seq_len: int, window: int, document_ids: torch.Tensor | None,
+                          batch: int, device: torch.device) -> SlidingWindowBlocks:
+    """The block mask of a sliding window of `window` keys (itself included) over `seq_len`.
+
+    Query i of block c is position c*b + i; key j of its window + b keys is position
+    c*b - window + j, so it may attend when i < j <= i + window (causal, inside the window) and the
+    key position is not negative. Padded query positions past `seq_len` see only themselves and
+    other padding, and are dropped.
+    """
+    block = max(window // 2, 1)
+    num_blocks = -(-seq_len // block)
+    i = torch.arange(block, device=device)[:, None]
+    j = torch.arange(window + block, device=device)[None, :]
+    c = torch.arange(num_blocks, device=device)[:, None, None]
+    mask = (j > i) & (j <= i + window) & (j >= window - c * block)  # [num_blocks, b, window + b]
+    mask = mask.expand(batch, *mask.shape)
+    if document_ids is not None:
+        # Padding gets a document id of its own, so real queries never see it.
+        query_docs = F.pad(document_ids, (0, num_blocks * block - seq_len), value=-1)
+        key_docs = _key_blocks(document_ids, window, block, num_blocks, value=-1)
+        mask = mask & (query_docs.view(batch, num_blocks, block, 1) == key_docs[:, :, None, :])
+    return SlidingWindowBlocks(window, block, num_blocks,
+                               mask.reshape(batch * num_blocks, 1, block, window + block))
+
+
+def scaled_dot_product(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+    """SDPA of q [N, heads, Tq, hd] over k, v [N, kv_heads, Tk, hd] (grouped-query), causal when
+    `mask` is None."""
+    if q.device.type == "cpu" and q.dtype == torch.bfloat16:
+        # The fused CPU kernel's bf16 backward takes 2.7x its fp32 time (benchmarks/README.md),
+        # so bf16 runs attend in fp32 on CPUs (autocast would cast the inputs straight back).
+        with torch.autocast("cpu", enabled=False):
+            out = scaled_dot_product(q.float(), k.float(), v.float(), mask, scale)
+        return out.to(q.dtype)
+    groups = q.shape[1] // k.shape[1]
+    if mask is None:
+        # Causal without a mask tensor: the fused kernels handle GQA themselves.
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
+                                              enable_gqa=groups > 1)
+    if groups > 1 and q.device.type != "cpu":
+        # On GPUs only the memory-efficient/math kernels take a mask, and the efficient one does
+        # not take enable_gqa, so the kv heads are expanded instead (the CPU kernel takes both).
+        k = k.repeat_interleave(groups, dim=1)
+        v = v.repeat_interleave(groups, dim=1)
+        groups = 1
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
+                                          enable_gqa=groups > 1)
+
+
+def sliding_window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                             blocks: SlidingWindowBlocks, scale: float) -> torch.Tensor:
+    """Attention of q [B, T, heads, hd] over k, v [B, T, kv_heads, hd] within a sliding window,
+    one block of queries at a time; returns [B, T, heads, hd]."""
+    b, t, heads, head_dim = q.shape
+    w, n, size = blocks.window, blocks.num_blocks, blocks.block
+    # Blocks go into the batch dimension: [B*n, heads, b, hd] queries, [B*n, kv, w + b, hd] keys.
+    qb = F.pad(q, (0, 0, 0, 0, 0, n * size - t)).view(b * n, size, heads, head_dim).transpose(1, 2)
+    # Contiguous, because the fused CPU kernel needs unit stride along head_dim (else: math path).
+    kb, vb = (_key_blocks(x, w, size, n).transpose(-1, -2).contiguous().flatten(0, 1)
+              for x in (k, v))
+    out = scaled_dot_product(qb, kb, vb, blocks.mask, scale)
+    return out.transpose(1, 2).reshape(b, n * size, heads, head_dim)[:, :t]
+
+
 def rotary_cos_sin(position_ids: torch.Tensor, head_dim: int, theta: float,
                    dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin tables [B, T, head_dim] of the rotate-half RoPE, computed in fp32."""
@@ -64,8 +162,9 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x [B, heads, T, head_dim] by the tables [B, T, head_dim]."""
-    cos, sin = cos[:, None], sin[:, None]
+    """Rotate x [B, T, heads, head_dim] by the tables [B, T, head_dim], in x's dtype (bf16 under
+    autocast, as in `transformers`, so that SDPA gets q, k and v of one dtype)."""
+    cos, sin = cos.to(x.dtype)[:, :, None], sin.to(x.dtype)[:, :, None]
     return x * cos + _rotate_half(x) * sin
 
 
@@ -94,32 +193,25 @@ class Attention(nn.Module):
             with torch.no_grad():
                 self.head_scale.fill_(1.0)
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor | None,
+    def forward(self, x: torch.Tensor, mask: AttentionMask,
                 rotary: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
-        """x [B, T, d]; `mask` from `build_attention_mask`; `rotary` the (cos, sin) of this layer's
+        """x [B, T, d]; `mask` built once per forward for this kind of layer; `rotary` the (cos, sin) of this layer's
         theta, or None when the layer has no RoPE."""
         b, t, _ = x.shape
         # Sizes come from the projections, so a tensor-parallel shard (fewer local heads) works too.
-        q = self.q_norm(self.q_proj(x).view(b, t, -1, self.head_dim)).transpose(1, 2)
-        k = self.k_norm(self.k_proj(x).view(b, t, -1, self.head_dim)).transpose(1, 2)
-        v = self.v_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
+        q = self.q_norm(self.q_proj(x).view(b, t, -1, self.head_dim))  # [B, T, heads, hd]
+        k = self.k_norm(self.k_proj(x).view(b, t, -1, self.head_dim))
+        v = self.v_proj(x).view(b, t, -1, self.head_dim)
         if rotary is not None:
             cos, sin = rotary
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
 
-        groups = q.shape[1] // k.shape[1]
-        if mask is None:
-            # Causal without a mask tensor: SDPA's fused kernels handle GQA themselves.
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.head_dim ** -0.5,
-                                                 enable_gqa=groups > 1)
+        scale = self.head_dim ** -0.5
+        if isinstance(mask, SlidingWindowBlocks):
+            out = sliding_window_attention(q, k, v, mask, scale)
         else:
-            # With an explicit mask only the memory-efficient/math kernels apply, and on GPUs the
-            # efficient one does not take enable_gqa, so the kv heads are expanded instead.
-            k = k.repeat_interleave(groups, dim=1)
-            v = v.repeat_interleave(groups, dim=1)
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.head_dim ** -0.5)
-
-        out = out.transpose(1, 2)  # [B, T, heads, head_dim]
+            out = scaled_dot_product(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask,
+                                     scale).transpose(1, 2)  # [B, T, heads, hd]
         if self.head_scale is not None:
             out = out * self.head_scale.to(out.dtype)[:, None]
         out = out.reshape(b, t, -1) * torch.sigmoid(self.gate_proj(x))

@@ -14,8 +14,9 @@ from torch import nn
 
 from trinity_train.config import ModelConfig, init_std
 from trinity_train.errors import ConfigError
-from trinity_train.model.attention import (Attention, build_attention_mask,
-                                           positions_from_documents, rotary_cos_sin)
+from trinity_train.model.attention import (Attention, AttentionMask, build_attention_mask,
+                                           positions_from_documents, rotary_cos_sin,
+                                           sliding_window_blocks)
 from trinity_train.model.blocks import TransformerBlock, block_style, make_rms_norm
 from trinity_train.model.loss import IGNORE_INDEX, chunked_cross_entropy
 from trinity_train.model.moe import MoE, expert_alignment_problem, update_expert_bias
@@ -30,6 +31,15 @@ class ModelOutput:
     aux_loss: torch.Tensor  # fp32 scalar: alpha-weighted sequence-wise aux loss, summed over layers
     z_loss: torch.Tensor  # fp32 scalar: weighted router z-loss, summed over layers, token mean
     tokens_per_expert: torch.Tensor  # fp32 [num_moe_layers, E], detached
+
+
+def layer_attention_mask(seq_len: int, window: int | None, document_ids: torch.Tensor | None,
+                         batch: int, device: torch.device) -> AttentionMask:
+    """The mask shared by the layers of one kind: sliding-window blocks when the window is shorter
+    than half the sequence (only then do blocks skip work), else a dense mask or plain causal."""
+    if window is not None and seq_len > 2 * window:
+        return sliding_window_blocks(seq_len, window, document_ids, batch, device)
+    return build_attention_mask(seq_len, window, document_ids, device)
 
 
 class TrinityModel(nn.Module):
@@ -71,8 +81,8 @@ class TrinityModel(nn.Module):
         h = self.embed(input_ids) * math.sqrt(cfg.hidden_size)
 
         # Built once per forward and shared by every layer of the same kind.
-        masks = {is_global: build_attention_mask(seq_len, None if is_global else cfg.sliding_window,
-                                                 documents, device)
+        masks = {is_global: layer_attention_mask(seq_len, None if is_global else cfg.sliding_window,
+                                                 documents, batch, device)
                  for is_global in {layer.is_global for layer in self.layers}}
         rotary = {theta: rotary_cos_sin(position_ids, cfg.head_dim, theta, h.dtype)
                   for theta in {layer.rope_theta for layer in self.layers} if theta is not None}
