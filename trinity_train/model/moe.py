@@ -89,6 +89,9 @@ class GroupedExperts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, inner_size))
         self.act = activation_fn(activation)
 
+    # Compiled blocks run the experts eagerly: their group sizes are data-dependent, and the
+    # compiler's shape rules for _grouped_mm only admit bf16 (the eager CPU kernel takes fp32).
+    @torch.compiler.disable
     def forward(self, x_sorted: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
         """x_sorted [N, d]: token copies grouped by expert in expert order; counts [E] long."""
         if self.impl == "grouped" and x_sorted.shape[0] > 0:
@@ -148,6 +151,43 @@ def sequence_aux_loss(scores: torch.Tensor, experts: torch.Tensor, batch: int, t
     return alpha * (f * p).sum(dim=-1).mean()
 
 
+# The two gathers below are inverse to each other's backward: each backward is another gather
+# (index_select) instead of autograd's scatter-add into zeros, which is faster on CPUs and, with
+# no colliding rows, deterministic on GPUs.
+
+
+class _SortTokenCopies(torch.autograd.Function):
+    """x [N, d] -> its N*k token copies in expert order, x[order // k]; copy i*k + j is the j-th
+    choice of token i, and `inverse` is the inverse permutation of `order`."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, order: torch.Tensor, inverse: torch.Tensor,
+                top_k: int) -> torch.Tensor:
+        ctx.save_for_backward(inverse)
+        ctx.top_k = top_k
+        return x.index_select(0, order // top_k)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (inverse,) = ctx.saved_tensors
+        grad_copies = grad.index_select(0, inverse)  # back in token order
+        return grad_copies.view(-1, ctx.top_k, grad.shape[-1]).sum(dim=1), None, None, None
+
+
+class _PermuteRows(torch.autograd.Function):
+    """x[perm] for a permutation whose inverse `inverse` is known."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, perm: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(inverse)
+        return x.index_select(0, perm)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (inverse,) = ctx.saved_tensors
+        return grad.index_select(0, inverse), None, None
+
+
 class MoE(nn.Module):
     def __init__(self, cfg: ModelConfig, activation: str, mid_norm_eps: float | None = None):
         super().__init__()
@@ -181,9 +221,11 @@ class MoE(nn.Module):
         order = torch.argsort(chosen, stable=True)
         inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(),
                                                                           device=order.device))
-        counts = torch.bincount(chosen, minlength=self.expert_bias.shape[0])
-        routed = self.experts(flat[order // self.top_k], counts)
-        routed = routed[inverse].view(-1, self.top_k, hidden)
+        # A scatter rather than bincount, whose output size depends on the data (a graph break).
+        counts = torch.zeros_like(self.expert_bias, dtype=torch.long).scatter_add_(
+            0, chosen, torch.ones_like(chosen))
+        routed = self.experts(_SortTokenCopies.apply(flat, order, inverse, self.top_k), counts)
+        routed = _PermuteRows.apply(routed, inverse, order).view(-1, self.top_k, hidden)
         # Summing the k weighted copies per token (rather than index_add) keeps it deterministic.
         out = (routed * routing.weights.unsqueeze(-1)).sum(dim=1).to(x.dtype)
         if self.shared_expert is not None:
