@@ -1,8 +1,12 @@
 """Cross entropy over a large vocabulary without materialising `[tokens, vocab]` fp32 logits.
 
 The head runs on `chunk_tokens` rows at a time and each chunk's logits are upcast to fp32 only
-inside that chunk. Every chunk is wrapped in non-reentrant activation checkpointing, so backward
-keeps just the chunk's hidden states and recomputes its logits, instead of holding every chunk's.
+inside that chunk. When the head is a plain bias-free `nn.Linear` (one process, FSDP), the
+gradients of each chunk are computed right away in the forward (`_FusedLinearCrossEntropy`: logits,
+softmax minus one-hot, two more GEMMs), so backward neither keeps nor recomputes any logits: three
+head GEMMs per token instead of four. Any other head (a tensor-parallel DTensor head, for one) is
+called as a module, each chunk under non-reentrant activation checkpointing, so backward keeps just
+the chunk's hidden states and recomputes its logits.
 """
 
 from __future__ import annotations
@@ -11,6 +15,8 @@ from typing import Callable
 
 import torch
 import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
 IGNORE_INDEX = -100
@@ -22,6 +28,63 @@ def _chunk_ce_sum(hidden: torch.Tensor, labels: torch.Tensor,
     return F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="sum")
 
 
+def _fusable(head: Callable[[torch.Tensor], torch.Tensor]) -> bool:
+    """A plain bias-free Linear whose weight is an ordinary tensor (not a DTensor shard)."""
+    return (type(head) is nn.Linear and head.bias is None
+            and not isinstance(head.weight, DTensor))
+
+
+class _FusedLinearCrossEntropy(torch.autograd.Function):
+    """sum over rows of CE(hidden @ weight.T, labels), with both gradients computed chunk by chunk
+    in the forward and only scaled by the incoming gradient in the backward.
+
+    GEMMs run in `compute_dtype` (the autocast dtype under autocast, as `nn.Linear` would), the
+    softmax and the loss in fp32, and the weight gradient accumulates in fp32.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+                chunk_tokens: int, compute_dtype: torch.dtype) -> torch.Tensor:
+        need_hidden_grad, need_weight_grad = ctx.needs_input_grad[:2]
+        w = weight.to(compute_dtype)
+        grad_hidden = torch.empty_like(hidden) if need_hidden_grad else None
+        grad_weight = torch.zeros_like(weight, dtype=torch.float32) if need_weight_grad else None
+        ce_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        for start in range(0, hidden.shape[0], chunk_tokens):
+            h = hidden[start:start + chunk_tokens].to(compute_dtype)
+            y = labels[start:start + chunk_tokens]
+            counted = y != IGNORE_INDEX
+            target = torch.where(counted, y, 0)[:, None]
+            logits = (h @ w.t()).float()
+            lse = torch.logsumexp(logits, dim=-1, keepdim=True)
+            ce_sum += ((lse - logits.gather(1, target)).squeeze(1) * counted).sum()
+            # d CE / d logits = softmax - one_hot(label), zero on rows that do not count; built
+            # in place in the logits buffer.
+            grad_logits = logits.sub_(lse).exp_()
+            grad_logits.scatter_add_(1, target, torch.full_like(target, -1, dtype=grad_logits.dtype))
+            grad_logits.mul_(counted[:, None])
+            grad_logits = grad_logits.to(compute_dtype)
+            if need_hidden_grad:
+                grad_hidden[start:start + chunk_tokens] = grad_logits @ w
+            if need_weight_grad:
+                if compute_dtype == torch.float32:
+                    grad_weight.addmm_(grad_logits.t(), h)
+                else:
+                    grad_weight += (grad_logits.t() @ h).float()
+        ctx.save_for_backward(grad_hidden, grad_weight)
+        ctx.weight_dtype = weight.dtype
+        return ce_sum
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        grad_hidden, grad_weight = ctx.saved_tensors
+        if grad_hidden is not None:
+            grad_hidden = grad_hidden * grad_out.to(grad_hidden.dtype)
+        if grad_weight is not None:
+            grad_weight = (grad_weight * grad_out).to(ctx.weight_dtype)
+        return grad_hidden, grad_weight, None, None, None
+
+
 def chunked_cross_entropy(hidden: torch.Tensor, labels: torch.Tensor,
                           head: Callable[[torch.Tensor], torch.Tensor],
                           chunk_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -30,6 +93,15 @@ def chunked_cross_entropy(hidden: torch.Tensor, labels: torch.Tensor,
     hidden [N, d] final hidden states; labels [N]; `head` maps hidden states to logits (the
     `lm_head` module itself, so parallel wrappers on it keep working).
     """
+    num_tokens = (labels != IGNORE_INDEX).sum()
+    if torch.is_grad_enabled() and _fusable(head):
+        device_type = hidden.device.type
+        compute_dtype = (torch.get_autocast_dtype(device_type)
+                         if torch.is_autocast_enabled(device_type) else hidden.dtype)
+        with torch.autocast(device_type, enabled=False):
+            ce_sum = _FusedLinearCrossEntropy.apply(hidden, head.weight, labels, chunk_tokens,
+                                                    compute_dtype)
+        return ce_sum, num_tokens
     ce_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
     for start in range(0, hidden.shape[0], chunk_tokens):
         h = hidden[start:start + chunk_tokens]
@@ -39,4 +111,4 @@ def chunked_cross_entropy(hidden: torch.Tensor, labels: torch.Tensor,
                                          preserve_rng_state=False)
         else:
             ce_sum = ce_sum + _chunk_ce_sum(h, y, head)
-    return ce_sum, (labels != IGNORE_INDEX).sum()
+    return ce_sum, num_tokens
