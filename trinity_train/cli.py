@@ -30,7 +30,8 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
     from trinity_train.train import train
 
     summary = train(cfg)
-    print(summary.describe())
+    if os.environ.get("RANK", "0") == "0":  # under torchrun, one summary for the whole job
+        print(summary.describe())
     return 0
 
 
