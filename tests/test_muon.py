@@ -99,13 +99,14 @@ def test_expert_stack_equals_each_expert_as_its_own_matrix():
         torch.testing.assert_close(stacked[e], singles[e], rtol=1e-6, atol=1e-6)
 
 
-def test_adamw_groups_match_torch_adamw():
+@pytest.mark.parametrize("fused", [None, True])
+def test_adamw_groups_match_torch_adamw(fused):
     shapes = [(32,), (10, 8)]
     init = [torch.randn(s, generator=torch.Generator().manual_seed(5)) for s in shapes]
     grads = _random_grads(shapes, steps=3, seed=6)
     ours = [torch.nn.Parameter(t.clone()) for t in init]
     ref = [torch.nn.Parameter(t.clone()) for t in init]
-    kw = dict(lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    kw = dict(lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, fused=fused)
     _run(Muon([{"params": ours, "kind": "adamw", **kw}]), ours, grads)
     _run(torch.optim.AdamW(ref, **kw), ref, grads)
     for a, b in zip(ours, ref):

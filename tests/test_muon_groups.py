@@ -48,6 +48,7 @@ def test_hidden_matrices_go_to_muon_and_the_rest_to_adamw(block):
     # Trinity's head is a matrix AdamW keeps (and decays); experts arrive as [E, out, in] stacks.
     assert groups[id(model.lm_head.weight)]["kind"] == "adamw"
     assert any(groups[id(p)]["kind"] == "muon" and p.ndim == 3 for p in names.values())
+    assert all(g["fused"] for g in opt.param_groups if g["kind"] == "adamw")  # one AdamW kernel
 
 
 def test_names_under_training_wrappers_are_still_recognised():

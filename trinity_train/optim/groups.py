@@ -84,8 +84,9 @@ def _build_muon(model: nn.Module, optim_cfg: OptimConfig) -> Muon:
                 if p.requires_grad and is_muon_param(name, optim_cfg.muon_router)]
     muon_ids = {id(p) for p in matrices}
     decayed, not_decayed = split_by_weight_decay(model)
-    adamw_groups = adamw_param_groups([p for p in decayed if id(p) not in muon_ids],
-                                      [p for p in not_decayed if id(p) not in muon_ids], optim_cfg)
+    decayed = [p for p in decayed if id(p) not in muon_ids]
+    not_decayed = [p for p in not_decayed if id(p) not in muon_ids]
+    adamw_groups = adamw_param_groups(decayed, not_decayed, optim_cfg)
     muon_group = {"params": matrices, "kind": "muon", "name": "muon", "lr": optim_cfg.muon_lr,
                   "weight_decay": optim_cfg.weight_decay}
     return Muon(
@@ -98,4 +99,5 @@ def _build_muon(model: nn.Module, optim_cfg: OptimConfig) -> Muon:
         ns_steps=optim_cfg.muon_ns_steps,
         scale=optim_cfg.muon_scale,
         ns_dtype=optim_cfg.muon_ns_dtype,
+        fused=_can_fuse(decayed + not_decayed) or None,  # for the AdamW groups
     )

@@ -5,7 +5,8 @@ One optimizer object holds two kinds of parameter groups (`group["kind"]`):
 - `"muon"`: hidden matrices (2-D) and routed-expert stacks `[E, out, in]` (one matrix per expert).
   Nesterov momentum as in `torch.optim.Muon`, then Newton-Schulz on the *whole logical* matrix,
   decoupled weight decay, and an update scale computed from the global shape.
-- `"adamw"`: everything else, stepped with torch's own functional AdamW.
+- `"adamw"`: everything else, stepped with torch's own functional AdamW (its fused kernel when
+  the group says `fused=True`).
 
 Parameters may be plain tensors or DTensors in any layout FSDP2, TP and EP produce (`Shard`,
 FSDP's `_StridedShard`, `Replicate`, on 1-D to 4-D meshes). For a DTensor, the mesh dimensions
@@ -132,16 +133,17 @@ class Muon(torch.optim.Optimizer):
 
     Muon options per group: lr, weight_decay, momentum, nesterov, ns_steps, scale
     ("spectral" | "rms_match"), ns_dtype ("auto" | "bf16" | "fp32"). AdamW options per group:
-    lr, betas, eps, weight_decay.
+    lr, betas, eps, weight_decay, fused (None: torch's default implementation).
     """
 
     def __init__(self, params: Iterable, lr: float = 1e-3, weight_decay: float = 0.1,
                  momentum: float = 0.95, nesterov: bool = True, ns_steps: int = 5,
                  scale: str = "spectral", ns_dtype: str = "auto",
-                 betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8):
+                 betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8,
+                 fused: bool | None = None):
         defaults = dict(kind="muon", lr=lr, weight_decay=weight_decay, momentum=momentum,
                         nesterov=nesterov, ns_steps=ns_steps, scale=scale, ns_dtype=ns_dtype,
-                        betas=betas, eps=eps)
+                        betas=betas, eps=eps, fused=fused)
         super().__init__(params, defaults)
 
     def add_param_group(self, param_group: dict) -> None:
@@ -183,7 +185,10 @@ class Muon(torch.optim.Optimizer):
                 continue
             state = self.state[p]
             if not state:
-                state["step"] = torch.tensor(0.0, dtype=torch.float32)
+                # torch.optim.Adam's placement: on the CPU, unless the fused kernel needs it
+                # next to the parameter.
+                state["step"] = torch.zeros((), dtype=torch.float32,
+                                            device=_local(p).device if group["fused"] else "cpu")
                 state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             # Elementwise math needs no collectives: run it on the local shards.
@@ -197,7 +202,8 @@ class Muon(torch.optim.Optimizer):
         beta1, beta2 = group["betas"]
         adam(params, grads, exp_avgs, exp_avg_sqs, [], steps, decoupled_weight_decay=True,
              amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"],
-             weight_decay=group["weight_decay"], eps=group["eps"], maximize=False)
+             weight_decay=group["weight_decay"], eps=group["eps"], maximize=False,
+             fused=group["fused"])
 
     # ------------------------------------------------------------------------------- Muon
 
