@@ -3,16 +3,15 @@ verify, a resume continues exactly, and one process can resume the two-rank chec
 (DCP reshards it: the optimizer state is keyed by parameter name)."""
 
 import functools
-import random
 import shutil
 
 import pytest
 import torch
 import torch.distributed as dist
 
+from helpers import prepare_word_corpus
 from trinity_train.checkpoint import verify_checkpoint
 from trinity_train.config import load_config
-from trinity_train.data.prepare import PrepareOptions, prepare
 from trinity_train.observe.jsonl import read_jsonl
 from trinity_train.parallel.local_ranks import init_gloo, run_ranks
 from trinity_train.parallel.mesh import ParallelDims
@@ -23,13 +22,7 @@ WORDS = "north south east west up down left right near far over under".split()
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
-    root = tmp_path_factory.mktemp("dist_ckpt_corpus")
-    rng = random.Random(2)
-    (root / "docs").mkdir()
-    for i in range(30):
-        (root / "docs" / f"d{i}.txt").write_text(" ".join(rng.choice(WORDS) for _ in range(300)))
-    return prepare(PrepareOptions(inputs=[str(root / "docs")], out=str(root / "prepared"),
-                                  train_tokenizer=300, val_fraction=0.1, progress=False))
+    return prepare_word_corpus(tmp_path_factory.mktemp("dist_ckpt_corpus"), WORDS, seed=2, num_docs=30)
 
 
 def config(corpus, run_dir, dp: int, **checkpoint):

@@ -13,15 +13,14 @@ bit-identical to the single process's.
 from __future__ import annotations
 
 import functools
-import random
 
 import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from helpers import prepare_word_corpus
 from trinity_train.config import load_config
-from trinity_train.data.prepare import PrepareOptions, prepare
 from trinity_train.observe.jsonl import read_jsonl
 from trinity_train.parallel.local_ranks import init_gloo, run_ranks
 from trinity_train.parallel.mesh import ParallelDims
@@ -48,13 +47,7 @@ WORDS = "red green blue cyan magenta yellow black white grey pink brown olive na
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
-    root = tmp_path_factory.mktemp("parallel_corpus")
-    rng = random.Random(1)
-    (root / "docs").mkdir()
-    for i in range(30):
-        (root / "docs" / f"d{i}.txt").write_text(" ".join(rng.choice(WORDS) for _ in range(300)))
-    return prepare(PrepareOptions(inputs=[str(root / "docs")], out=str(root / "prepared"),
-                                  train_tokenizer=300, val_fraction=0.1, progress=False))
+    return prepare_word_corpus(tmp_path_factory.mktemp("parallel_corpus"), WORDS, seed=1, num_docs=30)
 
 
 def layout_config(corpus, run_dir, changes: dict, world: int):

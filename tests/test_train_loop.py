@@ -3,15 +3,14 @@ accumulation, skipped steps, metrics, run-directory rules, init_from and activat
 
 import json
 import math
-import random
 
 import pytest
 import torch
 
+from helpers import prepare_word_corpus
 from trinity_train.checkpoint import ModelState, save_model_checkpoint
 from trinity_train.checkpoint.layout import list_checkpoints
 from trinity_train.config import load_config
-from trinity_train.data.prepare import PrepareOptions, prepare
 from trinity_train.errors import ConfigError
 from trinity_train.observe.jsonl import read_jsonl
 from trinity_train.train import Trainer, build_model_for_training, train
@@ -23,14 +22,7 @@ WORDS = ("the quick brown fox jumps over a lazy dog while one small cat sat on t
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
     """~14k tokens of word salad with a 300-token BPE: enough for ~100 batches of 2x2x16 tokens."""
-    root = tmp_path_factory.mktemp("corpus")
-    rng = random.Random(0)
-    docs = root / "docs"
-    docs.mkdir()
-    for i in range(40):
-        (docs / f"doc{i:02d}.txt").write_text(" ".join(rng.choice(WORDS) for _ in range(300)))
-    return prepare(PrepareOptions(inputs=[str(docs)], out=str(root / "prepared"), train_tokenizer=300,
-                                  val_fraction=0.1, progress=False))
+    return prepare_word_corpus(tmp_path_factory.mktemp("corpus"), WORDS, seed=0, num_docs=40)
 
 
 def tiny_config(corpus, run_dir, **sections):
