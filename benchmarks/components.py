@@ -1,0 +1,142 @@
+"""Side-by-side timings of the choices inside our training step, at the shapes of a config
+(forward + backward, best of several repetitions, alternating):
+
+- attention of a local layer: one dense T x T sliding-window mask vs the block-wise window, and
+  the fused SDPA kernel in fp32 vs bf16 at the blocks' and at a global layer's shapes;
+- cross entropy: the fused linear cross entropy vs checkpointed chunks (the path other heads
+  take), at a few chunk sizes.
+
+    python benchmarks/components.py [--config configs/bench_cpu.toml] [--repeats 6] [--a.b=value ...]
+"""
+
+from __future__ import annotations
+
+import os
+
+# Before torch starts OpenMP: on a shared CPU, threads that spin at every barrier while a core is
+# taken stall each operator (steps measured 2-10x slower and erratic on the 2-core machine of
+# benchmarks/README.md). Set OMP_WAIT_POLICY=ACTIVE to measure the spinning default.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Callable
+
+import torch
+from torch import nn
+
+from measure import Timings, timed
+from trinity_train.config import load_config
+from trinity_train.model.attention import (build_attention_mask, sliding_window_attention,
+                                           sliding_window_blocks)
+from trinity_train.model.loss import chunked_cross_entropy
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+class ModuleHead(nn.Module):
+    """The head as any module other than a bare Linear: the checkpointed-chunk path."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.linear = linear
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x)
+
+
+def compare(title: str, cases: dict[str, Callable[[], None]], repeats: int) -> None:
+    timings = {name: Timings() for name in cases}
+    for fn in cases.values():
+        fn()  # warm-up
+    for _ in range(repeats):
+        for name, fn in cases.items():
+            timings[name].add(timed(fn, torch.device("cpu"))[0])
+    print(title)
+    first = next(iter(timings.values())).best
+    for name, t in timings.items():
+        print(f"  {name:44s} {t.best * 1e3:8.1f} ms  ({t.best / first:.2f}x the first)")
+
+
+def attention_cases(cfg) -> dict[str, Callable[[], None]]:
+    m = cfg.model
+    b, t = cfg.train.micro_batch_size, cfg.data.seq_len
+    scale = m.head_dim ** -0.5
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    generator = torch.Generator().manual_seed(0)
+    dense_mask = build_attention_mask(t, m.sliding_window, None, torch.device("cpu"))
+    blocks = sliding_window_blocks(t, m.sliding_window, None, b, torch.device("cpu"))
+    n, size, keys = blocks.num_blocks, blocks.block, blocks.window + blocks.block
+
+    def randn(*shape, dtype=torch.float32):
+        return torch.randn(*shape, generator=generator).to(dtype).requires_grad_()
+
+    def backward_of(fn, *inputs):
+        def run():
+            out = fn(*inputs)
+            out.backward(torch.ones_like(out))
+        return run
+
+    heads = (m.num_heads, m.num_kv_heads, m.num_kv_heads)
+    bthd = [randn(b, t, h, m.head_dim) for h in heads]  # the model's layout
+    bhtd = {dtype: [randn(b, h, t, m.head_dim, dtype=dtype) for h in heads]
+            for dtype in (torch.float32, torch.bfloat16)}
+    in_blocks = {dtype: [randn(b * n, h, length, m.head_dim, dtype=dtype)
+                         for h, length in zip(heads, (size, keys, keys))]
+                 for dtype in (torch.float32, torch.bfloat16)}
+    return {
+        "local, one dense TxT mask": backward_of(
+            lambda q, k, v: sdpa(q, k, v, attn_mask=dense_mask, scale=scale, enable_gqa=True),
+            *bhtd[torch.float32]),
+        f"local, window blocks of {size} (all of it)": backward_of(
+            lambda q, k, v: sliding_window_attention(q, k, v, blocks, scale), *bthd),
+        "local, the blocks' SDPA kernel alone, fp32": backward_of(
+            lambda q, k, v: sdpa(q, k, v, attn_mask=blocks.mask, scale=scale, enable_gqa=True),
+            *in_blocks[torch.float32]),
+        "local, the blocks' SDPA kernel alone, bf16": backward_of(
+            lambda q, k, v: sdpa(q, k, v, attn_mask=blocks.mask, scale=scale, enable_gqa=True),
+            *in_blocks[torch.bfloat16]),
+        "global, causal SDPA kernel, fp32": backward_of(
+            lambda q, k, v: sdpa(q, k, v, is_causal=True, scale=scale, enable_gqa=True),
+            *bhtd[torch.float32]),
+        "global, causal SDPA kernel, bf16": backward_of(
+            lambda q, k, v: sdpa(q, k, v, is_causal=True, scale=scale, enable_gqa=True),
+            *bhtd[torch.bfloat16]),
+    }
+
+
+def loss_cases(cfg) -> dict[str, Callable[[], None]]:
+    m = cfg.model
+    tokens = cfg.train.micro_batch_size * cfg.data.seq_len
+    generator = torch.Generator().manual_seed(0)
+    head = nn.Linear(m.hidden_size, m.vocab_size, bias=False)
+    hidden = torch.randn(tokens, m.hidden_size, generator=generator, requires_grad=True)
+    labels = torch.randint(0, m.vocab_size, (tokens,), generator=generator)
+
+    def case(module, chunk):
+        def run():
+            ce, _ = chunked_cross_entropy(hidden, labels, module, chunk)
+            ce.backward()
+        return run
+
+    cases = {f"checkpointed chunks of {c}": case(ModuleHead(head), c) for c in (tokens, 1024)}
+    cases.update({f"fused, chunks of {c}": case(head, c) for c in (tokens, 1024, 512, 256)})
+    return cases
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", type=Path, default=ROOT / "configs" / "bench_cpu.toml")
+    parser.add_argument("--repeats", type=int, default=6)
+    args, overrides = parser.parse_known_args(argv)
+    cfg = load_config(args.config, overrides)
+    print(f"{args.config}: forward + backward, best of {args.repeats}, {torch.get_num_threads()} threads")
+    compare(f"attention of one layer ({cfg.train.micro_batch_size}x{cfg.data.seq_len} tokens, "
+            f"window {cfg.model.sliding_window}):", attention_cases(cfg), args.repeats)
+    compare(f"cross entropy over {cfg.model.vocab_size} tokens:", loss_cases(cfg), args.repeats)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,77 @@
+"""The performance benchmarks run end to end on tiny models and report what they promise: the
+comparison with transformers (same first loss), the bf16 and MoE ratios, memory that activation
+checkpointing lowers, and the GPU MFU script's own code path on the CPU. Nothing here asserts a
+speed: the figures come from benchmarks/README.md runs."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).parents[1]
+TINY = ["--model.vocab_size=256", "--model.hidden_size=32", "--model.num_layers=3",
+        "--model.num_heads=4", "--model.num_kv_heads=2", "--model.head_dim=8",
+        "--model.intermediate_size=64", "--model.num_experts=4", "--model.num_experts_per_tok=2",
+        "--model.moe_intermediate_size=16", "--model.sliding_window=8", "--data.seq_len=32",
+        "--train.micro_batch_size=2", "--model.loss_chunk_tokens=16"]
+# One thread and passive waits: a shared CPU would otherwise stall tiny ops at OpenMP barriers.
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE"}
+
+
+def run(script: str, *args: str) -> str:
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=600, env=ENV)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    return done.stdout
+
+
+def test_train_step_benchmark_compares_with_transformers_on_the_same_weights_and_batches():
+    out = run("train_step_vs_hf.py", "--data", "random", "--steps", "1", "--probe-repeats", "2",
+              "--probe-seconds", "0.02", "--variants", "fp32,bf16", *TINY)
+    assert re.search(r"matmul probe float32: peak [\d.]+ GFLOP/s", out)
+    assert re.search(r"first-step loss, ours [\d.]+ vs transformers [\d.]+: relative difference "
+                     r"\S+ \(agree\)", out), out
+    for name in ("transformers (eager experts)", "ours fp32", "ours bf16"):
+        assert re.search(rf"^{re.escape(name)} +[\d,]+ \( *[\d,]+\) +[\d.]+ +[\d.]+%", out, re.M), out
+    assert re.search(r"throughput ours fp32 / transformers \(eager experts\): [\d.]+x", out)
+    assert re.search(r"throughput ours bf16 / ours fp32: [\d.]+x", out)
+
+
+def test_train_step_benchmark_compares_losses_of_variants_over_steps():
+    out = run("train_step_vs_hf.py", "--data", "random", "--loss-steps", "3",
+              "--variants", "fp32,bf16", *TINY)
+    match = re.search(r"ours bf16 vs ours fp32 over 3 steps: max relative loss difference "
+                      r"([\d.]+)%", out)
+    assert match and float(match.group(1)) < 5.0, out
+
+
+def test_memory_report_shows_activation_checkpointing_saving_activations():
+    out = run("train_step_vs_hf.py", "--data", "random", "--memory", "--variants", "fp32,fp32+ac",
+              *TINY)
+    rows = {m.group(1): [float(x) for x in m.groups()[1:]]
+            for m in re.finditer(r"^(\S+) +([\d.]+) MiB +(-?[\d.]+) MiB +([\d.]+) MiB", out, re.M)}
+    assert set(rows) == {"fp32", "fp32+ac"}, out
+    assert rows["fp32+ac"][2] < rows["fp32"][2]  # bytes saved for backward
+    assert all(r[0] > 0 for r in rows.values())
+
+
+def test_moe_layer_benchmark_reports_the_ratio_to_a_dense_ffn():
+    out = run("moe_layer.py", "--repeats", "2", *TINY)
+    assert re.search(r"dense SwiGLU \(width 49, same active FLOPs\)", out), out  # 3*16 + round(4/3)
+    assert re.search(r"MoE / dense time = [\d.]+", out)
+
+
+def test_gpu_mfu_benchmark_runs_its_trainer_step_on_the_cpu(tmp_path):
+    result = tmp_path / "mfu.json"
+    out = run("gpu_mfu.py", "--device", "cpu", "--layers", "2", "--steps", "2", "--warmup", "1",
+              "--json", str(result), *(a for a in TINY if "num_layers" not in a),
+              "--model.num_dense_layers=1", "--train.compile=false",
+              "--optim.name=adamw")
+    assert "MFU" in out
+    r = json.loads(result.read_text())
+    assert r["layers"] == 2 and r["tokens_per_step"] == 64 and 0 < r["mfu"] < 1
+    assert r["tokens_per_s"] > 0 and r["flops_per_token"] > 0
