@@ -4,7 +4,11 @@
 - attention of a local layer: one dense T x T sliding-window mask vs the block-wise window, and
   the fused SDPA kernel in fp32 vs bf16 at the blocks' and at a global layer's shapes;
 - cross entropy: the fused linear cross entropy vs checkpointed chunks (the path other heads
-  take), at a few chunk sizes.
+  take), at a few chunk sizes;
+- routed experts: one grouped GEMM per projection vs a per-expert loop vs gate and up fused
+  into one GEMM (weights concatenated per call);
+- MoE dispatch and combine: our gathers (whose backward is a gather) vs autograd's indexing
+  (whose backward scatter-adds into zeros).
 
     python benchmarks/components.py [--config configs/bench_cpu.toml] [--repeats 6] [--a.b=value ...]
 """
@@ -31,6 +35,7 @@ from trinity_train.config import load_config
 from trinity_train.model.attention import (build_attention_mask, sliding_window_attention,
                                            sliding_window_blocks)
 from trinity_train.model.loss import chunked_cross_entropy
+from trinity_train.model.moe import GroupedExperts, _PermuteRows, _SortTokenCopies
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -125,6 +130,60 @@ def loss_cases(cfg) -> dict[str, Callable[[], None]]:
     return cases
 
 
+def routed_token_copies(cfg, generator):
+    """Token copies sorted by expert for one micro-batch, with random routing."""
+    m = cfg.model
+    tokens = cfg.train.micro_batch_size * cfg.data.seq_len
+    chosen = torch.randint(0, m.num_experts, (tokens * m.num_experts_per_tok,), generator=generator)
+    order = torch.argsort(chosen, stable=True)
+    inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel()))
+    counts = torch.bincount(chosen, minlength=m.num_experts)
+    return tokens, order, inverse, counts
+
+
+def expert_cases(cfg) -> dict[str, Callable[[], None]]:
+    m = cfg.model
+    generator = torch.Generator().manual_seed(0)
+    tokens, _, _, counts = routed_token_copies(cfg, generator)
+    grouped = GroupedExperts(m.num_experts, m.hidden_size, m.moe_intermediate_size, "silu", "grouped")
+    for p in grouped.parameters():
+        nn.init.normal_(p, std=0.02, generator=generator)
+    loop = GroupedExperts(m.num_experts, m.hidden_size, m.moe_intermediate_size, "silu", "loop")
+    loop.load_state_dict(grouped.state_dict())
+    x = torch.randn(int(counts.sum()), m.hidden_size, generator=generator, requires_grad=True)
+    grad = torch.randn_like(x)
+    offsets = torch.cumsum(counts, 0, dtype=torch.int32)
+
+    def fused_gate_up():
+        gate_up = torch.cat([grouped.gate_proj, grouped.up_proj], dim=1)
+        gate, up = torch._grouped_mm(x, gate_up.transpose(-2, -1), offs=offsets).chunk(2, dim=-1)
+        h = torch.nn.functional.silu(gate) * up
+        torch._grouped_mm(h, grouped.down_proj.transpose(-2, -1), offs=offsets).backward(grad)
+
+    return {"grouped GEMM per projection": lambda: grouped(x, counts).backward(grad),
+            "per-expert loop": lambda: loop(x, counts).backward(grad),
+            "grouped, gate and up fused": fused_gate_up}
+
+
+def gather_cases(cfg) -> dict[str, Callable[[], None]]:
+    m = cfg.model
+    generator = torch.Generator().manual_seed(0)
+    tokens, order, inverse, _ = routed_token_copies(cfg, generator)
+    k = m.num_experts_per_tok
+    x = torch.randn(tokens, m.hidden_size, generator=generator, requires_grad=True)
+    y = torch.randn(tokens * k, m.hidden_size, generator=generator, requires_grad=True)
+
+    def ours():
+        _SortTokenCopies.apply(x, order, inverse, k).sum().backward()
+        _PermuteRows.apply(y, inverse, order).sum().backward()
+
+    def indexing():
+        x[order // k].sum().backward()
+        y[inverse].sum().backward()
+
+    return {"gathers with gather backward (ours)": ours, "autograd indexing": indexing}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", type=Path, default=ROOT / "configs" / "bench_cpu.toml")
@@ -135,6 +194,10 @@ def main(argv: list[str] | None = None) -> int:
     compare(f"attention of one layer ({cfg.train.micro_batch_size}x{cfg.data.seq_len} tokens, "
             f"window {cfg.model.sliding_window}):", attention_cases(cfg), args.repeats)
     compare(f"cross entropy over {cfg.model.vocab_size} tokens:", loss_cases(cfg), args.repeats)
+    compare(f"routed experts of one layer ({cfg.model.num_experts} x width "
+            f"{cfg.model.moe_intermediate_size}, top-{cfg.model.num_experts_per_tok}):",
+            expert_cases(cfg), args.repeats)
+    compare("MoE dispatch + combine gathers:", gather_cases(cfg), args.repeats)
     return 0
 
 

@@ -75,3 +75,10 @@ def test_gpu_mfu_benchmark_runs_its_trainer_step_on_the_cpu(tmp_path):
     r = json.loads(result.read_text())
     assert r["layers"] == 2 and r["tokens_per_step"] == 64 and 0 < r["mfu"] < 1
     assert r["tokens_per_s"] > 0 and r["flops_per_token"] > 0
+
+
+def test_components_benchmark_times_each_alternative():
+    out = run("components.py", "--repeats", "1", *TINY)
+    for case in ("local, one dense TxT mask", "local, window blocks of 4", "fused, chunks of 512",
+                 "checkpointed chunks of 64", "per-expert loop", "autograd indexing"):
+        assert re.search(rf"^  {re.escape(case)}.* [\d.]+ ms", out, re.M), (case, out)
