@@ -103,9 +103,9 @@ class TrainConfig:
 
 @dataclass
 class OptimConfig:
-    name: str = "adamw"  # "adamw" or "muon"
+    name: str = "muon"  # "muon" (hidden matrices; AdamW for the rest) or "adamw" (everything)
     lr: float = 3e-3  # AdamW peak learning rate
-    muon_lr: float = 1e-3
+    muon_lr: float = 1.5e-2  # Muon peak learning rate; best of a sweep on the debug model (Trinity: 1e-3)
     beta1: float = 0.9
     beta2: float = 0.95
     eps: float = 1e-8
