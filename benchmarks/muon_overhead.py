@@ -13,8 +13,13 @@ step (8192 tokens, still a small batch: Muon's relative cost falls as the batch 
 
 from __future__ import annotations
 
-import argparse
 import os
+
+# Before torch starts OpenMP: on a shared CPU, threads spinning at barriers stall each operator
+# (2-10x slower, erratic steps). Set OMP_WAIT_POLICY=ACTIVE to measure the spinning default.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import argparse
 import statistics
 import sys
 import tempfile

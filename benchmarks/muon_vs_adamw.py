@@ -15,6 +15,12 @@ per run on 2 CPU cores.
 
 from __future__ import annotations
 
+import os
+
+# Before torch starts OpenMP: on a shared CPU, threads spinning at barriers stall each operator
+# (2-10x slower, erratic steps). Set OMP_WAIT_POLICY=ACTIVE to measure the spinning default.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 import argparse
 import sys
 import tempfile
