@@ -74,11 +74,17 @@ AttentionMask = torch.Tensor | SlidingWindowBlocks | None
 
 def _key_blocks(x: torch.Tensor, window: int, block: int, num_blocks: int,
                 value: float = 0.0) -> torch.Tensor:
-    """x [B, T, ...] -> [B, num_blocks, ..., window + block]: for block c the positions
-    c*block - window .. c*block + block - 1 (`value` where they fall outside 0 .. T-1)."""
+    """x [B, T, ...] -> [B, num_blocks, window + block, ...]: for block c the positions
+    c*block - window .. c*block + block - 1 (`value` where they fall outside 0 .. T-1).
+
+    Built from window/block + 1 shifted views of the padded sequence, concatenated; (`unfold`
+    would do it too, but torch.compile's CPU code for its backward writes out of bounds.)
+    """
+    shifts = window // block
     pad_end = num_blocks * block - x.shape[1]
-    padded = F.pad(x.movedim(1, -1), (window, pad_end), value=value)
-    return padded.unfold(-1, window + block, block).movedim(-2, 1)
+    padded = F.pad(x, [0, 0] * (x.dim() - 2) + [window, pad_end], value=value)
+    blocks = padded.view(x.shape[0], shifts + num_blocks, block, *x.shape[2:])
+    return torch.cat([blocks[:, s:s + num_blocks] for s in range(shifts + 1)], dim=2)
 
 
 def sliding_window_blocks(seq_len: int, window: int, document_ids: torch.Tensor | None,
@@ -90,7 +96,8 @@ def sliding_window_blocks(seq_len: int, window: int, document_ids: torch.Tensor 
     key position is not negative. Padded query positions past `seq_len` see only themselves and
     other padding, and are dropped.
     """
-    block = max(window // 2, 1)
+    # Half-window blocks: 1.5 * window keys per query instead of 2 * window with whole windows.
+    block = window // 2 if window % 2 == 0 else window
     num_blocks = -(-seq_len // block)
     i = torch.arange(block, device=device)[:, None]
     j = torch.arange(window + block, device=device)[None, :]
@@ -111,8 +118,9 @@ def scaled_dot_product(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     """SDPA of q [N, heads, Tq, hd] over k, v [N, kv_heads, Tk, hd] (grouped-query), causal when
     `mask` is None."""
     if q.device.type == "cpu" and q.dtype == torch.bfloat16:
-        # The fused CPU kernel's bf16 backward takes 2.7x its fp32 time (benchmarks/README.md),
-        # so bf16 runs attend in fp32 on CPUs (autocast would cast the inputs straight back).
+        # The fused CPU kernel takes about twice as long in bf16 as in fp32, forward + backward
+        # (benchmarks/README.md), so bf16 runs attend in fp32 on CPUs (under autocast, which
+        # would cast the inputs straight back).
         with torch.autocast("cpu", enabled=False):
             out = scaled_dot_product(q.float(), k.float(), v.float(), mask, scale)
         return out.to(q.dtype)
@@ -140,7 +148,7 @@ def sliding_window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     # Blocks go into the batch dimension: [B*n, heads, b, hd] queries, [B*n, kv, w + b, hd] keys.
     qb = F.pad(q, (0, 0, 0, 0, 0, n * size - t)).view(b * n, size, heads, head_dim).transpose(1, 2)
     # Contiguous, because the fused CPU kernel needs unit stride along head_dim (else: math path).
-    kb, vb = (_key_blocks(x, w, size, n).transpose(-1, -2).contiguous().flatten(0, 1)
+    kb, vb = (_key_blocks(x, w, size, n).transpose(2, 3).contiguous().flatten(0, 1)
               for x in (k, v))
     out = scaled_dot_product(qb, kb, vb, blocks.mask, scale)
     return out.transpose(1, 2).reshape(b, n * size, heads, head_dim)[:, :t]
