@@ -151,9 +151,9 @@ def sequence_aux_loss(scores: torch.Tensor, experts: torch.Tensor, batch: int, t
     return alpha * (f * p).sum(dim=-1).mean()
 
 
-# The two gathers below are inverse to each other's backward: each backward is another gather
-# (index_select) instead of autograd's scatter-add into zeros, which is faster on CPUs and, with
-# no colliding rows, deterministic on GPUs.
+# Both gathers below have a gather as their backward (index_select by the inverse permutation)
+# instead of autograd's scatter-add into zeros: faster on CPUs and, with no rows colliding,
+# deterministic on GPUs.
 
 
 class _SortTokenCopies(torch.autograd.Function):
