@@ -9,8 +9,8 @@ schedule (warmup, then WSD's linear decay), on the real trainer.
     python benchmarks/muon_vs_adamw.py [--steps 60] [--adamw-lrs 1e-3,3e-3,1e-2]
                                        [--muon-lrs 5e-3,1.5e-2,4.5e-2] [--a.b=value overrides...]
 
-The default budget (60 steps of 8 x 128 tokens, about 61k tokens per run) fits a few minutes
-per run on 2 CPU cores.
+The default budget (six runs of 60 steps of 8 x 128 tokens, about 61k tokens each) takes about
+six minutes on 2 CPU cores.
 """
 
 from __future__ import annotations
