@@ -17,7 +17,7 @@ TINY = ["--model.vocab_size=256", "--model.hidden_size=32", "--model.num_layers=
         "--model.num_heads=4", "--model.num_kv_heads=2", "--model.head_dim=8",
         "--model.intermediate_size=64", "--model.num_experts=4", "--model.num_experts_per_tok=2",
         "--model.moe_intermediate_size=16", "--model.sliding_window=8", "--data.seq_len=32",
-        "--train.micro_batch_size=2", "--model.loss_chunk_tokens=16"]
+        "--train.micro_batch_size=2", "--model.loss_chunk_tokens=16", "--train.compile=false"]
 # One thread and passive waits: a shared CPU would otherwise stall tiny ops at OpenMP barriers.
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE"}
 
@@ -69,7 +69,7 @@ def test_gpu_mfu_benchmark_runs_its_trainer_step_on_the_cpu(tmp_path):
     result = tmp_path / "mfu.json"
     out = run("gpu_mfu.py", "--device", "cpu", "--layers", "2", "--steps", "2", "--warmup", "1",
               "--json", str(result), *(a for a in TINY if "num_layers" not in a),
-              "--model.num_dense_layers=1", "--train.compile=false",
+              "--model.num_dense_layers=1",
               "--optim.name=adamw")
     assert "MFU" in out
     r = json.loads(result.read_text())
