@@ -188,11 +188,13 @@ class TrainingStep:
         totals = self.reduce.sum_over_dp(totals)  # DP all-reduce
         counts = self.reduce.sum_over_dp(counts)  # DP all-reduce
         ce_sum, aux_loss, z_loss = totals.tolist()
-        mean_loss = ce_sum / max(int(tokens.item()), 1)
+        num_tokens = int(tokens.item())
+        mean_loss = ce_sum / max(num_tokens, 1)
         grad_norm = self.reduce.grad_norm(self.params)  # global over ranks and shards
+        grad_norm_value = grad_norm.item()
 
         lrs = self.learning_rates()
-        verdict = self.guard.judge(mean_loss, grad_norm.item(), iteration)
+        verdict = self.guard.judge(mean_loss, grad_norm_value, iteration)
         if verdict.apply:
             if self.cfg.train.grad_clip > 0:
                 self.reduce.clip(self.params, self.cfg.train.grad_clip, grad_norm)
@@ -200,7 +202,7 @@ class TrainingStep:
             self.model.update_expert_biases(counts)
             self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return StepResult(mean_loss, aux_loss, z_loss, grad_norm.item(), int(tokens.item()), counts, lrs, verdict)
+        return StepResult(mean_loss, aux_loss, z_loss, grad_norm_value, num_tokens, counts, lrs, verdict)
 
 
 @torch.no_grad()
