@@ -29,6 +29,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from torch.utils.flop_counter import FlopCounterMode
 
 from trinity_train.optim.muon import Muon
+from trinity_train.parallel.process_group import leave_together
 
 SHAPES = {
     "q_proj": (12, 8),
@@ -225,6 +226,7 @@ def _worker(rank, world, init_file, out_dir, scenarios):
                 results[name] = {"value": SCENARIOS[name](rank, world, out_dir)}
             except Exception as e:  # reported per scenario by the tests below
                 results[name] = {"error": f"{type(e).__name__}: {e}"}
+        leave_together()
     finally:
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
         dist.destroy_process_group()

@@ -49,8 +49,8 @@ from trinity_train.optim.groups import build_optimizer
 from trinity_train.optim.schedule import build_scheduler
 from trinity_train.parallel.mesh import ParallelDims
 from trinity_train.parallel.parallelize import build_parallel_model
-from trinity_train.parallel.process_group import (destroy_distributed, init_distributed, resolve_device,
-                                                  world_size_from_env)
+from trinity_train.parallel.process_group import (destroy_distributed, init_distributed, leave_together,
+                                                  resolve_device, world_size_from_env)
 from trinity_train.parallel.reductions import clip_grads_with_norm_, global_grad_norm, sum_over_data_parallel
 from trinity_train.stability import StepGuard, Verdict
 
@@ -493,6 +493,8 @@ def train(cfg: Config) -> TrainSummary:
     dims, device = init_distributed(cfg)  # rejects an impossible layout before joining
     try:
         builder = functools.partial(build_model_for_training, dims=dims)
-        return Trainer(cfg, distributed_placement(dims, device), model_builder=builder).run()
+        summary = Trainer(cfg, distributed_placement(dims, device), model_builder=builder).run()
+        leave_together()
+        return summary
     finally:
         destroy_distributed()

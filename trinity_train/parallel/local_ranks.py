@@ -18,6 +18,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from trinity_train.parallel.process_group import leave_together
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -32,10 +34,7 @@ def _entry(rank: int, world: int, port: int, out_dir: str, fn: Callable, args: t
     try:
         result = fn(*args)
         torch.save(result, Path(out_dir) / f"rank{rank}.pt")
-        if dist.is_initialized():
-            # Leave together: a rank that tears down its connections while a peer is still in a
-            # collective makes gloo abort that peer.
-            dist.barrier()
+        leave_together()
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -8,6 +8,7 @@ process (LOCAL_RANK) and NCCL; otherwise the CPU and gloo.
 from __future__ import annotations
 
 import os
+import time
 
 import torch
 import torch.distributed as dist
@@ -53,6 +54,27 @@ def init_distributed(cfg: Config) -> tuple[ParallelDims, torch.device]:
         dist.init_process_group(backend, device_id=device if device.type == "cuda" else None)
     dims.build_mesh(device.type)
     return dims, device
+
+
+# How long the last rank-local teardown step releases the GIL; see `leave_together`.
+_GLOO_DRAIN_S = 0.2
+
+
+def leave_together() -> None:
+    """Wait for every rank, then give gloo's worker threads time to finish, before tearing down.
+
+    Only on the success path (a failed rank never arrives). A rank that closes its connections
+    while a peer is still in a collective makes gloo abort that peer. And gloo's worker threads
+    free each finished collective's tensors themselves, which needs the GIL: if that is still
+    pending when the interpreter shuts down, the thread dies inside a destructor and the process
+    aborts (SIGABRT, "terminate called without an active exception", pytorch/pytorch#190489)
+    after the job has finished. The barrier's own work holds the earlier ones, so a short sleep
+    (which releases the GIL) after it lets the threads drain.
+    """
+    if dist.is_initialized():
+        dist.barrier()
+        if dist.get_backend() == "gloo":
+            time.sleep(_GLOO_DRAIN_S)
 
 
 def destroy_distributed() -> None:
