@@ -126,6 +126,35 @@ def test_export_hf_loads_in_transformers_with_the_same_logits(workdir, exported)
         torch.testing.assert_close(theirs(tokens).logits, ours.eval()(tokens).logits, atol=1e-4, rtol=0)
 
 
+def test_export_hf_carries_the_runs_tokenizer(workdir, exported):
+    from tokenizers import Tokenizer
+    from transformers import AutoConfig, AutoTokenizer
+
+    theirs = AutoTokenizer.from_pretrained(exported)
+    ours = Tokenizer.from_file(str(workdir / "data" / "tokenizer.json"))
+    text = "alpha beta gamma delta"
+    assert theirs(text)["input_ids"] == ours.encode(text).ids
+    assert theirs.decode(theirs(text)["input_ids"]) == text
+    config = AutoConfig.from_pretrained(exported)
+    assert config.eos_token_id == ours.token_to_id("<|endoftext|>") == theirs.eos_token_id
+    assert config.pad_token_id == ours.token_to_id("<|pad|>") == theirs.pad_token_id
+
+
+def test_export_hf_tokenizer_choices(workdir):
+    ckpt = "run/checkpoints/step_00000002"
+    cli("export-hf", ckpt, "bare", "--no-tokenizer", cwd=workdir)
+    assert not (workdir / "bare" / "tokenizer.json").exists() and (workdir / "bare" / "config.json").exists()
+    # Run from elsewhere, the run's relative data path does not resolve: a warning, no tokenizer.
+    result = cli("export-hf", workdir / ckpt, workdir / "elsewhere", cwd=workdir / "docs")
+    assert "exporting without a tokenizer" in result.stderr
+    assert not (workdir / "elsewhere" / "tokenizer.json").exists()
+    result = cli("export-hf", ckpt, "named", "--tokenizer", "data/tokenizer.json", cwd=workdir)
+    assert (workdir / "named" / "tokenizer.json").exists()
+    result = cli("export-hf", ckpt, "missing", "--tokenizer", "nope.json", cwd=workdir, ok=False)
+    assert result.returncode == 1 and "--tokenizer 'nope.json' is not a file" in result.stderr
+    assert not (workdir / "missing").exists()
+
+
 def test_import_hf_gives_a_checkpoint_a_run_can_start_from(workdir, exported):
     result = cli("import-hf", "hf", "--out", "imported", cwd=workdir)
     assert "--checkpoint.init_from=imported" in result.stdout

@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 from trinity_train.config import Config, load_config, validate
-from trinity_train.errors import UserError
+from trinity_train.errors import DataError, UserError
 
 # configs/debug.toml of the source tree; an installed copy without it uses the dataclass
 # defaults, which equal it.
@@ -44,10 +44,23 @@ def cmd_prepare_data(args: argparse.Namespace) -> int:
 def cmd_export_hf(args: argparse.Namespace) -> int:
     from trinity_train.checkpoint import load_model_checkpoint
     from trinity_train.model.hf import save_hf
+    from trinity_train.model.hf_tokenizer import training_tokenizer_file
 
     model, cfg = load_model_checkpoint(args.checkpoint)
-    out = save_hf(model, args.out_dir, cfg.model)
-    print(f"exported {args.checkpoint} to {out} (load it with transformers.AutoModelForCausalLM.from_pretrained)")
+    tokenizer = None
+    if args.tokenizer:
+        tokenizer = Path(args.tokenizer)
+        if not tokenizer.is_file():
+            raise DataError(f"--tokenizer '{tokenizer}' is not a file: pass the tokenizer.json the run trained with")
+    elif not args.no_tokenizer:
+        tokenizer = training_tokenizer_file(cfg.data)
+        if tokenizer is None:
+            print("warning: the run's dataset (and its tokenizer.json) is not where its config says; exporting "
+                  "without a tokenizer (pass --tokenizer PATH to include one)", file=sys.stderr)
+    out = save_hf(model, args.out_dir, cfg.model, tokenizer_file=tokenizer)
+    with_tokenizer = f" with the tokenizer of {tokenizer}" if tokenizer else ""
+    print(f"exported {args.checkpoint} to {out}{with_tokenizer} (load it with "
+          "transformers.AutoModelForCausalLM.from_pretrained and AutoTokenizer.from_pretrained)")
     return 0
 
 
@@ -116,7 +129,10 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
 
     export = sub.add_parser("export-hf", help="write a checkpoint as a Hugging Face afmoe model")
     export.add_argument("checkpoint", help="a training or model checkpoint directory")
-    export.add_argument("out_dir", help="new directory for config.json and safetensors")
+    export.add_argument("out_dir", help="new directory for config.json, safetensors and the tokenizer")
+    which = export.add_mutually_exclusive_group()
+    which.add_argument("--tokenizer", help="tokenizer.json to export (default: the one of the run's data)")
+    which.add_argument("--no-tokenizer", action="store_true", help="export the weights and config only")
 
     imp = sub.add_parser("import-hf", help="turn a Hugging Face afmoe model into a checkpoint")
     imp.add_argument("hf_dir", help="directory with config.json and safetensors")

@@ -24,6 +24,7 @@ from safetensors.torch import load_file
 from trinity_train.config import (Config, ModelConfig, global_every, init_std, is_global_layer,
                                   norm_eps, validate)
 from trinity_train.errors import CheckpointError, ConfigError
+from trinity_train.model.hf_tokenizer import write_hf_tokenizer
 from trinity_train.model.moe import expert_alignment_problem
 from trinity_train.model.transformer import build_model
 
@@ -383,9 +384,10 @@ def from_hf_state_dict(hf_sd: dict[str, torch.Tensor], model_cfg: ModelConfig) -
 
 
 def save_hf(model: torch.nn.Module, out_dir: str | Path, model_cfg: ModelConfig | None = None,
-            max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE) -> Path:
+            max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE, tokenizer_file: Path | None = None) -> Path:
     """Write `model` as a `transformers`-loadable afmoe checkpoint: safetensors (sharded with an
-    index when larger than `max_shard_size`) and `config.json`.
+    index when larger than `max_shard_size`), `config.json`, and with `tokenizer_file` (a
+    `tokenizers` tokenizer.json) the tokenizer files and the special-token ids.
 
     The directory appears complete or not at all (written under a temporary name, then renamed).
     `model_cfg` defaults to the model's own config. Returns the directory.
@@ -405,6 +407,8 @@ def save_hf(model: torch.nn.Module, out_dir: str | Path, model_cfg: ModelConfig 
     tmp.mkdir()
     try:
         save_torch_state_dict(hf_sd, tmp, max_shard_size=max_shard_size)
+        if tokenizer_file is not None:
+            hf_cfg.update(write_hf_tokenizer(tokenizer_file, tmp, model_cfg.vocab_size))
         (tmp / HF_CONFIG_FILE).write_text(json.dumps(hf_cfg, indent=2) + "\n")
         os.replace(tmp, out)  # also replaces an empty `out` directory
     except BaseException:
