@@ -46,6 +46,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", type=Path, default=ROOT / "configs" / "bench_cpu.toml")
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="bf16: autocast")
+    parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                        help="torch.compile both layers (default: the config's train.compile)")
     args, overrides = parser.parse_known_args(argv)
     cfg = load_config(args.config, overrides)
     m = cfg.model
@@ -59,6 +61,10 @@ def main(argv: list[str] | None = None) -> int:
         for p in module.parameters():
             torch.nn.init.normal_(p, std=0.02)
     moe.reset_parameters()  # the expert-bias buffers
+    compiled = cfg.train.compile if args.compile is None else args.compile
+    if compiled:  # as the trainer compiles blocks; the routed experts themselves stay eager
+        moe.compile()
+        dense.compile()
     tokens = cfg.train.micro_batch_size * cfg.data.seq_len
     x = torch.randn(cfg.train.micro_batch_size, cfg.data.seq_len, m.hidden_size, device=device,
                     requires_grad=True)
@@ -88,8 +94,8 @@ def main(argv: list[str] | None = None) -> int:
     flops = {"moe": 6 * tokens * (3 * d * (m.num_shared_experts + m.num_experts_per_tok)
                                   * m.moe_intermediate_size + d * m.num_experts),
              "dense": 6 * tokens * 3 * d * width}
-    print(f"one layer, {tokens} tokens, d={d}, {args.dtype}, {torch.get_num_threads()} threads, "
-          f"forward + backward, best of {args.repeats}:")
+    print(f"one layer, {tokens} tokens, d={d}, {args.dtype}{', compiled' if compiled else ''}, "
+          f"{torch.get_num_threads()} threads, forward + backward, best of {args.repeats}:")
     print(f"  MoE ({m.num_experts} experts, top-{m.num_experts_per_tok}, width {m.moe_intermediate_size}, "
           f"{m.num_shared_experts} shared): {timings['moe'].best * 1e3:8.1f} ms  "
           f"{flops['moe'] / timings['moe'].best / 1e9:6.1f} GFLOP/s")

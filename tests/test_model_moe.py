@@ -42,6 +42,23 @@ def test_expert_bias_changes_selection_but_not_routing_weights():
     torch.testing.assert_close(plain.scores, forced.scores)
 
 
+@pytest.mark.parametrize("fp32", [True, False])
+def test_router_logits_under_bf16_autocast(fp32):
+    router = drawn(Router(D, E, K, route_scale=2.0, fp32=fp32))
+    x = torch.randn(20, D, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        routing = router(x, torch.zeros(E))
+    routing.weights.sum().backward()
+    exact = x.detach() @ router.gate.weight.detach().T
+    assert routing.logits.dtype == torch.float32
+    if fp32:  # the fp32 GEMM, untouched by autocast, and gradients that flow in fp32
+        torch.testing.assert_close(routing.logits, exact)
+        assert x.grad.dtype == router.gate.weight.grad.dtype == torch.float32
+    else:  # autocast ran the gate in bf16: the logits carry its rounding
+        assert not torch.allclose(routing.logits, exact, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(routing.logits, exact, rtol=2e-2, atol=2e-2)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_grouped_gemm_and_loop_agree_in_outputs_and_gradients(dtype):
     grouped = drawn(GroupedExperts(E, D, I, "silu", "grouped"))

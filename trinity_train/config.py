@@ -48,6 +48,7 @@ class ModelConfig:
     block: str = "trinity"  # one of BLOCK_VARIANTS
     init_std: float = 0.0  # 0 means 0.5 / sqrt(hidden_size)
     expert_impl: str = "grouped"  # "grouped" (torch._grouped_mm) or "loop"
+    router_fp32: bool = True  # router logits in fp32 even under bf16 autocast / mixed precision
     load_balance: str = "sign"  # "sign", "smebu" or "none"
     bias_update_rate: float = 1e-3  # gamma of the sign rule
     smebu_lambda: float = 5e-4

@@ -61,20 +61,34 @@ class Routing(NamedTuple):
 
 
 class Router(nn.Module):
-    def __init__(self, hidden_size: int, num_experts: int, top_k: int, route_scale: float):
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int, route_scale: float,
+                 fp32: bool = True):
         super().__init__()
         self.top_k = top_k
         self.route_scale = route_scale
+        self.fp32 = fp32
         self.gate = nn.Linear(hidden_size, num_experts, bias=False)
 
     def forward(self, x: torch.Tensor, expert_bias: torch.Tensor) -> Routing:
-        logits = self.gate(x).float()
+        if self.fp32:
+            # Top-k picks flip on bf16 rounding of close scores; the logits are a tiny GEMM, so
+            # they are computed in fp32 whatever autocast or FSDP's param dtype says.
+            with torch.autocast(device_type=x.device.type, enabled=False):
+                logits = F.linear(x.float(), self.gate.weight.float())
+        else:
+            logits = self.gate(x).float()
         scores = torch.sigmoid(logits)
         # The bias steers which experts are chosen, never how much they weigh.
         _, chosen = torch.topk(scores + expert_bias, k=self.top_k, dim=-1)
         top = scores.gather(-1, chosen)
         weights = top / (top.sum(dim=-1, keepdim=True) + 1e-20) * self.route_scale
         return Routing(logits, scores, weights, chosen)
+
+
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype matmuls on `x` run in: autocast's when it is on, else x's own."""
+    device_type = x.device.type
+    return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x.dtype
 
 
 class GroupedExperts(nn.Module):
@@ -101,12 +115,9 @@ class GroupedExperts(nn.Module):
 
     def _grouped(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
-        gate, up, down = self.gate_proj, self.up_proj, self.down_proj
-        device_type = x.device.type
-        if torch.is_autocast_enabled(device_type):
-            # Autocast does not cover _grouped_mm; compute in its dtype as nn.Linear would.
-            dtype = torch.get_autocast_dtype(device_type)
-            x, gate, up, down = (t.to(dtype) for t in (x, gate, up, down))
+        # Autocast does not cover _grouped_mm; compute in its dtype as nn.Linear would.
+        dtype = compute_dtype(x)
+        x, gate, up, down = (t.to(dtype) for t in (x, self.gate_proj, self.up_proj, self.down_proj))
 
         def grouped(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
             out = torch._grouped_mm(a, w.transpose(-2, -1), offs=offsets)
@@ -171,7 +182,9 @@ class _SortTokenCopies(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):
         (inverse,) = ctx.saved_tensors
         grad_copies = grad.index_select(0, inverse)  # back in token order
-        return grad_copies.view(-1, ctx.top_k, grad.shape[-1]).sum(dim=1), None, None, None
+        # The k copies' gradients are summed in fp32 whatever dtype the copies travelled in.
+        grad_x = grad_copies.view(-1, ctx.top_k, grad.shape[-1]).sum(dim=1, dtype=torch.float32)
+        return grad_x.to(grad.dtype), None, None, None
 
 
 class _PermuteRows(torch.autograd.Function):
@@ -195,7 +208,7 @@ class MoE(nn.Module):
         self.aux_loss_alpha = cfg.aux_loss_alpha
         self.z_loss = cfg.z_loss_weight > 0
         self.router = Router(cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok,
-                             cfg.route_scale)
+                             cfg.route_scale, cfg.router_fp32)
         # NormFormer's mid norm goes into the shared expert like the dense FFN; routed experts stay
         # plain so the grouped GEMM and the expert-parallel path are the same for every variant.
         self.shared_expert = (
@@ -224,10 +237,16 @@ class MoE(nn.Module):
         # A scatter rather than bincount, whose output size depends on the data (a graph break).
         counts = torch.zeros_like(self.expert_bias, dtype=torch.long).scatter_add_(
             0, chosen, torch.ones_like(chosen))
-        routed = self.experts(_SortTokenCopies.apply(flat, order, inverse, self.top_k), counts)
+        # Under autocast the copies travel in the matmul dtype: one cast of the N tokens instead of
+        # N*k copies, and half the bytes through the gathers (and the expert-parallel all-to-all).
+        copies = _SortTokenCopies.apply(flat.to(compute_dtype(flat)), order, inverse, self.top_k)
+        routed = self.experts(copies, counts)
         routed = _PermuteRows.apply(routed, inverse, order).view(-1, self.top_k, hidden)
-        # Summing the k weighted copies per token (rather than index_add) keeps it deterministic.
-        out = (routed * routing.weights.unsqueeze(-1)).sum(dim=1).to(x.dtype)
+        # The k weighted copies of a token summed as one batched product (deterministic, unlike
+        # index_add), in fp32 under autocast too: the routing weights stay exact, and a
+        # mixed-dtype multiply would take the CPU's slow casting path.
+        with torch.autocast(x.device.type, enabled=False):
+            out = torch.einsum("tk,tkh->th", routing.weights, routed.float()).to(x.dtype)
         if self.shared_expert is not None:
             out = out + self.shared_expert(flat)
 
