@@ -36,7 +36,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from trinity_train.config import Config, load_config
 from trinity_train.model import build_model
 from trinity_train.optim.groups import build_optimizer
-from trinity_train.parallel.process_group import leave_together
+from trinity_train.parallel.process_group import destroy_distributed, leave_together
 
 ROOT = Path(__file__).resolve().parent.parent
 BENCHMARK_OVERRIDES = ["--train.grad_accum=4"]
@@ -99,7 +99,7 @@ def _ns_flops_on_rank(rank: int, world: int, init_file: str, out_dir: str, overr
         Path(out_dir, f"rank{rank}").write_text(str(counter.get_total_flops()))
         leave_together()
     finally:
-        dist.destroy_process_group()
+        destroy_distributed()
 
 
 def single_process_ns_flops(overrides: list[str]) -> int:

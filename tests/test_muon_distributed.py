@@ -29,7 +29,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from torch.utils.flop_counter import FlopCounterMode
 
 from trinity_train.optim.muon import Muon
-from trinity_train.parallel.process_group import leave_together
+from trinity_train.parallel.process_group import destroy_distributed, leave_together
 
 SHAPES = {
     "q_proj": (12, 8),
@@ -229,7 +229,7 @@ def _worker(rank, world, init_file, out_dir, scenarios):
         leave_together()
     finally:
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
-        dist.destroy_process_group()
+        destroy_distributed()
 
 
 def run_ranks(world: int, scenarios: list[str], out_dir: str, timeout_s: float = 300) -> list[dict]:

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from trinity_train.parallel.process_group import leave_together
+from trinity_train.parallel.process_group import destroy_distributed, leave_together
 
 
 def free_port() -> int:
@@ -36,8 +36,7 @@ def _entry(rank: int, world: int, port: int, out_dir: str, fn: Callable, args: t
         torch.save(result, Path(out_dir) / f"rank{rank}.pt")
         leave_together()
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        destroy_distributed()
 
 
 def run_ranks(world: int, fn: Callable, *args: Any) -> list:

@@ -56,27 +56,28 @@ def init_distributed(cfg: Config) -> tuple[ParallelDims, torch.device]:
     return dims, device
 
 
-# How long the last rank-local teardown step releases the GIL; see `leave_together`.
+# How long a gloo rank releases the GIL before tearing down; see `destroy_distributed`.
 _GLOO_DRAIN_S = 0.2
 
 
 def leave_together() -> None:
-    """Wait for every rank, then give gloo's worker threads time to finish, before tearing down.
-
-    Only on the success path (a failed rank never arrives). A rank that closes its connections
-    while a peer is still in a collective makes gloo abort that peer. And gloo's worker threads
-    free each finished collective's tensors themselves, which needs the GIL: if that is still
-    pending when the interpreter shuts down, the thread dies inside a destructor and the process
-    aborts (SIGABRT, "terminate called without an active exception", pytorch/pytorch#190489)
-    after the job has finished. The barrier's own work holds the earlier ones, so a short sleep
-    (which releases the GIL) after it lets the threads drain.
-    """
+    """Wait for every rank before tearing down, on the success path only (a failed rank never
+    arrives): a rank that closes its connections while a peer is still in a collective makes
+    gloo abort that peer."""
     if dist.is_initialized():
         dist.barrier()
-        if dist.get_backend() == "gloo":
-            time.sleep(_GLOO_DRAIN_S)
 
 
 def destroy_distributed() -> None:
+    """Leave the process group, on every path out of a distributed run.
+
+    gloo's worker threads free each finished collective's tensors themselves, which needs the
+    GIL. If that is still pending when the interpreter shuts down, the thread dies inside a
+    destructor and the process aborts (SIGABRT, "terminate called without an active exception",
+    pytorch/pytorch#190489) after the job has finished, or turns a clean error exit into a crash.
+    A short sleep (which releases the GIL) lets the threads drain first.
+    """
     if dist.is_initialized():
+        if dist.get_backend() == "gloo":
+            time.sleep(_GLOO_DRAIN_S)
         dist.destroy_process_group()
