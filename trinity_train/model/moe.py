@@ -182,9 +182,8 @@ class _SortTokenCopies(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):
         (inverse,) = ctx.saved_tensors
         grad_copies = grad.index_select(0, inverse)  # back in token order
-        # The k copies' gradients are summed in fp32 whatever dtype the copies travelled in.
-        grad_x = grad_copies.view(-1, ctx.top_k, grad.shape[-1]).sum(dim=1, dtype=torch.float32)
-        return grad_x.to(grad.dtype), None, None, None
+        # (For bf16 copies the sum still accumulates in fp32: torch's reductions do.)
+        return grad_copies.view(-1, ctx.top_k, grad.shape[-1]).sum(dim=1), None, None, None
 
 
 class _PermuteRows(torch.autograd.Function):
