@@ -45,6 +45,8 @@ def test_override_values_read_as_toml_with_bare_strings():
     (["--checkpoint.keep=0"], "checkpoint.keep: must be >= 1"),
     (["--metrics.wandb_mode=sometimes"], "metrics.wandb_mode: must be one of"),
     (["--stability.max_consecutive_skips=0"], "stability.max_consecutive_skips: must be >= 1"),
+    (["--stability.rollback_after=10"], "stability.rollback_after: must be below stability.max_consecutive_skips (10)"),
+    (["--stability.rollback_after=2", "--checkpoint.every=0"], "rollback_after: needs checkpoints to roll back to"),
     (["--train.steps"], "override '--train.steps' has no value"),
     (["steps=5"], "unexpected argument 'steps=5'"),
 ])

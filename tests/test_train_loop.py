@@ -12,6 +12,7 @@ from trinity_train.checkpoint import ModelState, save_model_checkpoint
 from trinity_train.checkpoint.layout import list_checkpoints
 from trinity_train.config import load_config
 from trinity_train.errors import ConfigError
+from trinity_train.stability import TrainingDivergedError
 from trinity_train.observe.jsonl import read_jsonl
 from trinity_train.train import Trainer, build_model_for_training, train
 
@@ -158,6 +159,73 @@ def test_non_finite_step_is_skipped_and_recorded(corpus, tmp_path, monkeypatch):
     assert [(r["start"], r["end"]) for r in ledger["ranges"]] == [(2, 3)]  # global batch 2 (0-based)
     assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
     assert trainer.scheduler.last_epoch == 4  # the skipped step did not advance the schedule
+
+
+def poison_batches(monkeypatch, trainer, poisoned: set[int]) -> None:
+    """Make every step on one of the global batches `poisoned` produce a non-finite loss."""
+    step, forward = trainer.step_fn, trainer.model.forward
+    current = {"index": -1}
+
+    def stepping(batch, iteration):
+        current["index"] = batch.index
+        return step(batch, iteration)
+
+    def poisoned_forward(*args, **kwargs):
+        out = forward(*args, **kwargs)
+        if current["index"] in poisoned:
+            out.ce_sum = out.ce_sum * float("nan")
+        return out
+
+    monkeypatch.setattr(trainer, "step_fn", stepping)
+    monkeypatch.setattr(trainer.model, "forward", poisoned_forward)
+
+
+ROLLBACK = {"rollback_after": 2, "max_consecutive_skips": 4}
+
+
+def test_rollback_equals_a_run_that_skipped_those_batches_from_the_start(corpus, tmp_path, monkeypatch):
+    # Checkpoints at steps 2 and 4 (loader position 4); batch 4 trains step 5, batches 5 and 6 are
+    # poisoned: the second skip in a row rolls back to step 4 and rules out batches 4-6.
+    rolled = Trainer(tiny_config(corpus, tmp_path / "rolled", train={"steps": 8}, stability=ROLLBACK))
+    poison_batches(monkeypatch, rolled, {5, 6})
+    summary = rolled.run()
+    assert summary.step == 8 and summary.skipped_steps == 2
+
+    events = [json.loads(line) for line in (tmp_path / "rolled" / "events.jsonl").read_text().splitlines()]
+    rollback = next(e for e in events if e["event"] == "rollback")
+    assert (rollback["from_step"], rollback["to_step"], rollback["skipped_batches"]) == (5, 4, [4, 7])
+    assert rollback["checkpoint"].endswith("step_00000004") and rollback["iter"] == 7
+    ledger = json.loads((tmp_path / "rolled" / "skip_ledger.json").read_text())
+    assert [(r["start"], r["end"]) for r in ledger["ranges"]] == [(5, 6), (6, 7), (4, 7)]
+    records = train_records(tmp_path / "rolled")
+    assert [r["iter"] for r in records] == list(range(1, 12))  # iterations stay unique
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 5, 5, 5, 6, 7, 8]
+
+    skipped = Trainer(tiny_config(corpus, tmp_path / "skipped", train={"steps": 8},
+                                  data={"skip_ranges": [[4, 7]]}))
+    skipped.run()
+    tail = lambda run: [(r["step"], r["loss"], r["grad_norm"]) for r in train_records(run)][-4:]  # noqa: E731
+    assert tail(tmp_path / "rolled") == tail(tmp_path / "skipped")
+    for (name, a), (_, b) in zip(rolled.model.state_dict().items(), skipped.model.state_dict().items()):
+        assert torch.equal(a, b), name
+
+
+def test_rollback_allowance_and_no_checkpoint_yet(corpus, tmp_path, monkeypatch):
+    # No rollback is possible before the first checkpoint: the streak goes on to the usual stop.
+    early = Trainer(tiny_config(corpus, tmp_path / "early", train={"steps": 8}, stability=ROLLBACK))
+    poison_batches(monkeypatch, early, set(range(0, 10)))
+    with pytest.raises(TrainingDivergedError, match="4 steps in a row"):
+        early.run()
+    events = [json.loads(line)["event"] for line in (tmp_path / "early" / "events.jsonl").read_text().splitlines()]
+    assert "rollback_unavailable" in events and "rollback" not in events
+
+    # Poison that outlives every rollback: the run stops once the allowance is spent.
+    stuck = Trainer(tiny_config(corpus, tmp_path / "stuck", train={"steps": 8},
+                                stability={**ROLLBACK, "max_rollbacks": 2}))
+    poison_batches(monkeypatch, stuck, set(range(2, 40)))
+    with pytest.raises(TrainingDivergedError, match="after 2 rollbacks"):
+        stuck.run()
+    assert stuck.rollbacks == 2 and stuck.state.step == 2
 
 
 def test_run_directory_of_a_different_run_is_refused(corpus, tmp_path):

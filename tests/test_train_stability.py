@@ -54,3 +54,14 @@ def test_state_round_trip():
     restored.load_state_dict(guard.state_dict())
     assert list(restored.recent_losses) == [2.0, 3.0, 4.0, 5.0, 6.0] and restored.consecutive_skips == 1
     assert restored.judge(7.5, 1.0, 8) == guard.judge(7.5, 1.0, 8)
+
+
+def test_a_streak_of_skips_asks_for_a_rollback():
+    guard = StepGuard(StabilityConfig(rollback_after=2, max_consecutive_skips=4))
+    assert guard.judge(2.0, 1.0, 1).apply
+    first = guard.judge(math.nan, 1.0, 2)
+    assert not first.apply and not first.rollback
+    second = guard.judge(math.nan, 1.0, 3)
+    assert not second.apply and second.rollback and second.reason == "nonfinite"
+    assert guard.judge(2.0, 1.0, 4) == guard.judge(2.0, 1.0, 5)  # applied steps end the streak
+    assert not StepGuard(StabilityConfig()).judge(math.nan, 1.0, 1).rollback  # off by default

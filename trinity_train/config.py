@@ -148,6 +148,9 @@ class StabilityConfig:
     window: int = 50  # recent steps the spike statistics use
     min_history: int = 20  # no spike verdict before this many steps
     max_consecutive_skips: int = 10  # this many skipped steps in a row stop the run with an error
+    rollback_after: int = 0  # >0: this many skipped steps in a row restore the newest checkpoint
+    #                          and put every batch drawn since it in the skip ledger
+    max_rollbacks: int = 3  # rollbacks in one run (resumes included) before it stops as diverged
 
 
 @dataclass
@@ -437,6 +440,14 @@ def validate(cfg: Config) -> None:
     _require(s.window >= 2 and 1 <= s.min_history <= s.window, "stability.min_history",
              "needs window >= 2 and 1 <= min_history <= window")
     _require(s.max_consecutive_skips >= 1, "stability.max_consecutive_skips", "must be >= 1")
+    _require(s.rollback_after >= 0, "stability.rollback_after", "must be >= 0 (0 disables rollback)")
+    _require(s.max_rollbacks >= 0, "stability.max_rollbacks", "must be >= 0")
+    if s.rollback_after > 0:
+        _require(s.rollback_after < s.max_consecutive_skips, "stability.rollback_after",
+                 f"must be below stability.max_consecutive_skips ({s.max_consecutive_skips}), which "
+                 "would stop the run first")
+        _require(c.every > 0, "stability.rollback_after",
+                 "needs checkpoints to roll back to: set checkpoint.every > 0")
 
     mc = cfg.metrics
     _one_of(mc.wandb_mode, ("auto", "online", "offline"), "metrics.wandb_mode")

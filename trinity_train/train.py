@@ -38,6 +38,7 @@ from torch.distributed.tensor import DTensor
 
 from trinity_train.checkpoint import CheckpointManager, ModelState, OptimizerState, RNGState, load_checkpoint
 from trinity_train.checkpoint.compat import config_differences, describe_differences
+from trinity_train.checkpoint.layout import newest_checkpoint
 from trinity_train.checkpoint.manager import read_compatible_meta
 from trinity_train.config import Config, config_to_dict, load_config, save_config
 from trinity_train.data import build_loaders
@@ -52,10 +53,12 @@ from trinity_train.parallel.parallelize import build_parallel_model
 from trinity_train.parallel.process_group import (destroy_distributed, init_distributed, leave_together,
                                                   resolve_device, world_size_from_env)
 from trinity_train.parallel.reductions import clip_grads_with_norm_, global_grad_norm, sum_over_data_parallel
-from trinity_train.stability import StepGuard, Verdict
+from trinity_train.stability import StepGuard, TrainingDivergedError, Verdict
 
 IGNORE_INDEX = -100
 CONFIG_FILE = "config.toml"
+# How the ledger names the ranges a rollback skipped (and how their number is recovered on resume).
+ROLLBACK_REASON = "rollback"
 
 
 # ---------------------------------------------------------------------------- small seams
@@ -347,6 +350,8 @@ class Trainer:
         self.ledger = SkipLedger.load(ledger_path) if self.resume_from else SkipLedger(ledger_path)
         self.train_loader, self.val_loader = build_loaders(cfg, dp_rank=self.placement.dp_rank,
                                                            dp_size=self.placement.dp_size, ledger=self.ledger)
+        # Counted from the ledger, so resuming a run does not reset its allowance.
+        self.rollbacks = sum(r.reason.startswith(ROLLBACK_REASON) for r in self.ledger.ranges)
         self.step_fn = TrainingStep(self.model, self.optimizer, self.scheduler, self.guard, cfg, self.device,
                                     self.placement.reductions)
 
@@ -400,6 +405,37 @@ class Trainer:
         recorder.event("skip", iter=self.state.iteration, step=self.state.step, batch=batch_index,
                        reason=result.verdict.reason, loss=result.loss, grad_norm=result.grad_norm)
 
+    def _roll_back(self, last_bad_batch: int, recorder: MetricsRecorder) -> None:
+        """Restore the newest checkpoint and never train on the batches drawn since it.
+
+        Everything stateful comes back (weights, optimizer, schedule, loader position, guard,
+        RNG), as on a resume; the iteration counter alone keeps counting, so log lines stay unique.
+        The result is the run that would have been trained with those batches in the ledger from
+        the start.
+        """
+        self.checkpoints.wait()  # an in-flight save may be the newest checkpoint
+        target = newest_checkpoint(self.checkpoints.checkpoints_dir)
+        if target is None:
+            recorder.event("rollback_unavailable", iter=self.state.iteration, step=self.state.step,
+                           reason="no checkpoint yet")
+            return
+        if self.rollbacks >= self.cfg.stability.max_rollbacks:
+            raise TrainingDivergedError(
+                f"training diverged: another streak of skipped steps at iteration {self.state.iteration} "
+                f"after {self.rollbacks} rollbacks (stability.max_rollbacks); lower optim.lr or "
+                "train.grad_clip, or resume from an earlier checkpoint with --checkpoint.resume=PATH")
+        iteration, from_step = self.state.iteration, self.state.step
+        load_checkpoint(target, self.checkpoint_state(), self.cfg)
+        first_bad = self.train_loader.position  # the first batch drawn after the checkpoint
+        self.ledger.add(first_bad, last_bad_batch + 1, reason=f"{ROLLBACK_REASON} to step {self.state.step}")
+        if self.is_main:
+            self.ledger.save()
+        self.state.iteration = iteration
+        self.rollbacks += 1
+        recorder.event("rollback", iter=iteration, from_step=from_step, to_step=self.state.step,
+                       checkpoint=str(target), skipped_batches=[first_bad, last_bad_batch + 1],
+                       rollbacks=self.rollbacks)
+
     def run(self) -> TrainSummary:
         cfg = self.cfg
         started = time.perf_counter()
@@ -445,6 +481,8 @@ class Trainer:
             self._record_skip(result, batch.index, recorder)
         recorder.train(step_record(result, self.state, throughput.of(result.tokens, elapsed)))
         summary.last_loss = result.loss
+        if result.verdict.rollback:
+            self._roll_back(batch.index, recorder)
         if not result.verdict.apply:
             return
 

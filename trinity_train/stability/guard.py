@@ -7,7 +7,9 @@ so every rank takes the same branch without further communication.
 A step is skipped when its loss or gradient norm is not finite (`skip_nonfinite`), or, with
 `spike_zscore > 0`, when its loss lies more than that many standard deviations above the mean
 of the last `window` applied steps. Skipped losses stay out of the history, so one spike does not
-widen the band that judges the next. Too many skips in a row mean the run has diverged.
+widen the band that judges the next. With `rollback_after`, that many skips in a row ask the
+trainer to roll back to its newest checkpoint (it restores this guard's state with the rest).
+Too many skips in a row mean the run has diverged.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ class Verdict:
     apply: bool
     reason: str = ""  # why a step is skipped: "nonfinite" or "spike"
     zscore: float | None = None
+    rollback: bool = False  # skipped, and the streak of skips asks for a rollback
 
 
 class StepGuard:
@@ -59,6 +62,8 @@ class StepGuard:
             self.recent_losses.append(loss)
         else:
             self.consecutive_skips += 1
+            if 0 < self.cfg.rollback_after <= self.consecutive_skips:
+                verdict = Verdict(False, verdict.reason, z, rollback=True)
             if self.consecutive_skips >= self.cfg.max_consecutive_skips:
                 raise TrainingDivergedError(
                     f"training diverged: {self.consecutive_skips} steps in a row were skipped "
