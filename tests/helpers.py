@@ -16,3 +16,23 @@ def prepare_word_corpus(root: Path, words: list[str], *, seed: int, num_docs: in
         (docs / f"doc{i:02d}.txt").write_text(" ".join(rng.choice(words) for _ in range(words_per_doc)))
     return prepare(PrepareOptions(inputs=[str(docs)], out=str(root / "prepared"), train_tokenizer=300,
                                   val_fraction=0.1, progress=False))
+
+
+def poison_batches(trainer, poisoned: set[int]) -> None:
+    """Make every step of `trainer` on one of the global batches `poisoned` produce a non-finite
+    loss, as a hardware fault or a bad batch would (the loss is NaN on this rank, so globally)."""
+    step, forward = trainer.step_fn, trainer.model.forward
+    current = {"index": -1}
+
+    def stepping(batch, iteration):
+        current["index"] = batch.index
+        return step(batch, iteration)
+
+    def poisoned_forward(*args, **kwargs):
+        out = forward(*args, **kwargs)
+        if current["index"] in poisoned:
+            out.ce_sum = out.ce_sum * float("nan")
+        return out
+
+    trainer.step_fn = stepping
+    trainer.model.forward = poisoned_forward

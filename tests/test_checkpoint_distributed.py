@@ -1,6 +1,7 @@
 """Checkpoints of a distributed run (FSDP over two gloo ranks): sharded async saves commit and
-verify, a resume continues exactly, and one process can resume the two-rank checkpoint
-(DCP reshards it: the optimizer state is keyed by parameter name)."""
+verify, a resume continues exactly, one process can resume the two-rank checkpoint (DCP reshards
+it: the optimizer state is keyed by parameter name), and a rollback over poisoned batches equals
+a run that skipped them."""
 
 import functools
 import shutil
@@ -9,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from helpers import prepare_word_corpus
+from helpers import poison_batches, prepare_word_corpus
 from trinity_train.checkpoint import verify_checkpoint
 from trinity_train.config import load_config
 from trinity_train.observe.jsonl import read_jsonl
@@ -25,17 +26,19 @@ def corpus(tmp_path_factory):
     return prepare_word_corpus(tmp_path_factory.mktemp("dist_ckpt_corpus"), WORDS, seed=2, num_docs=30)
 
 
-def config(corpus, run_dir, dp: int, **checkpoint):
+def config(corpus, run_dir, dp: int, steps: int = 4, stability: dict | None = None, data: dict | None = None,
+           **checkpoint):
     return load_config(None, {
         "model": {"vocab_size": 320, "hidden_size": 32, "num_layers": 2, "num_dense_layers": 1,
                   "num_heads": 2, "num_kv_heads": 1, "head_dim": 16, "intermediate_size": 64,
                   "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16,
                   "sliding_window": 8, "global_every": 2, "bias_update_rate": 1e-2},
-        "data": {"path": str(corpus), "seq_len": 16},
+        "data": {"path": str(corpus), "seq_len": 16, **(data or {})},
         # The same 4-row global batch for any number of data-parallel ranks.
-        "train": {"steps": 4, "micro_batch_size": 1, "grad_accum": 4 // dp, "eval_every": 0},
+        "train": {"steps": steps, "micro_batch_size": 1, "grad_accum": 4 // dp, "eval_every": 0},
         "optim": {"lr": 1e-2, "eps": 1e-4, "warmup_steps": 2},
         "checkpoint": {"every": 2, **checkpoint},
+        "stability": stability or {},
         "metrics": {"progress_bar": False, "peak_flops": 1e11},
         "run": {"dir": str(run_dir)},
     })
@@ -92,3 +95,29 @@ def test_two_rank_checkpoints_resume_exactly_and_reshard_to_one_process(corpus, 
     assert [s for s, _, _ in ours] == [3, 4]
     for (_, loss, norm), (_, ref_loss, ref_norm) in zip(ours, expected[2:]):
         assert loss == pytest.approx(ref_loss, rel=1e-5) and norm == pytest.approx(ref_norm, rel=1e-4)
+
+
+
+def two_rank_rollback(corpus, root):
+    """Batches 3 and 4 poisoned on rank 1 only: the global loss is NaN, so both ranks skip, and
+    the second skip rolls both back to the (asynchronously saved) step-2 checkpoint. Then the
+    same layout told to skip batches 2-4 from the start."""
+    init_gloo()
+    stability = {"rollback_after": 2, "max_consecutive_skips": 4}
+    rolled = fsdp_trainer(config(corpus, root / "rolled", dp=2, async_save=True, steps=6, stability=stability))
+    if dist.get_rank() == 1:
+        poison_batches(rolled, {3, 4})
+    rolled.run()
+    fsdp_trainer(config(corpus, root / "skipped", dp=2, async_save=True, steps=6,
+                        data={"skip_ranges": [[2, 5]]})).run()
+    dist.barrier()
+    return dist.get_rank()
+
+
+def test_two_rank_rollback_equals_a_run_that_skipped_those_batches(corpus, tmp_path):
+    run_ranks(2, two_rank_rollback, corpus, tmp_path)
+    rolled, skipped = losses(tmp_path / "rolled"), losses(tmp_path / "skipped")
+    assert [s for s, _, _ in rolled] == [1, 2, 3, 3, 3, 3, 4, 5, 6]  # two skips after step 3, back to 2
+    assert rolled[-4:] == skipped[-4:]  # steps 3-6 after the rollback: bit-identical
+    ledger = (tmp_path / "rolled" / "skip_ledger.json").read_text()
+    assert '"start": 2' in ledger and '"end": 5' in ledger

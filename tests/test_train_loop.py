@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from helpers import prepare_word_corpus
+from helpers import poison_batches, prepare_word_corpus
 from trinity_train.checkpoint import ModelState, save_model_checkpoint
 from trinity_train.checkpoint.layout import list_checkpoints
 from trinity_train.config import load_config
@@ -161,33 +161,14 @@ def test_non_finite_step_is_skipped_and_recorded(corpus, tmp_path, monkeypatch):
     assert trainer.scheduler.last_epoch == 4  # the skipped step did not advance the schedule
 
 
-def poison_batches(monkeypatch, trainer, poisoned: set[int]) -> None:
-    """Make every step on one of the global batches `poisoned` produce a non-finite loss."""
-    step, forward = trainer.step_fn, trainer.model.forward
-    current = {"index": -1}
-
-    def stepping(batch, iteration):
-        current["index"] = batch.index
-        return step(batch, iteration)
-
-    def poisoned_forward(*args, **kwargs):
-        out = forward(*args, **kwargs)
-        if current["index"] in poisoned:
-            out.ce_sum = out.ce_sum * float("nan")
-        return out
-
-    monkeypatch.setattr(trainer, "step_fn", stepping)
-    monkeypatch.setattr(trainer.model, "forward", poisoned_forward)
-
-
 ROLLBACK = {"rollback_after": 2, "max_consecutive_skips": 4}
 
 
-def test_rollback_equals_a_run_that_skipped_those_batches_from_the_start(corpus, tmp_path, monkeypatch):
+def test_rollback_equals_a_run_that_skipped_those_batches_from_the_start(corpus, tmp_path):
     # Checkpoints at steps 2 and 4 (loader position 4); batch 4 trains step 5, batches 5 and 6 are
     # poisoned: the second skip in a row rolls back to step 4 and rules out batches 4-6.
     rolled = Trainer(tiny_config(corpus, tmp_path / "rolled", train={"steps": 8}, stability=ROLLBACK))
-    poison_batches(monkeypatch, rolled, {5, 6})
+    poison_batches(rolled, {5, 6})
     summary = rolled.run()
     assert summary.step == 8 and summary.skipped_steps == 2
 
@@ -210,10 +191,10 @@ def test_rollback_equals_a_run_that_skipped_those_batches_from_the_start(corpus,
         assert torch.equal(a, b), name
 
 
-def test_rollback_allowance_and_no_checkpoint_yet(corpus, tmp_path, monkeypatch):
+def test_rollback_allowance_and_no_checkpoint_yet(corpus, tmp_path):
     # No rollback is possible before the first checkpoint: the streak goes on to the usual stop.
     early = Trainer(tiny_config(corpus, tmp_path / "early", train={"steps": 8}, stability=ROLLBACK))
-    poison_batches(monkeypatch, early, set(range(0, 10)))
+    poison_batches(early, set(range(0, 10)))
     with pytest.raises(TrainingDivergedError, match="4 steps in a row"):
         early.run()
     events = [json.loads(line)["event"] for line in (tmp_path / "early" / "events.jsonl").read_text().splitlines()]
@@ -222,7 +203,7 @@ def test_rollback_allowance_and_no_checkpoint_yet(corpus, tmp_path, monkeypatch)
     # Poison that outlives every rollback: the run stops once the allowance is spent.
     stuck = Trainer(tiny_config(corpus, tmp_path / "stuck", train={"steps": 8},
                                 stability={**ROLLBACK, "max_rollbacks": 2}))
-    poison_batches(monkeypatch, stuck, set(range(2, 40)))
+    poison_batches(stuck, set(range(2, 40)))
     with pytest.raises(TrainingDivergedError, match="after 2 rollbacks"):
         stuck.run()
     assert stuck.rollbacks == 2 and stuck.state.step == 2
