@@ -170,7 +170,8 @@ def test_rollback_equals_a_run_that_skipped_those_batches_from_the_start(corpus,
     rolled = Trainer(tiny_config(corpus, tmp_path / "rolled", train={"steps": 8}, stability=ROLLBACK))
     poison_batches(rolled, {5, 6})
     summary = rolled.run()
-    assert summary.step == 8 and summary.skipped_steps == 2
+    assert summary.step == 8 and summary.skipped_steps == 2 and summary.rollbacks == 1
+    assert "2 skipped, 1 rolled back)" in summary.describe()
 
     events = [json.loads(line) for line in (tmp_path / "rolled" / "events.jsonl").read_text().splitlines()]
     rollback = next(e for e in events if e["event"] == "rollback")

@@ -252,6 +252,7 @@ class TrainSummary:
     last_val_loss: float | None = None
     last_loss: float | None = None
     skipped_steps: int = 0
+    rollbacks: int = 0  # in this process
     wall_s: float = 0.0
 
     def describe(self) -> str:
@@ -261,8 +262,10 @@ class TrainSummary:
         if self.last_val_loss is not None:
             first = f"{self.first_val_loss:.4f} -> " if self.first_val_loss not in (None, self.last_val_loss) else ""
             val = f", validation loss {first}{self.last_val_loss:.4f}"
+        rolled = f", {self.rollbacks} rolled back" if self.rollbacks else ""
         return (f"trained steps {self.start_step + 1}-{self.step} in {self.wall_s:.1f}s "
-                f"(final loss {self.last_loss:.4f}{val}, {self.skipped_steps} skipped); run directory {self.run_dir}")
+                f"(final loss {self.last_loss:.4f}{val}, {self.skipped_steps} skipped{rolled}); "
+                f"run directory {self.run_dir}")
 
 
 # Keys that steer how a run is started or displayed, not what it computes.
@@ -405,8 +408,9 @@ class Trainer:
         recorder.event("skip", iter=self.state.iteration, step=self.state.step, batch=batch_index,
                        reason=result.verdict.reason, loss=result.loss, grad_norm=result.grad_norm)
 
-    def _roll_back(self, last_bad_batch: int, recorder: MetricsRecorder) -> None:
-        """Restore the newest checkpoint and never train on the batches drawn since it.
+    def _roll_back(self, last_bad_batch: int, recorder: MetricsRecorder) -> bool:
+        """Restore the newest checkpoint and never train on the batches drawn since it; False
+        when there is no checkpoint yet.
 
         Everything stateful comes back (weights, optimizer, schedule, loader position, guard,
         RNG), as on a resume; the iteration counter alone keeps counting, so log lines stay unique.
@@ -418,7 +422,7 @@ class Trainer:
         if target is None:
             recorder.event("rollback_unavailable", iter=self.state.iteration, step=self.state.step,
                            reason="no checkpoint yet")
-            return
+            return False
         if self.rollbacks >= self.cfg.stability.max_rollbacks:
             raise TrainingDivergedError(
                 f"training diverged: another streak of skipped steps at iteration {self.state.iteration} "
@@ -435,6 +439,7 @@ class Trainer:
         recorder.event("rollback", iter=iteration, from_step=from_step, to_step=self.state.step,
                        checkpoint=str(target), skipped_batches=[first_bad, last_bad_batch + 1],
                        rollbacks=self.rollbacks)
+        return True
 
     def run(self) -> TrainSummary:
         cfg = self.cfg
@@ -481,8 +486,8 @@ class Trainer:
             self._record_skip(result, batch.index, recorder)
         recorder.train(step_record(result, self.state, throughput.of(result.tokens, elapsed)))
         summary.last_loss = result.loss
-        if result.verdict.rollback:
-            self._roll_back(batch.index, recorder)
+        if result.verdict.rollback and self._roll_back(batch.index, recorder):
+            summary.rollbacks += 1
         if not result.verdict.apply:
             return
 
