@@ -52,6 +52,12 @@ def corpus_dir(cfg: DataConfig, root: Path, files: list[Path]) -> Path:
     return Path(cfg.cache_dir).expanduser() / f"stdlib-py{version}-{key}"
 
 
+def default_dataset_dir(cfg: DataConfig) -> Path:
+    """Where `default_dataset` keeps this interpreter's corpus (built there or not)."""
+    root = stdlib_root()
+    return corpus_dir(cfg, root, corpus_files(root))
+
+
 def default_dataset(cfg: DataConfig, root: Path | None = None, progress: bool = True) -> Path:
     """The prepared default corpus, built on first use; returns its directory."""
     root = root or stdlib_root()

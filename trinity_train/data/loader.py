@@ -23,8 +23,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from trinity_train.config import Config
-from trinity_train.data.default_corpus import default_dataset
+from trinity_train.config import Config, DataConfig
+from trinity_train.data.default_corpus import default_dataset, default_dataset_dir
 from trinity_train.data.ledger import LEDGER_FILENAME, SkipLedger
 from trinity_train.data.mixing import EpochOrder, MixSchedule
 from trinity_train.data.shards import PreparedDataset, TokenSplit
@@ -200,10 +200,19 @@ class ValidationLoader:
 # ---------------------------------------------------------------------------- building
 
 
+def dataset_dirs(data: DataConfig, build_default: bool = True) -> list[Path]:
+    """The prepared dataset directories a run trains on, in `data.mix` order. The embedded
+    default corpus is built on first use unless `build_default` is off."""
+    if data.mix:
+        return [Path(s.path).expanduser() for s in data.mix]
+    if data.path:
+        return [Path(data.path).expanduser()]
+    return [default_dataset(data) if build_default else default_dataset_dir(data)]
+
+
 def _sources(cfg: Config) -> list[tuple[Path, float]]:
-    if cfg.data.mix:
-        return [(Path(s.path).expanduser(), s.weight) for s in cfg.data.mix]
-    return [(Path(cfg.data.path).expanduser() if cfg.data.path else default_dataset(cfg.data), 1.0)]
+    weights = [s.weight for s in cfg.data.mix] or [1.0]
+    return list(zip(dataset_dirs(cfg.data), weights))
 
 
 def _phases(cfg: Config, weights: list[float]) -> list[tuple[int, list[float]]]:

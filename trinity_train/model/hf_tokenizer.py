@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from trinity_train.config import DataConfig
+from trinity_train.data.loader import dataset_dirs
 from trinity_train.data.shards import TOKENIZER_FILE
 from trinity_train.data.tokenizer import PAD_TOKEN, find_eos_id, load_tokenizer
 from trinity_train.errors import CheckpointError
@@ -18,17 +19,8 @@ from trinity_train.errors import CheckpointError
 def training_tokenizer_file(data_cfg: DataConfig) -> Path | None:
     """The tokenizer.json the run's data was prepared with, if it is still where the config says
     (relative data paths are read from the current directory, as the trainer reads them)."""
-    if data_cfg.mix:
-        dataset_dirs = [Path(source.path) for source in data_cfg.mix]
-    elif data_cfg.path:
-        dataset_dirs = [Path(data_cfg.path)]
-    else:
-        from trinity_train.data.default_corpus import corpus_dir, corpus_files, stdlib_root
-
-        root = stdlib_root()
-        dataset_dirs = [corpus_dir(data_cfg, root, corpus_files(root))]
-    for directory in dataset_dirs:  # the sources of a mix share one tokenizer (the loader checks)
-        candidate = directory.expanduser() / TOKENIZER_FILE
+    for directory in dataset_dirs(data_cfg, build_default=False):  # a mix shares one tokenizer
+        candidate = directory / TOKENIZER_FILE
         if candidate.is_file():
             return candidate
     return None

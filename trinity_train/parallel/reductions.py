@@ -60,12 +60,3 @@ def clip_grads_with_norm_(parameters: Iterable[torch.Tensor], max_norm: float,
     for params in _params_by_mesh(parameters):
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, total_norm)
 
-
-def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float) -> torch.Tensor:
-    """Scale all gradients so their global norm is at most `max_norm` (0 disables); returns the
-    norm before clipping, for logging and the stability checks."""
-    params = list(parameters)
-    total = global_grad_norm(params)
-    if max_norm > 0:
-        clip_grads_with_norm_(params, max_norm, total)
-    return total
