@@ -1,0 +1,84 @@
+"""Files that are either complete or absent, and JSON read back with one clear error.
+
+Every file trinity-train writes whole (configs, manifests, ledgers, meta.json, reports) goes
+through `atomic_write*`: the bytes go to a hidden temporary sibling, are flushed to disk, and the
+sibling is renamed over the target, so a reader (or a crash) sees the old file or the new one,
+never half of one. A failed write (a full disk, a read-only directory) removes its temporary file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import IO, Any
+
+from trinity_train.errors import UserError
+
+
+def temp_sibling(path: Path) -> Path:
+    """A hidden name next to `path`, unique to this process, that readers never mistake for it."""
+    path = Path(path)
+    return path.with_name(f".{path.name}.tmp-{os.getpid()}")
+
+
+@contextlib.contextmanager
+def atomic_open(path: str | Path, mode: str = "w") -> Iterator[IO]:
+    """Open a temporary sibling of `path` for writing; on a clean exit it replaces `path`."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = temp_sibling(path)
+    try:
+        with open(tmp, mode, **({} if "b" in mode else {"encoding": "utf-8"})) as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def atomic_write_text(path: str | Path, text: str) -> None:
+    with atomic_open(path) as f:
+        f.write(text)
+
+
+def atomic_write_json(path: str | Path, obj: Any) -> None:
+    atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=True, allow_nan=False) + "\n")
+
+
+def read_json_object(path: str | Path, error: type[UserError], what: str = "") -> dict:
+    """The JSON object stored at `path`; `error` (naming the file and `what` it should be) when the
+    file is missing, unreadable, not JSON, or holds something other than an object."""
+    path = Path(path)
+    label = f"{what} '{path}'" if what else f"'{path}'"
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise error(f"{label} does not exist") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise error(f"{label} cannot be read: {e}") from None
+    except json.JSONDecodeError as e:
+        raise error(f"{label} is not valid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise error(f"{label} must hold a JSON object, not a {type(value).__name__}")
+    return value
+
+
+def read_jsonl(path: str | Path) -> list[dict]:
+    """Every complete JSON object of a JSON-lines file (a torn or garbled line is skipped); [] when
+    the file does not exist."""
+    records = []
+    path = Path(path)
+    if path.is_file():
+        with open(path, encoding="utf-8", errors="replace") as f:
+            for line in f:
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError:
+                    continue
+                if isinstance(record, dict):
+                    records.append(record)
+    return records

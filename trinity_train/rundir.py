@@ -1,0 +1,102 @@
+"""The one place that names a run directory's files (`run.dir`, DESIGN §6).
+
+Everything about a run lives under its directory; the trainer writes it, and the CLI's
+`incidents`, the dashboard, the report and the ablation study read it, all through `RunDir`:
+
+| name                        | what                                                              |
+|-----------------------------|-------------------------------------------------------------------|
+| `config.toml`               | the resolved config of the latest start                           |
+| `metrics.jsonl`             | one JSON object per iteration / validation / layer-statistics step |
+| `metrics.superseded.jsonl`  | records a resume discarded (the run went back past them)          |
+| `events.jsonl`              | what happened: start, resume, checkpoint, skip, rollback, ...     |
+| `skip_ledger.json`          | global batches never to train on again                            |
+| `checkpoints/step_XXXXXXXX/`| DCP checkpoints                                                   |
+| `incidents/XXXXXXXX.json`   | one report per skipped step or rollback, named by its iteration   |
+| `tb/`, `wandb/`             | TensorBoard and W&B files                                         |
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from trinity_train.files import read_jsonl
+
+CONFIG_FILE = "config.toml"
+METRICS_FILE = "metrics.jsonl"
+SUPERSEDED_FILE = "metrics.superseded.jsonl"
+EVENTS_FILE = "events.jsonl"
+LEDGER_FILE = "skip_ledger.json"
+CHECKPOINTS_DIR = "checkpoints"
+INCIDENTS_DIR = "incidents"
+TENSORBOARD_DIR = "tb"
+WANDB_DIR = "wandb"
+
+_INCIDENT_FILE = re.compile(r"^(\d{8})\.json$")
+
+
+@dataclass(frozen=True)
+class RunDir:
+    path: Path
+
+    def __init__(self, path: str | Path):
+        object.__setattr__(self, "path", Path(path))
+
+    @property
+    def config(self) -> Path:
+        return self.path / CONFIG_FILE
+
+    @property
+    def metrics(self) -> Path:
+        return self.path / METRICS_FILE
+
+    @property
+    def superseded(self) -> Path:
+        return self.path / SUPERSEDED_FILE
+
+    @property
+    def events(self) -> Path:
+        return self.path / EVENTS_FILE
+
+    @property
+    def ledger(self) -> Path:
+        return self.path / LEDGER_FILE
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.path / CHECKPOINTS_DIR
+
+    @property
+    def incidents(self) -> Path:
+        return self.path / INCIDENTS_DIR
+
+    @property
+    def tensorboard(self) -> Path:
+        return self.path / TENSORBOARD_DIR
+
+    @property
+    def wandb(self) -> Path:
+        return self.path / WANDB_DIR
+
+    def incident(self, iteration: int) -> Path:
+        """The report of the incident at `iteration`."""
+        return self.incidents / f"{iteration:08d}.json"
+
+    def incident_files(self) -> list[tuple[int, Path]]:
+        """(iteration, report file) of every incident report, in iteration order."""
+        if not self.incidents.is_dir():
+            return []
+        found = [(int(m.group(1)), p) for p in self.incidents.iterdir()
+                 if (m := _INCIDENT_FILE.match(p.name)) and p.is_file()]
+        return sorted(found)
+
+    def read_metrics(self, kind: str | None = None) -> list[dict]:
+        """The complete records of metrics.jsonl, optionally only those of one `kind`
+        ("train", "val", "layers")."""
+        records = read_jsonl(self.metrics)
+        return records if kind is None else [r for r in records if r.get("kind") == kind]
+
+    def read_events(self, name: str | None = None) -> list[dict]:
+        events = read_jsonl(self.events)
+        return events if name is None else [e for e in events if e.get("event") == name]
