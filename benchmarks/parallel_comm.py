@@ -17,6 +17,7 @@ CPU gloo ranks on this machine; the counts are exact, nothing here is timed.
 from __future__ import annotations
 
 import argparse
+import sys
 from collections import defaultdict
 from pathlib import Path
 
@@ -27,9 +28,11 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from trinity_train.config import Config, load_config
-from trinity_train.parallel.local_ranks import init_gloo, run_ranks
 from trinity_train.parallel.mesh import ParallelDims
 from trinity_train.parallel.parallelize import build_parallel_model
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the gloo-rank harness of the tests
+from ranks import init_gloo, run_ranks  # noqa: E402
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "debug.toml"
 ALL_TO_ALL = torch.ops._c10d_functional.all_to_all_single.default

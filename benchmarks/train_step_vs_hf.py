@@ -1,6 +1,6 @@
 """Training-step throughput of trinity-train against Hugging Face `transformers`' AfmoeForCausalLM.
 
-Both models start from the same weights (ours exported through `trinity_train.model.hf.save_hf`
+Both models start from the same weights (ours exported through `trinity_train.interop.hf.save_hf`
 and loaded with `AfmoeForCausalLM.from_pretrained`), take the same batches and the same optimizer
 (`build_optimizer` from the config), and run forward + backward + clip + optimizer step in one
 process, step after step in turn, so that a shared machine slows each of them alike. For each it
@@ -45,7 +45,7 @@ from measure import Timings, matmul_probe, model_gemm_shapes, step_flops, timed
 from trinity_train.config import Config, load_config
 from trinity_train.data import build_loaders
 from trinity_train.model import build_model
-from trinity_train.model.hf import save_hf
+from trinity_train.interop.hf import save_hf
 from trinity_train.optim.groups import build_optimizer
 from trinity_train.train import build_model_for_training
 

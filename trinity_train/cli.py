@@ -13,16 +13,8 @@ import os
 import sys
 from pathlib import Path
 
-from trinity_train.config import Config, load_config, validate
+from trinity_train.config import Config, default_config_path, load_config, validate
 from trinity_train.errors import DataError, UserError
-
-# configs/debug.toml of the source tree; an installed copy without it uses the dataclass
-# defaults, which equal it.
-DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "debug.toml"
-
-
-def default_config_path() -> Path | None:
-    return DEFAULT_CONFIG if DEFAULT_CONFIG.is_file() else None
 
 
 def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
@@ -43,8 +35,8 @@ def cmd_prepare_data(args: argparse.Namespace) -> int:
 
 def cmd_export_hf(args: argparse.Namespace) -> int:
     from trinity_train.checkpoint import load_model_checkpoint
-    from trinity_train.model.hf import save_hf
-    from trinity_train.model.hf_tokenizer import training_tokenizer_file
+    from trinity_train.interop.hf import save_hf
+    from trinity_train.interop.tokenizer import training_tokenizer_file
 
     model, cfg = load_model_checkpoint(args.checkpoint)
     tokenizer = None
@@ -67,7 +59,7 @@ def cmd_export_hf(args: argparse.Namespace) -> int:
 def cmd_import_hf(args: argparse.Namespace) -> int:
     from trinity_train.checkpoint import save_model_checkpoint
     from trinity_train.checkpoint.model_only import model_to_load_into
-    from trinity_train.model.hf import load_hf
+    from trinity_train.interop.hf import load_hf
 
     hf_dir = Path(args.hf_dir)
     out = Path(args.out) if args.out else Path("runs") / "imported" / hf_dir.resolve().name

@@ -20,8 +20,18 @@ from typing import Any
 import tomli_w
 
 from trinity_train.errors import ConfigError
+from trinity_train.files import atomic_write_text
 
 BLOCK_VARIANTS = ("trinity", "sandwich", "prenorm", "gemma3", "normformer")
+
+# configs/debug.toml of the source tree; an installed copy without it uses the dataclass defaults,
+# which equal it (tests/test_config.py checks that).
+DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "debug.toml"
+
+
+def default_config_path() -> Path | None:
+    """The config `trinity-train train` uses without --config."""
+    return DEFAULT_CONFIG if DEFAULT_CONFIG.is_file() else None
 
 
 @dataclass
@@ -323,10 +333,7 @@ def config_to_dict(cfg: Config) -> dict:
 
 
 def save_config(cfg: Config, path: str | Path) -> None:
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(str(path) + ".tmp")
-    tmp.write_text(tomli_w.dumps(config_to_dict(cfg)))
-    tmp.replace(path)
+    atomic_write_text(path, tomli_w.dumps(config_to_dict(cfg)))
 
 
 # ---------------------------------------------------------------------------- validation

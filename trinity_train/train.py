@@ -7,11 +7,13 @@ One optimizer step (`TrainingStep`), as data flows (DESIGN §2):
   clip, optimizer step, expert-bias update from the step's tokens per expert, scheduler step.
 
 Every place where a distributed run must combine values across data-parallel ranks goes through
-`Reductions` (marked "DP all-reduce"); in one process it is the identity. Each rank's loss is
-its share of the global token-weighted mean, so the data-parallel gradient reduction must SUM
-rank gradients, not average them (FSDP2: `set_gradient_divide_factor(1.0)`). Model, optimizer and
-data come in through small builders (`build_model_for_training`, `build_optimizer`,
-`build_loaders`), so parallelism can be applied from outside without touching the step.
+`parallel.reductions` with the run's `ParallelDims` (marked "DP all-reduce"); in one process the
+dims have no mesh and the sums are the identity, so one code path serves one and N ranks. Each
+rank's loss is its share of the global token-weighted mean, so the data-parallel gradient
+reduction must SUM rank gradients, not average them (FSDP2: `set_gradient_divide_factor(1.0)`).
+Model, optimizer and data come in through small builders (`build_model_for_training`,
+`build_optimizer`, `build_loaders`), so parallelism can be applied from outside without touching
+the step.
 
 Determinism: everything is seeded from `train.seed`, the data order is a pure function of the
 seed and the batch index, and a checkpoint holds every piece of state the next step reads (model
@@ -26,7 +28,7 @@ import functools
 import math
 import random
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -34,7 +36,6 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from trinity_train.checkpoint import CheckpointManager, ModelState, OptimizerState, RNGState, load_checkpoint
 from trinity_train.checkpoint.compat import config_differences, describe_differences
@@ -42,10 +43,11 @@ from trinity_train.checkpoint.layout import newest_checkpoint
 from trinity_train.checkpoint.manager import read_compatible_meta
 from trinity_train.config import Config, config_to_dict, load_config, save_config
 from trinity_train.data import build_loaders
-from trinity_train.data.ledger import LEDGER_FILENAME, SkipLedger
+from trinity_train.data.ledger import SkipLedger
 from trinity_train.errors import ConfigError
 from trinity_train.model.counting import training_flops_per_token
-from trinity_train.observe import MetricsRecorder, discard_records_after, expert_load_stats, measure_peak_flops, mfu
+from trinity_train.model.loss import IGNORE_INDEX
+from trinity_train.observe import MetricsRecorder, expert_load_stats, measure_peak_flops, mfu, supersede_records_after
 from trinity_train.optim.groups import build_optimizer
 from trinity_train.optim.schedule import build_scheduler
 from trinity_train.parallel.mesh import ParallelDims
@@ -53,10 +55,9 @@ from trinity_train.parallel.parallelize import build_parallel_model
 from trinity_train.parallel.process_group import (destroy_distributed, init_distributed, leave_together,
                                                   resolve_device, world_size_from_env)
 from trinity_train.parallel.reductions import clip_grads_with_norm_, global_grad_norm, sum_over_data_parallel
+from trinity_train.rundir import RunDir
 from trinity_train.stability import StepGuard, TrainingDivergedError, Verdict
 
-IGNORE_INDEX = -100
-CONFIG_FILE = "config.toml"
 # How the ledger names the ranges a rollback skipped (and how their number is recovered on resume).
 ROLLBACK_REASON = "rollback"
 
@@ -68,28 +69,6 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)  # every device's generator
-
-
-def local_grad_norm(params: list[nn.Parameter]) -> torch.Tensor:
-    """The L2 norm of all gradients together (DTensor gradients give their global norm)."""
-    norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
-    return norm.full_tensor() if isinstance(norm, DTensor) else norm
-
-
-@dataclass
-class Reductions:
-    """How a step's local values become global ones: the seam where distribution plugs in.
-
-    `sum_over_dp` sums a tensor over the data-parallel ranks (identity in one process);
-    `grad_norm` is the global pre-clip gradient norm; `clip` scales the gradients by a given
-    global norm; `dp_size` is the number of data-parallel ranks whose gradients the DP reduction
-    sums.
-    """
-
-    sum_over_dp: Callable[[torch.Tensor], torch.Tensor] = lambda t: t
-    grad_norm: Callable[[list[nn.Parameter]], torch.Tensor] = local_grad_norm
-    clip: Callable[[list[nn.Parameter], float, torch.Tensor], None] = torch.nn.utils.clip_grads_with_norm_
-    dp_size: int = 1
 
 
 def autocast_context(cfg: Config, device: torch.device):
@@ -156,14 +135,14 @@ class TrainingStep:
     """Forward/backward over micro-batches, the stability verdict, and the optimizer step."""
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, guard: StepGuard,
-                 cfg: Config, device: torch.device, reductions: Reductions | None = None):
+                 cfg: Config, device: torch.device, dims: ParallelDims | None = None):
         self.model = model
         self.optimizer = optimizer
         self.scheduler = scheduler
         self.guard = guard
         self.cfg = cfg
         self.device = device
-        self.reduce = reductions or Reductions()
+        self.dims = dims or ParallelDims.one_process()
         self.params = [p for p in model.parameters() if p.requires_grad]
 
     def learning_rates(self) -> dict[str, float]:
@@ -175,9 +154,10 @@ class TrainingStep:
     def __call__(self, batch: Any, iteration: int) -> StepResult:
         parts = micro_batches(batch, self.cfg.train.micro_batch_size)
         # The token-weighted mean needs the global token count before the first backward.
-        tokens = self.reduce.sum_over_dp((batch.labels != IGNORE_INDEX).sum().to(self.device))  # DP all-reduce
+        tokens = sum_over_data_parallel((batch.labels != IGNORE_INDEX).sum().to(self.device),
+                                        self.dims)  # DP all-reduce
         # Aux and z losses are means per micro-batch: average them over micro-batches and ranks.
-        per_part = 1.0 / (len(parts) * self.reduce.dp_size)
+        per_part = 1.0 / (len(parts) * self.dims.dp)
 
         totals = torch.zeros(3, device=self.device)  # cross-entropy sum, aux loss, z loss
         counts = None
@@ -188,19 +168,19 @@ class TrainingStep:
             totals += torch.stack([out.ce_sum.detach().float(), out.aux_loss.detach().float() * per_part,
                                    out.z_loss.detach().float() * per_part])
             counts = out.tokens_per_expert if counts is None else counts + out.tokens_per_expert
-        totals = self.reduce.sum_over_dp(totals)  # DP all-reduce
-        counts = self.reduce.sum_over_dp(counts)  # DP all-reduce
+        totals = sum_over_data_parallel(totals, self.dims)  # DP all-reduce
+        counts = sum_over_data_parallel(counts, self.dims)  # DP all-reduce
         ce_sum, aux_loss, z_loss = totals.tolist()
         num_tokens = int(tokens.item())
         mean_loss = ce_sum / max(num_tokens, 1)
-        grad_norm = self.reduce.grad_norm(self.params)  # global over ranks and shards
+        grad_norm = global_grad_norm(self.params)  # global over ranks and shards
         grad_norm_value = grad_norm.item()
 
         lrs = self.learning_rates()
         verdict = self.guard.judge(mean_loss, grad_norm_value, iteration)
         if verdict.apply:
             if self.cfg.train.grad_clip > 0:
-                self.reduce.clip(self.params, self.cfg.train.grad_clip, grad_norm)
+                clip_grads_with_norm_(self.params, self.cfg.train.grad_clip, grad_norm)
             self.optimizer.step()
             self.model.update_expert_biases(counts)
             self.scheduler.step()
@@ -210,9 +190,8 @@ class TrainingStep:
 
 @torch.no_grad()
 def evaluate(model: nn.Module, val_loader: Any, cfg: Config, device: torch.device,
-             reductions: Reductions | None = None) -> tuple[float, int]:
+             dims: ParallelDims | None = None) -> tuple[float, int]:
     """Mean cross entropy over the first `train.eval_batches` validation batches (all ranks)."""
-    reduce = reductions or Reductions()
     model.eval()
     totals = torch.zeros(2, dtype=torch.float64, device=device)  # cross-entropy sum, tokens
     for batch in val_loader.batches(cfg.train.eval_batches):
@@ -220,7 +199,7 @@ def evaluate(model: nn.Module, val_loader: Any, cfg: Config, device: torch.devic
             out = _forward(model, mb, cfg, device)
             totals += torch.stack([out.ce_sum.double(), out.num_tokens.double()])
     model.train()
-    ce_sum, tokens = reduce.sum_over_dp(totals).tolist()  # DP all-reduce
+    ce_sum, tokens = sum_over_data_parallel(totals, dims or ParallelDims.one_process()).tolist()  # DP all-reduce
     return ce_sum / max(tokens, 1.0), int(tokens)
 
 
@@ -274,7 +253,7 @@ RUN_CONTROL_KEYS = frozenset({"checkpoint.resume", "metrics.progress_bar", "trai
 
 def check_run_dir(cfg: Config, run_dir: Path) -> list[tuple[str, Any, Any]]:
     """Refuse to start a fresh run over a different run; returns how the config changed."""
-    previous_file = run_dir / CONFIG_FILE
+    previous_file = RunDir(run_dir).config
     if not previous_file.is_file():
         return []
     fresh = cfg.checkpoint.resume == "none"
@@ -294,40 +273,14 @@ def check_run_dir(cfg: Config, run_dir: Path) -> list[tuple[str, Any, Any]]:
     return diffs
 
 
-@dataclass
-class Placement:
-    """Where this process trains and how it talks to the others. One process by default; a
-    distributed launch builds one from its device mesh."""
-
-    device: torch.device
-    dp_rank: int = 0
-    dp_size: int = 1
-    num_devices: int = 1  # devices in the job (MFU divides by their total peak)
-    is_main: bool = True  # writes files (metrics, config, ledger); checkpoints coordinate themselves
-    reductions: Reductions = field(default_factory=Reductions)
-
-
-def single_process_placement(cfg: Config) -> Placement:
-    if dist.is_initialized():
-        raise RuntimeError("a distributed run must pass its Placement to Trainer")
-    return Placement(device=resolve_device(cfg))
-
-
-def distributed_placement(dims: ParallelDims, device: torch.device) -> Placement:
-    """This rank's place in a torchrun job: its data-parallel slice and the cross-rank reductions."""
-    return Placement(device=device, dp_rank=dims.dp_rank, dp_size=dims.dp, num_devices=dims.world_size,
-                     is_main=dist.get_rank() == 0,
-                     reductions=Reductions(sum_over_dp=functools.partial(sum_over_data_parallel, dims=dims),
-                                           grad_norm=global_grad_norm, clip=clip_grads_with_norm_,
-                                           dp_size=dims.dp))
-
-
 ModelBuilder = Callable[[Config, torch.device], nn.Module]
 
 
 class Trainer:
-    def __init__(self, cfg: Config, placement: Placement | None = None,
+    def __init__(self, cfg: Config, dims: ParallelDims | None = None, device: torch.device | None = None,
                  model_builder: ModelBuilder = build_model_for_training):
+        """One process by default; a rank of a distributed launch passes its `dims` (with the
+        mesh built) and its device."""
         self.cfg = cfg
         self.run_dir = Path(cfg.run.dir)
         # Everything that can be checked without work is checked first.
@@ -338,9 +291,11 @@ class Trainer:
             read_compatible_meta(self.resume_from, cfg)
         elif cfg.checkpoint.init_from:
             read_compatible_meta(Path(cfg.checkpoint.init_from), cfg)
-        self.placement = placement or single_process_placement(cfg)
-        self.device = self.placement.device
-        self.is_main = self.placement.is_main
+        if dims is None and dist.is_initialized():
+            raise RuntimeError("a distributed run must pass its ParallelDims to Trainer")
+        self.dims = dims or ParallelDims.one_process()
+        self.device = device or resolve_device(cfg)
+        self.is_main = self.dims.is_main  # writes files (metrics, config, ledger); checkpoints coordinate themselves
 
         self.model = model_builder(cfg, self.device)
         self.optimizer = build_optimizer(self.model, cfg.optim)
@@ -349,14 +304,14 @@ class Trainer:
         self.state = TrainerState()
         # Batches skipped by this run are recorded in the ledger and never drawn again; a fresh
         # run starts with an empty one, a resumed run keeps what its predecessors recorded.
-        ledger_path = self.run_dir / LEDGER_FILENAME
+        ledger_path = RunDir(self.run_dir).ledger
         self.ledger = SkipLedger.load(ledger_path) if self.resume_from else SkipLedger(ledger_path)
-        self.train_loader, self.val_loader = build_loaders(cfg, dp_rank=self.placement.dp_rank,
-                                                           dp_size=self.placement.dp_size, ledger=self.ledger)
+        self.train_loader, self.val_loader = build_loaders(cfg, dp_rank=self.dims.dp_rank,
+                                                           dp_size=self.dims.dp, ledger=self.ledger)
         # Counted from the ledger, so resuming a run does not reset its allowance.
         self.rollbacks = sum(r.reason.startswith(ROLLBACK_REASON) for r in self.ledger.ranges)
         self.step_fn = TrainingStep(self.model, self.optimizer, self.scheduler, self.guard, cfg, self.device,
-                                    self.placement.reductions)
+                                    self.dims)
 
     def checkpoint_state(self) -> dict[str, Any]:
         return {"model": ModelState(self.model), "optim": OptimizerState(self.model, self.optimizer),
@@ -376,15 +331,18 @@ class Trainer:
             return [{"event": "init_from", "checkpoint": self.cfg.checkpoint.init_from}]
         return []
 
-    def _prepare_run_dir(self) -> None:
+    def _prepare_run_dir(self) -> list[dict]:
+        """Write the config and a fresh run's ledger; returns the events to record."""
         if not self.is_main:
-            return
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        save_config(self.cfg, self.run_dir / CONFIG_FILE)
+            return []
+        run = RunDir(self.run_dir)
+        run.path.mkdir(parents=True, exist_ok=True)
+        save_config(self.cfg, run.config)
         if self.resume_from is None and self.ledger.path.exists():
             self.ledger.save()  # a fresh run must not inherit an earlier run's skips
         # What an interrupted or earlier run logged past this starting point is superseded.
-        discard_records_after(self.run_dir, self.state.iteration)
+        moved = supersede_records_after(run, self.state.iteration)
+        return [{"event": "superseded", "from_iter": self.state.iteration, "records": moved}] if moved else []
 
     def _save(self, recorder: MetricsRecorder) -> None:
         path = self.checkpoints.save(self.state.step, self.checkpoint_state(), self.cfg,
@@ -393,8 +351,7 @@ class Trainer:
                        async_save=self.cfg.checkpoint.async_save)
 
     def _validate(self, recorder: MetricsRecorder, summary: TrainSummary) -> None:
-        val_loss, val_tokens = evaluate(self.model, self.val_loader, self.cfg, self.device,
-                                        self.placement.reductions)
+        val_loss, val_tokens = evaluate(self.model, self.val_loader, self.cfg, self.device, self.dims)
         recorder.validation({"iter": self.state.iteration, "step": self.state.step, "val_loss": val_loss,
                              "val_ppl": math.exp(min(val_loss, 50.0)), "val_tokens": val_tokens})
         if summary.first_val_loss is None:
@@ -445,17 +402,17 @@ class Trainer:
         cfg = self.cfg
         started = time.perf_counter()
         events = self._restore_or_init()
-        self._prepare_run_dir()
+        events += self._prepare_run_dir()
         recorder = MetricsRecorder(cfg, self.run_dir, start_step=self.state.step, is_main=self.is_main)
         recorder.event("run_start", step=self.state.step, iter=self.state.iteration, device=str(self.device),
-                       devices=self.placement.num_devices,
+                       devices=self.dims.world_size,
                        resumed_from=str(self.resume_from) if self.resume_from else None)
         if self.config_changes:
             recorder.event("config_changed", changes=[[k, a, b] for k, a, b in self.config_changes])
         for event in events:
             recorder.event(event.pop("event"), **event)
 
-        throughput = Throughput(cfg, self.device, self.placement.num_devices)
+        throughput = Throughput(cfg, self.device, self.dims.world_size)
         summary = TrainSummary(self.run_dir, start_step=self.state.step, step=self.state.step,
                                iteration=self.state.iteration)
         try:
@@ -536,7 +493,7 @@ def train(cfg: Config) -> TrainSummary:
     dims, device = init_distributed(cfg)  # rejects an impossible layout before joining
     try:
         builder = functools.partial(build_model_for_training, dims=dims)
-        summary = Trainer(cfg, distributed_placement(dims, device), model_builder=builder).run()
+        summary = Trainer(cfg, dims, device, model_builder=builder).run()
         leave_together()
         return summary
     finally:

@@ -9,7 +9,6 @@ cleaned up. Filesystem changes are made by one process (the coordinator, rank 0)
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 from pathlib import Path
@@ -18,6 +17,7 @@ from typing import Any
 import torch.distributed as dist
 
 from trinity_train.errors import CheckpointError
+from trinity_train.files import atomic_write_json
 
 META_FILE = "meta.json"
 DCP_METADATA_FILE = ".metadata"  # written by torch.distributed.checkpoint once all ranks finished
@@ -71,15 +71,6 @@ def remove_incomplete(checkpoints_dir: Path) -> list[Path]:
     return removed
 
 
-def write_json_atomic(path: Path, payload: dict) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        json.dump(payload, f, indent=2, sort_keys=True)
-        f.flush()
-        os.fsync(f.fileno())
-    tmp.replace(path)
-
-
 def commit(tmp_dir: Path, final_dir: Path, meta: dict) -> None:
     """Write `meta.json` into `tmp_dir` (last file of the checkpoint), then rename it into place.
 
@@ -87,7 +78,7 @@ def commit(tmp_dir: Path, final_dir: Path, meta: dict) -> None:
     replace a non-empty directory), so at every instant `final_dir` is either the old or the new
     complete checkpoint.
     """
-    write_json_atomic(tmp_dir / META_FILE, {"format": FORMAT, "format_version": FORMAT_VERSION, **meta})
+    atomic_write_json(tmp_dir / META_FILE, {"format": FORMAT, "format_version": FORMAT_VERSION, **meta})
     old = final_dir.with_name(final_dir.name + ".old")
     if final_dir.exists():
         if old.exists():

@@ -29,6 +29,7 @@ from trinity_train.checkpoint.layout import (
 )
 from trinity_train.config import CheckpointConfig, Config, config_to_dict
 from trinity_train.errors import CheckpointError
+from trinity_train.rundir import RunDir
 
 
 @dataclass
@@ -95,7 +96,7 @@ def load_checkpoint(path: Path, state: dict[str, Any], cfg: Config) -> dict:
 
 class CheckpointManager:
     def __init__(self, run_dir: Path, ckpt_cfg: CheckpointConfig):
-        self.checkpoints_dir = Path(run_dir) / "checkpoints"
+        self.checkpoints_dir = RunDir(run_dir).checkpoints
         self.cfg = ckpt_cfg
         self._pending: _PendingSave | None = None
 

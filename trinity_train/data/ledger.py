@@ -13,10 +13,9 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from trinity_train.data.atomic import atomic_write_json
 from trinity_train.errors import DataError
+from trinity_train.files import atomic_write_json
 
-LEDGER_FILENAME = "skip_ledger.json"
 _LEDGER_VERSION = 1
 
 

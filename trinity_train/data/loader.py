@@ -25,10 +25,11 @@ import torch
 
 from trinity_train.config import Config, DataConfig
 from trinity_train.data.default_corpus import default_dataset, default_dataset_dir
-from trinity_train.data.ledger import LEDGER_FILENAME, SkipLedger
+from trinity_train.data.ledger import SkipLedger
 from trinity_train.data.mixing import EpochOrder, MixSchedule
 from trinity_train.data.shards import PreparedDataset, TokenSplit
 from trinity_train.errors import DataError
+from trinity_train.rundir import RunDir
 
 _STATE_VERSION = 1
 
@@ -267,7 +268,7 @@ def build_loaders(cfg: Config, dp_rank: int = 0, dp_size: int = 1,
     orders = [EpochOrder(r.num_sequences, d.seed, k) for k, r in enumerate(train_readers)]
     train_mixed = _MixedRows(train_readers, MixSchedule(phases, d.seed), orders)
 
-    ledger = ledger if ledger is not None else SkipLedger.load(Path(cfg.run.dir) / LEDGER_FILENAME)
+    ledger = ledger if ledger is not None else SkipLedger.load(RunDir(cfg.run.dir).ledger)
     skips = [ledger, SkipLedger.from_ranges(d.skip_ranges, reason="data.skip_ranges")]
     train = TrainLoader(train_mixed, d.seq_len, rows, dp_rank, dp_size, d.seed,
                         _fingerprint(datasets, phases, d.seq_len), skips)

@@ -31,7 +31,7 @@ from tokenizers import Tokenizer
 from tqdm import tqdm
 
 from trinity_train import __version__
-from trinity_train.data.atomic import atomic_write_json, atomic_write_text
+from trinity_train.files import atomic_write_json, atomic_write_text
 from trinity_train.data.documents import FORMATS, TEXT, Inputs, load_documents, resolve_inputs
 from trinity_train.data.shards import (FORMAT_VERSION, MANIFEST, SPLITS, TOKENIZER_FILE, ShardWriter,
                                        file_sha256, finished_shard, new_manifest, read_manifest,

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from trinity_train.data.atomic import atomic_write_json, temp_sibling
+from trinity_train.files import atomic_write_json, temp_sibling
 from trinity_train.errors import DataError
 
 FORMAT_NAME = "trinity-train-tokens"

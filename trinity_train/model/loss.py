@@ -1,12 +1,13 @@
 """Cross entropy over a large vocabulary without materialising `[tokens, vocab]` fp32 logits.
 
 The head runs on `chunk_tokens` rows at a time and each chunk's logits are upcast to fp32 only
-inside that chunk. When the head is a plain bias-free `nn.Linear` (one process, FSDP), the
-gradients of each chunk are computed right away in the forward (`_FusedLinearCrossEntropy`: logits,
-softmax minus one-hot, two more GEMMs), so backward neither keeps nor recomputes any logits: three
-head GEMMs per token instead of four. Any other head (a tensor-parallel DTensor head, for one) is
-called as a module, each chunk under non-reentrant activation checkpointing, so backward keeps just
-the chunk's hidden states and recomputes its logits.
+inside that chunk. With `fused=True` (the head is a plain bias-free `nn.Linear` whose weight the
+forward can use as a tensor: one process, FSDP) the gradients of each chunk are computed right
+away in the forward (`_FusedLinearCrossEntropy`: logits, softmax minus one-hot, two more GEMMs), so
+backward neither keeps nor recomputes any logits: three head GEMMs per token instead of four.
+Otherwise (the tensor-parallel plan turns it off: its head is a vocabulary-split DTensor that only
+works called as a module) each chunk goes through the head under non-reentrant activation
+checkpointing, so backward keeps just the chunk's hidden states and recomputes its logits.
 """
 
 from __future__ import annotations
@@ -16,8 +17,9 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
+
+from trinity_train.model.precision import compute_dtype
 
 IGNORE_INDEX = -100
 
@@ -28,30 +30,24 @@ def _chunk_ce_sum(hidden: torch.Tensor, labels: torch.Tensor,
     return F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="sum")
 
 
-def _fusable(head: Callable[[torch.Tensor], torch.Tensor]) -> bool:
-    """A plain bias-free Linear whose weight is an ordinary tensor (not a DTensor shard)."""
-    return (type(head) is nn.Linear and head.bias is None
-            and not isinstance(head.weight, DTensor))
-
-
 class _FusedLinearCrossEntropy(torch.autograd.Function):
     """sum over rows of CE(hidden @ weight.T, labels), with both gradients computed chunk by chunk
     in the forward and only scaled by the incoming gradient in the backward.
 
-    GEMMs run in `compute_dtype` (the autocast dtype under autocast, as `nn.Linear` would), the
+    GEMMs run in `dtype` (the autocast dtype under autocast, as `nn.Linear` would), the
     softmax and the loss in fp32, and the weight gradient accumulates in fp32.
     """
 
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-                chunk_tokens: int, compute_dtype: torch.dtype) -> torch.Tensor:
+                chunk_tokens: int, dtype: torch.dtype) -> torch.Tensor:
         need_hidden_grad, need_weight_grad = ctx.needs_input_grad[:2]
-        w = weight.to(compute_dtype)
+        w = weight.to(dtype)
         grad_hidden = torch.empty_like(hidden) if need_hidden_grad else None
         grad_weight = torch.zeros_like(weight, dtype=torch.float32) if need_weight_grad else None
         ce_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
         for start in range(0, hidden.shape[0], chunk_tokens):
-            h = hidden[start:start + chunk_tokens].to(compute_dtype)
+            h = hidden[start:start + chunk_tokens].to(dtype)
             y = labels[start:start + chunk_tokens]
             counted = y != IGNORE_INDEX
             target = torch.where(counted, y, 0)[:, None]
@@ -63,11 +59,11 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
             grad_logits = logits.sub_(lse).exp_()
             grad_logits.scatter_add_(1, target, torch.full_like(target, -1, dtype=grad_logits.dtype))
             grad_logits.mul_(counted[:, None])
-            grad_logits = grad_logits.to(compute_dtype)
+            grad_logits = grad_logits.to(dtype)
             if need_hidden_grad:
                 grad_hidden[start:start + chunk_tokens] = grad_logits @ w
             if need_weight_grad:
-                if compute_dtype == torch.float32:
+                if dtype == torch.float32:
                     grad_weight.addmm_(grad_logits.t(), h)
                 else:
                     grad_weight += (grad_logits.t() @ h).float()
@@ -87,20 +83,18 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
 
 def chunked_cross_entropy(hidden: torch.Tensor, labels: torch.Tensor,
                           head: Callable[[torch.Tensor], torch.Tensor],
-                          chunk_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+                          chunk_tokens: int, fused: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """(sum of cross entropies fp32, number of counted labels long) over labels != -100.
 
     hidden [N, d] final hidden states; labels [N]; `head` maps hidden states to logits (the
-    `lm_head` module itself, so parallel wrappers on it keep working).
+    `lm_head` module itself, so parallel wrappers on it keep working). `fused` allows the fused
+    path for a bias-free `nn.Linear` head.
     """
     num_tokens = (labels != IGNORE_INDEX).sum()
-    if torch.is_grad_enabled() and _fusable(head):
-        device_type = hidden.device.type
-        compute_dtype = (torch.get_autocast_dtype(device_type)
-                         if torch.is_autocast_enabled(device_type) else hidden.dtype)
-        with torch.autocast(device_type, enabled=False):
-            ce_sum = _FusedLinearCrossEntropy.apply(hidden, head.weight, labels, chunk_tokens,
-                                                    compute_dtype)
+    if torch.is_grad_enabled() and fused and type(head) is nn.Linear and head.bias is None:
+        dtype = compute_dtype(hidden)
+        with torch.autocast(hidden.device.type, enabled=False):
+            ce_sum = _FusedLinearCrossEntropy.apply(hidden, head.weight, labels, chunk_tokens, dtype)
         return ce_sum, num_tokens
     ce_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
     for start in range(0, hidden.shape[0], chunk_tokens):

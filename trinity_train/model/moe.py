@@ -18,6 +18,7 @@ from torch import nn
 
 from trinity_train.config import ModelConfig
 from trinity_train.model.norms import LayerNorm
+from trinity_train.model.precision import compute_dtype
 
 # torch._grouped_mm needs every row stride to be a multiple of 16 bytes; 8 elements covers bf16
 # and fp32, so the hidden and expert widths must be multiples of this on the grouped path.
@@ -83,12 +84,6 @@ class Router(nn.Module):
         top = scores.gather(-1, chosen)
         weights = top / (top.sum(dim=-1, keepdim=True) + 1e-20) * self.route_scale
         return Routing(logits, scores, weights, chosen)
-
-
-def compute_dtype(x: torch.Tensor) -> torch.dtype:
-    """The dtype matmuls on `x` run in: autocast's when it is on, else x's own."""
-    device_type = x.device.type
-    return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x.dtype
 
 
 class GroupedExperts(nn.Module):

@@ -43,6 +43,10 @@ def layer_attention_mask(seq_len: int, window: int | None, document_ids: torch.T
 
 
 class TrinityModel(nn.Module):
+    # The loss may compute the head's gradients in its forward (model/loss.py); a parallel plan
+    # whose head cannot be used as a plain weight (tensor parallelism) turns this off.
+    fused_loss: bool = True
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
@@ -102,7 +106,7 @@ class TrinityModel(nn.Module):
             logits = None
             ce_sum, num_tokens = chunked_cross_entropy(h.reshape(-1, cfg.hidden_size),
                                                        labels.reshape(-1), self.lm_head,
-                                                       cfg.loss_chunk_tokens)
+                                                       cfg.loss_chunk_tokens, fused=self.fused_loss)
 
         aux_loss = sum((a.aux_loss for a in moe_aux), zero)
         z_loss = zero

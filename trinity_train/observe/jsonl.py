@@ -1,7 +1,8 @@
 """Append-only JSON-lines files (`metrics.jsonl`, `events.jsonl`): one object per line.
 
 Every line is flushed as soon as it is written, so a crash loses at most the line being written;
-readers skip a torn last line. Non-finite floats are written as null (JSON has no NaN).
+readers (`trinity_train.files.read_jsonl`) skip a torn last line. Non-finite floats are written as
+null (JSON has no NaN).
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from trinity_train.files import atomic_open, read_jsonl
 
 
 def json_safe(value: Any) -> Any:
@@ -24,31 +27,26 @@ def json_safe(value: Any) -> Any:
     return value
 
 
-def read_jsonl(path: Path) -> list[dict]:
-    """Every complete record in `path` (a torn or garbled line is skipped)."""
-    records = []
-    if Path(path).is_file():
-        for line in Path(path).read_text().splitlines():
-            try:
-                records.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue
-    return records
-
-
-def keep_records(path: Path, keep: Callable[[dict], bool]) -> None:
-    """Rewrite `path` with only the records `keep` accepts (temp file, then rename)."""
-    path = Path(path)
-    if not path.is_file():
-        return
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        for record in read_jsonl(path):
-            if keep(record):
+def move_records(source: Path, target: Path, move: Callable[[dict], bool], mark: dict) -> int:
+    """Append the records of `source` that `move` accepts to `target` (each updated with `mark`),
+    then rewrite `source` without them (temporary file, then rename), and without a torn last line
+    that the next append would otherwise run into. Returns how many moved."""
+    source = Path(source)
+    if not source.is_file():
+        return 0
+    records = read_jsonl(source)
+    moved = [r for r in records if move(r)]
+    if moved:
+        with open(target, "a", encoding="utf-8") as f:  # first, so a crash loses nothing
+            for record in moved:
+                f.write(json.dumps({**record, **mark}, allow_nan=False) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+    with atomic_open(source) as f:
+        for record in records:
+            if not move(record):
                 f.write(json.dumps(record, allow_nan=False) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    tmp.replace(path)
+    return len(moved)
 
 
 class JsonlWriter:

@@ -13,17 +13,18 @@ import time
 from pathlib import Path
 
 from trinity_train.config import Config
-from trinity_train.observe.jsonl import JsonlWriter, keep_records
+from trinity_train.observe.jsonl import JsonlWriter, move_records
 from trinity_train.observe.progress import ProgressDisplay
-
-METRICS_FILE = "metrics.jsonl"
-EVENTS_FILE = "events.jsonl"
+from trinity_train.rundir import RunDir
 
 
-def discard_records_after(run_dir: Path, iteration: int) -> None:
-    """On resume from a checkpoint taken after `iteration`, drop what the interrupted run logged
-    past it, so the resumed run's metrics read exactly like an uninterrupted run's."""
-    keep_records(Path(run_dir) / METRICS_FILE, lambda r: r.get("iter", 0) <= iteration)
+def supersede_records_after(run_dir: RunDir, iteration: int) -> int:
+    """On a resume from iteration `iteration`, move what an interrupted or earlier run logged past
+    it from metrics.jsonl to metrics.superseded.jsonl (each record marked `superseded_at`), so
+    metrics.jsonl reads exactly like an uninterrupted run's and nothing is lost. Returns how many
+    records moved."""
+    return move_records(run_dir.metrics, run_dir.superseded, lambda r: r.get("iter", 0) > iteration,
+                        mark={"superseded_at": iteration})
 
 
 class MetricsRecorder:
@@ -35,18 +36,18 @@ class MetricsRecorder:
         self.progress = None
         if not is_main:
             return
-        run_dir = Path(run_dir)
-        self.events = JsonlWriter(run_dir / EVENTS_FILE)
+        run = RunDir(run_dir)
+        self.events = JsonlWriter(run.events)
         if cfg.metrics.jsonl:
-            self.metrics = JsonlWriter(run_dir / METRICS_FILE)
+            self.metrics = JsonlWriter(run.metrics)
         if cfg.metrics.tensorboard:
             from trinity_train.observe.tensorboard_sink import TensorBoardSink
 
-            self.sinks.append(TensorBoardSink(run_dir / "tb"))
+            self.sinks.append(TensorBoardSink(run.tensorboard))
         if cfg.metrics.wandb:
             from trinity_train.observe.wandb_sink import WandbSink
 
-            self.sinks.append(WandbSink(cfg, run_dir))
+            self.sinks.append(WandbSink(cfg, run.path))
         self.progress = ProgressDisplay(cfg.train.steps, start_step, cfg.metrics.progress_bar, cfg.train.log_every)
 
     def _write(self, kind: str, record: dict) -> None:

@@ -155,6 +155,16 @@ class ParallelDims:
     def dp_rank(self) -> int:
         return self.dp_mesh.get_local_rank() if self.mesh is not None else 0
 
+    @property
+    def rank(self) -> int:
+        """This process's rank in the world (0 in one process)."""
+        return self.mesh.get_rank() if self.mesh is not None else 0
+
+    @property
+    def is_main(self) -> bool:
+        """The process that writes the run directory's files."""
+        return self.rank == 0
+
     def describe(self) -> str:
         return (f"world={self.world_size} dp_replicate={self.dp_replicate} dp_shard={self.dp_shard} "
                 f"(ep={self.ep} x efsdp={self.efsdp}) tp={self.tp}")

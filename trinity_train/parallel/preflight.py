@@ -13,8 +13,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from trinity_train.cli import default_config_path
-from trinity_train.config import load_config
+from trinity_train.config import default_config_path, load_config
 from trinity_train.errors import UserError
 from trinity_train.parallel.mesh import ParallelDims
 

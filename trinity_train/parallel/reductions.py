@@ -1,4 +1,7 @@
-"""The global scalars of a distributed step: summed losses and counts, and the gradient norm.
+"""The global scalars of a step: summed losses and counts, and the gradient norm.
+
+One code path for one process and for N ranks: with `ParallelDims.one_process()` (no mesh) the
+sums are the identity and the gradients are plain tensors.
 
 Data-parallel ranks see different tokens, so loss sums, token counts and tokens-per-expert are
 summed over the `dp` mesh dim; tensor-parallel ranks see the same tokens and hold the same
@@ -37,15 +40,17 @@ def _params_by_mesh(parameters: Iterable[torch.Tensor]) -> list[list[torch.Tenso
 
 
 def _global_norm(groups: list[list[torch.Tensor]]) -> torch.Tensor:
-    squares = []
+    norms = []
     for params in groups:  # one reduction per mesh
         norm = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type=2.0)
         if isinstance(norm, DTensor):
             norm = norm.full_tensor()
-        squares.append(norm.float().square())
-    if not squares:
+        norms.append(norm.float())
+    if not norms:
         return torch.zeros(())
-    return torch.stack(squares).sum().sqrt()
+    if len(norms) == 1:  # one process, or a single mesh: torch's norm as it is
+        return norms[0]
+    return torch.stack(norms).square().sum().sqrt()
 
 
 def global_grad_norm(parameters: Iterable[torch.Tensor]) -> torch.Tensor:

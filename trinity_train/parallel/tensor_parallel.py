@@ -124,6 +124,8 @@ def _block_plan(block: nn.Module) -> dict[str, ParallelStyle]:
 
 def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
     """Split `model` (a TrinityModel, on any device incl. meta) over the 1-D `tp_mesh`."""
+    # The vocabulary-split head is a DTensor that only works called as a module: no fused loss.
+    model.fused_loss = False
     parallelize_module(model, tp_mesh, {
         "embed": RowwiseParallel(input_layouts=Replicate(), output_layouts=SEQUENCE,
                                  use_local_output=False),

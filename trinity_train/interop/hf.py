@@ -24,7 +24,8 @@ from safetensors.torch import load_file
 from trinity_train.config import (Config, ModelConfig, global_every, init_std, is_global_layer,
                                   norm_eps, validate)
 from trinity_train.errors import CheckpointError, ConfigError
-from trinity_train.model.hf_tokenizer import write_hf_tokenizer
+from trinity_train.files import read_json_object
+from trinity_train.interop.tokenizer import write_hf_tokenizer
 from trinity_train.model.moe import expert_alignment_problem
 from trinity_train.model.transformer import build_model
 
@@ -417,20 +418,10 @@ def save_hf(model: torch.nn.Module, out_dir: str | Path, model_cfg: ModelConfig 
     return out
 
 
-def _read_json(path: Path) -> dict:
-    try:
-        value = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"'{path}' is not valid JSON: {e}") from None
-    if not isinstance(value, dict):
-        raise CheckpointError(f"'{path}' must hold a JSON object")
-    return value
-
-
 def _read_safetensors(hf_dir: Path) -> dict[str, torch.Tensor]:
     index = hf_dir / HF_INDEX_FILE
     if index.is_file():
-        weight_map = _read_json(index).get("weight_map")
+        weight_map = read_json_object(index, CheckpointError).get("weight_map")
         if not isinstance(weight_map, dict):
             raise CheckpointError(f"'{index}' has no 'weight_map' object")
         files = sorted(set(weight_map.values()))
@@ -461,7 +452,7 @@ def load_hf(hf_dir: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     if not config_path.is_file():
         raise CheckpointError(f"'{path}' has no {HF_CONFIG_FILE}; is it a Hugging Face model directory?")
     try:
-        model_cfg = from_hf_config(_read_json(config_path))
+        model_cfg = from_hf_config(read_json_object(config_path, CheckpointError))
         state_dict = from_hf_state_dict(_read_safetensors(path), model_cfg)
     except CheckpointError as e:
         raise CheckpointError(f"cannot import '{path}': {e}") from None
