@@ -10,38 +10,25 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from helpers import poison_batches, prepare_word_corpus
+from conftest import run_config
+from helpers import poison_batches
 from trinity_train.checkpoint import verify_checkpoint
-from trinity_train.config import load_config
-from trinity_train.observe.jsonl import read_jsonl
-from trinity_train.parallel.local_ranks import init_gloo, run_ranks
+from trinity_train.files import read_jsonl
+from ranks import init_gloo, run_ranks
 from trinity_train.parallel.mesh import ParallelDims
-from trinity_train.train import Trainer, build_model_for_training, distributed_placement
-
-WORDS = "north south east west up down left right near far over under".split()
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    return prepare_word_corpus(tmp_path_factory.mktemp("dist_ckpt_corpus"), WORDS, seed=2, num_docs=30)
-
+from trinity_train.train import Trainer, build_model_for_training
 
 def config(corpus, run_dir, dp: int, steps: int = 4, stability: dict | None = None, data: dict | None = None,
            **checkpoint):
-    return load_config(None, {
-        "model": {"vocab_size": 320, "hidden_size": 32, "num_layers": 2, "num_dense_layers": 1,
-                  "num_heads": 2, "num_kv_heads": 1, "head_dim": 16, "intermediate_size": 64,
-                  "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16,
-                  "sliding_window": 8, "global_every": 2, "bias_update_rate": 1e-2},
-        "data": {"path": str(corpus), "seq_len": 16, **(data or {})},
+    return run_config(
+        corpus, run_dir,
+        model={"num_layers": 2, "global_every": 2},
+        data=data or {},
         # The same 4-row global batch for any number of data-parallel ranks.
-        "train": {"steps": steps, "micro_batch_size": 1, "grad_accum": 4 // dp, "eval_every": 0},
-        "optim": {"lr": 1e-2, "eps": 1e-4, "warmup_steps": 2},
-        "checkpoint": {"every": 2, **checkpoint},
-        "stability": stability or {},
-        "metrics": {"progress_bar": False, "peak_flops": 1e11},
-        "run": {"dir": str(run_dir)},
-    })
+        train={"steps": steps, "micro_batch_size": 1, "grad_accum": 4 // dp, "eval_every": 0},
+        optim={"lr": 1e-2, "eps": 1e-4, "warmup_steps": 2},
+        checkpoint={"every": 2, **checkpoint},
+        stability=stability or {})
 
 
 def losses(run_dir):
@@ -52,7 +39,7 @@ def losses(run_dir):
 def fsdp_trainer(cfg):
     dims = ParallelDims.from_config(cfg, dist.get_world_size())
     dims.build_mesh("cpu")
-    return Trainer(cfg, distributed_placement(dims, torch.device("cpu")),
+    return Trainer(cfg, dims, torch.device("cpu"),
                    model_builder=functools.partial(build_model_for_training, dims=dims))
 
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from trinity_train.checkpoint import load_model_checkpoint
-from trinity_train.observe.jsonl import read_jsonl
+from trinity_train.files import read_jsonl
 
 TINY_TOML = """
 [model]

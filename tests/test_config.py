@@ -15,9 +15,37 @@ def test_debug_toml_equals_the_dataclass_defaults():
     assert config_to_dict(load_config(CONFIGS / "debug.toml")) == config_to_dict(Config())
 
 
-@pytest.mark.parametrize("name", ["debug", "nano", "mini", "large"])
-def test_shipped_configs_load(name):
-    load_config(CONFIGS / f"{name}.toml")
+# The released sizes (DESIGN §3): layers, dense layers, hidden, heads, kv heads, head_dim, dense
+# FFN, experts, top-k, expert FFN, route_scale, window; the vocabulary is 200192 for all three.
+RELEASED = {
+    "nano": (56, 2, 1024, 8, 2, 128, 3072, 128, 8, 256, 2.826, 2048),
+    "mini": (32, 2, 2048, 32, 4, 128, 6144, 128, 8, 1024, 2.826, 2048),
+    "large": (60, 6, 3072, 48, 8, 128, 12288, 256, 4, 3072, 2.448, 4096),
+}
+
+
+@pytest.mark.parametrize("name", RELEASED)
+def test_shipped_release_configs_are_the_released_architectures(name):
+    cfg = load_config(CONFIGS / f"{name}.toml")
+    m = cfg.model
+    assert (m.num_layers, m.num_dense_layers, m.hidden_size, m.num_heads, m.num_kv_heads, m.head_dim,
+            m.intermediate_size, m.num_experts, m.num_experts_per_tok, m.moe_intermediate_size,
+            m.route_scale, m.sliding_window) == RELEASED[name]
+    assert m.vocab_size == cfg.data.vocab_size == 200192 and m.block == "trinity"
+    assert m.sliding_window * 2 == cfg.data.seq_len  # the window is half the training length
+    assert cfg.train.dtype == "bf16" and cfg.optim.name == "muon"
+
+
+@pytest.mark.parametrize("path", sorted((CONFIGS / "ablations").glob("*.toml")), ids=lambda p: p.stem)
+def test_ablation_configs_change_only_the_block_and_the_run(path):
+    """A norm-placement ablation is comparable to the default run: same data, model size,
+    optimizer and steps; only model.block and where it writes differ."""
+    base, variant = config_to_dict(load_config(CONFIGS / "debug.toml")), config_to_dict(load_config(path))
+    assert variant["model"]["block"] == path.stem
+    for section in base:
+        for key in base[section]:
+            if (section, key) not in {("model", "block"), ("run", "dir"), ("run", "name")}:
+                assert variant[section][key] == base[section][key], f"{section}.{key}"
 
 
 def test_overrides_in_both_spellings_and_types():

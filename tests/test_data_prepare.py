@@ -174,7 +174,7 @@ def test_malformed_json_line_names_file_and_line(tmp_path):
     lines = src.read_text().splitlines(keepends=True)
     lines[6] = '{"text": "broken", \n'
     src.write_text("".join(lines))
-    with pytest.raises(DataError, match=rf"a\.jsonl:7: malformed JSON.*--skip-bad-records"):
+    with pytest.raises(DataError, match=r"a\.jsonl:7: malformed JSON.*--skip-bad-records"):
         prepare(options([src], tmp_path / "out"))
     assert not (tmp_path / "out" / "manifest.json").exists()
     opts = options([src], tmp_path / "out", skip_bad_records=True)

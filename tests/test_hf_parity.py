@@ -11,9 +11,10 @@ import torch
 import transformers
 from safetensors import safe_open
 
+from conftest import tiny_model
 from trinity_train.config import ModelConfig
 from trinity_train.model import build_model
-from trinity_train.model.hf import (HF_INDEX_FILE, from_hf_config, from_hf_state_dict, load_hf,
+from trinity_train.interop.hf import (HF_INDEX_FILE, from_hf_config, from_hf_state_dict, load_hf,
                                     save_hf, to_hf_config, to_hf_state_dict)
 
 SEQ_LEN = 24  # longer than both sliding windows below, so the window actually cuts
@@ -23,10 +24,8 @@ TOLERANCE = 1e-4
 def tiny_trinity_config() -> ModelConfig:
     # 4 layers: 0 dense, 1-3 MoE; layers 0-2 local (RoPE, window 8), layer 3 global (NoPE).
     # heads * head_dim = 96 != d = 64, as the released models allow.
-    return ModelConfig(vocab_size=512, hidden_size=64, num_layers=4, num_dense_layers=1, num_heads=4,
-                       num_kv_heads=2, head_dim=24, intermediate_size=128, num_experts=8,
-                       num_experts_per_tok=2, num_shared_experts=1, moe_intermediate_size=32,
-                       route_scale=2.5, sliding_window=8)
+    return tiny_model(vocab_size=512, hidden_size=64, head_dim=24, intermediate_size=128, num_experts=8,
+                      moe_intermediate_size=32, route_scale=2.5, sliding_window=8)
 
 
 def random_trinity_model(cfg: ModelConfig, seed: int = 0, dtype: torch.dtype = torch.float32):

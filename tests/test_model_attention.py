@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from conftest import tiny_model
 from trinity_train.config import ModelConfig
 from trinity_train.model import build_model
 from trinity_train.model.attention import build_attention_mask, positions_from_documents
@@ -10,10 +11,7 @@ from trinity_train.model.blocks import layer_rope_theta
 
 
 def tiny(**overrides) -> ModelConfig:
-    base = dict(vocab_size=64, hidden_size=32, num_layers=4, num_dense_layers=1, num_heads=4,
-                num_kv_heads=2, head_dim=8, intermediate_size=48, num_experts=4,
-                num_experts_per_tok=2, moe_intermediate_size=16, sliding_window=3)
-    return ModelConfig(**{**base, **overrides})
+    return tiny_model(**{"sliding_window": 3, **overrides})
 
 
 def test_sliding_window_sees_the_last_w_keys_including_itself():

@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
+from conftest import tiny_model
 from trinity_train.config import ModelConfig, load_config
 from trinity_train.model import build_model
 from trinity_train.model.counting import (attended_keys_per_query, count_parameters,
@@ -16,10 +17,7 @@ CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 
 
 def tiny(**overrides) -> ModelConfig:
-    base = dict(vocab_size=64, hidden_size=32, num_layers=5, num_dense_layers=2, num_heads=4,
-                num_kv_heads=2, head_dim=8, intermediate_size=48, num_experts=4,
-                num_experts_per_tok=2, moe_intermediate_size=16, sliding_window=4)
-    return ModelConfig(**{**base, **overrides})
+    return tiny_model(**{"num_layers": 5, "num_dense_layers": 2, **overrides})
 
 
 def counted_from(model) -> tuple[int, int]:

@@ -5,6 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from conftest import tiny_model
 from trinity_train.config import ModelConfig
 from trinity_train.model import build_model
 from trinity_train.model.moe import GroupedExperts, MoE, Router, update_expert_bias
@@ -13,10 +14,10 @@ E, K, D, I = 6, 2, 16, 8
 
 
 def moe_config(**overrides) -> ModelConfig:
-    base = dict(vocab_size=32, hidden_size=D, num_layers=3, num_dense_layers=1, num_heads=2,
-                num_kv_heads=1, head_dim=8, intermediate_size=24, num_experts=E,
-                num_experts_per_tok=K, moe_intermediate_size=I, route_scale=2.0, sliding_window=4)
-    return ModelConfig(**{**base, **overrides})
+    return tiny_model(**{"vocab_size": 32, "hidden_size": D, "num_layers": 3, "num_heads": 2,
+                         "num_kv_heads": 1, "intermediate_size": 24, "num_experts": E,
+                         "num_experts_per_tok": K, "moe_intermediate_size": I, "route_scale": 2.0,
+                         **overrides})
 
 
 def drawn(module: torch.nn.Module, seed: int = 0) -> torch.nn.Module:

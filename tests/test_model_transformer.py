@@ -7,7 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from trinity_train.config import ModelConfig, init_std
+from conftest import tiny_model
+from trinity_train.config import init_std
 from trinity_train.errors import ConfigError
 from trinity_train.model import ModelOutput, build_model
 from trinity_train.model.norms import LayerNorm, RMSNorm
@@ -15,11 +16,7 @@ from trinity_train.model.norms import LayerNorm, RMSNorm
 VARIANTS = ("trinity", "sandwich", "prenorm", "gemma3", "normformer")
 
 
-def tiny(**overrides) -> ModelConfig:
-    base = dict(vocab_size=64, hidden_size=32, num_layers=4, num_dense_layers=1, num_heads=4,
-                num_kv_heads=2, head_dim=8, intermediate_size=48, num_experts=4,
-                num_experts_per_tok=2, moe_intermediate_size=16, sliding_window=4)
-    return ModelConfig(**{**base, **overrides})
+tiny = tiny_model
 
 
 # The norms each DESIGN row names: {module path within a layer: RMSNorm or LayerNorm}.
@@ -155,7 +152,7 @@ def test_each_variant_trains(variant):
 
 
 def _to_hf_state_dict(sd: dict) -> dict:
-    """Our names -> transformers' afmoe names, written out independently of model/hf.py."""
+    """Our names -> transformers' afmoe names, written out independently of interop/hf.py."""
     renames = {"attn_norm": "input_layernorm", "attn_post_norm": "post_attention_layernorm",
                "mlp_norm": "pre_mlp_layernorm", "mlp_post_norm": "post_mlp_layernorm",
                "attn": "self_attn", "shared_expert": "shared_experts"}

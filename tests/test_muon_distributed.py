@@ -8,18 +8,13 @@ after three steps every parameter must equal the single-process run (fp32 Newton
 
 from __future__ import annotations
 
-import datetime
-import json
-import os
 import tempfile
-import time
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-import torch.multiprocessing as mp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
                                                      set_model_state_dict, set_optimizer_state_dict)
@@ -28,8 +23,8 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from torch.distributed.tensor.placement_types import _StridedShard
 from torch.utils.flop_counter import FlopCounterMode
 
+from ranks import init_gloo, run_ranks
 from trinity_train.optim.muon import Muon
-from trinity_train.parallel.process_group import destroy_distributed, leave_together
 
 SHAPES = {
     "q_proj": (12, 8),
@@ -215,48 +210,30 @@ SCENARIOS = {
 }
 
 
-def _worker(rank, world, init_file, out_dir, scenarios):
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=60))
+def _run_scenarios(out_dir, scenarios):
+    init_gloo()
+    rank, world = dist.get_rank(), dist.get_world_size()
     results = {}
-    try:
-        for name in scenarios:
-            try:
-                results[name] = {"value": SCENARIOS[name](rank, world, out_dir)}
-            except Exception as e:  # reported per scenario by the tests below
-                results[name] = {"error": f"{type(e).__name__}: {e}"}
-        leave_together()
-    finally:
-        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
-        destroy_distributed()
-
-
-def run_ranks(world: int, scenarios: list[str], out_dir: str, timeout_s: float = 300) -> list[dict]:
-    """Run `scenarios` on `world` spawned gloo ranks; a hang fails instead of blocking the suite."""
-    init_file = os.path.join(out_dir, "init")
-    ctx = mp.start_processes(_worker, args=(world, init_file, out_dir, scenarios), nprocs=world,
-                             join=False, start_method="spawn")
-    deadline = time.monotonic() + timeout_s
-    while not ctx.join(timeout=5):
-        if time.monotonic() > deadline:
-            for proc in ctx.processes:
-                proc.kill()
-            pytest.fail(f"ranks still running after {timeout_s}s: a collective hung")
-    return [json.loads(Path(out_dir, f"rank{r}.json").read_text()) for r in range(world)]
+    for name in scenarios:
+        try:
+            results[name] = {"value": SCENARIOS[name](rank, world, out_dir)}
+        except Exception as e:  # reported per scenario by the tests below
+            results[name] = {"error": f"{type(e).__name__}: {e}"}
+    return results
 
 
 @pytest.fixture(scope="module")
 def two_ranks():
     with tempfile.TemporaryDirectory() as out_dir:
-        results = run_ranks(2, ["layouts_2", "expert_without_tokens", "work_split", "checkpoint"], out_dir)
+        results = run_ranks(2, _run_scenarios, out_dir, ["layouts_2", "expert_without_tokens", "work_split",
+                                                         "checkpoint"])
         yield results, out_dir
 
 
 @pytest.fixture(scope="module")
 def four_ranks():
     with tempfile.TemporaryDirectory() as out_dir:
-        yield run_ranks(4, ["layouts_4"], out_dir)
+        yield run_ranks(4, _run_scenarios, out_dir, ["layouts_4"])
 
 
 def _values(results, scenario):

@@ -15,11 +15,12 @@ import pytest
 import torch
 from torch.distributed.tensor import DTensor
 
+from conftest import RUN_MODEL
 from trinity_train.checkpoint import dcp_io
 from trinity_train.checkpoint.stateful import ModelState, OptimizerState
 from trinity_train.config import load_config
 from trinity_train.optim.groups import build_optimizer
-from trinity_train.parallel.local_ranks import init_gloo, run_ranks
+from ranks import init_gloo, run_ranks
 from trinity_train.parallel.mesh import ParallelDims
 from trinity_train.parallel.parallelize import build_parallel_model
 from trinity_train.parallel.reductions import sum_over_data_parallel
@@ -33,10 +34,8 @@ FOUR_RANKS = {"tp2_ep2": {"tp": 2, "ep": 2}, "tp2_fsdp2": {"tp": 2}, "ep2_fsdp2"
 
 def config(parallel: dict):
     return load_config(None, {
-        "model": {"vocab_size": VOCAB, "hidden_size": 32, "num_layers": 3, "num_dense_layers": 1,
-                  "num_heads": 2, "num_kv_heads": 2, "head_dim": 16, "intermediate_size": 64,
-                  "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16,
-                  "route_scale": 2.0, "sliding_window": 8, "global_every": 2, "load_balance": "none"},
+        "model": {**RUN_MODEL, "vocab_size": VOCAB, "num_layers": 3, "num_kv_heads": 2, "route_scale": 2.0,
+                  "global_every": 2, "load_balance": "none"},
         "data": {"seq_len": 16},
         "train": {"seed": 5},
         # AdamW (embedding, head, norms) with eps 1e-4: gradients that cancel to ~1e-7 differ in

@@ -7,8 +7,10 @@ import pytest
 import torch
 
 from trinity_train.config import Config
-from trinity_train.observe import METRICS_FILE, MetricsRecorder, discard_records_after, measure_peak_flops, mfu
-from trinity_train.observe.jsonl import JsonlWriter, read_jsonl
+from trinity_train.files import read_jsonl
+from trinity_train.observe import MetricsRecorder, measure_peak_flops, mfu, supersede_records_after
+from trinity_train.observe.jsonl import JsonlWriter
+from trinity_train.rundir import METRICS_FILE, RunDir
 from trinity_train.observe.wandb_sink import resolve_mode
 
 
@@ -27,14 +29,22 @@ def test_jsonl_writes_one_object_per_line_with_nan_as_null(tmp_path):
     assert read_jsonl(tmp_path / "m.jsonl") == [{"loss": None, "x": [1.0, None]}, {"loss": 1.5}]
 
 
-def test_resume_trim_keeps_records_up_to_the_checkpoint(tmp_path):
-    writer = JsonlWriter(tmp_path / METRICS_FILE)
+def test_resume_trim_keeps_records_up_to_the_checkpoint_and_supersedes_the_rest(tmp_path):
+    run = RunDir(tmp_path)
+    writer = JsonlWriter(run.metrics)
     for i in range(1, 6):
         writer.write({"kind": "train", "iter": i, "step": i})
     writer.write({"kind": "val", "iter": 5, "step": 5, "val_loss": 3.0})
     writer.close()
-    discard_records_after(tmp_path, 3)
-    assert [r["iter"] for r in read_jsonl(tmp_path / METRICS_FILE)] == [1, 2, 3]
+    with open(run.metrics, "a") as f:
+        f.write('{"kind": "train", "iter": 6, "st')  # the interrupted run died mid-line
+    assert supersede_records_after(run, 3) == 3
+    assert [r["iter"] for r in read_jsonl(run.metrics)] == [1, 2, 3]
+    assert run.metrics.read_text().endswith("}\n")  # the torn line is gone: appends start clean
+    assert [(r["kind"], r["iter"], r["superseded_at"]) for r in read_jsonl(run.superseded)] == [
+        ("train", 4, 3), ("train", 5, 3), ("val", 5, 3)]
+    assert supersede_records_after(run, 3) == 0  # nothing left to move: the file stays as it is
+    assert len(read_jsonl(run.superseded)) == 3
 
 
 def test_recorder_feeds_jsonl_tensorboard_and_offline_wandb(tmp_path, monkeypatch):

@@ -8,7 +8,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).parents[1]
+pytestmark = pytest.mark.slow  # runs a benchmark script on gloo ranks in a subprocess
 TINY = ["--model.vocab_size=256", "--model.hidden_size=64", "--model.num_layers=2",
         "--model.intermediate_size=128", "--model.moe_intermediate_size=32", "--data.seq_len=32",
         "--model.sliding_window=16"]

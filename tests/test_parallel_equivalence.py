@@ -19,14 +19,12 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from helpers import prepare_word_corpus
-from trinity_train.config import load_config
-from trinity_train.observe.jsonl import read_jsonl
-from trinity_train.parallel.local_ranks import init_gloo, run_ranks
+from conftest import layout_config
+from trinity_train.files import read_jsonl
+from ranks import init_gloo, run_ranks
 from trinity_train.parallel.mesh import ParallelDims
-from trinity_train.train import Trainer, build_model_for_training, distributed_placement
+from trinity_train.train import Trainer, build_model_for_training
 
-GLOBAL_ROWS = 4
 # layout name: config sections it changes
 TWO_RANKS = {
     "fsdp2": {"parallel": {"dp_shard": 2}},
@@ -42,39 +40,6 @@ FOUR_RANKS = {
     "tp2_ep2": {"parallel": {"tp": 2, "ep": 2}, "train": {"activation_checkpointing": True}},
 }
 BLOCKS = ("trinity", "normformer", "gemma3")
-WORDS = "red green blue cyan magenta yellow black white grey pink brown olive navy teal".split()
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    return prepare_word_corpus(tmp_path_factory.mktemp("parallel_corpus"), WORDS, seed=1, num_docs=30)
-
-
-def layout_config(corpus, run_dir, changes: dict, world: int):
-    dp = world // changes.get("parallel", {}).get("tp", 1)
-    table = {
-        "model": {"vocab_size": 320, "hidden_size": 32, "num_layers": 3, "num_dense_layers": 1,
-                  "num_heads": 2, "num_kv_heads": 2, "head_dim": 16, "intermediate_size": 64,
-                  "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16,
-                  "route_scale": 2.0, "sliding_window": 8, "global_every": 2,
-                  "bias_update_rate": 1e-2},
-        "data": {"path": str(corpus), "seq_len": 16},
-        "train": {"steps": 3, "micro_batch_size": 1, "grad_accum": GLOBAL_ROWS // dp,
-                  "eval_every": 0, "grad_clip": 0.5, "seed": 5},
-        # Adam's eps is raised from 1e-8: near-zero gradients (sums that cancel to ~1e-6) differ
-        # in their last bits between summation orders, and a tiny eps turns that noise into whole
-        # lr-sized steps of either sign. 1e-4 keeps real gradients at full Adam steps.
-        "optim": {"name": "adamw", "lr": 1e-2, "eps": 1e-4, "schedule": "constant",
-                  "warmup_steps": 0},
-        "checkpoint": {"every": 0},
-        "metrics": {"progress_bar": False, "peak_flops": 1e11},
-        "run": {"dir": str(run_dir)},
-    }
-    for section, values in changes.items():
-        table[section] = {**table.get(section, {}), **values}
-    return load_config(None, table)
-
-
 def whole_params(model) -> dict[str, torch.Tensor]:
     """By model name (activation checkpointing's wrapper adds a level to module names)."""
     return {name.replace("_checkpoint_wrapped_module.", ""):
@@ -103,7 +68,7 @@ def train_layouts(corpus, root, layouts: dict) -> dict:
         cfg = layout_config(corpus, root / name, changes, world)
         dims = ParallelDims.from_config(cfg, world)
         dims.build_mesh("cpu")
-        trainer = Trainer(cfg, distributed_placement(dims, torch.device("cpu")),
+        trainer = Trainer(cfg, dims, torch.device("cpu"),
                           model_builder=functools.partial(build_model_for_training, dims=dims))
         results[name] = trained(trainer)
     return results

@@ -14,7 +14,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import parallelize_module
 
-from trinity_train.parallel.local_ranks import init_gloo, run_ranks
+from ranks import init_gloo, run_ranks
 from trinity_train.model.moe import GroupedExperts
 from trinity_train.parallel.expert_parallel import ExpertParallel, dispatch_tokens, combine_tokens
 

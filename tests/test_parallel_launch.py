@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from test_parallel_equivalence import corpus, layout_config  # noqa: F401  (corpus is a fixture)
+from conftest import layout_config
 from trinity_train.config import save_config
-from trinity_train.observe.jsonl import read_jsonl
-from trinity_train.parallel.local_ranks import free_port
+from trinity_train.files import read_jsonl
+from ranks import free_port
 
 ROOT = Path(__file__).parents[1]
 # torchrun from the environment the tests run in
@@ -36,12 +36,13 @@ def train_losses(run_dir: Path) -> list[float]:
 
 
 @pytest.fixture
-def ep2_config(corpus, tmp_path):  # noqa: F811
+def ep2_config(corpus, tmp_path):
     path = tmp_path / "ep2.toml"
     save_config(layout_config(corpus, tmp_path / "unused", {"parallel": {"ep": 2}}, world=2), path)
     return path
 
 
+@pytest.mark.slow
 def test_two_nodes_on_one_machine_train_like_one_node(ep2_config, tmp_path):
     one_node = launch("launch/local.sh", 2, "--config", ep2_config, f"--run.dir={tmp_path / 'one'}")
     code, log = finish(one_node)

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from trinity_train.parallel.local_ranks import init_gloo, run_ranks
+from ranks import init_gloo, run_ranks
 from trinity_train.config import load_config
 from trinity_train.errors import ConfigError, UserError
 from trinity_train.parallel.mesh import ParallelDims

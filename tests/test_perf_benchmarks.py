@@ -12,7 +12,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).parents[1]
+pytestmark = pytest.mark.slow  # each runs a benchmark script in a subprocess
 TINY = ["--model.vocab_size=256", "--model.hidden_size=32", "--model.num_layers=3",
         "--model.num_heads=4", "--model.num_kv_heads=2", "--model.head_dim=8",
         "--model.intermediate_size=64", "--model.num_experts=4", "--model.num_experts_per_tok=2",

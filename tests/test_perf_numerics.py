@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 import trinity_train.model.transformer as transformer
+from conftest import tiny_model
 from trinity_train.config import Config, ModelConfig
 from trinity_train.model import build_model
 from trinity_train.model.attention import (SlidingWindowBlocks, build_attention_mask,
@@ -22,11 +23,8 @@ from trinity_train.train import apply_training_wrappers
 
 def tiny(**overrides) -> ModelConfig:
     # 2 local layers (window 4, so 16 tokens are cut into blocks) and 1 global; 2 MoE layers.
-    base = dict(vocab_size=96, hidden_size=32, num_layers=3, num_dense_layers=1, num_heads=4,
-                num_kv_heads=2, head_dim=8, intermediate_size=48, num_experts=4,
-                num_experts_per_tok=2, moe_intermediate_size=16, sliding_window=4, global_every=3,
-                loss_chunk_tokens=13)
-    return ModelConfig(**{**base, **overrides})
+    return tiny_model(**{"vocab_size": 96, "num_layers": 3, "global_every": 3, "loss_chunk_tokens": 13,
+                         **overrides})
 
 
 def batch(cfg: ModelConfig, rows: int = 2, seq: int = 16, seed: int = 0):
@@ -191,6 +189,7 @@ def test_activation_checkpointing_gives_the_same_loss_and_gradients():
         torch.testing.assert_close(checkpointed[1][key], g, msg=name)
 
 
+@pytest.mark.slow  # inductor compiles the blocks: about a minute
 def test_compiled_blocks_give_the_eager_loss_and_gradients():
     # Inductor itself, not a stand-in backend: its generated CPU code is what runs (an earlier
     # `unfold`-based window silently corrupted gradients there and only there).

@@ -7,41 +7,24 @@ import math
 import pytest
 import torch
 
-from helpers import poison_batches, prepare_word_corpus
+from conftest import run_config
+from helpers import poison_batches
 from trinity_train.checkpoint import ModelState, save_model_checkpoint
 from trinity_train.checkpoint.layout import list_checkpoints
-from trinity_train.config import load_config
 from trinity_train.errors import ConfigError
 from trinity_train.stability import TrainingDivergedError
-from trinity_train.observe.jsonl import read_jsonl
+from trinity_train.files import read_jsonl
 from trinity_train.train import Trainer, build_model_for_training, train
 
-WORDS = ("the quick brown fox jumps over a lazy dog while one small cat sat on the warm mat and "
-         "birds sang in tall green trees near old stone walls").split()
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    """~14k tokens of word salad with a 300-token BPE: enough for ~100 batches of 2x2x16 tokens."""
-    return prepare_word_corpus(tmp_path_factory.mktemp("corpus"), WORDS, seed=0, num_docs=40)
-
-
 def tiny_config(corpus, run_dir, **sections):
-    table = {
-        "model": {"vocab_size": 320, "hidden_size": 32, "num_layers": 4, "num_dense_layers": 1,
-                  "num_heads": 2, "num_kv_heads": 1, "head_dim": 16, "intermediate_size": 64,
-                  "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16,
-                  "sliding_window": 8, "bias_update_rate": 1e-2},
-        "data": {"path": str(corpus), "seq_len": 16},
+    base = {
         "train": {"steps": 6, "micro_batch_size": 2, "grad_accum": 2, "eval_every": 3, "eval_batches": 2},
         "optim": {"lr": 3e-3, "warmup_steps": 2, "decay_fraction": 0.5},  # the lr changes every step
         "checkpoint": {"every": 2, "keep": 5},
-        "metrics": {"progress_bar": False, "peak_flops": 1e11, "tensorboard": False},
-        "run": {"dir": str(run_dir)},
     }
     for section, values in sections.items():
-        table[section] = {**table.get(section, {}), **values}
-    return load_config(None, table)
+        base[section] = {**base.get(section, {}), **values}
+    return run_config(corpus, run_dir, **base)
 
 
 def train_records(run_dir):

@@ -1,0 +1,75 @@
+"""Shared test fixtures and builders: the tiny word-salad corpus, tiny model configs and tiny run
+configs. Test modules take the `corpus` fixture and build configs with `tiny_model(...)` and
+`run_config(...)`, overriding only what the test is about."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from helpers import prepare_word_corpus
+from trinity_train.config import Config, ModelConfig, load_config
+
+WORDS = ("the quick brown fox jumps over a lazy dog while one small cat sat on the warm mat and "
+         "birds sang in tall green trees near old stone walls").split()
+
+# The model of unit tests of the model code: 4 layers (1 dense, 3 MoE with 4 experts top-2),
+# sliding window 4, so 16-token sequences exercise local and global attention.
+TINY_MODEL = dict(vocab_size=64, hidden_size=32, num_layers=4, num_dense_layers=1, num_heads=4,
+                  num_kv_heads=2, head_dim=8, intermediate_size=48, num_experts=4,
+                  num_experts_per_tok=2, moe_intermediate_size=16, sliding_window=4)
+
+# The model of training runs on the `corpus` (its BPE has 300 tokens): 4 layers, 4 experts top-2.
+RUN_MODEL = dict(vocab_size=320, hidden_size=32, num_layers=4, num_dense_layers=1, num_heads=2,
+                 num_kv_heads=1, head_dim=16, intermediate_size=64, num_experts=4,
+                 num_experts_per_tok=2, moe_intermediate_size=16, sliding_window=8,
+                 bias_update_rate=1e-2)
+
+
+@pytest.fixture(scope="session")
+def corpus(tmp_path_factory) -> Path:
+    """~14k tokens of word salad with a 300-token BPE: enough for ~100 batches of 2x2x16 tokens."""
+    return prepare_word_corpus(tmp_path_factory.mktemp("corpus"), WORDS, seed=0, num_docs=40)
+
+
+def tiny_model(**overrides) -> ModelConfig:
+    return ModelConfig(**{**TINY_MODEL, **overrides})
+
+
+def run_config(corpus: Path, run_dir: Path, **sections: dict) -> Config:
+    """A validated config training `RUN_MODEL` on `corpus` into `run_dir`, quietly (no progress
+    bar, a fixed peak for MFU); each keyword is a config section whose keys override the base."""
+    table: dict = {
+        "model": dict(RUN_MODEL),
+        "data": {"path": str(corpus), "seq_len": 16},
+        "metrics": {"progress_bar": False, "peak_flops": 1e11},
+        "run": {"dir": str(run_dir)},
+    }
+    for section, values in sections.items():
+        table[section] = {**table.get(section, {}), **values}
+    return load_config(None, table)
+
+
+LAYOUT_GLOBAL_ROWS = 4
+
+
+def layout_config(corpus: Path, run_dir: Path, changes: dict, world: int) -> Config:
+    """The run the parallel-layout tests compare: three AdamW steps on 4-row global batches for any
+    number of ranks (grad_accum makes up for fewer data-parallel ranks), with `changes` (config
+    sections) naming the layout."""
+    dp = world // changes.get("parallel", {}).get("tp", 1)
+    table = {
+        "model": {"num_layers": 3, "num_kv_heads": 2, "route_scale": 2.0, "global_every": 2},
+        "train": {"steps": 3, "micro_batch_size": 1, "grad_accum": LAYOUT_GLOBAL_ROWS // dp,
+                  "eval_every": 0, "grad_clip": 0.5, "seed": 5},
+        # Adam's eps is raised from 1e-8: near-zero gradients (sums that cancel to ~1e-6) differ
+        # in their last bits between summation orders, and a tiny eps turns that noise into whole
+        # lr-sized steps of either sign. 1e-4 keeps real gradients at full Adam steps.
+        "optim": {"name": "adamw", "lr": 1e-2, "eps": 1e-4, "schedule": "constant",
+                  "warmup_steps": 0},
+        "checkpoint": {"every": 0},
+    }
+    for section, values in changes.items():
+        table[section] = {**table.get(section, {}), **values}
+    return run_config(corpus, run_dir, **table)

@@ -1,0 +1,85 @@
+"""Imports only go downward (DESIGN §1): every `trinity_train` import of every module, read from
+its source, goes to its own package or to one on a lower layer; the model package knows nothing
+of data, distribution, checkpoints, metrics or the CLI."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "trinity_train"
+
+# Top to bottom. A package may import its own layer's packages only where listed in SIDEWAYS.
+LAYERS = [
+    {"cli"},
+    {"train"},
+    {"parallel", "checkpoint", "stability", "observe", "interop", "dashboard", "study"},
+    {"model", "optim", "data"},
+    {"config", "rundir"},
+    {"files"},
+    {"errors", "__init__"},
+]
+SIDEWAYS = {
+    ("study", "dashboard"),  # the study's report is the dashboard's offline report
+}
+
+
+def layer_of(package: str) -> int:
+    for depth, packages in enumerate(LAYERS):
+        if package in packages:
+            return depth
+    raise AssertionError(f"trinity_train.{package} is on no layer of this test: add it to LAYERS")
+
+
+def package_of(path: Path) -> str:
+    parts = path.relative_to(PACKAGE).with_suffix("").parts
+    return parts[0]
+
+
+def imported_packages(path: Path) -> set[str]:
+    """The trinity_train packages `path` imports (`from trinity_train import x` names x's module)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "trinity_train":
+            parts = node.module.split(".")
+            if len(parts) > 1:
+                found.add(parts[1])
+            else:
+                found.update(a.name if (PACKAGE / a.name).exists() or (PACKAGE / f"{a.name}.py").exists()
+                             else "__init__" for a in node.names)
+        elif isinstance(node, ast.Import):
+            found.update(a.name.split(".")[1] for a in node.names
+                         if a.name.startswith("trinity_train."))
+    return found
+
+
+MODULES = sorted(PACKAGE.rglob("*.py"))
+
+
+def test_every_package_is_on_a_layer():
+    for module in MODULES:
+        layer_of(package_of(module))
+
+
+@pytest.mark.parametrize("module", MODULES, ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_imports_go_downward(module):
+    own = package_of(module)
+    for target in imported_packages(module) - {own}:
+        upward = layer_of(target) < layer_of(own)
+        sideways = layer_of(target) == layer_of(own) and (own, target) not in SIDEWAYS
+        assert not (upward or sideways), (
+            f"{module.relative_to(PACKAGE)} ({own}, layer {layer_of(own)}) imports trinity_train.{target} "
+            f"(layer {layer_of(target)})")
+
+
+def test_the_model_package_imports_only_config_errors_and_itself():
+    for module in (PACKAGE / "model").rglob("*.py"):
+        assert imported_packages(module) <= {"model", "config", "errors"}, module.name
+
+
+def test_the_walk_sees_imports():
+    """The checks above would pass vacuously if the walk missed imports."""
+    assert imported_packages(PACKAGE / "train.py") >= {"checkpoint", "data", "model", "parallel", "stability"}
+    assert "model" in imported_packages(PACKAGE / "parallel" / "tensor_parallel.py")
