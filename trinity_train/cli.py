@@ -1,4 +1,4 @@
-"""`trinity-train <command>`: train, prepare-data, export-hf, import-hf, ckpt inspect|verify.
+"""`trinity-train <command>`: train, prepare-data, export-hf, import-hf, ckpt inspect|verify, incidents.
 
 A user mistake (any `UserError`) ends with one line `error: <message>` on stderr and the error's
 exit code: 2 for configuration, 1 otherwise. Heavy imports (torch, the model, data libraries)
@@ -97,6 +97,18 @@ def cmd_ckpt(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_incidents(args: argparse.Namespace) -> int:
+    from trinity_train.rundir import RunDir
+    from trinity_train.stability.incidents import format_table, read_incidents
+
+    run = RunDir(args.run_dir)
+    if not run.path.is_dir():
+        raise DataError(f"run directory '{run.path}' does not exist")
+    reports = read_incidents(run)
+    print(json.dumps(reports, indent=2) if args.json else format_table(reports))
+    return 0
+
+
 def _add_prepare_data(subparsers) -> None:
     parser = subparsers.add_parser("prepare-data", help="tokenize a dataset into packed token shards")
     from trinity_train.data.prepare import add_prepare_arguments
@@ -137,6 +149,12 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     inspect.add_argument("--json", action="store_true", help="print the summary as JSON")
     verify = ckpt_sub.add_parser("verify", help="check that a checkpoint is complete and loadable")
     verify.add_argument("path")
+
+    incidents = sub.add_parser("incidents", help="list a run's skipped steps and rollbacks (incident reports)",
+                               description="One line per incident report in RUN_DIR/incidents/: what the guard "
+                                           "saw, what it did, and which data the step came from.")
+    incidents.add_argument("run_dir", metavar="RUN_DIR")
+    incidents.add_argument("--json", action="store_true", help="print the full reports as a JSON list")
     return parser
 
 
@@ -148,7 +166,7 @@ def run(argv: list[str]) -> int:
     if extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     handlers = {"prepare-data": cmd_prepare_data, "export-hf": cmd_export_hf,
-                "import-hf": cmd_import_hf, "ckpt": cmd_ckpt}
+                "import-hf": cmd_import_hf, "ckpt": cmd_ckpt, "incidents": cmd_incidents}
     return handlers[args.command](args)
 
 
