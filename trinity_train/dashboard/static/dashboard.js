@@ -73,7 +73,8 @@
 
   const $ = (id) => document.getElementById(id);
   const color = (run) => COLORS[run % COLORS.length];
-  const escapeHtml = (s) => String(s).replace(/&/g, "&amp;").replace(/</g, "&lt;").replace(/>/g, "&gt;");
+  const ENTITIES = { "&": "&amp;", "<": "&lt;", ">": "&gt;" };
+  const escapeHtml = (s) => String(s).replace(/[&<>]/g, (c) => ENTITIES[c]);
   const visibleRuns = () => state.runs.filter((r) => !state.hidden.has(r.index) && state.data[r.index]);
   const fmt = (v, digits = 4) => (v === null || v === undefined ? "—" : typeof v === "number" ? +v.toPrecision(digits) : String(v));
 
@@ -107,7 +108,7 @@
   function rollbackBands(run) {
     const markers = state.data[run.index].markers;
     return markers.rollbacks.filter((r) => r.to_iter !== null && r.iter !== null).map((r) => ({
-      type: "rect", name: "rollback", xref: "x", yref: "paper", x0: r.to_iter + 0.5, x1: r.iter + 0.5, y0: 0, y1: 1,
+      type: "rect", name: `rollback: ${run.name}`, xref: "x", yref: "paper", x0: r.to_iter + 0.5, x1: r.iter + 0.5, y0: 0, y1: 1,
       fillcolor: color(run.index), opacity: 0.12, line: { width: 1, color: color(run.index), dash: "dot" }, layer: "below",
     }));
   }
