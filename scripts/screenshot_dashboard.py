@@ -22,8 +22,10 @@ def screenshot(run_dirs: list[str], out: str, width: int = 1600) -> list[str]:
         driver.get(server.url)
         browser.wait_until_rendered(driver)
         height = driver.execute_script("return document.documentElement.scrollHeight")
-        driver.set_window_size(width, height + 40)
-        driver.execute_script("return new Promise(r => setTimeout(r, 500))")  # let plotly resize
+        # a viewport as tall as the page, so the screenshot holds all of it
+        driver.execute_cdp_cmd("Emulation.setDeviceMetricsOverride",
+                               {"width": width, "height": height, "deviceScaleFactor": 1, "mobile": False})
+        driver.execute_async_script("setTimeout(arguments[0], 800)")  # let plotly resize
         driver.save_screenshot(out)
         return [e["message"] for e in driver.get_log("browser") if e["level"] == "SEVERE"]
 
