@@ -22,6 +22,7 @@ def test_a_port_in_use_is_one_line_and_a_non_zero_exit(tmp_path):
         port = taken.getsockname()[1]
         result = cli("dashboard", "run", "--port", str(port), cwd=tmp_path)
     assert_one_line_error(result, 1, f"cannot listen on 127.0.0.1:{port}", "choose another --port")
+    assert_one_line_error(cli("dashboard", "run", "--port", "70000", cwd=tmp_path), 1, "from 0 to 65535")
 
 
 def test_another_host_warns_that_others_can_reach_it(tmp_path):

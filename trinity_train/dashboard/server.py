@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import math
 import socket
 import sys
 import threading
@@ -35,7 +36,6 @@ from trinity_train.dashboard import assets, views
 from trinity_train.dashboard.runs import RunView
 from trinity_train.errors import UserError
 
-LOOPBACK = ("127.0.0.1", "localhost", "::1")
 KEEPALIVE_S = 15.0
 MAX_WIDTH = 20000
 _HEADERS = {"X-Content-Type-Options": "nosniff", "Referrer-Policy": "no-referrer", "Cache-Control": "no-store"}
@@ -51,29 +51,30 @@ def bad_request(message: str) -> HTTPException:
 
 # -- query values ------------------------------------------------------------------------------
 
-def _integer(request: Request, name: str, default: int | None = None, minimum: int | None = None) -> int | None:
+def _query(request: Request, name: str, convert, what: str):
+    """The query value `name` converted, None when absent; a 400 naming it when it is not `what`."""
     raw = request.query_params.get(name)
     if raw is None or raw == "":
-        return default
+        return None
     try:
-        value = int(raw)
+        return convert(raw)
     except ValueError:
-        raise bad_request(f"query value {name}={raw!r} is not an integer") from None
+        raise bad_request(f"query value {name}={raw!r} is not {what}") from None
+
+
+def _integer(request: Request, name: str, default: int | None = None, minimum: int | None = None) -> int | None:
+    value = _query(request, name, int, "an integer")
+    if value is None:
+        return default
     if minimum is not None and value < minimum:
         raise bad_request(f"query value {name}={value} must be at least {minimum}")
     return value
 
 
 def _number(request: Request, name: str) -> float | None:
-    raw = request.query_params.get(name)
-    if raw is None or raw == "":
-        return None
-    try:
-        value = float(raw)
-    except ValueError:
-        raise bad_request(f"query value {name}={raw!r} is not a number") from None
-    if value != value or value in (float("inf"), float("-inf")):
-        raise bad_request(f"query value {name}={raw!r} is not a finite number")
+    value = _query(request, name, float, "a number")
+    if value is not None and not math.isfinite(value):
+        raise bad_request(f"query value {name}={request.query_params[name]!r} is not a finite number")
     return value
 
 
@@ -240,6 +241,9 @@ def listen(host: str, port: int) -> socket.socket:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))
+    except OverflowError:
+        sock.close()
+        raise DashboardError(f"--port {port}: a port is a number from 0 to 65535") from None
     except OSError as e:
         sock.close()
         raise DashboardError(f"cannot listen on {host}:{port}: {e.strerror or e} (is another dashboard running there? "
