@@ -242,3 +242,45 @@ def test_incidents_command_prints_the_table_and_json(corpus, tmp_path, capsys):
     assert "does not exist" in capsys.readouterr().err
     shutil.rmtree(RunDir(run_dir).incidents)
     assert main(["incidents", str(run_dir)]) == 0 and "no incidents" in capsys.readouterr().out
+
+
+# Every drill in one run, each fault on rank 1 only under FSDP: the global loss and gradient norm
+# carry it to both ranks, so both take the same branch.
+ALL_DRILLS = [{"fault": "nan_loss", "first": 14, "rank": 1}, {"fault": "grad_scale", "first": 17, "factor": 1e4, "rank": 1},
+              {"fault": "loss_spike", "first": 20, "rank": 1}, {"fault": "poison_random", "first": 24, "last": 27, "rank": 1}]
+
+
+def fsdp_drill_runs(corpus, root):
+    import functools
+
+    import torch
+    import torch.distributed as dist
+
+    from ranks import init_gloo
+    from trinity_train.parallel.mesh import ParallelDims
+    from trinity_train.train import build_model_for_training
+
+    init_gloo()
+    cfg = drill_config(corpus, root / "fsdp", *ALL_DRILLS)
+    cfg.train.micro_batch_size = 2  # x 2 ranks: the 4-row global batch of one process
+    cfg.parallel.dp_shard = 2
+    dims = ParallelDims.from_config(cfg, dist.get_world_size())
+    dims.build_mesh("cpu")
+    Trainer(cfg, dims, torch.device("cpu"), model_builder=functools.partial(build_model_for_training, dims=dims)).run()
+
+
+def test_every_drill_on_one_fsdp_rank_is_handled_on_both_like_one_process(corpus, tmp_path, clean):
+    from ranks import run_ranks
+
+    run_ranks(2, fsdp_drill_runs, corpus, tmp_path)
+    Trainer(drill_config(corpus, tmp_path / "one", *[{k: v for k, v in f.items() if k != "rank"}
+                                                      for f in ALL_DRILLS])).run()
+    outcome = lambda run: ([(e["iter"], e["reason"]) for e in events(run, "skip")],  # noqa: E731
+                           [(e["iter"], e["to_step"], e["skipped_batches"]) for e in events(run, "rollback")])
+    skips, rollbacks = outcome(tmp_path / "fsdp")
+    assert outcome(tmp_path / "fsdp") == outcome(tmp_path / "one")
+    assert [reason for it, reason in skips if it < 24] == ["nonfinite", "grad_spike", "loss_spike"]
+    assert rollbacks and rollbacks[0][1] <= 23 - GUARD["rollback_lookback"]
+    assert {e["rank"] for e in events(tmp_path / "fsdp", "fault_injected")} == {1}
+    assert_poison_never_trained(tmp_path / "fsdp", 24, 27)
+    assert final_val_loss(tmp_path / "fsdp") == pytest.approx(final_val_loss(clean), rel=0.02)

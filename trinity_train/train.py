@@ -267,10 +267,15 @@ class Trainer:
         self.ledger.add(batch_index, batch_index + 1, reason=f"skipped step: {verdict.reason}", kind="skip",
                         iteration=self.state.iteration)
         self._save_ledger()
+        report = self.rundir.incident(self.state.iteration)
         recorder.event("skip", iter=self.state.iteration, step=self.state.step, batch=batch_index,
                        reason=verdict.reason, loss=result.loss, grad_norm=result.grad_norm,
                        loss_z=verdict.loss_z, grad_norm_z=verdict.grad_norm_z,
-                       incident=str(self.rundir.incident(self.state.iteration).relative_to(self.rundir.path)))
+                       incident=str(report.relative_to(self.rundir.path)))
+        z = max((v for v in (verdict.loss_z, verdict.grad_norm_z) if v is not None), default=None)
+        recorder.notice(f"iteration {self.state.iteration}: step skipped ({verdict.reason}"
+                        f"{f', z {z:.1f}' if z is not None else ''}; loss {result.loss:.4f}, grad norm "
+                        f"{result.grad_norm:.3g}); report {report}")
 
     def _report_incident(self, result: StepResult, action: str, batches: list[int], drill: list[dict],
                          rollback: dict | None = None) -> None:
@@ -342,6 +347,9 @@ class Trainer:
                  "discarded_checkpoints": [str(p) for p in discarded],
                  "incident": str(self.rundir.incident(iteration).relative_to(self.rundir.path))}
         recorder.event("rollback", **event)
+        recorder.notice(f"iteration {iteration}: rolled back from step {from_step} to step {self.state.step} "
+                        f"({target.name}); batches {skipped[0]}-{skipped[1] - 1} will not be trained on"
+                        + (f"; learning rate x{plan.lr_scale:g}" if plan.lr_scale < 1.0 else ""))
         if plan.lr_scale < 1.0:
             recorder.event("lr_backoff", iter=iteration, scale=plan.lr_scale, ramp_steps=cfg.lr_backoff_steps)
         return event
@@ -394,6 +402,9 @@ class Trainer:
         self.state.iteration += 1
         drill = self.faults.events(self.state.iteration, batch.index)
         recorder.events(drill)
+        for fault in drill:
+            where = "" if fault["rank"] is None else f" on rank {fault['rank']}"
+            recorder.notice(f"iteration {self.state.iteration}: drill: injected {fault['fault']}{where}")
         self.faults.poison(batch)
         result = self.step_fn(batch, self.state.iteration, self.state.step)
         elapsed = time.perf_counter() - started

@@ -67,6 +67,11 @@ class MetricsRecorder:
             self._write("val", record)
             self.progress.validation(record["val_loss"], record["step"])
 
+    def notice(self, text: str) -> None:
+        """Tell the person watching the console (skips, rollbacks, drills)."""
+        if self.is_main:
+            self.progress.message(text)
+
     def event(self, name: str, **fields) -> None:
         if self.is_main:
             self.event_log.write({"event": name, "time": time.time(), **fields})

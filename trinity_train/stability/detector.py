@@ -15,6 +15,7 @@ the window, so a spike does not widen the band that judges the next one.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections import deque
 
@@ -23,11 +24,17 @@ import numpy as np
 MAD_TO_SIGMA = 1.4826  # sigma = 1.4826 * MAD for normally distributed values
 
 
+@functools.lru_cache(maxsize=16)
+def _pairs(n: int) -> tuple[np.ndarray, np.ndarray]:
+    return np.triu_indices(n, k=1)
+
+
 def theil_sen(x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
     """(slope, intercept) of the Theil-Sen line through the points."""
-    i, j = np.triu_indices(len(x), k=1)
+    i, j = _pairs(len(x))
     dx = x[j] - x[i]
-    slope = float(np.median((y[j] - y[i])[dx > 0] / dx[dx > 0])) if np.any(dx > 0) else 0.0
+    apart = dx != 0  # a rollback can give two points the same step
+    slope = float(np.median((y[j] - y[i])[apart] / dx[apart])) if apart.any() else 0.0
     return slope, float(np.median(y - slope * x))
 
 
