@@ -277,12 +277,13 @@ class Trainer:
                         f"{f', z {z:.1f}' if z is not None else ''}; loss {result.loss:.4f}, grad norm "
                         f"{result.grad_norm:.3g}); report {report}")
 
-    def _report_incident(self, result: StepResult, action: str, batches: list[int], drill: list[dict],
+    def _report_incident(self, result: StepResult, step: int, action: str, batches: list[int], drill: list[dict],
                          rollback: dict | None = None) -> None:
-        """Write the incident report of this iteration (main process only)."""
+        """Write the incident report of this iteration, which found `step` optimizer steps applied
+        (main process only)."""
         if not self.is_main:
             return
-        report = {"iter": self.state.iteration, "step": self.state.step, "action": action,
+        report = {"iter": self.state.iteration, "step": step, "action": action,
                   "reason": result.verdict.reason, "onset_iter": result.verdict.onset_iter,
                   "signals": signal_rows(list(self.recent)), "layer_grad_norms": result.layer_grad_norms,
                   "batches": [{"index": b, "documents": batch_documents(self.train_loader, self.dataset_dirs, b)}
@@ -425,18 +426,18 @@ class Trainer:
         if verdict.apply:
             self._after_applied_step(recorder, summary)
             return
-        rollback, streak = None, list(self.skip_streak)
+        rollback, streak, step = None, list(self.skip_streak), self.state.step
         if verdict.rollback:
             try:
                 rollback = self._roll_back(result, batch.index, recorder)
             except TrainingDivergedError:
-                self._report_incident(result, "halt", streak, drill)
+                self._report_incident(result, step, "halt", streak, drill)
                 raise
         if rollback is not None:
             summary.rollbacks += 1
             self.skip_streak.clear()
-        self._report_incident(result, "rollback" if rollback else "skip", streak if rollback else [batch.index],
-                              drill, rollback)
+        self._report_incident(result, step, "rollback" if rollback else "skip",
+                              streak if rollback else [batch.index], drill, rollback)
 
     def _after_applied_step(self, recorder: MetricsRecorder, summary: TrainSummary) -> None:
         cfg, step = self.cfg, self.state.step
