@@ -92,8 +92,13 @@ def cmd_ckpt(args: argparse.Namespace) -> int:
     if args.ckpt_command == "inspect":
         _print_summary(inspect_checkpoint(args.path), args.json)
     else:
-        summary = verify_checkpoint(args.path)
-        print(f"ok: {args.path} is complete and loadable ({summary['kind']} checkpoint, step {summary['step']})")
+        summary = verify_checkpoint(args.path, deep=args.deep)
+        files = summary["checksummed_files"]
+        checked = (f"{files} files match their checksums" if files else
+                   "no checksums to compare (written before trinity-train recorded them)")
+        finite = "every tensor" if args.deep else "the model's tensors"
+        print(f"ok: {args.path} is complete and loadable, {checked}, {finite} finite "
+              f"({summary['kind']} checkpoint, step {summary['step']})")
     return 0
 
 
@@ -135,8 +140,10 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     inspect = ckpt_sub.add_parser("inspect", help="describe a checkpoint")
     inspect.add_argument("path")
     inspect.add_argument("--json", action="store_true", help="print the summary as JSON")
-    verify = ckpt_sub.add_parser("verify", help="check that a checkpoint is complete and loadable")
+    verify = ckpt_sub.add_parser("verify", help="check that a checkpoint is complete, unchanged and loadable")
     verify.add_argument("path")
+    verify.add_argument("--deep", action="store_true",
+                        help="also check that every tensor (optimizer state included) is finite")
     return parser
 
 

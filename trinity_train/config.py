@@ -140,6 +140,10 @@ class ParallelConfig:
     dp_shard: int = -1  # ranks FSDP shards weights over; -1: whatever is left of the world size
     tp: int = 1  # tensor parallel (heads and FFN width split, sequence-parallel norms)
     ep: int = 1  # expert parallel: routed experts split whole over this many of the dp_shard ranks
+    init_timeout_s: float = 300.0  # joining the process group and building the mesh; a rank that
+    #                                does not arrive fails the others after this (torch: 30 min)
+    collective_timeout_s: float = 600.0  # any one collective while training (and a checkpoint's);
+    #                                      raise it for very slow checkpoint storage (torch: 30 min)
 
 
 @dataclass
@@ -421,6 +425,8 @@ def validate(cfg: Config) -> None:
     for name in ("dp_replicate", "tp", "ep"):
         _require(getattr(p, name) >= 1, f"parallel.{name}", f"must be >= 1, got {getattr(p, name)}")
     _require(p.dp_shard == -1 or p.dp_shard >= 1, "parallel.dp_shard", "must be >= 1, or -1 for the rest")
+    for name in ("init_timeout_s", "collective_timeout_s"):
+        _require(getattr(p, name) > 0, f"parallel.{name}", f"must be positive (seconds), got {getattr(p, name)}")
     # Rules that need no world size; parallel/mesh.py checks the rest once the ranks are known.
     _require(m.num_heads % p.tp == 0 and m.num_kv_heads % p.tp == 0, "parallel.tp",
              f"tp={p.tp} must divide model.num_heads={m.num_heads} and model.num_kv_heads="

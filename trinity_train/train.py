@@ -345,10 +345,13 @@ class Trainer:
         return [{"event": "superseded", "from_iter": self.state.iteration, "records": moved}] if moved else []
 
     def _save(self, recorder: MetricsRecorder) -> None:
-        path = self.checkpoints.save(self.state.step, self.checkpoint_state(), self.cfg,
-                                     iteration=self.state.iteration)
-        recorder.event("checkpoint", step=self.state.step, iter=self.state.iteration, path=str(path),
-                       async_save=self.cfg.checkpoint.async_save)
+        step, iteration = self.state.step, self.state.iteration
+
+        def committed(path: Path) -> None:  # when the checkpoint is complete (an async one: later)
+            recorder.event("checkpoint", step=step, iter=iteration, path=str(path),
+                           async_save=self.cfg.checkpoint.async_save)
+
+        self.checkpoints.save(step, self.checkpoint_state(), self.cfg, on_commit=committed, iteration=iteration)
 
     def _validate(self, recorder: MetricsRecorder, summary: TrainSummary) -> None:
         val_loss, val_tokens = evaluate(self.model, self.val_loader, self.cfg, self.device, self.dims)
@@ -409,6 +412,8 @@ class Trainer:
                        resumed_from=str(self.resume_from) if self.resume_from else None)
         if self.config_changes:
             recorder.event("config_changed", changes=[[k, a, b] for k, a, b in self.config_changes])
+        for path, reason in self.checkpoints.passed_over:
+            recorder.event("checkpoint_passed_over", path=str(path), reason=reason)
         for event in events:
             recorder.event(event.pop("event"), **event)
 
@@ -430,6 +435,7 @@ class Trainer:
 
     def _one_iteration(self, recorder: MetricsRecorder, throughput: "Throughput", summary: TrainSummary) -> None:
         cfg = self.cfg
+        self.checkpoints.poll()  # commits an asynchronous save whose write has finished
         started = time.perf_counter()
         batch = self.train_loader.next_batch()
         self.state.iteration += 1

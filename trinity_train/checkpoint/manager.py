@@ -2,8 +2,18 @@
 
 `state` is a dict of `Stateful` components (model, optim, scheduler, loader, trainer, rng, ...);
 a checkpoint is exactly that dict written by DCP, plus `meta.json` (step, resolved config, the
-component names) committed last. Only one asynchronous save is in flight at a time: the next
-save, or `wait()`, finishes the previous one (meta.json, rename, retention).
+component names, every file's checksum) committed last.
+
+An asynchronous save is committed as soon as its write has finished: `poll()`, called once per
+training step, commits it when every rank's write (and its checksums, computed in the background
+too) is done, so a crash loses at most the steps since the last checkpoint interval. Only one
+save is in flight at a time: the next save, or `wait()`, finishes the previous one first. Whoever
+saves can pass `on_commit(path)`, called once the checkpoint is complete under its final name.
+
+Which checkpoint a resume loads is decided by rank 0 and given to every rank: the newest one
+that passes `check_integrity` (`resume = "auto"`; the damaged ones it passes over are kept in
+`passed_over` for the run to log), or the named one, refused with the newest sound alternative
+when it is damaged.
 """
 
 from __future__ import annotations
@@ -13,16 +23,17 @@ import time
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from trinity_train.checkpoint import dcp_io
 from trinity_train.checkpoint.compat import check_model_compatible, config_from_meta
+from trinity_train.checkpoint.integrity import check_integrity, digest_files, find_sound_checkpoint
 from trinity_train.checkpoint.layout import (
     apply_retention,
     barrier,
     commit,
+    decided_by_rank_zero,
     is_coordinator,
-    newest_checkpoint,
     read_meta,
     remove_incomplete,
     step_dir_name,
@@ -31,13 +42,16 @@ from trinity_train.config import CheckpointConfig, Config, config_to_dict
 from trinity_train.errors import CheckpointError
 from trinity_train.rundir import RunDir
 
+OnCommit = Callable[[Path], None]
+
 
 @dataclass
 class _PendingSave:
-    future: Future
+    digests: Future  # this rank's file checksums, once its write has finished
     tmp_dir: Path
     final_dir: Path
     meta: dict
+    on_commit: OnCommit | None
 
 
 def checkpoint_meta(kind: str, step: int, cfg: Config, components: list[str], **extra: Any) -> dict:
@@ -51,26 +65,59 @@ def checkpoint_meta(kind: str, step: int, cfg: Config, components: list[str], **
     }
 
 
-def write_checkpoint(state: dict[str, Any], final_dir: Path, meta: dict) -> None:
+def _timeout_s(cfg: Config | None) -> float | None:
+    return cfg.parallel.collective_timeout_s if cfg is not None else None
+
+
+def write_checkpoint(state: dict[str, Any], final_dir: Path, meta: dict, cfg: Config | None = None) -> None:
     """Synchronously write `state` to `final_dir` atomically (temp dir, meta.json, rename)."""
     tmp_dir = final_dir.with_name(final_dir.name + ".tmp")
     _prepare_tmp_dir(tmp_dir)
-    dcp_io.save(state, tmp_dir)
-    _commit_everywhere(tmp_dir, final_dir, meta)
+    try:
+        dcp_io.save(state, tmp_dir)
+        digests = _own_digests(tmp_dir)
+    except CheckpointError as e:
+        digests = e
+    _commit_everywhere(tmp_dir, final_dir, meta, digests, _timeout_s(cfg))
 
 
 def _prepare_tmp_dir(tmp_dir: Path) -> None:
     if is_coordinator():
-        if tmp_dir.exists():  # left by an interrupted save of the same step
-            shutil.rmtree(tmp_dir)
-        tmp_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            if tmp_dir.exists():  # left by an interrupted save of the same step
+                shutil.rmtree(tmp_dir)
+            tmp_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise dcp_io.save_failure(e, tmp_dir) from None
     barrier()
 
 
-def _commit_everywhere(tmp_dir: Path, final_dir: Path, meta: dict) -> None:
-    barrier()  # every rank has finished writing its shards
+def _own_digests(tmp_dir: Path) -> dict:
+    rank, world = dcp_io.rank_and_world()
+    try:
+        return digest_files(tmp_dir, rank, world)
+    except OSError as e:
+        raise dcp_io.save_failure(e, tmp_dir) from None
+
+
+def _commit_everywhere(tmp_dir: Path, final_dir: Path, meta: dict, digests: dict | CheckpointError,
+                       timeout_s: float | None) -> None:
+    """Gather every rank's checksums (or failure), then the coordinator writes meta.json and
+    renames; a failure anywhere removes the temporary directory and raises on every rank."""
+    gathered = dcp_io.gather_from_everyone(digests if isinstance(digests, dict) else str(digests), timeout_s)
+    failures = [g for g in gathered if not isinstance(g, dict)]
+    if failures:
+        if is_coordinator():
+            shutil.rmtree(tmp_dir, ignore_errors=True)
+        barrier()
+        raise CheckpointError(failures[0])
     if is_coordinator():
-        commit(tmp_dir, final_dir, meta)
+        files = {name: record for part in gathered for name, record in part.items()}
+        try:
+            commit(tmp_dir, final_dir, {**meta, "files": files})
+        except OSError as e:
+            shutil.rmtree(tmp_dir, ignore_errors=True)
+            raise dcp_io.save_failure(e, final_dir) from None
     barrier()
 
 
@@ -94,11 +141,30 @@ def load_checkpoint(path: Path, state: dict[str, Any], cfg: Config) -> dict:
     return meta
 
 
+def _digests_when_written(written: Future, tmp_dir: Path) -> Future:
+    """A future of this rank's checksums, computed in the writer's thread once `written` is done."""
+    digests: Future = Future()
+    rank, world = dcp_io.rank_and_world()
+
+    def hash_files(done: Future) -> None:
+        try:
+            done.result()
+            digests.set_result(digest_files(tmp_dir, rank, world))
+        except BaseException as e:  # reported on the training thread, at commit
+            digests.set_exception(dcp_io.save_failure(e, tmp_dir))
+
+    written.add_done_callback(hash_files)
+    return digests
+
+
 class CheckpointManager:
     def __init__(self, run_dir: Path, ckpt_cfg: CheckpointConfig):
         self.checkpoints_dir = RunDir(run_dir).checkpoints
         self.cfg = ckpt_cfg
         self._pending: _PendingSave | None = None
+        self._timeout_s: float | None = None
+        # (path, reason) of each damaged checkpoint `resume_path` passed over, newest first.
+        self.passed_over: list[tuple[Path, str]] = []
 
     def remove_interrupted_saves(self) -> list[Path]:
         removed = remove_incomplete(self.checkpoints_dir) if is_coordinator() else []
@@ -109,41 +175,79 @@ class CheckpointManager:
         return self.cfg.every > 0 and step % self.cfg.every == 0
 
     def resume_path(self) -> Path | None:
-        """The checkpoint `checkpoint.resume` selects, or None to start fresh."""
+        """The checkpoint `checkpoint.resume` selects, or None to start fresh (collective)."""
         resume = self.cfg.resume
         if resume == "none":
             return None
         if resume == "auto":
-            return newest_checkpoint(self.checkpoints_dir)
-        path = Path(resume)
-        read_meta(path)  # a named checkpoint must exist and be complete
+            self.passed_over = []
+            path = find_sound_checkpoint(self.checkpoints_dir,
+                                         on_passed_over=lambda p, why: self.passed_over.append((p, why)))
+            if path is None and self.passed_over:
+                newest, reason = self.passed_over[0]
+                raise CheckpointError(f"no checkpoint of '{self.checkpoints_dir}' can be resumed: all "
+                                      f"{len(self.passed_over)} are damaged (the newest: {reason}); start a "
+                                      "new run with another --run.dir or --checkpoint.resume=none")
+            return path
+        return decided_by_rank_zero(lambda: self._checked(Path(resume)))
+
+    def _checked(self, path: Path) -> Path:
+        """`path` if it passes the integrity check, else an error naming the newest that does."""
+        try:
+            check_integrity(path)
+        except CheckpointError as e:
+            near = path.parent if path.parent.is_dir() else self.checkpoints_dir
+            alternative = find_sound_checkpoint(near) if near.is_dir() else None
+            if alternative is None and near != self.checkpoints_dir:
+                alternative = find_sound_checkpoint(self.checkpoints_dir)
+            hint = (f"the newest checkpoint that verifies is '{alternative}': resume from it with "
+                    f"--checkpoint.resume={alternative} (or --checkpoint.resume=auto)" if alternative is not None
+                    else "no other checkpoint there verifies")
+            raise CheckpointError(f"{e}; {hint}") from None
         return path
 
-    def save(self, step: int, state: dict[str, Any], cfg: Config, **extra_meta: Any) -> Path:
-        """Save `state` as checkpoint `step`; returns the directory it will have once complete."""
+    def save(self, step: int, state: dict[str, Any], cfg: Config, on_commit: OnCommit | None = None,
+             **extra_meta: Any) -> Path:
+        """Save `state` as checkpoint `step`; returns the directory it will have once complete.
+        `on_commit(path)` runs when it is (at once for a synchronous save)."""
         self.wait()
+        self._timeout_s = _timeout_s(cfg)
         final_dir = self.checkpoints_dir / step_dir_name(step)
         tmp_dir = final_dir.with_name(final_dir.name + ".tmp")
         meta = checkpoint_meta("training", step, cfg, list(state), **extra_meta)
         if self.cfg.async_save:
             _prepare_tmp_dir(tmp_dir)
-            self._pending = _PendingSave(dcp_io.async_save(state, tmp_dir), tmp_dir, final_dir, meta)
+            written = dcp_io.async_save(state, tmp_dir, self._timeout_s)
+            self._pending = _PendingSave(_digests_when_written(written, tmp_dir), tmp_dir, final_dir, meta,
+                                         on_commit)
         else:
-            write_checkpoint(state, final_dir, meta)
-            self._after_commit()
+            write_checkpoint(state, final_dir, meta, cfg)
+            self._after_commit(final_dir, on_commit)
         return final_dir
+
+    def poll(self) -> Path | None:
+        """Commit the asynchronous save in flight if every rank has finished writing it (collective
+        while one is in flight); returns its directory when it was committed now."""
+        if self._pending is None or not dcp_io.everyone(self._pending.digests.done(), self._timeout_s):
+            return None
+        return self.wait()
 
     def wait(self) -> Path | None:
         """Finish an in-flight asynchronous save; returns its directory, if there was one."""
         pending, self._pending = self._pending, None
         if pending is None:
             return None
-        pending.future.result()
-        _commit_everywhere(pending.tmp_dir, pending.final_dir, pending.meta)
-        self._after_commit()
+        try:
+            digests: dict | CheckpointError = pending.digests.result()
+        except CheckpointError as e:
+            digests = e
+        _commit_everywhere(pending.tmp_dir, pending.final_dir, pending.meta, digests, self._timeout_s)
+        self._after_commit(pending.final_dir, pending.on_commit)
         return pending.final_dir
 
-    def _after_commit(self) -> None:
+    def _after_commit(self, final_dir: Path, on_commit: OnCommit | None) -> None:
         if is_coordinator():
             apply_retention(self.checkpoints_dir, self.cfg.keep)
         barrier()
+        if on_commit is not None:
+            on_commit(final_dir)
