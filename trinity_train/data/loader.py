@@ -2,7 +2,8 @@
 
 A split is cut into fixed-length sequences: sequence j is tokens [j*L, j*L + L + 1) (L inputs and
 their next-token labels; neighbours share one token). Global batch *i* is samples
-[i*G, (i+1)*G) of the stream `mixing.py` defines (G = micro_batch_size * grad_accum * dp_size),
+[i*G, (i+1)*G) of the stream `mixing.py` defines (G = micro_batch_size * grad_accum * dp_size, or
+`train.global_batch_size`, which fixes G for every layout),
 and data-parallel rank r reads rows [r*R, (r+1)*R) of it (R = G / dp_size). So a batch is a pure
 function of (manifests, seed, i): the loader's whole state is its position, `skip(n)` is O(1), and
 resuming with another dp_size (same G) gives the same global batches. If G itself changes at a
@@ -23,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from trinity_train.config import Config, DataConfig
+from trinity_train.config import Config, DataConfig, rows_per_rank
 from trinity_train.data.default_corpus import default_dataset, default_dataset_dir
 from trinity_train.data.ledger import SkipLedger
 from trinity_train.data.mixing import EpochOrder, MixSchedule
@@ -249,7 +250,7 @@ def build_loaders(cfg: Config, dp_rank: int = 0, dp_size: int = 1,
         if ds.vocab_size > cfg.model.vocab_size:
             raise DataError(f"dataset '{ds.path}' has a vocabulary of {ds.vocab_size} tokens but "
                             f"model.vocab_size is {cfg.model.vocab_size}; set --model.vocab_size={ds.vocab_size}")
-    rows = cfg.train.micro_batch_size * cfg.train.grad_accum
+    rows = rows_per_rank(cfg.train, dp_size)
     global_batch = rows * dp_size
     phases = _phases(cfg, [w for _, w in sources])
     doc_positions = cfg.model.doc_masking
@@ -263,7 +264,8 @@ def build_loaders(cfg: Config, dp_rank: int = 0, dp_size: int = 1,
     if total_sequences < global_batch:
         raise DataError(f"the training data holds {total_sequences} sequences of data.seq_len={d.seq_len}, "
                         f"fewer than one global batch of {global_batch} (micro_batch_size "
-                        f"{cfg.train.micro_batch_size} x grad_accum {cfg.train.grad_accum} x {dp_size} ranks); "
+                        f"{cfg.train.micro_batch_size} x grad_accum {rows // cfg.train.micro_batch_size} x "
+                        f"{dp_size} ranks); "
                         "add data or lower the batch size or seq_len")
     orders = [EpochOrder(r.num_sequences, d.seed, k) for k, r in enumerate(train_readers)]
     train_mixed = _MixedRows(train_readers, MixSchedule(phases, d.seed), orders)
