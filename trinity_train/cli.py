@@ -176,6 +176,14 @@ def main(argv: list[str] | None = None) -> int:
         message = " ".join(str(e).split())  # one line, whatever the message holds
         print(f"error: {message}", file=sys.stderr)
         return e.exit_code
+    except OSError as e:  # a full or read-only disk under any write (metrics, events, configs)
+        from trinity_train.files import os_error_message
+
+        message = os_error_message(e)
+        if message is None:
+            raise
+        print(f"error: {message}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130

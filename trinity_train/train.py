@@ -252,7 +252,9 @@ RUN_CONTROL_KEYS = frozenset({"checkpoint.resume", "metrics.progress_bar", "trai
 
 
 def check_run_dir(cfg: Config, run_dir: Path) -> list[tuple[str, Any, Any]]:
-    """Refuse to start a fresh run over a different run; returns how the config changed."""
+    """Refuse to start a fresh run over a different run, or where its files cannot be written;
+    returns how the config changed."""
+    RunDir(run_dir).require_writable()
     previous_file = RunDir(run_dir).config
     if not previous_file.is_file():
         return []

@@ -15,8 +15,6 @@ checksums), which runs on the training thread while a background write may still
 from __future__ import annotations
 
 import datetime
-import errno
-import shutil
 import warnings
 from concurrent.futures import Future
 from pathlib import Path
@@ -28,6 +26,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from trinity_train.errors import CheckpointError
+from trinity_train.files import disk_problem
 
 
 def _no_dist() -> bool:
@@ -63,34 +62,12 @@ def _first_failure(error: CheckpointException) -> str:
     return str(error)
 
 
-def _free_bytes(path: Path) -> int | None:
-    for candidate in (path, *path.parents):
-        if candidate.exists():
-            return shutil.disk_usage(candidate).free
-    return None
-
-
-def disk_problem(error: BaseException, path: Path) -> str | None:
-    """'no space left on ...' / 'read-only ...' when `error` (from writing under `path`) comes from
-    the disk, else None. torch's serializer hides ENOSPC behind 'unexpected pos', so a write
-    failure on a disk with (next to) no free space counts as a full disk too."""
-    codes = {e.errno for e in _causes(error) if isinstance(e, OSError)}
-    where = f"the disk holding '{path.parent}'"
-    free = _free_bytes(path)
-    if errno.ENOSPC in codes or errno.EDQUOT in codes or (free is not None and free < (1 << 20)):
-        left = f" ({free / 2**20:.1f} MiB free)" if free is not None else ""
-        return (f"no space left on {where}{left}; free some space (or lower checkpoint.keep, or put "
-                "run.dir on a larger disk) and resume with --checkpoint.resume=auto")
-    if errno.EROFS in codes or errno.EACCES in codes or errno.EPERM in codes:
-        return f"{where} cannot be written (read-only or no permission); choose another --run.dir"
-    return None
-
-
 def save_failure(error: BaseException, path: Path) -> CheckpointError:
     """The one-line error of a save of `path` that failed with `error`."""
     if isinstance(error, CheckpointError):
         return error
-    reason = disk_problem(error, path)
+    codes = {e.errno for e in _causes(error) if isinstance(e, OSError) and e.errno is not None}
+    reason = disk_problem(codes, path, almost_full_counts=True)
     if reason is None:
         first = _first_failure(error) if isinstance(error, CheckpointException) else f"{type(error).__name__}: {error}"
         reason = first
@@ -118,7 +95,7 @@ def side_group(name: str, timeout_s: float | None = None):
 def save(state: dict[str, Any], path: Path) -> None:
     try:
         dcp.save(state, checkpoint_id=str(path), no_dist=_no_dist())
-    except Exception as e:  # every failure of a write is reported as one line naming the checkpoint
+    except (Exception, CheckpointException) as e:  # (a BaseException) every failure: one line naming it
         raise save_failure(e, path) from None
 
 
@@ -127,7 +104,7 @@ def async_save(state: dict[str, Any], path: Path, timeout_s: float | None = None
     try:
         return dcp.async_save(state, checkpoint_id=str(path), no_dist=_no_dist(),
                               process_group=side_group("async", timeout_s))
-    except Exception as e:
+    except (Exception, CheckpointException) as e:
         raise save_failure(e, path) from None
 
 

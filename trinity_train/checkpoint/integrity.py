@@ -160,7 +160,10 @@ def candidate_checkpoints(checkpoints_dir: Path) -> list[tuple[int, Path]]:
     return sorted((step, p) for p in checkpoints_dir.iterdir() if (step := step_of(p)) is not None)
 
 
-def _newest_sound(checkpoints_dir: Path, max_step: int | None) -> tuple[Path | None, list[tuple[str, str]]]:
+def newest_sound_checkpoint(checkpoints_dir: Path, max_step: int | None = None
+                            ) -> tuple[Path | None, list[tuple[Path, str]]]:
+    """`find_sound_checkpoint` in this process alone (no collective): the checkpoint, and the
+    (path, reason) of each damaged one passed over, newest first."""
     passed_over = []
     for step, path in reversed(candidate_checkpoints(Path(checkpoints_dir))):
         if max_step is not None and step > max_step:
@@ -168,7 +171,7 @@ def _newest_sound(checkpoints_dir: Path, max_step: int | None) -> tuple[Path | N
         try:
             check_integrity(path)
         except CheckpointError as e:
-            passed_over.append((str(path), str(e)))
+            passed_over.append((path, str(e)))
             continue
         return path, passed_over
     return None, passed_over
@@ -183,8 +186,8 @@ def find_sound_checkpoint(checkpoints_dir: str | Path, max_step: int | None = No
     In a distributed run this is collective (every rank must call it): rank 0 checks, and every
     rank gets the same answer and the same `on_passed_over` calls.
     """
-    found, passed_over = decided_by_rank_zero(lambda: _newest_sound(Path(checkpoints_dir), max_step))
+    found, passed_over = decided_by_rank_zero(lambda: newest_sound_checkpoint(Path(checkpoints_dir), max_step))
     if on_passed_over is not None:
         for path, reason in passed_over:
-            on_passed_over(Path(path), reason)
-    return Path(found) if found is not None else None
+            on_passed_over(path, reason)
+    return found

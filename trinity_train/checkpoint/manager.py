@@ -11,13 +11,14 @@ save is in flight at a time: the next save, or `wait()`, finishes the previous o
 saves can pass `on_commit(path)`, called once the checkpoint is complete under its final name.
 
 Which checkpoint a resume loads is decided by rank 0 and given to every rank: the newest one
-that passes `check_integrity` (`resume = "auto"`; the damaged ones it passes over are kept in
-`passed_over` for the run to log), or the named one, refused with the newest sound alternative
-when it is damaged.
+that passes `check_integrity` (`resume = "auto"`, and after a torchrun restart; the damaged ones
+it passes over are kept in `passed_over` for the run to log), or the named one, refused with the
+newest sound alternative when it is damaged.
 """
 
 from __future__ import annotations
 
+import os
 import shutil
 import time
 from concurrent.futures import Future
@@ -27,7 +28,8 @@ from typing import Any, Callable
 
 from trinity_train.checkpoint import dcp_io
 from trinity_train.checkpoint.compat import check_model_compatible, config_from_meta
-from trinity_train.checkpoint.integrity import check_integrity, digest_files, find_sound_checkpoint
+from trinity_train.checkpoint.integrity import (candidate_checkpoints, check_integrity, digest_files,
+                                                newest_sound_checkpoint)
 from trinity_train.checkpoint.layout import (
     apply_retention,
     barrier,
@@ -43,6 +45,15 @@ from trinity_train.errors import CheckpointError
 from trinity_train.rundir import RunDir
 
 OnCommit = Callable[[Path], None]
+
+
+def torchrun_restart_count() -> int:
+    """How often torchrun has restarted this process's workers (0 on the first start or without
+    torchrun)."""
+    try:
+        return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    except ValueError:
+        return 0
 
 
 @dataclass
@@ -175,31 +186,37 @@ class CheckpointManager:
         return self.cfg.every > 0 and step % self.cfg.every == 0
 
     def resume_path(self) -> Path | None:
-        """The checkpoint `checkpoint.resume` selects, or None to start fresh (collective)."""
+        """The checkpoint `checkpoint.resume` selects, or None to start fresh (collective: rank 0
+        decides). After a torchrun restart (TORCHELASTIC_RESTART_COUNT > 0 on any rank; torchrun
+        counts per node) the newest sound checkpoint of the run wins over `checkpoint.resume`, so
+        a restarted job continues where it got to instead of starting over."""
+        restarted = max(dcp_io.gather_from_everyone(torchrun_restart_count())) > 0
+        path, self.passed_over = decided_by_rank_zero(lambda: self._select(restarted))
+        return path
+
+    def _select(self, restarted: bool) -> tuple[Path | None, list[tuple[Path, str]]]:
         resume = self.cfg.resume
+        if restarted and resume != "auto" and candidate_checkpoints(self.checkpoints_dir):
+            resume = "auto"
         if resume == "none":
-            return None
+            return None, []
         if resume == "auto":
-            self.passed_over = []
-            path = find_sound_checkpoint(self.checkpoints_dir,
-                                         on_passed_over=lambda p, why: self.passed_over.append((p, why)))
-            if path is None and self.passed_over:
-                newest, reason = self.passed_over[0]
+            path, passed_over = newest_sound_checkpoint(self.checkpoints_dir)
+            if path is None and passed_over:
                 raise CheckpointError(f"no checkpoint of '{self.checkpoints_dir}' can be resumed: all "
-                                      f"{len(self.passed_over)} are damaged (the newest: {reason}); start a "
+                                      f"{len(passed_over)} are damaged (the newest: {passed_over[0][1]}); start a "
                                       "new run with another --run.dir or --checkpoint.resume=none")
-            return path
-        return decided_by_rank_zero(lambda: self._checked(Path(resume)))
+            return path, passed_over
+        return self._checked(Path(resume)), []
 
     def _checked(self, path: Path) -> Path:
         """`path` if it passes the integrity check, else an error naming the newest that does."""
         try:
             check_integrity(path)
         except CheckpointError as e:
-            near = path.parent if path.parent.is_dir() else self.checkpoints_dir
-            alternative = find_sound_checkpoint(near) if near.is_dir() else None
-            if alternative is None and near != self.checkpoints_dir:
-                alternative = find_sound_checkpoint(self.checkpoints_dir)
+            alternative = None
+            for near in dict.fromkeys((path.parent, self.checkpoints_dir)):
+                alternative = alternative or newest_sound_checkpoint(near)[0]
             hint = (f"the newest checkpoint that verifies is '{alternative}': resume from it with "
                     f"--checkpoint.resume={alternative} (or --checkpoint.resume=auto)" if alternative is not None
                     else "no other checkpoint there verifies")

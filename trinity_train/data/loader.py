@@ -230,6 +230,19 @@ def _fingerprint(datasets: list[PreparedDataset], phases: list, seq_len: int) ->
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
 
 
+def check_token_ids(ds: PreparedDataset, model_vocab_size: int) -> None:
+    """Every token id of `ds` must index the model's embedding (and lie in the dataset's own
+    vocabulary): an id out of range would fail deep inside the first forward that reads it (an
+    IndexError on the CPU, a device-side assert on a GPU), after the run directory was written."""
+    if ds.vocab_size > model_vocab_size:
+        raise DataError(f"dataset '{ds.path}' has a vocabulary of {ds.vocab_size} tokens but "
+                        f"model.vocab_size is {model_vocab_size}; set --model.vocab_size={ds.vocab_size}")
+    largest = ds.max_token_id if ds.max_token_id is not None else -1
+    if largest >= ds.vocab_size:
+        raise DataError(f"dataset '{ds.path}' holds token id {largest}, outside its tokenizer's vocabulary of "
+                        f"{ds.vocab_size}: the shards do not belong to its tokenizer.json; prepare the dataset again")
+
+
 def build_loaders(cfg: Config, dp_rank: int = 0, dp_size: int = 1,
                   ledger: SkipLedger | None = None) -> tuple[TrainLoader, ValidationLoader]:
     """The train loader and validation loader of data-parallel rank `dp_rank` of `dp_size`.
@@ -241,15 +254,14 @@ def build_loaders(cfg: Config, dp_rank: int = 0, dp_size: int = 1,
         raise ValueError(f"dp_rank {dp_rank} is outside [0, {dp_size})")
     d = cfg.data
     sources = _sources(cfg)
-    datasets = [PreparedDataset.open(path, verify_checksums=d.verify_checksums) for path, _ in sources]
+    datasets = [PreparedDataset.open(path, verify_checksums=d.verify_checksums, cache_dir=d.cache_dir)
+                for path, _ in sources]
     tokenizers = {ds.manifest["tokenizer"].get("sha256") for ds in datasets}
     if len(tokenizers) > 1:
         raise DataError(f"the data.mix sources were tokenized with {len(tokenizers)} different tokenizers "
                         f"({', '.join(str(ds.path) for ds in datasets)}); prepare them all with one tokenizer.json")
     for ds in datasets:
-        if ds.vocab_size > cfg.model.vocab_size:
-            raise DataError(f"dataset '{ds.path}' has a vocabulary of {ds.vocab_size} tokens but "
-                            f"model.vocab_size is {cfg.model.vocab_size}; set --model.vocab_size={ds.vocab_size}")
+        check_token_ids(ds, cfg.model.vocab_size)
     rows = rows_per_rank(cfg.train, dp_size)
     global_batch = rows * dp_size
     phases = _phases(cfg, [w for _, w in sources])
