@@ -133,7 +133,8 @@ def trainer_trial(variant: str, timeout_s: float, data: Path, root: Path) -> tup
     run_dir = root / f"run-{random.getrandbits(32):08x}"
     config = root / "tiny.toml"
     config.write_text(TRAINER_TOML)
-    env = {**os.environ, "MAX_RESTARTS": "2"}
+    # the launcher's python and torchrun are this interpreter's
+    env = {**os.environ, "MAX_RESTARTS": "2", "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
     if variant == "c10d":
         env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "0"  # undo what launch/local.sh sets
     cmd = ["launch/local.sh", "2", "--config", str(config), f"--data.path={data}", f"--run.dir={run_dir}"]
@@ -178,6 +179,7 @@ def main(argv: list[str]) -> int:
             from helpers import prepare_word_corpus
 
             words = "the quick brown fox jumps over a lazy dog while one small cat sat".split()
+            (root / "corpus").mkdir()
             data = prepare_word_corpus(root / "corpus", words, seed=0, num_docs=40)
         summary = {}
         for variant in args.variants:
