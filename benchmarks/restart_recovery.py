@@ -29,6 +29,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from trinity_train.config import load_config, save_config
+
 ROOT = Path(__file__).resolve().parents[1]
 TORCHRUN = str(Path(sys.executable).parent / "torchrun")
 VARIANTS = ("c10d", "c10d-fresh-store", "static")
@@ -80,37 +82,14 @@ def run_job(cmd, env, timeout_s, on_start) -> tuple[str, float, str]:
     return outcome, time.monotonic() - started, reason
 
 
-TRAINER_TOML = """
-[model]
-vocab_size = 320
-hidden_size = 32
-num_layers = 2
-num_dense_layers = 1
-num_heads = 2
-num_kv_heads = 1
-head_dim = 16
-intermediate_size = 64
-num_experts = 4
-num_experts_per_tok = 2
-moe_intermediate_size = 16
-sliding_window = 8
-global_every = 2
-
-[data]
-seq_len = 16
-
-[train]
-steps = 30
-micro_batch_size = 2
-eval_every = 0
-
-[checkpoint]
-every = 5
-
-[metrics]
-progress_bar = false
-peak_flops = 1e11
-"""
+# A 2-layer MoE that trains 30 steps in seconds, checkpointing every 5.
+TRAINER_SETTINGS = {
+    "model": dict(vocab_size=320, hidden_size=32, num_layers=2, num_dense_layers=1, num_heads=2, num_kv_heads=1,
+                  head_dim=16, intermediate_size=64, num_experts=4, num_experts_per_tok=2,
+                  moe_intermediate_size=16, sliding_window=8, global_every=2),
+    "data": {"seq_len": 16}, "train": {"steps": 30, "micro_batch_size": 2, "eval_every": 0},
+    "checkpoint": {"every": 5}, "metrics": {"progress_bar": False, "peak_flops": 1e11},
+}
 
 
 def worker_pids(launcher_pid: int) -> list[int]:
@@ -132,7 +111,7 @@ def worker_pids(launcher_pid: int) -> list[int]:
 def trainer_trial(variant: str, timeout_s: float, data: Path, root: Path) -> tuple[str, float, str]:
     run_dir = root / f"run-{random.getrandbits(32):08x}"
     config = root / "tiny.toml"
-    config.write_text(TRAINER_TOML)
+    save_config(load_config(None, TRAINER_SETTINGS), config)
     # the launcher's python and torchrun are this interpreter's
     env = {**os.environ, "MAX_RESTARTS": "2", "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
     if variant == "c10d":
