@@ -187,7 +187,7 @@ def test_a_corrupt_dcp_metadata_is_one_line(corpus, capsys, tmp_path):
     assert main(capsys, "train", "--config", config)[0] == 0
     ckpt = RunDir(run_dir).checkpoints / "step_00000002"
     (ckpt / ".metadata").write_bytes(b"\x80\x04garbage")
-    for meta_change in (lambda m: m, lambda m: {**{k: v for k, v in m.items() if k != "files"}, "format_version": 1}):
+    for meta_change in (lambda m: m, lambda m: {**{k: v for k, v in m.items() if k != "files"}, "format_version": 2}):
         meta = json.loads((ckpt / "meta.json").read_text())
         (ckpt / "meta.json").write_text(json.dumps(meta_change(meta)))
         code, err = main(capsys, "train", "--config", config, f"--checkpoint.resume={ckpt}", "--train.steps=4")

@@ -35,7 +35,9 @@ from trinity_train.checkpoint.layout import (
     barrier,
     commit,
     decided_by_rank_zero,
+    delete_checkpoint,
     is_coordinator,
+    list_checkpoints,
     read_meta,
     remove_incomplete,
     step_dir_name,
@@ -169,13 +171,30 @@ def _digests_when_written(written: Future, tmp_dir: Path) -> Future:
 
 
 class CheckpointManager:
-    def __init__(self, run_dir: Path, ckpt_cfg: CheckpointConfig):
+    def __init__(self, run_dir: Path, ckpt_cfg: CheckpointConfig, protect_lookback: int | None = None):
+        """`protect_lookback`: retention keeps, besides the newest `keep`, the newest checkpoint at
+        least this many steps older than the latest save (the one a rollback would restore) and
+        the ones younger than that (the targets of later rollbacks)."""
         self.checkpoints_dir = RunDir(run_dir).checkpoints
         self.cfg = ckpt_cfg
+        self.protect_lookback = protect_lookback
         self._pending: _PendingSave | None = None
         self._timeout_s: float | None = None
         # (path, reason) of each damaged checkpoint `resume_path` passed over, newest first.
         self.passed_over: list[tuple[Path, str]] = []
+
+    def list(self) -> list[tuple[int, Path]]:
+        """(step, path) of every complete checkpoint, oldest first."""
+        return list_checkpoints(self.checkpoints_dir)
+
+    def discard_after(self, step: int) -> list[Path]:
+        """Delete the complete checkpoints of steps after `step` (a timeline a rollback undid)."""
+        doomed = [path for s, path in self.list() if s > step]
+        if is_coordinator():
+            for path in doomed:
+                delete_checkpoint(path)
+        barrier()
+        return doomed
 
     def remove_interrupted_saves(self) -> list[Path]:
         removed = remove_incomplete(self.checkpoints_dir) if is_coordinator() else []
@@ -239,7 +258,7 @@ class CheckpointManager:
                                          on_commit)
         else:
             write_checkpoint(state, final_dir, meta, cfg)
-            self._after_commit(final_dir, on_commit)
+            self._after_commit(step, final_dir, on_commit)
         return final_dir
 
     def poll(self) -> Path | None:
@@ -259,12 +278,22 @@ class CheckpointManager:
         except CheckpointError as e:
             digests = e
         _commit_everywhere(pending.tmp_dir, pending.final_dir, pending.meta, digests, self._timeout_s)
-        self._after_commit(pending.final_dir, pending.on_commit)
+        self._after_commit(pending.meta["step"], pending.final_dir, pending.on_commit)
         return pending.final_dir
 
-    def _after_commit(self, final_dir: Path, on_commit: OnCommit | None) -> None:
+    def _rollback_candidates(self, step: int) -> frozenset[Path]:
+        """What a rollback may need from now on: the newest checkpoint at least `protect_lookback`
+        steps before `step`, and the younger ones, which become that as training goes on."""
+        if self.protect_lookback is None:
+            return frozenset()
+        horizon = step - self.protect_lookback
+        found = self.list()
+        old_enough = [path for s, path in found if s <= horizon]
+        return frozenset(old_enough[-1:] + [path for s, path in found if s > horizon])
+
+    def _after_commit(self, step: int, final_dir: Path, on_commit: OnCommit | None) -> None:
         if is_coordinator():
-            apply_retention(self.checkpoints_dir, self.cfg.keep)
+            apply_retention(self.checkpoints_dir, self.cfg.keep, protect=self._rollback_candidates(step))
         barrier()
         if on_commit is not None:
             on_commit(final_dir)

@@ -8,23 +8,11 @@ null (JSON has no NaN).
 from __future__ import annotations
 
 import json
-import math
 import os
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
-from trinity_train.files import atomic_open, read_jsonl
-
-
-def json_safe(value: Any) -> Any:
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    if isinstance(value, dict):
-        return {k: json_safe(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [json_safe(v) for v in value]
-    return value
+from trinity_train.files import atomic_open, json_safe, read_jsonl
 
 
 def move_records(source: Path, target: Path, move: Callable[[dict], bool], mark: dict) -> int:

@@ -32,12 +32,12 @@ class MetricsRecorder:
         self.is_main = is_main
         self.sinks: list = []
         self.metrics = None
-        self.events = None
+        self.event_log = None
         self.progress = None
         if not is_main:
             return
         run = RunDir(run_dir)
-        self.events = JsonlWriter(run.events)
+        self.event_log = JsonlWriter(run.events)
         if cfg.metrics.jsonl:
             self.metrics = JsonlWriter(run.metrics)
         if cfg.metrics.tensorboard:
@@ -67,9 +67,19 @@ class MetricsRecorder:
             self._write("val", record)
             self.progress.validation(record["val_loss"], record["step"])
 
+    def notice(self, text: str) -> None:
+        """Tell the person watching the console (skips, rollbacks, drills)."""
+        if self.is_main:
+            self.progress.message(text)
+
     def event(self, name: str, **fields) -> None:
         if self.is_main:
-            self.events.write({"event": name, "time": time.time(), **fields})
+            self.event_log.write({"event": name, "time": time.time(), **fields})
+
+    def events(self, events) -> None:
+        """Record events given as dicts with their name under "event"."""
+        for event in events:
+            self.event(event["event"], **{k: v for k, v in event.items() if k != "event"})
 
     def close(self) -> None:
         if not self.is_main:
@@ -77,6 +87,6 @@ class MetricsRecorder:
         self.progress.close()
         for sink in self.sinks:
             sink.close()
-        for writer in (self.metrics, self.events):
+        for writer in (self.metrics, self.event_log):
             if writer is not None:
                 writer.close()
