@@ -97,7 +97,7 @@ def cmd_ckpt(args: argparse.Namespace) -> int:
         files = summary["checksummed_files"]
         checked = (f"{files} files match their checksums" if files else
                    "no checksums to compare (written before trinity-train recorded them)")
-        finite = "every tensor" if args.deep else "the model's tensors"
+        finite = "every tensor is" if args.deep else "the model's tensors are"
         print(f"ok: {args.path} is complete and loadable, {checked}, {finite} finite "
               f"({summary['kind']} checkpoint, step {summary['step']})")
     return 0
