@@ -73,10 +73,10 @@ def main(moment: str, step: int, argv: list[str]) -> int:
     elif moment == "retention":
         retention = manager.apply_retention
 
-        def complete_then_die(checkpoints_dir: Path, keep: int):
+        def complete_then_die(checkpoints_dir: Path, *args, **kwargs):
             if (checkpoints_dir / target).is_dir():
                 die()
-            return retention(checkpoints_dir, keep)
+            return retention(checkpoints_dir, *args, **kwargs)
 
         manager.apply_retention = complete_then_die
     else:
