@@ -7,7 +7,6 @@ import shutil
 import struct
 
 import pytest
-import torch
 from torch.distributed.checkpoint import FileSystemReader
 
 from conftest import run_config

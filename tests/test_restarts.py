@@ -19,7 +19,7 @@ import torch.multiprocessing as mp
 from conftest import run_config
 from ranks import free_port
 from trinity_train.config import load_config
-from trinity_train.parallel.process_group import destroy_distributed, init_distributed
+from trinity_train.parallel.process_group import init_distributed
 from trinity_train.train import Trainer
 
 ROOT = Path(__file__).parents[1]
