@@ -48,6 +48,7 @@ from trinity_train.errors import ConfigError
 from trinity_train.model.counting import training_flops_per_token
 from trinity_train.model.loss import IGNORE_INDEX
 from trinity_train.observe import MetricsRecorder, expert_load_stats, measure_peak_flops, mfu, supersede_records_after
+from trinity_train.observe.layer_stats import LayerStatsCollector
 from trinity_train.optim.groups import build_optimizer
 from trinity_train.optim.schedule import build_scheduler
 from trinity_train.parallel.mesh import ParallelDims
@@ -113,6 +114,7 @@ class StepResult:
     tokens_per_expert: torch.Tensor  # [num_moe_layers, E], summed over micro-batches and ranks
     lrs: dict[str, float]  # learning rate of each group kind for this step
     verdict: Verdict
+    layer_stats: dict | None = None  # the "layers" record (without iter/step) on statistics iterations
 
 
 def micro_batches(batch: Any, micro_batch_size: int) -> list[dict[str, torch.Tensor]]:
@@ -144,6 +146,7 @@ class TrainingStep:
         self.device = device
         self.dims = dims or ParallelDims.one_process()
         self.params = [p for p in model.parameters() if p.requires_grad]
+        self.layer_stats = LayerStatsCollector(model, cfg.metrics.layer_stats_every, self.dims)
 
     def learning_rates(self) -> dict[str, float]:
         lrs: dict[str, float] = {}
@@ -161,8 +164,10 @@ class TrainingStep:
 
         totals = torch.zeros(3, device=self.device)  # cross-entropy sum, aux loss, z loss
         counts = None
+        stats_due = self.layer_stats.due(iteration)
         for mb in parts:
-            out = _forward(self.model, mb, self.cfg, self.device)
+            with self.layer_stats.recording(stats_due):  # the forward only: not recomputations in backward
+                out = _forward(self.model, mb, self.cfg, self.device)
             loss = out.ce_sum / tokens.clamp_min(1) + (out.aux_loss + out.z_loss) * per_part
             loss.backward()
             totals += torch.stack([out.ce_sum.detach().float(), out.aux_loss.detach().float() * per_part,
@@ -175,6 +180,7 @@ class TrainingStep:
         mean_loss = ce_sum / max(num_tokens, 1)
         grad_norm = global_grad_norm(self.params)  # global over ranks and shards
         grad_norm_value = grad_norm.item()
+        layer_stats = self.layer_stats.collect(counts) if stats_due else None  # pre-clip gradients
 
         lrs = self.learning_rates()
         verdict = self.guard.judge(mean_loss, grad_norm_value, iteration)
@@ -185,7 +191,8 @@ class TrainingStep:
             self.model.update_expert_biases(counts)
             self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return StepResult(mean_loss, aux_loss, z_loss, grad_norm_value, num_tokens, counts, lrs, verdict)
+        return StepResult(mean_loss, aux_loss, z_loss, grad_norm_value, num_tokens, counts, lrs, verdict,
+                          layer_stats)
 
 
 @torch.no_grad()
@@ -442,6 +449,8 @@ class Trainer:
             summary.skipped_steps += 1
             self._record_skip(result, batch.index, recorder)
         recorder.train(step_record(result, self.state, throughput.of(result.tokens, elapsed)))
+        if result.layer_stats is not None:
+            recorder.layers({"iter": self.state.iteration, "step": self.state.step, **result.layer_stats})
         summary.last_loss = result.loss
         if result.verdict.rollback and self._roll_back(batch.index, recorder):
             summary.rollbacks += 1
