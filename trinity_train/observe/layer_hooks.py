@@ -5,7 +5,7 @@ Hooked, in every block (`model/blocks.py`):
 
 | site        | module                  | what it adds                                             |
 |-------------|-------------------------|----------------------------------------------------------|
-| `block`     | the block               | power sums, log2|x| histogram and max|x| of its output    |
+| `block`     | the block               | power sums, histogram of |x| and max|x| of its output     |
 | `attn`      | `attn`                  | n and sum(x^2) of the attention output                   |
 | `attn_post` | `attn_post_norm`        | the same after the post norm (absent without one)        |
 | `ffn`       | `mlp`                   | n and sum(x^2) of the FFN / MoE output                    |
@@ -93,7 +93,7 @@ def _output_tensor(output):
 
 def _block_output(x: torch.Tensor):
     local, layout = local_view(x)
-    return torch.cat([sums.power_sums(local), sums.log2_histogram(local)]), sums.abs_max(local), layout
+    return torch.cat([sums.power_sums(local), sums.magnitude_histogram(local)]), sums.abs_max(local), layout
 
 
 def _square_sums(x: torch.Tensor):

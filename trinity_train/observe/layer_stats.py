@@ -13,7 +13,7 @@ forwards of its micro-batches and, after backward and before clipping, calls `co
   skipped step by incident reports.)
 - `residual_rms`: RMS of the block's output (the residual stream after the block);
   `act_max_over_median`: its max |x| over its median |x| (the massive-activation ratio; the median
-  from a fixed log2 histogram, within 0.55 %: `observe/activation_sums.py`); `act_kurtosis`: its
+  from a fixed histogram of |x|, within 0.39 %: `observe/activation_sums.py`); `act_kurtosis`: its
   excess kurtosis over all elements (0 for a Gaussian).
 - `attn_out_rms`, `ffn_out_rms`: RMS of each sublayer's output before its post norm;
   `attn_post_rms`, `ffn_post_rms`: after it (null where the block has none).
