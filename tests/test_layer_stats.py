@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -30,6 +31,7 @@ from trinity_train.observe.layer_stats import LayerStatsCollector, per_layer_gra
 from trinity_train.parallel.reductions import global_grad_norm
 from trinity_train.train import Trainer, apply_training_wrappers
 
+CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 MEDIAN_TOLERANCE = activation_sums.MEDIAN_RELATIVE_PRECISION
 NUM_LAYERS = 4
 MOE_LAYERS = [1, 2, 3]  # TINY_MODEL: one dense layer, then MoE
@@ -275,3 +277,8 @@ def test_trainer_writes_a_layers_record_every_interval(corpus, tmp_path):
 def test_layer_stats_every_must_not_be_negative():
     with pytest.raises(ConfigError, match=r"metrics.layer_stats_every: must be >= 0"):
         load_config(None, ["--metrics.layer_stats_every=-1"])
+
+
+@pytest.mark.parametrize("path", sorted(CONFIGS.rglob("*.toml")), ids=lambda p: p.stem)
+def test_every_shipped_config_takes_layer_statistics(path):
+    assert load_config(path).metrics.layer_stats_every >= 1

@@ -93,5 +93,6 @@ def test_layer_stats_cost_benchmark_reports_each_interval(corpus):
     out = run("layer_stats_cost.py", "--pairs", "2", "--rounds", "3", *tiny)
     assert re.search(r"^# load: [\d.]+ [\d.]+ [\d.]+", out, re.M), out
     for interval, samples in ((1, 2), (2, 3)):
-        assert re.search(rf"^layer_stats_every={interval} +costs +[-+][\d.]+ % of the step \(a statistics "
-                         rf"iteration adds -?[\d.]+ ms to [\d.]+ ms; median of {samples}\)$", out, re.M), out
+        assert re.search(rf"^layer_stats_every={interval} +costs +[-+][\d.]+ % of the step \(best: a "
+                         rf"statistics iteration adds -?[\d.]+ ms to [\d.]+ ms; median of {samples} paired: "
+                         rf"[-+][\d.]+ %, -?[\d.]+ ms to [\d.]+ ms\)$", out, re.M), out

@@ -3,14 +3,14 @@ the one reduction that makes them global.
 
 Hooked, in every block (`model/blocks.py`):
 
-| site        | module                  | what it adds                                             |
-|-------------|-------------------------|----------------------------------------------------------|
-| `block`     | the block               | power sums, histogram of |x| and max|x| of its output     |
-| `attn`      | `attn`                  | n and sum(x^2) of the attention output                   |
-| `attn_post` | `attn_post_norm`        | the same after the post norm (absent without one)        |
-| `ffn`       | `mlp`                   | n and sum(x^2) of the FFN / MoE output                    |
-| `ffn_post`  | `mlp_post_norm`         | the same after the post norm (absent without one)        |
-| `router`    | `mlp.router` (MoE only) | tokens and summed entropy of the normalised scores        |
+| site        | module                  | what it adds                                           |
+|-------------|-------------------------|--------------------------------------------------------|
+| `block`     | the block               | power sums, histogram of |x| and max |x| of its output |
+| `attn`      | `attn`                  | n and sum(x^2) of the attention output                 |
+| `attn_post` | `attn_post_norm`        | the same after the post norm (absent without one)      |
+| `ffn`       | `mlp`                   | n and sum(x^2) of the FFN / MoE output                 |
+| `ffn_post`  | `mlp_post_norm`         | the same after the post norm (absent without one)      |
+| `router`    | `mlp.router` (MoE only) | tokens and summed entropy of the normalised scores     |
 
 Arming registers the hooks for one forward and removes them after it, so nothing else ever
 runs them: not the forwards activation checkpointing repeats inside backward (those would count
@@ -77,13 +77,12 @@ class SiteSums:
             self.maxima = maxima if self.maxima is None else torch.maximum(self.maxima, maxima)
         self.forwards += 1
 
-    def filled(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """(sums, maxima), zeros where the site saw nothing."""
+    def fill(self, device: torch.device) -> None:
+        """Zeros where the site saw nothing, so every rank reduces vectors of the same sizes."""
         if self.sums is None:
             self.sums = torch.zeros(self.num_sums, dtype=torch.float64, device=device)
         if self.maxima is None:
             self.maxima = torch.zeros(self.num_maxima, dtype=torch.float64, device=device)
-        return self.sums, self.maxima
 
 
 def _output_tensor(output):
@@ -91,13 +90,16 @@ def _output_tensor(output):
     return output[0] if isinstance(output, tuple) else output
 
 
-def _block_output(x: torch.Tensor):
-    local, layout = local_view(x)
+# What a module's output contributes: (sums, maxima or None, layout).
+
+
+def _block_output(output):
+    local, layout = local_view(_output_tensor(output))
     return torch.cat([sums.power_sums(local), sums.magnitude_histogram(local)]), sums.abs_max(local), layout
 
 
-def _square_sums(x: torch.Tensor):
-    local, layout = local_view(x)
+def _square_sums(output):
+    local, layout = local_view(_output_tensor(output))
     return sums.square_sums(local), None, layout
 
 
@@ -107,14 +109,14 @@ def _router(routing):
 
 
 BLOCK_SUMS = sums.NUM_POWER_SUMS + sums.HISTOGRAM_BINS
-# site: (module of the block, what its output contributes, number of sums, number of maxima)
+# site: (its module in a block, or None; what the module's output contributes; sums; maxima)
 SITES: dict[str, tuple[Callable[[TransformerBlock], nn.Module | None], Callable, int, int]] = {
-    "block": (lambda b: b, lambda out: _block_output(_output_tensor(out)), BLOCK_SUMS, 1),
-    "attn": (lambda b: b.attn, lambda out: _square_sums(out), 2, 0),
-    "attn_post": (lambda b: b.attn_post_norm, lambda out: _square_sums(out), 2, 0),
-    "ffn": (lambda b: b.mlp, lambda out: _square_sums(_output_tensor(out)), 2, 0),
-    "ffn_post": (lambda b: b.mlp_post_norm, lambda out: _square_sums(out), 2, 0),
-    "router": (lambda b: getattr(b.mlp, "router", None) if b.is_moe else None, _router, 2, 0),
+    "block": (lambda b: b, _block_output, BLOCK_SUMS, 1),
+    "attn": (lambda b: b.attn, _square_sums, 2, 0),
+    "attn_post": (lambda b: b.attn_post_norm, _square_sums, 2, 0),
+    "ffn": (lambda b: b.mlp, _square_sums, 2, 0),
+    "ffn_post": (lambda b: b.mlp_post_norm, _square_sums, 2, 0),
+    "router": (lambda b: b.mlp.router if b.is_moe else None, _router, 2, 0),
 }
 
 
@@ -167,7 +169,7 @@ class ActivationHooks:
         Every rank must call this (it holds the collectives)."""
         sites = list(self.sites.values())
         for site in sites:
-            site.filled(self.device)
+            site.fill(self.device)
         reduce_sites(sites, dims)
         taken = {key: (s.sums.tolist(), s.maxima.tolist()) for key, s in self.sites.items()}
         self._reset()
