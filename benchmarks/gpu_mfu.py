@@ -30,7 +30,8 @@ from trinity_train.model.counting import count_parameters
 from trinity_train.optim.groups import build_optimizer
 from trinity_train.optim.schedule import build_scheduler
 from trinity_train.stability import StepGuard
-from trinity_train.train import TrainingStep, build_model_for_training
+from trinity_train.step import TrainingStep
+from trinity_train.train import build_model_for_training
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -104,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
         tokens = torch.randint(0, cfg.model.vocab_size, (rows, cfg.data.seq_len + 1), device=device,
                                generator=generator)
         batch = Batch(tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
-        seconds, result = timed(lambda: step(batch, i + 1), device)
+        seconds, result = timed(lambda: step(batch, i + 1, i), device)
         if i >= args.warmup:
             timings.add(seconds)
         print(f"  step {i}: loss {result.loss:.4f}, {seconds:.3f} s"

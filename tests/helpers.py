@@ -24,9 +24,9 @@ def poison_batches(trainer, poisoned: set[int]) -> None:
     step, forward = trainer.step_fn, trainer.model.forward
     current = {"index": -1}
 
-    def stepping(batch, iteration):
+    def stepping(batch, *args):
         current["index"] = batch.index
-        return step(batch, iteration)
+        return step(batch, *args)
 
     def poisoned_forward(*args, **kwargs):
         out = forward(*args, **kwargs)

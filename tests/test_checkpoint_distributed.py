@@ -90,7 +90,7 @@ def two_rank_rollback(corpus, root):
     the second skip rolls both back to the (asynchronously saved) step-2 checkpoint. Then the
     same layout told to skip batches 2-4 from the start."""
     init_gloo()
-    stability = {"rollback_after": 2, "max_consecutive_skips": 4}
+    stability = {"rollback_after": 2, "max_consecutive_skips": 4, "rollback_lookback": 0, "skip_extra_batches": 0}
     rolled = fsdp_trainer(config(corpus, root / "rolled", dp=2, async_save=True, steps=6, stability=stability))
     if dist.get_rank() == 1:
         poison_batches(rolled, {3, 4})

@@ -101,7 +101,8 @@ def test_ckpt_inspect_and_verify(workdir):
     assert cli("ckpt", "verify", ckpt, cwd=workdir).stdout.startswith(f"ok: {ckpt} is complete and loadable")
     summary = json.loads(cli("ckpt", "inspect", ckpt, "--json", cwd=workdir).stdout)
     assert summary["step"] == 4 and summary["kind"] == "training"
-    assert set(summary["components"]) == {"model", "optim", "scheduler", "loader", "guard", "trainer", "rng"}
+    assert set(summary["components"]) == {"model", "optim", "scheduler", "loader", "guard", "lr_backoff", "trainer",
+                                          "rng"}
     assert "model: trinity, 4 layers, hidden 32" in cli("ckpt", "inspect", ckpt, cwd=workdir).stdout
 
     data_file = next((workdir / ckpt).glob("*.distcp"))

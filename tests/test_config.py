@@ -74,7 +74,12 @@ def test_override_values_read_as_toml_with_bare_strings():
     (["--metrics.wandb_mode=sometimes"], "metrics.wandb_mode: must be one of"),
     (["--stability.max_consecutive_skips=0"], "stability.max_consecutive_skips: must be >= 1"),
     (["--stability.rollback_after=10"], "stability.rollback_after: must be below stability.max_consecutive_skips (10)"),
-    (["--stability.rollback_after=2", "--checkpoint.every=0"], "rollback_after: needs checkpoints to roll back to"),
+    (["--stability.incident_zscore=7"], "stability.incident_zscore: must not exceed stability.spike_zscore (6.0)"),
+    (["--stability.lr_backoff=0"], "stability.lr_backoff: must be in (0, 1]"),
+    (["--stability.inject=[{fault='nan', first=3}]"], "stability.inject[0].fault: must be one of 'nan_loss'"),
+    (["--stability.inject=[{fault='nan_loss', first=0}]"], "stability.inject[0].first: must be an iteration >= 1"),
+    (["--stability.inject=[{fault='poison_random', first=5, last=4}]"], "stability.inject[0].last: must be -1 or >= first (5)"),
+    (["--stability.inject=[{fault='poison_repeat', first=5, token=9000}]"], "stability.inject[0].token: must be a token id below model.vocab_size (8192)"),
     (["--train.steps"], "override '--train.steps' has no value"),
     (["steps=5"], "unexpected argument 'steps=5'"),
 ])

@@ -15,9 +15,10 @@ PACKAGE = Path(__file__).resolve().parents[1] / "trinity_train"
 LAYERS = [
     {"cli"},
     {"train"},
+    {"step"},
     {"parallel", "checkpoint", "stability", "observe", "interop", "dashboard", "study"},
     {"model", "optim", "data"},
-    {"config", "rundir"},
+    {"config", "rundir", "columnar"},
     {"files"},
     {"errors", "__init__"},
 ]

@@ -1,67 +1,183 @@
-"""StepGuard: which steps are skipped, and that it stops a diverged run."""
+"""The step guard on synthetic streams of losses and gradient norms: what it applies, skips,
+opens incidents for, asks to roll back, and when it halts; and the rollback plan."""
 
 import math
+import random
 
 import pytest
 
 from trinity_train.config import StabilityConfig
-from trinity_train.stability import StepGuard, TrainingDivergedError
+from trinity_train.data.ledger import SkipRange
+from trinity_train.stability import HALT_EXIT_CODE, StepGuard, TrainingDivergedError
+from trinity_train.stability.detector import RollingSignal
+from trinity_train.stability.rollback import LRBackoff, plan_rollback
+
+WARMUP = 30
 
 
-def test_non_finite_loss_or_gradient_is_skipped():
-    guard = StepGuard(StabilityConfig())
-    assert guard.judge(2.0, 1.0, 1).apply
-    assert guard.judge(math.nan, 1.0, 2).reason == "nonfinite"
-    assert guard.judge(2.0, math.inf, 3).reason == "nonfinite"
-    assert guard.judge(2.0, 1.0, 4).apply
+def feed(guard, losses, grad_norms, start_iter=1, start_step=0, until_rollback=False):
+    """Judge a stream; returns the verdicts (applied steps advance the step count)."""
+    verdicts, step = [], start_step
+    for i, (loss, norm) in enumerate(zip(losses, grad_norms)):
+        verdict = guard.judge(loss, norm, start_iter + i, step)
+        step += verdict.apply
+        verdicts.append(verdict)
+        if until_rollback and verdict.rollback:
+            break
+    return verdicts
 
 
-def test_non_finite_steps_apply_when_skipping_is_off():
-    assert StepGuard(StabilityConfig(skip_nonfinite=False)).judge(math.nan, 1.0, 1).apply
+def noisy(n, seed, level=1.0, noise=0.01, drift=0.0):
+    """A positive signal: level * exp(drift * t) with relative Gaussian noise."""
+    rng = random.Random(seed)
+    return [level * math.exp(drift * t) * (1 + rng.gauss(0, noise)) for t in range(n)]
 
 
-def test_spike_is_skipped_and_kept_out_of_the_history():
-    guard = StepGuard(StabilityConfig(spike_zscore=3.0, window=10, min_history=4))
-    for i, loss in enumerate([5.0, 5.1, 4.9, 5.0]):
-        assert guard.judge(loss, 1.0, i).apply
-    verdict = guard.judge(9.0, 1.0, 5)
-    assert not verdict.apply and verdict.reason == "spike" and verdict.zscore > 3.0
-    assert list(guard.recent_losses) == [5.0, 5.1, 4.9, 5.0]
-    assert guard.judge(5.05, 1.0, 6).apply
+def guard(**changes) -> StepGuard:
+    return StepGuard(StabilityConfig(**changes), warmup_steps=WARMUP)
 
 
-def test_no_spike_verdict_before_enough_history():
-    guard = StepGuard(StabilityConfig(spike_zscore=1.0, window=10, min_history=3))
-    assert guard.judge(1.0, 1.0, 1).apply and guard.judge(1.1, 1.0, 2).apply
-    assert guard.judge(100.0, 1.0, 3).apply
+def events(verdicts, name):
+    return [e for v in verdicts for e in v.events if e["event"] == name]
 
 
-def test_too_many_skips_in_a_row_stop_the_run():
-    guard = StepGuard(StabilityConfig(max_consecutive_skips=3))
-    guard.judge(math.nan, 0.0, 1)
-    guard.judge(math.nan, 0.0, 2)
-    with pytest.raises(TrainingDivergedError, match="3 steps in a row.*iteration 3"):
-        guard.judge(math.nan, 0.0, 3)
+def test_robust_zscore_on_log_values_with_a_sigma_floor():
+    signal = RollingSignal(window=8, min_history=4, sigma_floor=0.05)
+    for step in range(3):
+        signal.add(1.0, step)
+    assert signal.zscore(2.0, 3) is None  # not enough history
+    signal.add(1.0, 3)
+    # A flat course and no spread: sigma is the floor, so z = log(2) / 0.05
+    assert signal.zscore(2.0, 4) == pytest.approx(math.log(2.0) / 0.05)
+    assert signal.zscore(0.5, 4) < 0  # one-sided: below the course is negative, never a spike
 
 
-def test_state_round_trip():
-    cfg = StabilityConfig(spike_zscore=10.0, window=5, min_history=2)
-    guard = StepGuard(cfg)
-    for i, loss in enumerate([1.0, 2.0, 3.0, 4.0, 5.0, 6.0]):
-        guard.judge(loss, 1.0, i)
-    guard.judge(math.nan, 1.0, 7)
-    restored = StepGuard(cfg)
-    restored.load_state_dict(guard.state_dict())
-    assert list(restored.recent_losses) == [2.0, 3.0, 4.0, 5.0, 6.0] and restored.consecutive_skips == 1
-    assert restored.judge(7.5, 1.0, 8) == guard.judge(7.5, 1.0, 8)
+def test_the_course_is_a_robust_line_through_the_log_values():
+    # log values on a falling line with alternating noise, and one outlier the fit must ignore
+    signal = RollingSignal(window=32, min_history=4, sigma_floor=1e-6)
+    noise = [0.01, -0.01, 0.0] * 7
+    for step, e in enumerate(noise):
+        signal.add(math.exp(2.0 - 0.05 * step + e), step)
+    signal.add(math.exp(5.0), 21)
+    expected_line = 2.0 - 0.05 * 25
+    sigma = 1.4826 * 0.01  # residuals +-0.01 and 0 (and one outlier): MAD 0.01
+    on_line = signal.zscore(math.exp(expected_line), 25)
+    assert abs(on_line) <= 0.01 / sigma  # extrapolated five steps on, within the noise
+    assert signal.zscore(math.exp(expected_line + 0.1), 25) - on_line == pytest.approx(0.1 / sigma, rel=0.05)
 
 
-def test_a_streak_of_skips_asks_for_a_rollback():
-    guard = StepGuard(StabilityConfig(rollback_after=2, max_consecutive_skips=4))
-    assert guard.judge(2.0, 1.0, 1).apply
-    first = guard.judge(math.nan, 1.0, 2)
-    assert not first.apply and not first.rollback
-    second = guard.judge(math.nan, 1.0, 3)
-    assert not second.apply and second.rollback and second.reason == "nonfinite"
-    assert guard.judge(2.0, 1.0, 4) == guard.judge(2.0, 1.0, 5)  # applied steps end the streak
-    assert not StepGuard(StabilityConfig()).judge(math.nan, 1.0, 1).rollback  # off by default
+def test_slow_drift_is_no_action():
+    # 1000 steps: the loss falls slowly, the gradient norm creeps up 40 %, both noisy.
+    g = guard()
+    verdicts = feed(g, noisy(1000, 1, level=4.0, noise=0.01, drift=-3e-4), noisy(1000, 2, noise=0.08, drift=3.4e-4))
+    assert all(v.apply for v in verdicts)
+    assert not events(verdicts, "incident_open") or all(e["z"] < 6 for e in events(verdicts, "incident_open"))
+    assert not any(v.rollback for v in verdicts)
+
+
+def test_one_10_sigma_loss_spike_is_one_skip():
+    losses, norms = noisy(300, 3, level=3.0, noise=0.01), noisy(300, 4, noise=0.05)
+    losses[200] *= math.exp(10 * 0.02)  # 10 sigma at the sigma floor of log(loss)
+    g = guard()
+    verdicts = feed(g, losses, norms)
+    skipped = [i for i, v in enumerate(verdicts) if not v.apply]
+    assert skipped == [200] and verdicts[200].reason == "loss_spike" and verdicts[200].loss_z >= 6
+    assert len(g.loss.points) == 128 and math.log(losses[200]) not in [v for _, v in g.loss.points]  # kept out
+    opened, closed = events(verdicts, "incident_open"), events(verdicts, "incident_close")
+    assert [(e["iter"], e["signal"]) for e in opened] == [(201, "loss")]
+    assert [e["onset_iter"] for e in closed] == [201] and closed[0]["iter"] == 201 + 20
+
+
+def test_a_gradient_norm_spike_with_a_flat_loss_is_skipped():
+    losses, norms = noisy(200, 5, level=3.0, noise=0.01), noisy(200, 6, noise=0.05)
+    norms[150] *= 50
+    verdicts = feed(guard(), losses, norms)
+    assert [i for i, v in enumerate(verdicts) if not v.apply] == [150]
+    assert verdicts[150].reason == "grad_spike" and verdicts[150].grad_norm_z > 6
+    assert abs(verdicts[150].loss_z) < 3
+
+
+def test_slow_divergence_opens_an_incident_then_asks_for_a_rollback():
+    # From step 150 on, the loss climbs 1 % per step: each value is only a little above the last,
+    # but values at incident level stay out of the window, so the rise is judged against the calm
+    # baseline and is skipped once it is 6 sigma above it.
+    losses = noisy(150, 7, level=3.0, noise=0.01) + [3.0 * 1.01 ** t for t in range(1, 60)]
+    norms = noisy(len(losses), 8, noise=0.05)
+    g = guard(rollback_after=3, max_consecutive_skips=10)
+    verdicts = feed(g, losses, norms, until_rollback=True)
+    opened = events(verdicts, "incident_open")
+    assert len(opened) == 1 and opened[0]["signal"] == "loss"
+    onset = opened[0]["iter"]
+    first_skip = next(i for i, v in enumerate(verdicts) if not v.apply)
+    assert 150 < onset - 1 < first_skip  # the incident opens before the first skip
+    rollback = verdicts[-1]
+    assert rollback.rollback and rollback.onset_iter == onset and rollback.onset_step == onset - 1
+    assert [v.apply for v in verdicts[first_skip:]] == [False, False, False]
+
+
+def test_nan_is_skipped_and_opens_an_incident_even_in_warmup():
+    verdicts = feed(guard(), [3.0, math.nan, 3.0, 3.0], [1.0, 1.0, math.inf, 1.0])
+    assert [v.reason for v in verdicts] == ["", "nonfinite", "nonfinite", ""]
+    assert [e["signal"] for e in events(verdicts, "incident_open")] == ["nonfinite"]
+    assert StepGuard(StabilityConfig(skip_nonfinite=False)).judge(math.nan, 1.0, 1, 100).apply
+
+
+def test_no_z_verdict_during_warmup():
+    losses, norms = noisy(60, 9, level=5.0), noisy(60, 10)
+    losses[10] *= 100  # step 10 of a 30-step warm-up
+    verdicts = feed(guard(), losses, norms)
+    assert all(v.apply for v in verdicts)
+    assert all(v.loss_z is None for v in verdicts[:WARMUP])
+    assert verdicts[WARMUP + 20].loss_z is not None  # judged once 20 post-warm-up steps are in
+
+
+def test_too_many_skips_in_a_row_halt_with_the_halt_exit_code():
+    g = guard(max_consecutive_skips=3, rollback_after=2)
+    assert not g.judge(math.nan, 1.0, 1, 0).rollback
+    assert g.judge(math.nan, 1.0, 2, 0).rollback
+    with pytest.raises(TrainingDivergedError, match="3 steps in a row.*iteration 3") as info:
+        g.judge(math.nan, 1.0, 3, 0)
+    assert info.value.exit_code == HALT_EXIT_CODE == 3
+
+
+def test_state_round_trip_continues_identically():
+    losses, norms = noisy(120, 11, level=3.0), noisy(120, 12)
+    g = guard()
+    feed(g, losses[:100], norms[:100])
+    g.judge(math.nan, 1.0, 101, 100)
+    restored = guard()
+    restored.load_state_dict(g.state_dict())
+    assert restored.incident == g.incident and restored.consecutive_skips == 1
+    assert feed(restored, losses[100:], norms[100:], 102, 100) == feed(g, losses[100:], norms[100:], 102, 100)
+
+
+def rollback_record(iteration, target_step, extra, repeat=0):
+    return SkipRange(0, 1, "rollback", "rollback", iteration,
+                     {"target_step": target_step, "extra_batches": extra, "repeat": repeat})
+
+
+def test_rollback_plan_goes_back_before_the_onset_and_further_on_a_repeat():
+    cfg = StabilityConfig(rollback_lookback=10, skip_extra_batches=5, repeat_window=50, lr_backoff=0.5,
+                          max_rollbacks=3)
+    first = plan_rollback(cfg, [], onset_iter=120, onset_step=115, iteration=123)
+    assert (first.max_target_step, first.extra_batches, first.lr_scale, first.repeat) == (105, 5, 0.5, 0)
+    # A second incident 30 iterations after a rollback to step 100: one checkpoint further back,
+    # twice the extra skip, the back-off squared.
+    again = plan_rollback(cfg, [rollback_record(123, 100, 5)], onset_iter=153, onset_step=110, iteration=156)
+    assert (again.max_target_step, again.extra_batches, again.lr_scale, again.repeat) == (99, 10, 0.25, 1)
+    # Long after the last rollback: a fresh incident.
+    later = plan_rollback(cfg, [rollback_record(123, 100, 5)], onset_iter=400, onset_step=350, iteration=403)
+    assert (later.max_target_step, later.repeat) == (340, 0)
+    with pytest.raises(TrainingDivergedError, match="after 3 rollbacks") as info:
+        plan_rollback(cfg, [rollback_record(i, 50, 5) for i in (100, 200, 300)], 400, 350, 403)
+    assert info.value.exit_code == HALT_EXIT_CODE
+
+
+def test_lr_backoff_ramps_back_to_one():
+    backoff = LRBackoff()
+    assert backoff.factor(5) == 1.0
+    backoff.start(step=100, scale=0.25, ramp_steps=10)
+    assert [backoff.factor(s) for s in (100, 105, 110, 200)] == [0.25, 0.625, 1.0, 1.0]
+    restored = LRBackoff()
+    restored.load_state_dict(backoff.state_dict())
+    assert restored.factor(105) == 0.625

@@ -1,4 +1,5 @@
-"""`trinity-train <command>`: train, prepare-data, export-hf, import-hf, ckpt inspect|verify.
+"""`trinity-train <command>`: train, prepare-data, export-hf, import-hf, ckpt inspect|verify,
+incidents, dashboard, report.
 
 A user mistake (any `UserError`) ends with one line `error: <message>` on stderr and the error's
 exit code: 2 for configuration, 1 otherwise. Heavy imports (torch, the model, data libraries)
@@ -97,6 +98,47 @@ def cmd_ckpt(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_incidents(args: argparse.Namespace) -> int:
+    from trinity_train.rundir import RunDir
+    from trinity_train.stability.incidents import format_table, read_incidents
+
+    run = RunDir(args.run_dir)
+    if not run.path.is_dir():
+        raise DataError(f"run directory '{run.path}' does not exist")
+    reports = read_incidents(run)
+    print(json.dumps(reports, indent=2) if args.json else format_table(reports))
+    return 0
+
+
+def cmd_dashboard(args: argparse.Namespace) -> int:
+    from trinity_train.dashboard.commands import run_dashboard
+
+    return run_dashboard(args.run_dirs, args.host, args.port)
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from trinity_train.dashboard.commands import run_report
+
+    return run_report(args.run_dirs, args.out, args.title)
+
+
+def _add_dashboard(sub) -> None:
+    dashboard = sub.add_parser("dashboard", help="live web dashboard of run directories (local, read-only)",
+                               description="Serve a live dashboard of one or more run directories; it follows "
+                                           "them while they are written. A directory that does not exist yet is "
+                                           "shown as waiting for the run to start.")
+    dashboard.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories (run.dir) to show")
+    dashboard.add_argument("--port", type=int, default=8050, help="TCP port (default 8050; 0 = any free port)")
+    dashboard.add_argument("--host", default="127.0.0.1",
+                           help="address to listen on (default 127.0.0.1: this machine only)")
+    report = sub.add_parser("report", help="the dashboard's views as one offline HTML file",
+                            description="Write the dashboard's views of run directories to one self-contained "
+                                        "HTML file (plotly.js and the data inline; it opens offline).")
+    report.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories (run.dir) to show")
+    report.add_argument("--out", required=True, help="HTML file to write")
+    report.add_argument("--title", help="page title (default: the run names)")
+
+
 def _add_prepare_data(subparsers) -> None:
     parser = subparsers.add_parser("prepare-data", help="tokenize a dataset into packed token shards")
     from trinity_train.data.prepare import add_prepare_arguments
@@ -137,6 +179,13 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     inspect.add_argument("--json", action="store_true", help="print the summary as JSON")
     verify = ckpt_sub.add_parser("verify", help="check that a checkpoint is complete and loadable")
     verify.add_argument("path")
+
+    incidents = sub.add_parser("incidents", help="list a run's skipped steps and rollbacks (incident reports)",
+                               description="One line per incident report in RUN_DIR/incidents/: what the guard "
+                                           "saw, what it did, and which data the step came from.")
+    incidents.add_argument("run_dir", metavar="RUN_DIR")
+    incidents.add_argument("--json", action="store_true", help="print the full reports as a JSON list")
+    _add_dashboard(sub)
     return parser
 
 
@@ -148,7 +197,8 @@ def run(argv: list[str]) -> int:
     if extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     handlers = {"prepare-data": cmd_prepare_data, "export-hf": cmd_export_hf,
-                "import-hf": cmd_import_hf, "ckpt": cmd_ckpt}
+                "import-hf": cmd_import_hf, "ckpt": cmd_ckpt, "incidents": cmd_incidents,
+                "dashboard": cmd_dashboard, "report": cmd_report}
     return handlers[args.command](args)
 
 

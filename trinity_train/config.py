@@ -60,7 +60,8 @@ class ModelConfig:
     expert_impl: str = "grouped"  # "grouped" (torch._grouped_mm) or "loop"
     router_fp32: bool = True  # router logits in fp32 even under bf16 autocast / mixed precision
     load_balance: str = "sign"  # "sign", "smebu" or "none"
-    bias_update_rate: float = 1e-3  # gamma of the sign rule
+    bias_update_rate: float = 1e-2  # gamma of the sign rule: the bias moves at most this per step, so
+    #                                 short runs need more than Trinity's 1e-3 (set in nano/mini.toml)
     smebu_lambda: float = 5e-4
     smebu_beta: float = 0.5
     smebu_kappa: float = 2.0
@@ -144,23 +145,52 @@ class ParallelConfig:
 
 @dataclass
 class CheckpointConfig:
-    every: int = 100
+    every: int = 50
     keep: int = 3
     resume: str = "none"  # "none", "auto" (newest in the run directory) or a checkpoint path
     init_from: str = ""  # a checkpoint (e.g. from import-hf) whose model weights start the run
     async_save: bool = False
 
 
+FAULTS = ("nan_loss", "grad_scale", "loss_spike", "poison_random", "poison_repeat")
+POISON_FAULTS = ("poison_random", "poison_repeat")
+
+
+@dataclass
+class FaultConfig:
+    """One fault drill (`stability.inject`): rehearse a spike without writing code."""
+
+    fault: str = ""  # one of FAULTS
+    first: int = 0  # nan_loss, grad_scale, loss_spike: the first iteration (1-based, as in metrics);
+    #                 poison_*: the first global batch index (0-based) whose data is replaced
+    last: int = -1  # the last one, inclusive; -1: only `first`
+    rank: int = -1  # only on this rank of a distributed run; -1: every rank
+    factor: float = 0.0  # grad_scale: gradient multiplier (0: 1000); loss_spike: loss multiplier (0: 10)
+    token: int = 0  # poison_repeat: the token id every position is replaced by
+
+
 @dataclass
 class StabilityConfig:
-    skip_nonfinite: bool = True  # a step with a non-finite loss or gradient is not applied
-    spike_zscore: float = 0.0  # >0: skip a step whose loss is this many std above the recent mean
-    window: int = 50  # recent steps the spike statistics use
-    min_history: int = 20  # no spike verdict before this many steps
-    max_consecutive_skips: int = 10  # this many skipped steps in a row stop the run with an error
-    rollback_after: int = 0  # >0: this many skipped steps in a row restore the newest checkpoint
-    #                          and put every batch drawn since it in the skip ledger
-    max_rollbacks: int = 3  # rollbacks in one run (resumes included) before it stops as diverged
+    skip_nonfinite: bool = True  # a step with a non-finite loss or gradient norm is not applied
+    spike_zscore: float = 6.0  # >0: skip a step whose loss or gradient norm lies this many sigma
+    #                            above its window (robust z on log values); 0 disables
+    incident_zscore: float = 3.0  # a step this far above opens an incident (and stays out of the window)
+    window: int = 128  # recent normal steps that judge the next (OLMo-core: 128)
+    min_history: int = 20  # no z verdict before the windows hold this many steps (after LR warm-up)
+    loss_sigma_floor: float = 0.02  # smallest sigma of log(loss): a 6-sigma spike is at least +13 %
+    grad_norm_sigma_floor: float = 0.1  # smallest sigma of log(grad norm): 6 sigma is at least 1.8x
+    calm_steps: int = 20  # this many normal steps in a row close an incident
+    max_consecutive_skips: int = 10  # this many skipped steps in a row halt the run
+    rollback_after: int = 3  # >0: this many skipped steps in a row roll back to a checkpoint
+    #                          from before the incident's onset; 0: only skip
+    rollback_lookback: int = 10  # the restored checkpoint is at least this many steps before the onset
+    skip_extra_batches: int = 10  # batches skipped beyond the one that triggered the rollback
+    repeat_window: int = 100  # an incident this many iterations or fewer after a rollback is a repeat:
+    #                           it goes one checkpoint further back and doubles the extra skip
+    lr_backoff: float = 1.0  # learning-rate factor after a rollback (a repeat: its square, ...); 1: off
+    lr_backoff_steps: int = 100  # optimizer steps over which the factor ramps back to 1
+    max_rollbacks: int = 3  # rollbacks in one run (resumes included) before it halts as diverged
+    inject: list[FaultConfig] = field(default_factory=list)  # fault drills
 
 
 @dataclass
@@ -444,19 +474,7 @@ def validate(cfg: Config) -> None:
     _require(c.every >= 0, "checkpoint.every", "must be >= 0 (0 disables periodic checkpoints)")
     _require(c.keep >= 1, "checkpoint.keep", "must be >= 1")
 
-    s = cfg.stability
-    _require(s.spike_zscore >= 0, "stability.spike_zscore", "must be >= 0 (0 disables)")
-    _require(s.window >= 2 and 1 <= s.min_history <= s.window, "stability.min_history",
-             "needs window >= 2 and 1 <= min_history <= window")
-    _require(s.max_consecutive_skips >= 1, "stability.max_consecutive_skips", "must be >= 1")
-    _require(s.rollback_after >= 0, "stability.rollback_after", "must be >= 0 (0 disables rollback)")
-    _require(s.max_rollbacks >= 0, "stability.max_rollbacks", "must be >= 0")
-    if s.rollback_after > 0:
-        _require(s.rollback_after < s.max_consecutive_skips, "stability.rollback_after",
-                 f"must be below stability.max_consecutive_skips ({s.max_consecutive_skips}), which "
-                 "would stop the run first")
-        _require(c.every > 0, "stability.rollback_after",
-                 "needs checkpoints to roll back to: set checkpoint.every > 0")
+    _validate_stability(cfg)
 
     mc = cfg.metrics
     _one_of(mc.wandb_mode, ("auto", "online", "offline"), "metrics.wandb_mode")
@@ -465,6 +483,40 @@ def validate(cfg: Config) -> None:
              f"must be >= 0 (0 turns the layer statistics off), got {mc.layer_stats_every}")
 
     _require(bool(cfg.run.dir), "run.dir", "must not be empty")
+
+
+def _validate_stability(cfg: Config) -> None:
+    s = cfg.stability
+    _require(s.spike_zscore >= 0, "stability.spike_zscore", "must be >= 0 (0 disables)")
+    _require(s.incident_zscore >= 0, "stability.incident_zscore", "must be >= 0 (0: only skips open incidents)")
+    _require(s.spike_zscore == 0 or s.incident_zscore <= s.spike_zscore, "stability.incident_zscore",
+             f"must not exceed stability.spike_zscore ({s.spike_zscore}): an incident opens before a skip")
+    _require(s.window >= 2 and 1 <= s.min_history <= s.window, "stability.min_history",
+             "needs window >= 2 and 1 <= min_history <= window")
+    _require(s.loss_sigma_floor > 0 and s.grad_norm_sigma_floor > 0, "stability.loss_sigma_floor",
+             "sigma floors must be positive (log units, e.g. 0.02)")
+    _require(s.calm_steps >= 1, "stability.calm_steps", "must be >= 1")
+    _require(s.max_consecutive_skips >= 1, "stability.max_consecutive_skips", "must be >= 1")
+    _require(s.rollback_after >= 0, "stability.rollback_after", "must be >= 0 (0 disables rollback)")
+    _require(s.max_rollbacks >= 0, "stability.max_rollbacks", "must be >= 0")
+    for name in ("rollback_lookback", "skip_extra_batches", "repeat_window", "lr_backoff_steps"):
+        _require(getattr(s, name) >= 0, f"stability.{name}", f"must be >= 0, got {getattr(s, name)}")
+    _require(0 < s.lr_backoff <= 1, "stability.lr_backoff", f"must be in (0, 1] (1: off), got {s.lr_backoff}")
+    if s.rollback_after > 0:
+        _require(s.rollback_after < s.max_consecutive_skips, "stability.rollback_after",
+                 f"must be below stability.max_consecutive_skips ({s.max_consecutive_skips}), which "
+                 "would stop the run first")
+    for i, f in enumerate(s.inject):
+        key = f"stability.inject[{i}]"
+        _one_of(f.fault, FAULTS, f"{key}.fault")
+        poison = f.fault in POISON_FAULTS
+        _require(f.first >= (0 if poison else 1), f"{key}.first",
+                 f"must be {'a global batch index >= 0' if poison else 'an iteration >= 1'}, got {f.first}")
+        _require(f.last == -1 or f.last >= f.first, f"{key}.last", f"must be -1 or >= first ({f.first})")
+        _require(f.rank >= -1, f"{key}.rank", "must be a rank >= 0, or -1 for every rank")
+        _require(f.factor >= 0, f"{key}.factor", "must be >= 0 (0: the fault's default)")
+        _require(0 <= f.token < cfg.model.vocab_size, f"{key}.token",
+                 f"must be a token id below model.vocab_size ({cfg.model.vocab_size})")
 
 
 def init_std(m: ModelConfig) -> float:

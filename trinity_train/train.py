@@ -1,33 +1,29 @@
 """The Trainer: composes model, data, optimizer, schedule, stability, checkpoints and metrics.
 
-One optimizer step (`TrainingStep`), as data flows (DESIGN §2):
-  forward + backward over the micro-batches, each scaled so the summed gradient is that of the
-  token-weighted mean cross entropy of the whole global batch (plus aux and z losses) ->
-  global loss and pre-clip gradient norm -> `StepGuard` verdict (apply or skip) ->
-  clip, optimizer step, expert-bias update from the step's tokens per expert, scheduler step.
+Each iteration draws the next global batch, lets `step.TrainingStep` train on it (or skip it),
+records what happened, and validates and checkpoints when due (DESIGN §2). When the guard asks for
+a rollback, the Trainer restores a checkpoint from before the incident through the resume path,
+rules out the batches since it in the skip ledger and continues (DESIGN §7); every skip and every
+rollback leaves an incident report.
 
-Every place where a distributed run must combine values across data-parallel ranks goes through
-`parallel.reductions` with the run's `ParallelDims` (marked "DP all-reduce"); in one process the
-dims have no mesh and the sums are the identity, so one code path serves one and N ranks. Each
-rank's loss is its share of the global token-weighted mean, so the data-parallel gradient
-reduction must SUM rank gradients, not average them (FSDP2: `set_gradient_divide_factor(1.0)`).
 Model, optimizer and data come in through small builders (`build_model_for_training`,
 `build_optimizer`, `build_loaders`), so parallelism can be applied from outside without touching
 the step.
 
 Determinism: everything is seeded from `train.seed`, the data order is a pure function of the
 seed and the batch index, and a checkpoint holds every piece of state the next step reads (model
-with expert biases, optimizer, scheduler, loader position, guard history, counters, RNG streams),
-so a resumed run computes bit-identical losses to an uninterrupted one.
+with expert biases, optimizer, scheduler, loader position, guard history, LR back-off, counters,
+RNG streams), so a resumed run computes bit-identical losses to an uninterrupted one.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
 import random
+import sys
 import time
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -39,28 +35,30 @@ from torch import nn
 
 from trinity_train.checkpoint import CheckpointManager, ModelState, OptimizerState, RNGState, load_checkpoint
 from trinity_train.checkpoint.compat import config_differences, describe_differences
-from trinity_train.checkpoint.layout import newest_checkpoint
 from trinity_train.checkpoint.manager import read_compatible_meta
 from trinity_train.config import Config, config_to_dict, load_config, save_config
 from trinity_train.data import build_loaders
+from trinity_train.data.loader import dataset_dirs
+from trinity_train.data.provenance import batch_documents
 from trinity_train.data.ledger import SkipLedger
-from trinity_train.errors import ConfigError
+from trinity_train.errors import CheckpointError, ConfigError
 from trinity_train.model.counting import training_flops_per_token
-from trinity_train.model.loss import IGNORE_INDEX
 from trinity_train.observe import MetricsRecorder, expert_load_stats, measure_peak_flops, mfu, supersede_records_after
-from trinity_train.observe.layer_stats import LayerStatsCollector
 from trinity_train.optim.groups import build_optimizer
 from trinity_train.optim.schedule import build_scheduler
 from trinity_train.parallel.mesh import ParallelDims
 from trinity_train.parallel.parallelize import build_parallel_model
 from trinity_train.parallel.process_group import (destroy_distributed, init_distributed, leave_together,
                                                   resolve_device, world_size_from_env)
-from trinity_train.parallel.reductions import clip_grads_with_norm_, global_grad_norm, sum_over_data_parallel
 from trinity_train.rundir import RunDir
-from trinity_train.stability import StepGuard, TrainingDivergedError, Verdict
+from trinity_train.stability import StepGuard, TrainingDivergedError
+from trinity_train.stability.drills import FaultInjector
+from trinity_train.stability.incidents import signal_rows, write_incident
+from trinity_train.stability.rollback import LRBackoff, plan_rollback
+from trinity_train.step import StepResult, TrainingStep, evaluate
 
-# How the ledger names the ranges a rollback skipped (and how their number is recovered on resume).
-ROLLBACK_REASON = "rollback"
+# Train records kept for the incident reports (the signals before a skip).
+INCIDENT_CONTEXT = 24
 
 
 # ---------------------------------------------------------------------------- small seams
@@ -70,12 +68,6 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)  # every device's generator
-
-
-def autocast_context(cfg: Config, device: torch.device):
-    if cfg.train.dtype == "bf16":
-        return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
-    return contextlib.nullcontext()
 
 
 def apply_training_wrappers(model: nn.Module, cfg: Config) -> nn.Module:
@@ -99,115 +91,6 @@ def build_model_for_training(cfg: Config, device: torch.device, dims: ParallelDi
     model = build_parallel_model(cfg, dims or ParallelDims.one_process(), device, wrap=apply_training_wrappers)
     model.train()
     return model
-
-
-# ---------------------------------------------------------------------------- one step
-
-
-@dataclass
-class StepResult:
-    loss: float  # mean cross entropy over the step's counted tokens, all ranks
-    aux_loss: float
-    z_loss: float
-    grad_norm: float  # global, before clipping
-    tokens: int  # counted (label) tokens, all ranks
-    tokens_per_expert: torch.Tensor  # [num_moe_layers, E], summed over micro-batches and ranks
-    lrs: dict[str, float]  # learning rate of each group kind for this step
-    verdict: Verdict
-    layer_stats: dict | None = None  # the "layers" record (without iter/step) on statistics iterations
-
-
-def micro_batches(batch: Any, micro_batch_size: int) -> list[dict[str, torch.Tensor]]:
-    """Split the rank's rows of a global batch into micro-batches of model inputs."""
-    fields = ("input_ids", "labels", "position_ids", "document_ids")
-    tensors = {f: getattr(batch, f) for f in fields if getattr(batch, f, None) is not None}
-    rows = tensors["input_ids"].shape[0]
-    return [{f: t[start:start + micro_batch_size] for f, t in tensors.items()}
-            for start in range(0, rows, micro_batch_size)]
-
-
-def _forward(model: nn.Module, mb: dict[str, torch.Tensor], cfg: Config, device: torch.device):
-    mb = {k: v.to(device, non_blocking=True) for k, v in mb.items()}
-    with autocast_context(cfg, device):
-        return model(mb["input_ids"], labels=mb["labels"], position_ids=mb.get("position_ids"),
-                     document_ids=mb.get("document_ids"))
-
-
-class TrainingStep:
-    """Forward/backward over micro-batches, the stability verdict, and the optimizer step."""
-
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, guard: StepGuard,
-                 cfg: Config, device: torch.device, dims: ParallelDims | None = None):
-        self.model = model
-        self.optimizer = optimizer
-        self.scheduler = scheduler
-        self.guard = guard
-        self.cfg = cfg
-        self.device = device
-        self.dims = dims or ParallelDims.one_process()
-        self.params = [p for p in model.parameters() if p.requires_grad]
-        self.layer_stats = LayerStatsCollector(model, cfg.metrics.layer_stats_every, self.dims)
-
-    def learning_rates(self) -> dict[str, float]:
-        lrs: dict[str, float] = {}
-        for group in self.optimizer.param_groups:
-            lrs.setdefault(group.get("kind", "adamw"), float(group["lr"]))
-        return lrs
-
-    def __call__(self, batch: Any, iteration: int) -> StepResult:
-        parts = micro_batches(batch, self.cfg.train.micro_batch_size)
-        # The token-weighted mean needs the global token count before the first backward.
-        tokens = sum_over_data_parallel((batch.labels != IGNORE_INDEX).sum().to(self.device),
-                                        self.dims)  # DP all-reduce
-        # Aux and z losses are means per micro-batch: average them over micro-batches and ranks.
-        per_part = 1.0 / (len(parts) * self.dims.dp)
-
-        totals = torch.zeros(3, device=self.device)  # cross-entropy sum, aux loss, z loss
-        counts = None
-        stats_due = self.layer_stats.due(iteration)
-        for mb in parts:
-            with self.layer_stats.recording(stats_due):  # the forward only: not recomputations in backward
-                out = _forward(self.model, mb, self.cfg, self.device)
-            loss = out.ce_sum / tokens.clamp_min(1) + (out.aux_loss + out.z_loss) * per_part
-            loss.backward()
-            totals += torch.stack([out.ce_sum.detach().float(), out.aux_loss.detach().float() * per_part,
-                                   out.z_loss.detach().float() * per_part])
-            counts = out.tokens_per_expert if counts is None else counts + out.tokens_per_expert
-        totals = sum_over_data_parallel(totals, self.dims)  # DP all-reduce
-        counts = sum_over_data_parallel(counts, self.dims)  # DP all-reduce
-        ce_sum, aux_loss, z_loss = totals.tolist()
-        num_tokens = int(tokens.item())
-        mean_loss = ce_sum / max(num_tokens, 1)
-        grad_norm = global_grad_norm(self.params)  # global over ranks and shards
-        grad_norm_value = grad_norm.item()
-        layer_stats = self.layer_stats.collect(counts) if stats_due else None  # pre-clip gradients
-
-        lrs = self.learning_rates()
-        verdict = self.guard.judge(mean_loss, grad_norm_value, iteration)
-        if verdict.apply:
-            if self.cfg.train.grad_clip > 0:
-                clip_grads_with_norm_(self.params, self.cfg.train.grad_clip, grad_norm)
-            self.optimizer.step()
-            self.model.update_expert_biases(counts)
-            self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return StepResult(mean_loss, aux_loss, z_loss, grad_norm_value, num_tokens, counts, lrs, verdict,
-                          layer_stats)
-
-
-@torch.no_grad()
-def evaluate(model: nn.Module, val_loader: Any, cfg: Config, device: torch.device,
-             dims: ParallelDims | None = None) -> tuple[float, int]:
-    """Mean cross entropy over the first `train.eval_batches` validation batches (all ranks)."""
-    model.eval()
-    totals = torch.zeros(2, dtype=torch.float64, device=device)  # cross-entropy sum, tokens
-    for batch in val_loader.batches(cfg.train.eval_batches):
-        for mb in micro_batches(batch, cfg.train.micro_batch_size):
-            out = _forward(model, mb, cfg, device)
-            totals += torch.stack([out.ce_sum.double(), out.num_tokens.double()])
-    model.train()
-    ce_sum, tokens = sum_over_data_parallel(totals, dims or ParallelDims.one_process()).tolist()  # DP all-reduce
-    return ce_sum / max(tokens, 1.0), int(tokens)
 
 
 # ---------------------------------------------------------------------------- the run
@@ -290,9 +173,11 @@ class Trainer:
         mesh built) and its device."""
         self.cfg = cfg
         self.run_dir = Path(cfg.run.dir)
+        self.rundir = RunDir(self.run_dir)
         # Everything that can be checked without work is checked first.
         self.config_changes = check_run_dir(cfg, self.run_dir)
-        self.checkpoints = CheckpointManager(self.run_dir, cfg.checkpoint)
+        self.checkpoints = CheckpointManager(self.run_dir, cfg.checkpoint,
+                                             protect_lookback=_protected_lookback(cfg))
         self.resume_from = self.checkpoints.resume_path()
         if self.resume_from is not None:
             read_compatible_meta(self.resume_from, cfg)
@@ -307,23 +192,30 @@ class Trainer:
         self.model = model_builder(cfg, self.device)
         self.optimizer = build_optimizer(self.model, cfg.optim)
         self.scheduler = build_scheduler(self.optimizer, cfg)
-        self.guard = StepGuard(cfg.stability)
+        self.guard = StepGuard(cfg.stability, warmup_steps=cfg.optim.warmup_steps)
+        self.lr_backoff = LRBackoff()
+        self.faults = FaultInjector(cfg.stability.inject, rank=self.dims.rank, vocab_size=cfg.model.vocab_size)
         self.state = TrainerState()
         # Batches skipped by this run are recorded in the ledger and never drawn again; a fresh
         # run starts with an empty one, a resumed run keeps what its predecessors recorded.
-        ledger_path = RunDir(self.run_dir).ledger
-        self.ledger = SkipLedger.load(ledger_path) if self.resume_from else SkipLedger(ledger_path)
+        self.ledger = SkipLedger.load(self.rundir.ledger) if self.resume_from else SkipLedger(self.rundir.ledger)
         self.train_loader, self.val_loader = build_loaders(cfg, dp_rank=self.dims.dp_rank,
                                                            dp_size=self.dims.dp, ledger=self.ledger)
-        # Counted from the ledger, so resuming a run does not reset its allowance.
-        self.rollbacks = sum(r.reason.startswith(ROLLBACK_REASON) for r in self.ledger.ranges)
         self.step_fn = TrainingStep(self.model, self.optimizer, self.scheduler, self.guard, cfg, self.device,
-                                    self.dims)
+                                    self.dims, lr_backoff=self.lr_backoff, faults=self.faults)
+        self.recent: deque[dict] = deque(maxlen=INCIDENT_CONTEXT)  # the last train records
+        self.skip_streak: list[int] = []  # batch indices of the skips in a row so far
+        self.dataset_dirs = dataset_dirs(cfg.data)
+
+    @property
+    def rollbacks(self) -> int:
+        """Rollbacks of this run so far, resumes included (counted from the ledger)."""
+        return len(self.ledger.rollbacks())
 
     def checkpoint_state(self) -> dict[str, Any]:
         return {"model": ModelState(self.model), "optim": OptimizerState(self.model, self.optimizer),
                 "scheduler": self.scheduler, "loader": self.train_loader, "guard": self.guard,
-                "trainer": self.state, "rng": RNGState()}
+                "lr_backoff": self.lr_backoff, "trainer": self.state, "rng": RNGState()}
 
     def _restore_or_init(self) -> list[dict]:
         """Load the resume checkpoint if there is one, else the init_from weights if asked;
@@ -331,6 +223,8 @@ class Trainer:
         self.checkpoints.remove_interrupted_saves()
         if self.resume_from is not None:
             load_checkpoint(self.resume_from, self.checkpoint_state(), self.cfg)
+            # Skips after the checkpoint are judged again, as the uninterrupted run judged them.
+            self.ledger.forget_skips_after(self.state.iteration)
             return [{"event": "resume", "checkpoint": str(self.resume_from), "step": self.state.step,
                      "iter": self.state.iteration}]
         if self.cfg.checkpoint.init_from:
@@ -339,16 +233,15 @@ class Trainer:
         return []
 
     def _prepare_run_dir(self) -> list[dict]:
-        """Write the config and a fresh run's ledger; returns the events to record."""
+        """Write the config and the ledger; returns the events to record."""
         if not self.is_main:
             return []
-        run = RunDir(self.run_dir)
-        run.path.mkdir(parents=True, exist_ok=True)
-        save_config(self.cfg, run.config)
-        if self.resume_from is None and self.ledger.path.exists():
+        self.rundir.path.mkdir(parents=True, exist_ok=True)
+        save_config(self.cfg, self.rundir.config)
+        if self.resume_from is not None or self.ledger.path.exists():
             self.ledger.save()  # a fresh run must not inherit an earlier run's skips
         # What an interrupted or earlier run logged past this starting point is superseded.
-        moved = supersede_records_after(run, self.state.iteration)
+        moved = supersede_records_after(self.rundir, self.state.iteration)
         return [{"event": "superseded", "from_iter": self.state.iteration, "records": moved}] if moved else []
 
     def _save(self, recorder: MetricsRecorder) -> None:
@@ -365,45 +258,115 @@ class Trainer:
             summary.first_val_loss = val_loss
         summary.last_val_loss = val_loss
 
-    def _record_skip(self, result: StepResult, batch_index: int, recorder: MetricsRecorder) -> None:
-        self.ledger.add(batch_index, batch_index + 1, reason=f"skipped step: {result.verdict.reason}")
+    def _save_ledger(self) -> None:
         if self.is_main:
             self.ledger.save()
-        recorder.event("skip", iter=self.state.iteration, step=self.state.step, batch=batch_index,
-                       reason=result.verdict.reason, loss=result.loss, grad_norm=result.grad_norm)
 
-    def _roll_back(self, last_bad_batch: int, recorder: MetricsRecorder) -> bool:
-        """Restore the newest checkpoint and never train on the batches drawn since it; False
-        when there is no checkpoint yet.
+    def _record_skip(self, result: StepResult, batch_index: int, recorder: MetricsRecorder) -> None:
+        verdict = result.verdict
+        self.ledger.add(batch_index, batch_index + 1, reason=f"skipped step: {verdict.reason}", kind="skip",
+                        iteration=self.state.iteration)
+        self._save_ledger()
+        report = self.rundir.incident(self.state.iteration)
+        recorder.event("skip", iter=self.state.iteration, step=self.state.step, batch=batch_index,
+                       reason=verdict.reason, loss=result.loss, grad_norm=result.grad_norm,
+                       loss_z=verdict.loss_z, grad_norm_z=verdict.grad_norm_z,
+                       incident=str(report.relative_to(self.rundir.path)))
+        z = max((v for v in (verdict.loss_z, verdict.grad_norm_z) if v is not None), default=None)
+        recorder.notice(f"iteration {self.state.iteration}: step skipped ({verdict.reason}"
+                        f"{f', z {z:.1f}' if z is not None else ''}; loss {result.loss:.4f}, grad norm "
+                        f"{result.grad_norm:.3g}); report {report}")
+
+    def _report_incident(self, result: StepResult, action: str, batches: list[int], drill: list[dict],
+                         rollback: dict | None = None) -> None:
+        """Write the incident report of this iteration (main process only)."""
+        if not self.is_main:
+            return
+        report = {"iter": self.state.iteration, "step": self.state.step, "action": action,
+                  "reason": result.verdict.reason, "onset_iter": result.verdict.onset_iter,
+                  "signals": signal_rows(list(self.recent)), "layer_grad_norms": result.layer_grad_norms,
+                  "batches": [{"index": b, "documents": batch_documents(self.train_loader, self.dataset_dirs, b)}
+                              for b in batches],
+                  "drill": drill, "lr": result.lrs}
+        if rollback is not None:
+            report["rollback"] = rollback
+        write_incident(self.rundir, report)
+
+    def _rollback_target(self, max_step: int, recorder: MetricsRecorder) -> Path | None:
+        """The newest checkpoint at or before `max_step` that is complete and reads back whole;
+        damaged ones are reported and passed over, never loaded."""
+        for step, path in reversed(self.checkpoints.list()):
+            if step > max_step:
+                continue
+            try:
+                self.checkpoints.check(path)
+                return path
+            except CheckpointError as e:
+                recorder.event("checkpoint_passed_over", path=str(path), reason=str(e))
+        return None
+
+    def _roll_back(self, result: StepResult, last_bad_batch: int, recorder: MetricsRecorder) -> dict | None:
+        """Restore a checkpoint from before the incident's onset and never train on the batches
+        drawn since it (nor on `skip_extra_batches` after the trigger); returns the rollback event,
+        or None when there is no checkpoint to go back to.
 
         Everything stateful comes back (weights, optimizer, schedule, loader position, guard,
         RNG), as on a resume; the iteration counter alone keeps counting, so log lines stay unique.
         The result is the run that would have been trained with those batches in the ledger from
-        the start.
+        the start (with the LR back-off, if one is configured, on top).
         """
-        self.checkpoints.wait()  # an in-flight save may be the newest checkpoint
-        target = newest_checkpoint(self.checkpoints.checkpoints_dir)
-        if target is None:
-            recorder.event("rollback_unavailable", iter=self.state.iteration, step=self.state.step,
-                           reason="no checkpoint yet")
-            return False
-        if self.rollbacks >= self.cfg.stability.max_rollbacks:
-            raise TrainingDivergedError(
-                f"training diverged: another streak of skipped steps at iteration {self.state.iteration} "
-                f"after {self.rollbacks} rollbacks (stability.max_rollbacks); lower optim.lr or "
-                "train.grad_clip, or resume from an earlier checkpoint with --checkpoint.resume=PATH")
+        cfg, verdict = self.cfg.stability, result.verdict
         iteration, from_step = self.state.iteration, self.state.step
+        if self.cfg.checkpoint.every <= 0:
+            recorder.event("rollback_unavailable", iter=iteration, step=from_step, reason="checkpoint.every = 0")
+            return None
+        plan = plan_rollback(cfg, self.ledger.rollbacks(), verdict.onset_iter, verdict.onset_step, iteration)
+        self.checkpoints.wait()  # an in-flight save may be the target
+        target = self._rollback_target(plan.max_target_step, recorder)
+        if target is None:
+            recorder.event("rollback_unavailable", iter=iteration, step=from_step,
+                           reason=f"no sound checkpoint at or before step {plan.max_target_step}")
+            return None
+        windows = self.guard.windows()
         load_checkpoint(target, self.checkpoint_state(), self.cfg)
-        first_bad = self.train_loader.position  # the first batch drawn after the checkpoint
-        self.ledger.add(first_bad, last_bad_batch + 1, reason=f"{ROLLBACK_REASON} to step {self.state.step}")
-        if self.is_main:
-            self.ledger.save()
+        self.guard.keep_windows(windows)
+        restored_iter, first_bad = self.state.iteration, self.train_loader.position
+        skipped = [first_bad, last_bad_batch + 1 + plan.extra_batches]
+        self.ledger.add(*skipped, reason=f"rollback to step {self.state.step}", kind="rollback", iteration=iteration,
+                        target_step=self.state.step, extra_batches=plan.extra_batches, repeat=plan.repeat,
+                        onset_iter=verdict.onset_iter)
+        self._save_ledger()
+        # Checkpoints after the target hold the timeline that was just undone: never resume from them.
+        discarded = self.checkpoints.discard_after(self.state.step)
+        self.lr_backoff.start(self.state.step, plan.lr_scale, cfg.lr_backoff_steps)
+        self.lr_backoff.apply(self.optimizer, self.scheduler.get_last_lr(), self.state.step)
         self.state.iteration = iteration
-        self.rollbacks += 1
-        recorder.event("rollback", iter=iteration, from_step=from_step, to_step=self.state.step,
-                       checkpoint=str(target), skipped_batches=[first_bad, last_bad_batch + 1],
-                       rollbacks=self.rollbacks)
-        return True
+        event = {"iter": iteration, "from_step": from_step, "to_step": self.state.step, "to_iter": restored_iter,
+                 "checkpoint": str(target), "skipped_batches": skipped, "rollbacks": self.rollbacks,
+                 "onset_iter": verdict.onset_iter, "repeat": plan.repeat, "lr_scale": plan.lr_scale,
+                 "discarded_checkpoints": [str(p) for p in discarded],
+                 "incident": str(self.rundir.incident(iteration).relative_to(self.rundir.path))}
+        recorder.event("rollback", **event)
+        recorder.notice(f"iteration {iteration}: rolled back from step {from_step} to step {self.state.step} "
+                        f"({target.name}); batches {skipped[0]}-{skipped[1] - 1} will not be trained on"
+                        + (f"; learning rate x{plan.lr_scale:g}" if plan.lr_scale < 1.0 else ""))
+        if plan.lr_scale < 1.0:
+            recorder.event("lr_backoff", iter=iteration, scale=plan.lr_scale, ramp_steps=cfg.lr_backoff_steps)
+        return event
+
+    def _start_events(self, events: list[dict]) -> list[dict]:
+        events = [{"event": "run_start", "step": self.state.step, "iter": self.state.iteration,
+                   "device": str(self.device), "devices": self.dims.world_size,
+                   "resumed_from": str(self.resume_from) if self.resume_from else None}] + events
+        if self.config_changes:
+            events.insert(1, {"event": "config_changed", "changes": [[k, a, b] for k, a, b in self.config_changes]})
+        if self.cfg.stability.rollback_after > 0 and self.cfg.checkpoint.every <= 0:
+            if self.is_main:
+                print("warning: stability.rollback_after is set but checkpoint.every = 0: with no checkpoints "
+                      "to go back to, spikes are only skipped", file=sys.stderr)
+            events.append({"event": "rollback_unavailable", "iter": self.state.iteration, "step": self.state.step,
+                           "reason": "checkpoint.every = 0"})
+        return events
 
     def run(self) -> TrainSummary:
         cfg = self.cfg
@@ -411,13 +374,7 @@ class Trainer:
         events = self._restore_or_init()
         events += self._prepare_run_dir()
         recorder = MetricsRecorder(cfg, self.run_dir, start_step=self.state.step, is_main=self.is_main)
-        recorder.event("run_start", step=self.state.step, iter=self.state.iteration, device=str(self.device),
-                       devices=self.dims.world_size,
-                       resumed_from=str(self.resume_from) if self.resume_from else None)
-        if self.config_changes:
-            recorder.event("config_changed", changes=[[k, a, b] for k, a, b in self.config_changes])
-        for event in events:
-            recorder.event(event.pop("event"), **event)
+        recorder.events(self._start_events(events))
 
         throughput = Throughput(cfg, self.device, self.dims.world_size)
         summary = TrainSummary(self.run_dir, start_step=self.state.step, step=self.state.step,
@@ -428,6 +385,10 @@ class Trainer:
             while self.state.step < cfg.train.steps:
                 self._one_iteration(recorder, throughput, summary)
             self.checkpoints.wait()
+        except TrainingDivergedError as e:
+            recorder.event("halt", iter=self.state.iteration, step=self.state.step, reason=" ".join(str(e).split()),
+                           exit_code=e.exit_code)
+            raise
         finally:
             summary.wall_s = time.perf_counter() - started
             summary.step, summary.iteration = self.state.step, self.state.iteration
@@ -436,32 +397,60 @@ class Trainer:
         return summary
 
     def _one_iteration(self, recorder: MetricsRecorder, throughput: "Throughput", summary: TrainSummary) -> None:
-        cfg = self.cfg
         started = time.perf_counter()
         batch = self.train_loader.next_batch()
         self.state.iteration += 1
-        result = self.step_fn(batch, self.state.iteration)
+        drill = self.faults.events(self.state.iteration, batch.index)
+        recorder.events(drill)
+        for fault in drill:
+            where = "" if fault["rank"] is None else f" on rank {fault['rank']}"
+            recorder.notice(f"iteration {self.state.iteration}: drill: injected {fault['fault']}{where}")
+        self.faults.poison(batch)
+        result = self.step_fn(batch, self.state.iteration, self.state.step)
         elapsed = time.perf_counter() - started
-        if result.verdict.apply:
+        recorder.events(result.verdict.events)
+        verdict = result.verdict
+        if verdict.apply:
             self.state.step += 1
             self.state.tokens_seen += result.tokens
+            self.skip_streak.clear()
         else:
             summary.skipped_steps += 1
+            self.skip_streak.append(batch.index)
             self._record_skip(result, batch.index, recorder)
-        recorder.train(step_record(result, self.state, throughput.of(result.tokens, elapsed)))
+        record = step_record(result, self.state, batch.index, throughput.of(result.tokens, elapsed))
+        recorder.train(record)
         if result.layer_stats is not None:
             recorder.layers({"iter": self.state.iteration, "step": self.state.step, **result.layer_stats})
+        self.recent.append(record)
         summary.last_loss = result.loss
-        if result.verdict.rollback and self._roll_back(batch.index, recorder):
-            summary.rollbacks += 1
-        if not result.verdict.apply:
+        if verdict.apply:
+            self._after_applied_step(recorder, summary)
             return
+        rollback, streak = None, list(self.skip_streak)
+        if verdict.rollback:
+            try:
+                rollback = self._roll_back(result, batch.index, recorder)
+            except TrainingDivergedError:
+                self._report_incident(result, "halt", streak, drill)
+                raise
+        if rollback is not None:
+            summary.rollbacks += 1
+            self.skip_streak.clear()
+        self._report_incident(result, "rollback" if rollback else "skip", streak if rollback else [batch.index],
+                              drill, rollback)
 
-        step = self.state.step
+    def _after_applied_step(self, recorder: MetricsRecorder, summary: TrainSummary) -> None:
+        cfg, step = self.cfg, self.state.step
         if cfg.train.eval_every > 0 and (step % cfg.train.eval_every == 0 or step == cfg.train.steps):
             self._validate(recorder, summary)
         if self.checkpoints.is_due(step) or (step == cfg.train.steps and cfg.checkpoint.every > 0):
             self._save(recorder)
+
+
+def _protected_lookback(cfg: Config) -> int | None:
+    """How far back retention must keep a checkpoint for a rollback (None: rollbacks are off)."""
+    return cfg.stability.rollback_lookback if cfg.stability.rollback_after > 0 else None
 
 
 class Throughput:
@@ -479,17 +468,21 @@ class Throughput:
                 "mfu": mfu(tokens_per_s, self.flops_per_token, self.peak, self.num_devices)}
 
 
-def step_record(result: StepResult, state: TrainerState, throughput: dict[str, float]) -> dict[str, Any]:
+def step_record(result: StepResult, state: TrainerState, batch_index: int, throughput: dict[str, float]) -> dict[str, Any]:
     """One line of metrics.jsonl."""
-    record = {"iter": state.iteration, "step": state.step, "loss": result.loss, "aux_loss": result.aux_loss,
+    record = {"iter": state.iteration, "step": state.step, "batch": batch_index, "loss": result.loss,
+              "aux_loss": result.aux_loss,
               "z_loss": result.z_loss, "grad_norm": result.grad_norm,
               "lr": result.lrs.get("adamw", next(iter(result.lrs.values())))}
     if "muon" in result.lrs:
         record["lr_muon"] = result.lrs["muon"]
     record.update(tokens=result.tokens, tokens_seen=state.tokens_seen, **throughput,
-                  skipped=not result.verdict.apply)
+                  skipped=not result.verdict.apply, loss_z=result.verdict.loss_z,
+                  grad_norm_z=result.verdict.grad_norm_z)
     if not result.verdict.apply:
         record["skip_reason"] = result.verdict.reason
+    if result.lr_scale != 1.0:
+        record["lr_scale"] = result.lr_scale
     record.update(expert_load_stats(result.tokens_per_expert))
     return record
 

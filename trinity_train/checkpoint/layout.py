@@ -22,7 +22,7 @@ from trinity_train.files import atomic_write_json
 META_FILE = "meta.json"
 DCP_METADATA_FILE = ".metadata"  # written by torch.distributed.checkpoint once all ranks finished
 FORMAT = "trinity-train-checkpoint"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: the guard's windows on loss and gradient norm, the LR back-off
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
 
 
@@ -89,15 +89,20 @@ def commit(tmp_dir: Path, final_dir: Path, meta: dict) -> None:
         shutil.rmtree(old)
 
 
-def apply_retention(checkpoints_dir: Path, keep: int) -> list[Path]:
-    """Delete all but the newest `keep` complete checkpoints; returns the deleted ones."""
+def delete_checkpoint(path: Path) -> None:
+    # Rename first so a crash mid-delete leaves an ignored `.old`, not a broken checkpoint.
+    trash = path.with_name(path.name + ".old")
+    path.rename(trash)
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+def apply_retention(checkpoints_dir: Path, keep: int, protect: frozenset[Path] = frozenset()) -> list[Path]:
+    """Delete all but the newest `keep` complete checkpoints, and never those in `protect` (the
+    ones a rollback may need); returns the deleted ones."""
     found = list_checkpoints(checkpoints_dir)
-    doomed = [path for _, path in found[:-keep]] if keep > 0 else []
+    doomed = [path for _, path in found[:-keep] if path not in protect] if keep > 0 else []
     for path in doomed:
-        # Rename first so a crash mid-delete leaves an ignored `.old`, not a broken checkpoint.
-        trash = path.with_name(path.name + ".old")
-        path.rename(trash)
-        shutil.rmtree(trash, ignore_errors=True)
+        delete_checkpoint(path)
     return doomed
 
 

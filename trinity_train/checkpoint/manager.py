@@ -21,12 +21,15 @@ from trinity_train.checkpoint.layout import (
     apply_retention,
     barrier,
     commit,
+    delete_checkpoint,
     is_coordinator,
+    list_checkpoints,
     newest_checkpoint,
     read_meta,
     remove_incomplete,
     step_dir_name,
 )
+from trinity_train.checkpoint.verify import verify_checkpoint
 from trinity_train.config import CheckpointConfig, Config, config_to_dict
 from trinity_train.errors import CheckpointError
 from trinity_train.rundir import RunDir
@@ -95,10 +98,31 @@ def load_checkpoint(path: Path, state: dict[str, Any], cfg: Config) -> dict:
 
 
 class CheckpointManager:
-    def __init__(self, run_dir: Path, ckpt_cfg: CheckpointConfig):
+    def __init__(self, run_dir: Path, ckpt_cfg: CheckpointConfig, protect_lookback: int | None = None):
+        """`protect_lookback`: retention keeps, besides the newest `keep`, the newest checkpoint at
+        least this many steps older than the latest save (the one a rollback would restore) and
+        the ones younger than that (the targets of later rollbacks)."""
         self.checkpoints_dir = RunDir(run_dir).checkpoints
         self.cfg = ckpt_cfg
+        self.protect_lookback = protect_lookback
         self._pending: _PendingSave | None = None
+
+    def list(self) -> list[tuple[int, Path]]:
+        """(step, path) of every complete checkpoint, oldest first."""
+        return list_checkpoints(self.checkpoints_dir)
+
+    def check(self, path: Path) -> None:
+        """Raise CheckpointError unless `path` is complete and every item reads back."""
+        verify_checkpoint(path)
+
+    def discard_after(self, step: int) -> list[Path]:
+        """Delete the complete checkpoints of steps after `step` (a timeline a rollback undid)."""
+        doomed = [path for s, path in self.list() if s > step]
+        if is_coordinator():
+            for path in doomed:
+                delete_checkpoint(path)
+        barrier()
+        return doomed
 
     def remove_interrupted_saves(self) -> list[Path]:
         removed = remove_incomplete(self.checkpoints_dir) if is_coordinator() else []
@@ -130,7 +154,7 @@ class CheckpointManager:
             self._pending = _PendingSave(dcp_io.async_save(state, tmp_dir), tmp_dir, final_dir, meta)
         else:
             write_checkpoint(state, final_dir, meta)
-            self._after_commit()
+            self._after_commit(step)
         return final_dir
 
     def wait(self) -> Path | None:
@@ -140,10 +164,20 @@ class CheckpointManager:
             return None
         pending.future.result()
         _commit_everywhere(pending.tmp_dir, pending.final_dir, pending.meta)
-        self._after_commit()
+        self._after_commit(pending.meta["step"])
         return pending.final_dir
 
-    def _after_commit(self) -> None:
+    def _rollback_candidates(self, step: int) -> frozenset[Path]:
+        """What a rollback may need from now on: the newest checkpoint at least `protect_lookback`
+        steps before `step`, and the younger ones, which become that as training goes on."""
+        if self.protect_lookback is None:
+            return frozenset()
+        horizon = step - self.protect_lookback
+        found = self.list()
+        old_enough = [path for s, path in found if s <= horizon]
+        return frozenset(old_enough[-1:] + [path for s, path in found if s > horizon])
+
+    def _after_commit(self, step: int) -> None:
         if is_coordinator():
-            apply_retention(self.checkpoints_dir, self.cfg.keep)
+            apply_retention(self.checkpoints_dir, self.cfg.keep, protect=self._rollback_candidates(step))
         barrier()

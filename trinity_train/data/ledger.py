@@ -1,22 +1,27 @@
 """The skip ledger: ranges of global batch indices never to train on.
 
-The stability code adds a range when it rolls back over a loss spike; the config can list more
-(`data.skip_ranges`). The train loader consults both and jumps over a range in one step, so
-skipping costs nothing however long the range. The file (`<run.dir>/skip_ledger.json`) is
-rewritten atomically on every save.
+The stability code adds a range for every skipped step (kind "skip") and for every rollback
+(kind "rollback": the batches from the restored checkpoint's position through the trigger and a
+margin); the config can list more (`data.skip_ranges`). The train loader consults both and jumps
+over a range in one step, so skipping costs nothing however long the range. The file
+(`<run.dir>/skip_ledger.json`) is rewritten atomically on every save, and it outlives the
+checkpoints: a rollback's ranges stay ruled out after any crash and resume, while a resume from a
+checkpoint taken before a skip forgets that skip (`forget_skips_after`), so the resumed run draws
+the batch again and judges it afresh, exactly as the uninterrupted run did.
 """
 
 from __future__ import annotations
 
 import bisect
-import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from trinity_train.errors import DataError
-from trinity_train.files import atomic_write_json
+from trinity_train.files import atomic_write_json, read_json_object
 
-_LEDGER_VERSION = 1
+_LEDGER_VERSION = 2
+KINDS = ("skip", "rollback", "config")
 
 
 @dataclass(frozen=True)
@@ -24,6 +29,17 @@ class SkipRange:
     start: int  # first global batch index skipped
     end: int  # one past the last
     reason: str = ""
+    kind: str = "skip"  # "skip" (one skipped step), "rollback", "config" (data.skip_ranges)
+    iteration: int = 0  # the iteration at which it was added (0: unknown, e.g. the config's)
+    details: dict[str, Any] = field(default_factory=dict, compare=False)  # a rollback's plan
+
+
+def _range_from_json(r: dict) -> SkipRange:
+    reason = str(r.get("reason", ""))
+    # Version 1 had no kind: its rollback ranges said so in their reason.
+    kind = r.get("kind") or ("rollback" if reason.startswith("rollback") else "skip")
+    return SkipRange(int(r["start"]), int(r["end"]), reason, kind, int(r.get("iteration", 0)),
+                     dict(r.get("details", {})))
 
 
 class SkipLedger:
@@ -32,7 +48,7 @@ class SkipLedger:
         self._ranges: list[SkipRange] = []
         self._merged: list[tuple[int, int]] = []  # disjoint, sorted: what `contains` searches
         for r in ranges or []:
-            self.add(r.start, r.end, r.reason)
+            self._append(r)
 
     @classmethod
     def load(cls, path: str | Path) -> "SkipLedger":
@@ -40,28 +56,50 @@ class SkipLedger:
         path = Path(path)
         if not path.exists():
             return cls(path)
+        table = read_json_object(path, DataError, "skip ledger")
         try:
-            table = json.loads(path.read_text())
-            ranges = [SkipRange(int(r["start"]), int(r["end"]), str(r.get("reason", "")))
-                      for r in table["ranges"]]
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            raise DataError(f"skip ledger '{path}' is unreadable ({e}); fix or delete it") from None
+            ranges = [_range_from_json(r) for r in table["ranges"]]
+        except (ValueError, KeyError, TypeError) as e:
+            raise DataError(f"skip ledger '{path}' is unreadable ({type(e).__name__}: {e}); fix or delete it") from None
         return cls(path, ranges)
 
     @classmethod
     def from_ranges(cls, ranges: list[list[int]], reason: str) -> "SkipLedger":
         """An in-memory ledger, e.g. for `data.skip_ranges`."""
-        return cls(None, [SkipRange(a, b, reason) for a, b in ranges])
+        return cls(None, [SkipRange(a, b, reason, kind="config") for a, b in ranges])
 
     @property
     def ranges(self) -> list[SkipRange]:
         return list(self._ranges)
 
-    def add(self, start: int, end: int, reason: str = "") -> None:
-        if not (0 <= start < end):
-            raise ValueError(f"a skip range needs 0 <= start < end, got [{start}, {end})")
-        self._ranges.append(SkipRange(int(start), int(end), reason))
+    def rollbacks(self) -> list[SkipRange]:
+        """The ranges of rollbacks, oldest first."""
+        return [r for r in self._ranges if r.kind == "rollback"]
+
+    def add(self, start: int, end: int, reason: str = "", kind: str = "skip", iteration: int = 0,
+            **details: Any) -> None:
+        if kind not in KINDS:
+            raise ValueError(f"unknown skip range kind {kind!r}")
+        self._append(SkipRange(int(start), int(end), reason, kind, int(iteration), details))
+
+    def _append(self, r: SkipRange) -> None:
+        if not (0 <= r.start < r.end):
+            raise ValueError(f"a skip range needs 0 <= start < end, got [{r.start}, {r.end})")
+        self._ranges.append(r)
+        self._remerge()
+
+    def _remerge(self) -> None:
         self._merged = _merge([(r.start, r.end) for r in self._ranges])
+
+    def forget_skips_after(self, iteration: int) -> int:
+        """Drop the single-step skips added after `iteration` (a resume from a checkpoint of that
+        iteration judges those batches again); rollbacks stay. Returns how many were dropped."""
+        kept = [r for r in self._ranges if not (r.kind == "skip" and r.iteration > iteration)]
+        dropped = len(self._ranges) - len(kept)
+        if dropped:
+            self._ranges = kept
+            self._remerge()
+        return dropped
 
     def contains(self, index: int) -> bool:
         return self.next_allowed(index) != index
@@ -78,7 +116,9 @@ class SkipLedger:
             raise ValueError("this ledger has no file (it was built from the config)")
         atomic_write_json(self.path, {
             "version": _LEDGER_VERSION,
-            "ranges": [{"start": r.start, "end": r.end, "reason": r.reason} for r in self._ranges],
+            "ranges": [{"start": r.start, "end": r.end, "reason": r.reason, "kind": r.kind,
+                        "iteration": r.iteration, **({"details": r.details} if r.details else {})}
+                       for r in self._ranges],
         })
 
 

@@ -87,6 +87,15 @@ class _MixedRows:
     def locate(self, samples: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         return self.schedule.locate(samples)
 
+    def origins(self, samples: np.ndarray, seq_len: int) -> list[tuple[int, int]]:
+        """(source, offset of the sample's first token in that source's split) of each sample."""
+        source, index = self.locate(samples)
+        starts = np.empty(len(samples), dtype=np.int64)
+        for k in np.unique(source).tolist():
+            rows = np.flatnonzero(source == k)
+            starts[rows] = (self.orders[k].sequences(index[rows]) if self.orders else index[rows]) * seq_len
+        return list(zip(source.tolist(), starts.tolist()))
+
     def read(self, samples: np.ndarray, seq_len: int) -> dict[str, np.ndarray]:
         source, index = self.locate(samples)
         out = _empty_rows(len(samples), seq_len)
@@ -135,6 +144,17 @@ class TrainLoader:
         first = self._first_sample(index) + self.dp_rank * self.rows_per_rank
         samples = np.arange(first, first + self.rows_per_rank, dtype=np.int64)
         return _to_batch(self._mixed.read(samples, self.seq_len), index)
+
+    def row_origins(self, index: int) -> list[tuple[int, int]]:
+        """Where every row of global batch `index` (all ranks' rows) starts: (source, token offset
+        in that source's training split), in row order."""
+        first = self._first_sample(index)
+        return self._mixed.origins(np.arange(first, first + self.global_batch_size, dtype=np.int64),
+                                   self.seq_len)
+
+    def split(self, source: int) -> TokenSplit:
+        """The training split of source `source` (in `data.mix` order)."""
+        return self._mixed.readers[source].split
 
     def next_batch(self) -> Batch:
         index = self._next_allowed(self._position)

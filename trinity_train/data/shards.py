@@ -183,6 +183,7 @@ class _Shard:
     offsets_path: Path
     num_tokens: int
     num_documents: int
+    index: int = 0  # the shard's number in the manifest (its file name)
 
 
 class TokenSplit:
@@ -223,6 +224,15 @@ class TokenSplit:
             lo, hi = max(start - base, 0), min(start + length - base, self._shards[i].num_tokens)
             parts.append(self._shard_tokens(i)[lo:hi])
         return np.concatenate(parts) if len(parts) > 1 else np.asarray(parts[0])
+
+    def locate(self, offset: int) -> tuple[int, int, int]:
+        """(shard number, document number within the shard, token offset within that document)
+        of the token at global `offset`: where a row of a batch came from."""
+        i = int(np.searchsorted(self._starts, offset, side="right")) - 1
+        local = offset - int(self._starts[i])
+        offsets = self._shard_offsets(i)
+        document = int(np.searchsorted(offsets, local, side="right")) - 1
+        return self._shards[i].index, document, local - int(offsets[document])
 
     def document_starts(self, start: int, end: int) -> np.ndarray:
         """Global start offsets of the documents overlapping [start, end), first one <= start."""
@@ -280,6 +290,6 @@ class PreparedDataset:
             shards = []
             for s in self.manifest["splits"][split]["shards"]:
                 bin_path, idx_path, _ = shard_paths(self.path / split, s["index"])
-                shards.append(_Shard(bin_path, idx_path, s["num_tokens"], s["num_documents"]))
+                shards.append(_Shard(bin_path, idx_path, s["num_tokens"], s["num_documents"], s["index"]))
             out[split] = TokenSplit(self.dtype, shards)
         return out

@@ -8,23 +8,11 @@ null (JSON has no NaN).
 from __future__ import annotations
 
 import json
-import math
 import os
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
-from trinity_train.files import atomic_open, read_jsonl
-
-
-def json_safe(value: Any) -> Any:
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    if isinstance(value, dict):
-        return {k: json_safe(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [json_safe(v) for v in value]
-    return value
+from trinity_train.files import atomic_open, json_safe, read_jsonl
 
 
 def move_records(source: Path, target: Path, move: Callable[[dict], bool], mark: dict) -> int:
@@ -53,11 +41,13 @@ class JsonlWriter:
     def __init__(self, path: Path):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = open(self.path, "a")
+        self._file = open(self.path, "ab")
 
-    def write(self, record: dict) -> None:
-        self._file.write(json.dumps(json_safe(record), allow_nan=False) + "\n")
+    def write(self, record: dict) -> int:
+        """Append one line; returns the file's length after it (where the line ends)."""
+        self._file.write((json.dumps(json_safe(record), allow_nan=False) + "\n").encode())
         self._file.flush()
+        return self._file.tell()
 
     def close(self) -> None:
         self._file.close()

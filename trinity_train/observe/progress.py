@@ -45,11 +45,14 @@ class ProgressDisplay:
 
     def validation(self, val_loss: float, step: int) -> None:
         self.last_val = val_loss
-        message = f"step {step}: validation loss {val_loss:.4f}"
+        self.message(f"step {step}: validation loss {val_loss:.4f}")
+
+    def message(self, text: str) -> None:
+        """A line above the bar (or among the periodic lines)."""
         if self.bar is not None:
-            self.bar.write(message, file=sys.stderr)
+            self.bar.write(text, file=sys.stderr)
         else:
-            print(message, flush=True)
+            print(text, flush=True)
 
     def close(self) -> None:
         if self.bar is not None:

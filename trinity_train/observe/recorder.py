@@ -13,6 +13,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+from trinity_train.columnar import MirrorWriter
 from trinity_train.config import Config
 from trinity_train.observe.jsonl import JsonlWriter, move_records
 from trinity_train.observe.progress import ProgressDisplay
@@ -33,14 +34,16 @@ class MetricsRecorder:
         self.is_main = is_main
         self.sinks: list = []
         self.metrics = None
-        self.events = None
+        self.mirror = None
+        self.event_log = None
         self.progress = None
         if not is_main:
             return
         run = RunDir(run_dir)
-        self.events = JsonlWriter(run.events)
+        self.event_log = JsonlWriter(run.events)
         if cfg.metrics.jsonl:
             self.metrics = JsonlWriter(run.metrics)
+            self.mirror = MirrorWriter(run.metrics_mirror, run.metrics)
         if cfg.metrics.tensorboard:
             from trinity_train.observe.tensorboard_sink import TensorBoardSink
 
@@ -54,7 +57,7 @@ class MetricsRecorder:
     def _write(self, kind: str, record: dict) -> None:
         record = {"kind": kind, **record}
         if self.metrics is not None:
-            self.metrics.write(record)
+            self.mirror.append(record, self.metrics.write(record))
         for sink in self.sinks:
             sink.write(kind, record)
 
@@ -73,9 +76,19 @@ class MetricsRecorder:
         if self.is_main:
             self._write("layers", record)
 
+    def notice(self, text: str) -> None:
+        """Tell the person watching the console (skips, rollbacks, drills)."""
+        if self.is_main:
+            self.progress.message(text)
+
     def event(self, name: str, **fields) -> None:
         if self.is_main:
-            self.events.write({"event": name, "time": time.time(), **fields})
+            self.event_log.write({"event": name, "time": time.time(), **fields})
+
+    def events(self, events) -> None:
+        """Record events given as dicts with their name under "event"."""
+        for event in events:
+            self.event(event["event"], **{k: v for k, v in event.items() if k != "event"})
 
     def close(self) -> None:
         if not self.is_main:
@@ -83,6 +96,8 @@ class MetricsRecorder:
         self.progress.close()
         for sink in self.sinks:
             sink.close()
-        for writer in (self.metrics, self.events):
+        if self.mirror is not None:
+            self.mirror.close()
+        for writer in (self.metrics, self.event_log):
             if writer is not None:
                 writer.close()

@@ -1,0 +1,147 @@
+"""The spike guard against every fault drill, on the default model and data.
+
+A clean run of the default job's model trains `--steps` steps (default 1,000) with the guard on
+and checkpoints; its false positives (skipped steps, rollbacks) must be 0. Each drill then starts
+from the clean run's checkpoint at `--drill-from` (resume is exact, so the drill and clean runs
+share everything before it), injects its fault a few steps later, and trains to the end. One
+table: per scenario, detected, steps skipped, rollbacks, batches ruled out, final validation loss
+against the clean run's. Then the guard's cost per step (the detector on the real run's signals,
+timed) as a fraction of the clean run's mean step time.
+
+    python benchmarks/spike_drill.py [--steps 1000] [--drill-from 800] [--out DIR] [--a.b=value ...]
+
+About 2,000 optimizer steps in all: ~25 minutes on a quiet 2-core machine.
+"""
+
+from __future__ import annotations
+
+import os
+
+# Before torch starts OpenMP (see trinity_train/cli.py).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import argparse
+import shutil
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+from trinity_train.checkpoint.layout import step_dir_name
+from trinity_train.config import Config, FaultConfig, load_config, validate
+from trinity_train.data import SkipLedger
+from trinity_train.rundir import RunDir
+from trinity_train.stability import StepGuard, TrainingDivergedError
+from trinity_train.train import train
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def scenarios(start: int) -> dict[str, list[dict]]:
+    """Drill name -> faults, placed a few steps after the drills' starting checkpoint (iteration
+    i draws batch i - 1 there: the clean run skipped nothing)."""
+    at = start + 12
+    return {
+        "NaN loss": [{"fault": "nan_loss", "first": at}],
+        "gradient x1000": [{"fault": "grad_scale", "first": at}],
+        "loss x10": [{"fault": "loss_spike", "first": at}],
+        "poisoned range (random tokens)": [{"fault": "poison_random", "first": at, "last": at + 15}],
+        "poisoned range (one token)": [{"fault": "poison_repeat", "first": at, "last": at + 15, "token": 42}],
+    }
+
+
+def config(run_dir: Path, steps: int, every: int, overrides: list[str], faults: list[dict] = (),
+           resume: bool = False) -> Config:
+    """The default job for `steps` steps, checkpointing every `every` and keeping them all."""
+    cfg = load_config(ROOT / "configs" / "debug.toml", overrides)
+    cfg.train.steps, cfg.train.eval_every, cfg.train.log_every = steps, steps, 100
+    cfg.checkpoint.every, cfg.checkpoint.keep = every, steps
+    cfg.checkpoint.resume = "auto" if resume else "none"
+    cfg.metrics.progress_bar = False
+    cfg.run.dir = str(run_dir)
+    cfg.stability.inject = [FaultConfig(**f) for f in faults]
+    validate(cfg)
+    return cfg
+
+
+def outcome(run_dir: Path, halted: bool) -> dict:
+    run = RunDir(run_dir)
+    records = run.read_metrics("train")
+    vals = run.read_metrics("val")
+    rollbacks = run.read_events("rollback")
+    ruled_out = sum(r.end - r.start for r in SkipLedger.load(run.ledger).ranges)
+    return {"skipped": sum(r["skipped"] for r in records), "rollbacks": len(rollbacks),
+            "ruled_out": ruled_out, "val_loss": vals[-1]["val_loss"] if vals else None, "halted": halted,
+            "step_times": [r["step_time_s"] for r in records if not r["skipped"]],
+            "signals": [(r["loss"], r["grad_norm"], r["step"]) for r in records]}
+
+
+def run_drill(clean_dir: Path, run_dir: Path, start: int, steps: int, every: int, faults: list[dict],
+              overrides: list[str]) -> dict:
+    """Train from the clean run's checkpoint at `start` with `faults` injected."""
+    shutil.copytree(RunDir(clean_dir).checkpoints / step_dir_name(start), RunDir(run_dir).checkpoints / step_dir_name(start))
+    cfg = config(run_dir, steps, every, overrides, faults, resume=True)
+    try:
+        train(cfg)
+        return outcome(run_dir, halted=False)
+    except TrainingDivergedError:
+        return outcome(run_dir, halted=True)
+
+
+def guard_cost(cfg: Config, signals: list[tuple[float, float, int]]) -> float:
+    """Seconds per call of the guard's verdict on the clean run's own signals."""
+    guard = StepGuard(cfg.stability, warmup_steps=cfg.optim.warmup_steps)
+    started = time.perf_counter()
+    for i, (loss, grad_norm, step) in enumerate(signals, start=1):
+        guard.judge(loss, grad_norm, i, step - 1)
+    return (time.perf_counter() - started) / len(signals)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=1000)
+    parser.add_argument("--drill-from", type=int, default=800, help="the drills' starting checkpoint")
+    parser.add_argument("--checkpoint-every", type=int, default=50)
+    parser.add_argument("--out", type=Path, help="keep the run directories here (default: a temporary directory)")
+    args, overrides = parser.parse_known_args()
+    root = args.out or Path(tempfile.mkdtemp(prefix="spike_drill_"))
+    print(f"load before: {open('/proc/loadavg').read().strip()}", flush=True)
+
+    started = time.perf_counter()
+    clean_dir = root / "clean"
+    if args.drill_from % args.checkpoint_every:
+        parser.error("--drill-from must be a multiple of --checkpoint-every")
+    cfg = config(clean_dir, args.steps, args.checkpoint_every, overrides)
+    train(cfg)
+    clean = outcome(clean_dir, halted=False)
+    print(f"clean: {args.steps} steps in {time.perf_counter() - started:.0f} s", flush=True)
+
+    rows = []
+    for name, faults in scenarios(args.drill_from).items():
+        rows.append((name, run_drill(clean_dir, root / f"drill{len(rows)}", args.drill_from, args.steps,
+                                     args.checkpoint_every, faults, overrides)))
+        print(f"{name}: done", flush=True)
+
+    print(f"\nthe default model, {args.steps} steps; drills from the clean run's step {args.drill_from}\n")
+    print(f"{'scenario':<32} {'detected':>8} {'skipped':>8} {'rollbacks':>9} {'batches out':>11} "
+          f"{'final val loss':>14} {'vs clean':>9}")
+    print(f"{'clean (false positives)':<32} {'-':>8} {clean['skipped']:>8} {clean['rollbacks']:>9} "
+          f"{clean['ruled_out']:>11} {clean['val_loss']:>14.4f} {'':>9}")
+    for name, r in rows:
+        detected = "yes" if r["skipped"] or r["rollbacks"] else "no"
+        val = "halted" if r["halted"] else f"{r['val_loss']:.4f}"
+        ratio = "" if r["halted"] else f"{(r['val_loss'] / clean['val_loss'] - 1) * 100:+.2f}%"
+        print(f"{name:<32} {detected:>8} {r['skipped']:>8} {r['rollbacks']:>9} {r['ruled_out']:>11} {val:>14} {ratio:>9}")
+    print(f"\nfalse positives in the clean run: {clean['skipped']} skipped steps, {clean['rollbacks']} rollbacks")
+
+    per_call = guard_cost(cfg, clean["signals"])
+    step = statistics.median(clean["step_times"])
+    print(f"guard verdict: {per_call * 1e6:.0f} us per step = {per_call / step * 100:.3f} % of the median "
+          f"step ({step:.3f} s)")
+    print(f"load after: {open('/proc/loadavg').read().strip()}; wall {time.perf_counter() - started:.0f} s")
+    if args.out is None:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

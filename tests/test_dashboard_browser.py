@@ -1,0 +1,121 @@
+"""The dashboard and the report in headless Chromium: charts drawn, the rollback band and the
+abandoned segment there, one heatmap row per MoE layer, two runs overlaid, the report offline.
+
+`write_rollback_run` makes the run directory; point `rollback_run` at a real fault-drill run
+directory instead and these checks should hold unchanged."""
+
+import os
+import random
+
+import pytest
+
+from synthetic_run import MOE_LAYERS, append_jsonl, train_record, write_rollback_run
+from trinity_train.dashboard import browser
+from trinity_train.dashboard.report import write_report
+from trinity_train.dashboard.server import DashboardServer
+
+if not browser.available():
+    if os.environ.get("CI"):
+        pytest.fail(f"CI must have {browser.CHROMIUM} and {browser.CHROMEDRIVER} (.ci/run installs them)",
+                    pytrace=False)
+    pytest.skip(f"needs {browser.CHROMIUM} and {browser.CHROMEDRIVER} (apt-get install chromium chromium-driver)",
+                allow_module_level=True)
+
+pytestmark = pytest.mark.slow
+
+FIGURE = "const d = document.getElementById(arguments[0]); return {data: d.data, layout: d.layout};"
+
+
+@pytest.fixture
+def rollback_run(tmp_path):
+    return write_rollback_run(tmp_path / "run-a")
+
+
+def figure(driver, plot_id):
+    fig = driver.execute_script(FIGURE, plot_id)
+    assert fig["data"], f"{plot_id} has no traces"
+    return fig
+
+
+def check_rollback_views(driver, fake):
+    loss = figure(driver, "plot-loss")
+    lo, hi = fake.abandoned
+    bands = [s for s in loss["layout"]["shapes"] if s.get("name") == f"rollback: {fake.path.name}"]
+    assert [(b["x0"], b["x1"]) for b in bands] == [(lo - 0.5, hi + 0.5)]
+    ours = [t for t in loss["data"] if t["meta"]["run"] == 0]
+    faded = [t for t in ours if t["meta"]["kind"] == "abandoned" and t["meta"]["series"] == "loss"]
+    undone = [x for t in faded if t["meta"]["source"] == "rollback" for x in t["x"] if x is not None]
+    assert undone and min(undone) == lo and max(undone) == hi and all(t["opacity"] < 1 for t in faded)
+    assert any(t["meta"]["source"] == "superseded" for t in faded)
+    skips = [x for t in ours if t["meta"]["kind"] == "skip" for x in t["x"]]
+    assert sorted(skips) == fake.skipped
+    heat = figure(driver, "plot-moe-heat")["data"][0]
+    assert heat["type"] == "heatmap" and len(heat["z"]) == len(MOE_LAYERS)
+    assert len(figure(driver, "plot-experts")["data"][0]["z"]) == len(MOE_LAYERS)
+    for plot_id in ("plot-grad-norm", "plot-lr", "plot-throughput", "plot-moe-lines", "plot-depth-grad", "plot-depth-rms"):
+        figure(driver, plot_id)
+
+
+def run_lines(driver):
+    """name -> colour of each run's main loss line."""
+    return {t["name"]: t["line"]["color"] for t in figure(driver, "plot-loss")["data"]
+            if t["meta"]["kind"] == "main" and t["meta"]["series"] == "loss"}
+
+
+def test_the_live_dashboard_draws_a_rollback_run_and_overlays_a_second(tmp_path, rollback_run):
+    second = write_rollback_run(tmp_path / "run-b", seed=1, offset=0.5)
+    with DashboardServer([rollback_run.path, second.path], poll_interval=0.1) as server, \
+            browser.headless_chromium() as driver:
+        driver.get(server.url)
+        browser.wait_until_rendered(driver)
+        check_rollback_views(driver, rollback_run)
+        lines = run_lines(driver)
+        assert set(lines) == {"run-a", "run-b"} and len(set(lines.values())) == 2
+        legend = driver.find_element("id", "runs").text
+        assert "run-a" in legend and "run-b" in legend and "ended at iter 300" in legend
+
+        # a click on the skipped step opens its incident report, fetched from the server
+        driver.execute_script("""const d = document.getElementById('plot-loss');
+            const t = d.data.find((t) => t.meta.kind === 'skip');
+            d.emit('plotly_click', {points: [{data: t, customdata: t.customdata[0]}]});""")
+        driver.implicitly_wait(10)
+        panel = driver.find_element("id", "incident")
+        assert "Skipped step at iteration 80" in driver.find_element("id", "incident-body").text
+        assert panel.is_displayed()
+
+        # a line appended to run-b shows up without a reload
+        append_jsonl(second.path / "metrics.jsonl", [train_record(301, 290, random.Random(0))])
+        from selenium.webdriver.support.ui import WebDriverWait
+        WebDriverWait(driver, 20).until(lambda d: 301 in [x for t in figure(d, "plot-loss")["data"]
+                                                          if t["name"] == "run-b" for x in t["x"]])
+        driver.save_screenshot(str(tmp_path / "dashboard.png"))
+    assert (tmp_path / "dashboard.png").stat().st_size > 10_000
+
+
+def test_a_run_without_layer_statistics_or_data_says_so(tmp_path):
+    run = tmp_path / "no-layers"
+    append_jsonl(run / "metrics.jsonl", [{**train_record(i, i, random.Random(i)), "moe_max_load_per_layer": None}
+                                         for i in range(1, 20)])
+    with DashboardServer([run, tmp_path / "not-started"], poll_interval=0.1) as server, \
+            browser.headless_chromium() as driver:
+        driver.get(server.url)
+        browser.wait_until_rendered(driver)
+        figure(driver, "plot-loss")
+        notes = driver.execute_script("return [...document.querySelectorAll('.empty')].filter((e) => !e.hidden)"
+                                      ".map((e) => e.dataset.for + ': ' + e.textContent)")
+        assert any(n.startswith("plot-depth-grad: No layer statistics") for n in notes), notes
+        assert any(n.startswith("plot-moe-heat: No MoE layers") for n in notes), notes
+        assert "Waiting for the run to start: not-started" in driver.find_element("id", "waiting").text
+
+
+def test_the_report_renders_offline(tmp_path, rollback_run):
+    second = write_rollback_run(tmp_path / "run-b", seed=1, offset=0.5)
+    out = write_report([rollback_run.path, second.path], tmp_path / "report.html", title="drill")
+    with browser.headless_chromium(offline=True) as driver:
+        driver.get(out.as_uri())
+        browser.wait_until_rendered(driver)
+        check_rollback_views(driver, rollback_run)
+        assert set(run_lines(driver)) == {"run-a", "run-b"}
+        fetched = driver.execute_script("return performance.getEntriesByType('resource').map((e) => e.name)")
+        assert [name for name in fetched if not name.startswith("data:")] == []
+        driver.save_screenshot(str(tmp_path / "report.png"))

@@ -1,0 +1,35 @@
+"""benchmarks/spike_drill.py runs end to end on the tiny model and prints what it promises: the
+clean run without false positives, every drill detected, the guard's cost per step."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).parents[1]
+TINY = ["--model.vocab_size=320", "--model.hidden_size=32", "--model.num_heads=2", "--model.num_kv_heads=1",
+        "--model.head_dim=16", "--model.intermediate_size=64", "--model.num_experts=4",
+        "--model.moe_intermediate_size=16", "--model.sliding_window=8", "--data.seq_len=16",
+        "--train.micro_batch_size=4", "--optim.warmup_steps=2", "--stability.min_history=8",
+        "--stability.window=32", "--stability.rollback_lookback=2", "--stability.skip_extra_batches=2"]
+
+
+@pytest.mark.slow
+def test_spike_drill_benchmark_prints_its_table(corpus):
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "spike_drill.py"), "--steps", "50",
+                           "--drill-from", "30", "--checkpoint-every", "5", f"--data.path={corpus}", *TINY],
+                          capture_output=True, text=True, cwd=ROOT, timeout=900,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = done.stdout
+    assert re.search(r"^clean \(false positives\) +- +0 +0 +0 ", out, re.M), out
+    for scenario in ("NaN loss", "gradient x1000", "loss x10", r"poisoned range \(random tokens\)",
+                     r"poisoned range \(one token\)"):
+        assert re.search(rf"^{scenario} +yes +[1-9]", out, re.M), out
+    assert "false positives in the clean run: 0 skipped steps, 0 rollbacks" in out
+    assert re.search(r"guard verdict: \d+ us per step = [\d.]+ % of the median step", out)

@@ -1,0 +1,286 @@
+"""Spike guard v2 end to end, rehearsed with the fault drills of `stability.inject` on the tiny
+model: every drill is skipped or rolled back, a rollback goes to a checkpoint from before the
+onset and its batches never train again (also across a kill and a resume in the middle of the
+incident), the run ends where a clean run ends, repeated incidents back off and then halt with
+the halt exit code, a damaged checkpoint is passed over, and every incident leaves a report."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+
+import pytest
+
+from conftest import run_config
+from trinity_train.cli import main
+from trinity_train.config import save_config
+from trinity_train.data import SkipLedger
+from trinity_train.rundir import RunDir
+from trinity_train.stability import HALT_EXIT_CODE, TrainingDivergedError
+from trinity_train.stability.incidents import format_table, read_incidents
+from trinity_train.train import Trainer
+
+STEPS = 40
+# Verdicts from step 10 on (warm-up 2, then 8 steps of history); checkpoints every 5 steps.
+GUARD = {"window": 32, "min_history": 8, "rollback_after": 2, "max_consecutive_skips": 6,
+         "rollback_lookback": 2, "skip_extra_batches": 2, "repeat_window": 10, "calm_steps": 5}
+
+
+def drill_config(corpus, run_dir, *faults, **stability):
+    return run_config(corpus, run_dir,
+                      train={"steps": STEPS, "micro_batch_size": 4, "grad_accum": 1, "eval_every": STEPS,
+                             "eval_batches": 2},
+                      optim={"lr": 3e-3, "warmup_steps": 2},
+                      checkpoint={"every": 5, "keep": 3},
+                      stability={**GUARD, "inject": [dict(f) for f in faults], **stability})
+
+
+def train_records(run_dir):
+    return RunDir(run_dir).read_metrics("train")
+
+
+def events(run_dir, name):
+    return RunDir(run_dir).read_events(name)
+
+
+def final_val_loss(run_dir):
+    return RunDir(run_dir).read_metrics("val")[-1]["val_loss"]
+
+
+@pytest.fixture(scope="module")
+def clean(corpus, tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("clean")
+    Trainer(drill_config(corpus, run_dir)).run()
+    return run_dir
+
+
+def test_the_clean_run_has_no_false_positive(clean):
+    records = train_records(clean)
+    assert len(records) == STEPS and not any(r["skipped"] for r in records)
+    assert sum(r["loss_z"] is not None for r in records) >= STEPS - 10  # the guard did judge
+    assert events(clean, "skip") == [] and events(clean, "rollback") == []
+
+
+@pytest.mark.parametrize("fault, reason", [
+    ({"fault": "nan_loss", "first": 20}, "nonfinite"),
+    ({"fault": "grad_scale", "first": 22, "factor": 1e4}, "grad_spike"),
+    ({"fault": "loss_spike", "first": 24}, "loss_spike"),
+])
+def test_a_transient_fault_is_one_skip(corpus, tmp_path, clean, fault, reason):
+    Trainer(drill_config(corpus, tmp_path / "run", fault)).run()
+    records = train_records(tmp_path / "run")
+    skipped = [r for r in records if r["skipped"]]
+    assert [(r["iter"], r["skip_reason"]) for r in skipped] == [(fault["first"], reason)]
+    assert [e["iter"] for e in events(tmp_path / "run", "fault_injected")] == [fault["first"]]
+    assert events(tmp_path / "run", "rollback") == []
+    assert final_val_loss(tmp_path / "run") == pytest.approx(final_val_loss(clean), rel=0.02)
+    (report,) = read_incidents(RunDir(tmp_path / "run"))
+    assert (report["iter"], report["action"], report["reason"]) == (fault["first"], "skip", reason)
+    assert report["drill"][0]["fault"] == fault["fault"]
+    assert report["signals"][-1]["iter"] == fault["first"] and len(report["signals"]) > 10
+    (batch,) = report["batches"]
+    assert batch["index"] == skipped[0]["batch"] and len(batch["documents"]) == 4  # one per row
+    assert {"dataset", "shard", "document", "offset", "first_tokens"} <= set(batch["documents"][0])
+    assert isinstance(batch["documents"][0]["first_tokens"], str) and batch["documents"][0]["first_tokens"]
+
+
+POISON = {"fault": "poison_random", "first": 18, "last": 23}  # global batches 18-23
+
+
+def surviving_batches(run_dir) -> list[int]:
+    """The batches of the applied steps that no rollback undid (a rollback at iteration i back to
+    a checkpoint of iteration j abandons iterations j+1 .. i)."""
+    undone = [(e["to_iter"], e["iter"]) for e in events(run_dir, "rollback")]
+    return [r["batch"] for r in train_records(run_dir)
+            if not r["skipped"] and not any(a < r["iter"] <= b for a, b in undone)]
+
+
+def assert_poison_never_trained(run_dir, first, last):
+    ledger = SkipLedger.load(RunDir(run_dir).ledger)
+    applied = surviving_batches(run_dir)
+    assert len(applied) == STEPS
+    assert not any(first <= b <= last for b in applied)
+    assert not any(ledger.contains(b) for b in applied)
+    assert all(ledger.contains(b) for b in range(first, last + 1))
+
+
+def test_poisoned_data_rolls_back_to_before_the_onset_and_never_trains_again(corpus, tmp_path, clean):
+    run_dir = tmp_path / "run"
+    summary = Trainer(drill_config(corpus, run_dir, POISON)).run()
+    assert summary.step == STEPS and summary.rollbacks >= 1
+    rollbacks = events(run_dir, "rollback")
+    opened = events(run_dir, "incident_open")
+    first = rollbacks[0]
+    onset = next(e for e in opened if e["iter"] == first["onset_iter"])
+    assert first["to_step"] <= onset["step"] - GUARD["rollback_lookback"]  # from before the onset
+    assert first["skipped_batches"][1] == 18 + 2 + GUARD["skip_extra_batches"]  # trigger (batch 19) + 1 + extra
+    if len(rollbacks) > 1:  # the poison outlasted the first window: a repeat goes further back
+        assert rollbacks[1]["repeat"] == 1 and rollbacks[1]["to_step"] < first["to_step"]
+    assert_poison_never_trained(run_dir, 18, 23)
+    assert final_val_loss(run_dir) == pytest.approx(final_val_loss(clean), rel=0.02)
+    # Checkpoints of the undone timeline are gone; what is left resumes the surviving one.
+    kept = [int(p.name.split("_")[1]) for p in RunDir(run_dir).checkpoints.iterdir()]
+    assert max(kept) == STEPS
+    records = train_records(run_dir)
+    assert [r["iter"] for r in records] == list(range(1, len(records) + 1))  # iterations stay unique
+    reports = read_incidents(RunDir(run_dir))
+    assert [r["action"] for r in reports].count("rollback") == len(rollbacks)
+    rollback_report = next(r for r in reports if r["action"] == "rollback")
+    assert rollback_report["rollback"]["to_step"] == first["to_step"]
+    assert [b["index"] for b in rollback_report["batches"]] == [18, 19]  # the streak of skips
+    table = format_table(reports)
+    assert "rollback->" in table and "poison_random" in table
+
+
+class Killed(Exception):
+    pass
+
+
+def test_a_kill_in_the_middle_of_an_incident_resumes_to_the_same_run(corpus, tmp_path, monkeypatch):
+    straight = tmp_path / "straight"
+    Trainer(drill_config(corpus, straight, POISON)).run()
+
+    interrupted = tmp_path / "interrupted"
+    original = Trainer._one_iteration
+
+    def dies_after_the_first_skip(self, *args):
+        original(self, *args)
+        if self.skip_streak:  # one poisoned batch skipped, the rollback not yet asked for
+            raise Killed()
+
+    with monkeypatch.context() as m:
+        m.setattr(Trainer, "_one_iteration", dies_after_the_first_skip)
+        with pytest.raises(Killed):
+            Trainer(drill_config(corpus, interrupted, POISON)).run()
+    cfg = drill_config(corpus, interrupted, POISON)
+    cfg.checkpoint.resume = "auto"
+    Trainer(cfg).run()
+
+    fields = ("iter", "step", "batch", "loss", "grad_norm", "skipped")
+    assert [tuple(r[k] for k in fields) for r in train_records(interrupted)] == \
+        [tuple(r[k] for k in fields) for r in train_records(straight)]
+    assert_poison_never_trained(interrupted, 18, 23)
+    assert RunDir(interrupted).superseded.is_file()  # what the resume went back past is kept
+
+
+def test_repeated_incidents_back_off_then_halt_with_the_halt_exit_code(corpus, tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    config_file = tmp_path / "drill.toml"
+    save_config(drill_config(corpus, run_dir, {"fault": "poison_random", "first": 15, "last": 200},
+                             lr_backoff=0.5, lr_backoff_steps=10, max_rollbacks=2), config_file)
+    assert main(["train", "--config", str(config_file)]) == HALT_EXIT_CODE
+    err = capsys.readouterr().err
+    assert err.count("error: training diverged") == 1 and "after 2 rollbacks" in err
+    rollbacks = events(run_dir, "rollback")
+    assert [e["repeat"] for e in rollbacks] == [0, 1]
+    assert [e["lr_scale"] for e in rollbacks] == [0.5, 0.25]
+    assert rollbacks[1]["to_step"] < rollbacks[0]["to_step"]
+    assert [e["scale"] for e in events(run_dir, "lr_backoff")] == [0.5, 0.25]
+    (halt,) = events(run_dir, "halt")
+    assert halt["exit_code"] == HALT_EXIT_CODE and "stability.max_rollbacks" in halt["reason"]
+    lr_scales = [r.get("lr_scale", 1.0) for r in train_records(run_dir)]
+    assert min(lr_scales) == 0.25
+    assert read_incidents(RunDir(run_dir))[-1]["action"] == "halt"
+
+
+def test_a_damaged_checkpoint_is_passed_over_with_an_event(corpus, tmp_path, monkeypatch):
+    run_dir = tmp_path / "run"
+    trainer = Trainer(drill_config(corpus, run_dir, POISON))
+    original = Trainer._rollback_target
+
+    def damage_then_look(self, max_step, recorder):
+        newest = [p for s, p in self.checkpoints.list() if s <= max_step][-1]
+        for shard in newest.glob("*.distcp"):
+            shard.write_bytes(shard.read_bytes()[:100])  # truncated
+        monkeypatch.setattr(Trainer, "_rollback_target", original)  # only the first rollback
+        return original(self, max_step, recorder)
+
+    monkeypatch.setattr(Trainer, "_rollback_target", damage_then_look)
+    trainer.run()
+    passed = events(run_dir, "checkpoint_passed_over")
+    first = events(run_dir, "rollback")[0]
+    assert passed and passed[0]["reason"]
+    assert int(passed[0]["path"][-8:]) > first["to_step"]  # it went to an older, sound one
+    assert_poison_never_trained(run_dir, 18, 23)
+
+
+def test_no_checkpoint_old_enough_keeps_skipping_and_says_why(corpus, tmp_path):
+    run_dir = tmp_path / "run"
+    with pytest.raises(TrainingDivergedError):
+        Trainer(drill_config(corpus, run_dir, {"fault": "nan_loss", "first": 3, "last": 20},
+                             max_consecutive_skips=4)).run()
+    unavailable = events(run_dir, "rollback_unavailable")
+    assert unavailable and "no sound checkpoint at or before step" in unavailable[0]["reason"]
+    assert not events(run_dir, "rollback")
+
+
+def test_retention_keeps_the_checkpoint_a_rollback_needs(corpus, tmp_path):
+    run_dir = tmp_path / "run"
+    # keep=1 would leave only the newest checkpoint, which is never old enough to roll back to.
+    cfg = drill_config(corpus, run_dir, rollback_lookback=7)
+    cfg.checkpoint.keep = 1
+    Trainer(cfg).run()
+    steps = sorted(int(p.name.split("_")[1]) for p in RunDir(run_dir).checkpoints.iterdir())
+    # The newest (40), the newest at least 7 steps before it (30: an incident now goes there), and
+    # 35, which becomes that at step 42.
+    assert steps == [30, 35, STEPS]
+
+
+def test_incidents_command_prints_the_table_and_json(corpus, tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    Trainer(drill_config(corpus, run_dir, {"fault": "nan_loss", "first": 20})).run()
+    capsys.readouterr()
+    assert main(["incidents", str(run_dir)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].split()[:4] == ["iter", "step", "action", "reason"]
+    assert out[1].split()[:4] == ["20", "19", "skip", "nonfinite"] and "nan_loss" in out[1]
+    assert main(["incidents", str(run_dir), "--json"]) == 0
+    (report,) = json.loads(capsys.readouterr().out)
+    assert report["iter"] == 20 and math.isfinite(report["signals"][0]["loss"])
+    assert main(["incidents", str(tmp_path / "missing")]) == 1
+    assert "does not exist" in capsys.readouterr().err
+    shutil.rmtree(RunDir(run_dir).incidents)
+    assert main(["incidents", str(run_dir)]) == 0 and "no incidents" in capsys.readouterr().out
+
+
+# Every drill in one run, each fault on rank 1 only under FSDP: the global loss and gradient norm
+# carry it to both ranks, so both take the same branch.
+ALL_DRILLS = [{"fault": "nan_loss", "first": 14, "rank": 1}, {"fault": "grad_scale", "first": 17, "factor": 1e4, "rank": 1},
+              {"fault": "loss_spike", "first": 20, "rank": 1}, {"fault": "poison_random", "first": 24, "last": 27, "rank": 1}]
+
+
+def fsdp_drill_runs(corpus, root):
+    import functools
+
+    import torch
+    import torch.distributed as dist
+
+    from ranks import init_gloo
+    from trinity_train.parallel.mesh import ParallelDims
+    from trinity_train.train import build_model_for_training
+
+    init_gloo()
+    cfg = drill_config(corpus, root / "fsdp", *ALL_DRILLS)
+    cfg.train.micro_batch_size = 2  # x 2 ranks: the 4-row global batch of one process
+    cfg.parallel.dp_shard = 2
+    dims = ParallelDims.from_config(cfg, dist.get_world_size())
+    dims.build_mesh("cpu")
+    Trainer(cfg, dims, torch.device("cpu"), model_builder=functools.partial(build_model_for_training, dims=dims)).run()
+
+
+def test_every_drill_on_one_fsdp_rank_is_handled_on_both_like_one_process(corpus, tmp_path, clean):
+    from ranks import run_ranks
+
+    run_ranks(2, fsdp_drill_runs, corpus, tmp_path)
+    Trainer(drill_config(corpus, tmp_path / "one", *[{k: v for k, v in f.items() if k != "rank"}
+                                                      for f in ALL_DRILLS])).run()
+    outcome = lambda run: ([(e["iter"], e["reason"]) for e in events(run, "skip")],  # noqa: E731
+                           [(e["iter"], e["to_step"], e["skipped_batches"]) for e in events(run, "rollback")])
+    skips, rollbacks = outcome(tmp_path / "fsdp")
+    assert outcome(tmp_path / "fsdp") == outcome(tmp_path / "one")
+    assert [reason for it, reason in skips if it < 24] == ["nonfinite", "grad_spike", "loss_spike"]
+    assert rollbacks and rollbacks[0][1] <= 23 - GUARD["rollback_lookback"]
+    assert {e["rank"] for e in events(tmp_path / "fsdp", "fault_injected")} == {1}
+    assert_poison_never_trained(tmp_path / "fsdp", 24, 27)
+    assert final_val_loss(tmp_path / "fsdp") == pytest.approx(final_val_loss(clean), rel=0.02)

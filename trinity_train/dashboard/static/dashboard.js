@@ -1,0 +1,461 @@
+// The trinity-train dashboard page. Live, it reads the server's JSON API (docs/CONTRACT.md
+// "Dashboard") and redraws when the server pushes an update over Server-Sent Events; in the
+// offline report, window.TRINITY_SNAPSHOT holds the same payloads and nothing is fetched.
+(function () {
+  "use strict";
+
+  const SNAPSHOT = window.TRINITY_SNAPSHOT || null;
+  const COLORS = ["#0969da", "#cf222e", "#1a7f37", "#8250df", "#bf8700", "#1b7c83", "#e85aad", "#6e7781", "#953800", "#116329"];
+  const TIME_PLOTS = ["plot-loss", "plot-grad-norm", "plot-lr", "plot-throughput", "plot-moe-heat", "plot-moe-lines"];
+  const LAYER_PLOTS = ["plot-experts", "plot-depth-grad", "plot-depth-rms"];
+  const DASHES = ["solid", "dash", "dot", "dashdot", "longdash", "longdashdot"];
+  const CONFIG = { displaylogo: false, responsive: true, modeBarButtonsToRemove: ["lasso2d", "select2d"] };
+
+  const state = {
+    runs: [],            // summaries from the server (or the snapshot)
+    hidden: new Set(),   // run indices switched off in the run legend
+    focus: 0,            // the run the heatmaps show
+    range: null,         // [x0, x1] the time plots are zoomed to, null = everything
+    layerIter: null,     // iteration the layer plots show, null = the latest
+    data: {},            // per run: {series, markers, expert, steps}
+    rendered: false,
+  };
+
+  // ---- where the data comes from ---------------------------------------------------------
+
+  function liveSource() {
+    async function get(path, params) {
+      const query = new URLSearchParams();
+      for (const [k, v] of Object.entries(params || {})) if (v !== null && v !== undefined) query.set(k, v);
+      const response = await fetch(`api/${path}${query.toString() ? "?" + query : ""}`);
+      const body = await response.json();
+      if (!response.ok) throw new Error(body.error || response.statusText);
+      return body;
+    }
+    return {
+      live: true,
+      runs: () => get("runs").then((r) => r.runs),
+      series: (run, x0, x1, width) => get(`runs/${run}/series`, { x0, x1, width }),
+      markers: (run) => get(`runs/${run}/markers`),
+      expertLoad: (run, x0, x1, width) => get(`runs/${run}/expert_load`, { x0, x1, width }),
+      layerSteps: (run) => get(`runs/${run}/layer_steps`),
+      layerRecord: (run, iter) => get(`runs/${run}/layers`, { iter }),
+      incident: (run, name) => get(`runs/${run}/incidents/${encodeURIComponent(name)}`),
+    };
+  }
+
+  function snapshotSource(snapshot) {
+    const of = (run) => snapshot.runs_data[run];
+    return {
+      live: false,
+      runs: async () => snapshot.runs,
+      series: async (run) => of(run).series,
+      markers: async (run) => of(run).markers,
+      expertLoad: async (run) => of(run).expert_load,
+      layerSteps: async (run) => of(run).layer_steps,
+      layerRecord: async (run, iter) => {
+        const records = of(run).layer_records;
+        let best = records.length ? records[records.length - 1] : { iter: null };
+        if (iter !== null) for (const r of records) if (r.iter <= iter) best = r;
+        return best;
+      },
+      incident: async (run, name) => {
+        const report = of(run).incidents[name];
+        if (!report) throw new Error("this incident report is not in the report file");
+        return report;
+      },
+    };
+  }
+
+  const source = SNAPSHOT ? snapshotSource(SNAPSHOT) : liveSource();
+
+  // ---- helpers ---------------------------------------------------------------------------
+
+  const $ = (id) => document.getElementById(id);
+  const color = (run) => COLORS[run % COLORS.length];
+  const ENTITIES = { "&": "&amp;", "<": "&lt;", ">": "&gt;" };
+  const escapeHtml = (s) => String(s).replace(/[&<>]/g, (c) => ENTITIES[c]);
+  const visibleRuns = () => state.runs.filter((r) => !state.hidden.has(r.index) && state.data[r.index]);
+  const fmt = (v, digits = 4) => (v === null || v === undefined ? "—" : typeof v === "number" ? +v.toPrecision(digits) : String(v));
+
+  function setEmpty(id, message) {
+    const plot = $(id);
+    const note = document.querySelector(`.empty[data-for="${id}"]`);
+    if (message) {
+      if (plot.data) Plotly.purge(plot);
+      plot.style.display = "none";
+      note.textContent = message;
+      note.hidden = false;
+    } else {
+      plot.style.display = "";
+      note.hidden = true;
+    }
+    return !message;
+  }
+
+  function baseLayout(extra) {
+    return Object.assign({
+      margin: { l: 60, r: 20, t: 10, b: 40 }, hovermode: "closest", showlegend: true,
+      legend: { orientation: "h", y: -0.18, font: { size: 11 } },
+      xaxis: { title: { text: "iteration" }, zeroline: false, range: state.range ? state.range.slice() : undefined, autorange: !state.range },
+      yaxis: { zeroline: false, automargin: true },
+      // event markers sit on a hidden axis spanning the plot's height
+      yaxis9: { overlaying: "y", range: [0, 1], visible: false, fixedrange: true },
+      font: { size: 12 }, paper_bgcolor: "#fff", plot_bgcolor: "#fff",
+    }, extra);
+  }
+
+  function rollbackBands(run) {
+    const markers = state.data[run.index].markers;
+    return markers.rollbacks.filter((r) => r.to_iter !== null && r.iter !== null).map((r) => ({
+      type: "rect", name: `rollback: ${run.name}`, xref: "x", yref: "paper", x0: r.to_iter + 0.5, x1: r.iter + 0.5, y0: 0, y1: 1,
+      fillcolor: color(run.index), opacity: 0.12, line: { width: 1, color: color(run.index), dash: "dot" }, layer: "below",
+    }));
+  }
+
+  function lineTraces(run, name, opts) {
+    const part = state.data[run.index].series.series[name];
+    if (!part) return [];
+    const c = color(run.index);
+    const label = escapeHtml(run.name);
+    const hover = `${label}<br>iter %{x}<br>${opts.label} %{y:.5g}<extra></extra>`;
+    const traces = [{
+      x: part.main.x, y: part.main.y, type: "scatter", mode: opts.mode || "lines", name: opts.legend ? `${label} ${opts.legend}` : label,
+      legendgroup: `run${run.index}`, showlegend: opts.showlegend !== false, yaxis: opts.yaxis || "y",
+      line: { color: c, width: 1.5, dash: opts.dash || "solid" }, marker: { size: 5, color: c }, hovertemplate: hover,
+      meta: { run: run.index, kind: "main", series: name },
+    }];
+    for (const [kind, points] of [["rollback", part.abandoned], ["superseded", part.superseded]]) {
+      if (!points.x.length) continue;
+      traces.push({
+        x: points.x, y: points.y, type: "scatter", mode: opts.mode || "lines", name: `${label} ${opts.legend || ""} abandoned (${kind})`,
+        legendgroup: `run${run.index}`, showlegend: false, yaxis: opts.yaxis || "y", opacity: 0.35, connectgaps: false,
+        line: { color: c, width: 1.2, dash: "dot" }, marker: { size: 4, color: c },
+        hovertemplate: `${label}<br>abandoned (${kind === "rollback" ? "undone by a rollback" : "superseded by a resume"})<br>iter %{x}<br>${opts.label} %{y:.5g}<extra></extra>`,
+        meta: { run: run.index, kind: "abandoned", source: kind, series: name },
+      });
+    }
+    return traces;
+  }
+
+  function markerTraces(run, valueKey) {
+    const m = state.data[run.index].markers;
+    const c = color(run.index);
+    const label = escapeHtml(run.name);
+    const traces = [];
+    const finite = m.skipped.filter((s) => s[valueKey] !== null);
+    const nonfinite = m.skipped.filter((s) => s[valueKey] === null);
+    const skipText = (s) => `${label}<br><b>skipped step</b> iter ${s.iter}${s.abandoned ? " (abandoned)" : ""}<br>reason ${escapeHtml(s.reason || "?")}` +
+      `<br>loss ${fmt(s.loss)} (z ${fmt(s.loss_z, 3)})<br>grad norm ${fmt(s.grad_norm)} (z ${fmt(s.grad_norm_z, 3)})` +
+      (s.incident ? "<br><i>click for the incident report</i>" : "");
+    if (finite.length) traces.push({
+      x: finite.map((s) => s.iter), y: finite.map((s) => s[valueKey]), type: "scatter", mode: "markers", name: `${label} skipped`,
+      legendgroup: `run${run.index}`, showlegend: false, marker: { symbol: "x", size: 10, color: "#cf222e", line: { width: 1, color: c } },
+      text: finite.map(skipText), hovertemplate: "%{text}<extra></extra>", customdata: finite.map((s) => s.incident),
+      meta: { run: run.index, kind: "skip" },
+    });
+    if (nonfinite.length) traces.push({  // no value to place them at: along the top
+      x: nonfinite.map((s) => s.iter), y: nonfinite.map(() => 0.97), yaxis: "y9", type: "scatter", mode: "markers",
+      name: `${label} skipped (non-finite)`, legendgroup: `run${run.index}`, showlegend: false,
+      marker: { symbol: "x", size: 10, color: "#cf222e" }, text: nonfinite.map(skipText), hovertemplate: "%{text}<extra></extra>",
+      customdata: nonfinite.map((s) => s.incident), meta: { run: run.index, kind: "skip" },
+    });
+    const events = (name) => m.events.filter((e) => e.event === name && e.iter !== null && e.iter !== undefined);
+    const onTop = (items, y, symbol, fill, kind, text, custom) => {
+      if (!items.length) return;
+      traces.push({
+        x: items.map((e) => e.iter), y: items.map(() => y), yaxis: "y9", type: "scatter", mode: "markers", name: `${label} ${kind}`,
+        legendgroup: `run${run.index}`, showlegend: false, marker: { symbol, size: 9, color: fill, line: { width: 1, color: c } },
+        text: items.map(text), hovertemplate: "%{text}<extra></extra>", customdata: items.map(custom || (() => null)),
+        meta: { run: run.index, kind },
+      });
+    };
+    onTop(m.rollbacks, 0.92, "triangle-down", "#cf222e", "rollback",
+      (r) => `${label}<br><b>rollback</b> at iter ${r.iter} to iter ${r.to_iter} (step ${r.from_step} → ${r.to_step})` +
+        `<br>iterations ${r.to_iter + 1}..${r.iter} undone<br>LR scale ${fmt(r.lr_scale)}` + (r.incident ? "<br><i>click for the incident report</i>" : ""),
+      (r) => r.incident);
+    onTop(events("checkpoint"), 0.03, "triangle-up", "#0969da", "checkpoint",
+      (e) => `${label}<br><b>checkpoint</b> step ${e.step} (iter ${e.iter})<br>${escapeHtml(e.path || "")}`);
+    onTop(events("resume"), 0.08, "diamond", "#8250df", "resume",
+      (e) => `${label}<br><b>resume</b> from ${escapeHtml(e.checkpoint || "?")}<br>step ${e.step}, iter ${e.iter}`);
+    return traces;
+  }
+
+  // ---- the time plots --------------------------------------------------------------------
+
+  function drawTimePlots() {
+    const runs = visibleRuns();
+    const withTrain = runs.filter((r) => r.records.train + r.records.superseded > 0);
+    const waiting = state.runs.length && !withTrain.length;
+    const why = waiting ? "Waiting for the run to start: nothing has been written to metrics.jsonl yet." : null;
+    const bands = withTrain.flatMap(rollbackBands);
+
+    if (setEmpty("plot-loss", why)) {
+      const traces = withTrain.flatMap((r) => [...lineTraces(r, "loss", { label: "loss" }),
+        ...lineTraces(r, "val_loss", { label: "val loss", legend: "val", mode: "lines+markers", dash: "dash" }), ...markerTraces(r, "loss")]);
+      react("plot-loss", traces, baseLayout({ shapes: bands, yaxis: { title: { text: "loss" }, automargin: true } }));
+    }
+    if (setEmpty("plot-grad-norm", why)) {
+      const traces = withTrain.flatMap((r) => [...lineTraces(r, "grad_norm", { label: "grad norm" }), ...markerTraces(r, "grad_norm")]);
+      react("plot-grad-norm", traces, baseLayout({ shapes: bands, yaxis: { title: { text: "grad norm" }, type: "log", automargin: true } }));
+    }
+    if (setEmpty("plot-lr", why)) {
+      const traces = withTrain.flatMap((r) => [...lineTraces(r, "lr", { label: "lr", legend: "AdamW" }),
+        ...lineTraces(r, "lr_muon", { label: "lr Muon", legend: "Muon", dash: "dash" })]).filter((t) => t.y.some((v) => v !== null));
+      react("plot-lr", traces, baseLayout({ shapes: bands, yaxis: { title: { text: "learning rate" }, type: "log", exponentformat: "e", automargin: true } }));
+    }
+    if (setEmpty("plot-throughput", why)) {
+      const traces = withTrain.flatMap((r) => [...lineTraces(r, "tokens_per_s", { label: "tokens/s" }),
+        ...lineTraces(r, "mfu", { label: "MFU", legend: "MFU", dash: "dot", yaxis: "y2", showlegend: false })]);
+      react("plot-throughput", traces, baseLayout({
+        shapes: bands, yaxis: { title: { text: "tokens/s" }, automargin: true },
+        yaxis2: { title: { text: "MFU" }, overlaying: "y", side: "right", tickformat: ".0%", showgrid: false }, margin: { l: 60, r: 60, t: 10, b: 40 },
+      }));
+    }
+    drawExpertLoad(withTrain, why);
+  }
+
+  function drawExpertLoad(withTrain, why) {
+    const focus = state.runs[state.focus];
+    const expert = focus && state.data[focus.index] && state.data[focus.index].expert;
+    const noMoe = "No MoE layers: this run's train records carry no moe_max_load_per_layer.";
+    if (setEmpty("plot-moe-heat", why || (!focus ? "No run." : !expert || !expert.z.length ? noMoe : null))) {
+      react("plot-moe-heat", [{
+        type: "heatmap", x: expert.x, y: expert.layers.map((l) => `layer ${l}`), z: expert.z, colorscale: "YlOrRd", reversescale: true, zmin: 1,
+        colorbar: { title: { text: "max / mean" }, thickness: 12 }, hovertemplate: "iter %{x}<br>%{y}<br>max load %{z:.3f}× mean<extra></extra>",
+        meta: { run: focus.index, kind: "expert-load" },
+      }], baseLayout({ showlegend: false, shapes: rollbackBands(focus).map((b) => Object.assign(b, { fillcolor: "rgba(0,0,0,0)", opacity: 1, layer: "above" })),
+        yaxis: { title: { text: "MoE layer" }, automargin: true, type: "category" } }));
+    }
+    const lineRuns = withTrain.filter((r) => state.data[r.index].expert.z.length);
+    if (setEmpty("plot-moe-lines", why || (!lineRuns.length ? noMoe : null))) {
+      const traces = lineRuns.flatMap((r) => {
+        const e = state.data[r.index].expert;
+        return e.z.map((row, j) => ({
+          x: e.x, y: row, type: "scatter", mode: "lines", name: `${escapeHtml(r.name)} layer ${e.layers[j]}`, legendgroup: `run${r.index}`,
+          line: { color: color(r.index), width: 1.2, dash: DASHES[j % DASHES.length] },
+          hovertemplate: `${escapeHtml(r.name)} layer ${e.layers[j]}<br>iter %{x}<br>max load %{y:.3f}× mean<extra></extra>`,
+          meta: { run: r.index, kind: "max-load", layer: e.layers[j] },
+        }));
+      });
+      react("plot-moe-lines", traces, baseLayout({ shapes: lineRuns.flatMap(rollbackBands), yaxis: { title: { text: "max / mean" }, automargin: true } }));
+    }
+  }
+
+  // ---- the layer plots -------------------------------------------------------------------
+
+  async function drawLayerPlots() {
+    const focus = state.runs[state.focus];
+    const steps = focus && state.data[focus.index] ? state.data[focus.index].steps.iters : [];
+    const slider = $("layer-step");
+    slider.max = Math.max(steps.length - 1, 0);
+    const at = state.layerIter === null ? -1 : steps.indexOf(state.layerIter);
+    slider.value = at < 0 ? slider.max : at;
+    const iter = steps.length ? steps[+slider.value] : null;
+    const runs = visibleRuns();
+    const records = await Promise.all(runs.map((r) => source.layerRecord(r.index, iter)));
+    const have = runs.map((r, i) => [r, records[i]]).filter(([, rec]) => rec.iter !== null);
+    const abandonedNote = (rec) => (rec.abandoned ? " (abandoned)" : "");
+    const focusRecord = have.find(([r]) => r.index === (focus && focus.index));
+    $("layer-step-label").textContent = focusRecord ? `iter ${focusRecord[1].iter}, step ${focusRecord[1].step}${abandonedNote(focusRecord[1])}` : "";
+    const why = !state.runs.length || !have.length
+      ? "No layer statistics: no run has written a \"layers\" record yet (they come every metrics.layer_stats_every steps; 0 turns them off)." : null;
+
+    const rec = focusRecord && focusRecord[1];
+    const experts = rec ? rec.tokens_per_expert_relative : [];
+    if (setEmpty("plot-experts", why || (!rec ? "No layer statistics in the selected run." : !experts.length ? "No MoE layers in the selected run." : null))) {
+      react("plot-experts", [{
+        type: "heatmap", z: experts, x: experts[0].map((_, j) => `${j}`), y: rec.moe_layers.map((l) => `layer ${l}`),
+        colorscale: "RdBu", reversescale: true, zmid: 1, colorbar: { title: { text: "÷ mean" }, thickness: 12 },
+        hovertemplate: "%{y}, expert %{x}<br>%{z:.3f}× the layer's mean<extra></extra>", meta: { run: focus.index, kind: "experts" },
+      }], { margin: { l: 70, r: 20, t: 10, b: 40 }, xaxis: { title: { text: "expert" }, type: "category" },
+        yaxis: { title: { text: "MoE layer" }, type: "category", automargin: true }, font: { size: 12 } });
+    }
+    const depth = (id, traces, title) => {
+      if (setEmpty(id, why)) react(id, traces, { margin: { l: 60, r: 20, t: 10, b: 40 }, hovermode: "closest", legend: { orientation: "h", y: -0.2, font: { size: 11 } },
+        xaxis: { title: { text: "layer" }, dtick: 1 }, yaxis: { title: { text: title }, automargin: true }, font: { size: 12 } });
+    };
+    const profile = (r, record, key, dash, what) => ({
+      x: record[key].map((_, i) => i), y: record[key], type: "scatter", mode: "lines+markers", name: `${escapeHtml(r.name)} ${what}`,
+      line: { color: color(r.index), dash }, marker: { size: 6 }, legendgroup: `run${r.index}`,
+      hovertemplate: `${escapeHtml(r.name)} ${what}<br>iter ${record.iter}${abandonedNote(record)}<br>layer %{x}: %{y:.4g}<extra></extra>`,
+      meta: { run: r.index, kind: key },
+    });
+    depth("plot-depth-grad", have.flatMap(([r, record]) => [profile(r, record, "grad_norm_attn", "solid", "attention"),
+      profile(r, record, "grad_norm_ffn", "dash", "FFN")]), "grad norm");
+    depth("plot-depth-rms", have.map(([r, record]) => profile(r, record, "residual_rms", "solid", "residual RMS")), "RMS");
+  }
+
+  function react(id, traces, layout) {
+    const div = $(id);
+    Plotly.react(div, traces, layout, CONFIG);
+    if (!div.dataset.listening) {  // plotly adds .on() to a div once it has drawn into it
+      div.dataset.listening = "true";
+      div.on("plotly_click", onClick);
+      if (TIME_PLOTS.includes(id)) div.on("plotly_relayout", onRelayout);
+    }
+  }
+
+  // ---- incident reports ------------------------------------------------------------------
+
+  function element(tag, text, attrs) {
+    const e = document.createElement(tag);
+    if (text !== undefined && text !== null) e.textContent = text;
+    Object.assign(e, attrs || {});
+    return e;
+  }
+
+  async function showIncident(run, name) {
+    const body = $("incident-body");
+    body.replaceChildren(element("p", "loading…"));
+    $("incident").hidden = false;
+    let report;
+    try {
+      report = await source.incident(run, name);
+    } catch (err) {
+      body.replaceChildren(element("p", `No incident report: ${err.message}`));
+      return;
+    }
+    const title = report.action === "rollback" ? `Rollback at iteration ${report.iter}` : `Skipped step at iteration ${report.iter}`;
+    const parts = [element("h2", title), element("p", `${state.runs[run].name} · step ${report.step} · reason: ${report.reason}`)];
+    if (Array.isArray(report.signals) && report.signals.length) {
+      const table = element("table");
+      const keys = ["iter", "loss", "grad_norm", "loss_z", "grad_norm_z", "skipped"];
+      table.appendChild(element("tr")).append(...keys.map((k) => element("th", k)));
+      for (const s of report.signals) {
+        const row = table.appendChild(element("tr", null, { className: s.skipped ? "flagged" : "" }));
+        row.append(...keys.map((k) => element("td", fmt(s[k], 5))));
+      }
+      parts.push(element("h3", "Signals around it"), table);
+    }
+    if (report.rollback) parts.push(element("h3", "Rollback"), element("pre", JSON.stringify(report.rollback, null, 1)));
+    if (report.layer_grad_norms) parts.push(element("h3", "Gradient norm by layer"), element("pre", JSON.stringify(report.layer_grad_norms)));
+    if (Array.isArray(report.batches)) parts.push(element("h3", "Batches and their documents"), element("pre", JSON.stringify(report.batches, null, 1)));
+    body.replaceChildren(...parts);
+  }
+
+  function onClick(event) {
+    const point = event.points && event.points[0];
+    const meta = point && point.data.meta;
+    if (meta && (meta.kind === "skip" || meta.kind === "rollback") && point.customdata) showIncident(meta.run, point.customdata);
+  }
+
+  // ---- loading and refreshing ------------------------------------------------------------
+
+  function plotWidth() {
+    return Math.max(200, Math.round($("plot-loss").clientWidth || document.body.clientWidth / 2));
+  }
+
+  async function loadRun(run) {
+    const [x0, x1] = state.range || [null, null];
+    const width = plotWidth();
+    const [series, markers, expert, steps] = await Promise.all([source.series(run, x0, x1, width), source.markers(run),
+      source.expertLoad(run, x0, x1, width), source.layerSteps(run)]);
+    state.data[run] = { series, markers, expert, steps };
+  }
+
+  let pending = null;
+  let queued = new Set();
+  function scheduleRefresh(runs) {
+    runs.forEach((r) => queued.add(r));
+    if (pending) return;
+    pending = setTimeout(async () => {
+      const todo = [...queued];
+      queued = new Set();
+      try {
+        await refresh(todo);
+      } finally {
+        pending = null;
+        if (queued.size) scheduleRefresh([]);
+      }
+    }, 200);
+  }
+
+  async function refresh(runIndices) {
+    state.runs = await source.runs();
+    await Promise.all(runIndices.map(loadRun));
+    renderRunLegend();
+    drawTimePlots();
+    await drawLayerPlots();
+    if (!state.rendered && TIME_PLOTS.concat(LAYER_PLOTS).some((id) => $(id).data)) {
+      state.rendered = true;
+      window.dashboardRenderedAt = performance.now();  // read by the benchmark and the tests
+      document.body.dataset.rendered = "true";
+    }
+  }
+
+  function renderRunLegend() {
+    const holder = $("runs");
+    holder.replaceChildren(...state.runs.map((r) => {
+      const chip = element("span", null, { className: "chip" });
+      chip.style.background = color(r.index);
+      const states = { waiting: "waiting for the run to start", running: `running, iter ${r.last_iter}`,
+        ended: `ended at iter ${r.last_iter}`, halted: `halted at iter ${r.last_iter}` };
+      const label = element("span", null, { className: `run${state.hidden.has(r.index) ? " hidden" : ""}`, title: "show or hide this run" });
+      label.append(chip, element("b", r.name), element("span", r.loaded === false ? "loading…" : states[r.state] || r.state, { className: "state" }));
+      label.addEventListener("click", () => {
+        if (state.hidden.has(r.index)) state.hidden.delete(r.index); else state.hidden.add(r.index);
+        renderRunLegend();
+        drawTimePlots();
+        drawLayerPlots();
+      });
+      return label;
+    }));
+    const select = $("focus-run");
+    if (select.options.length !== state.runs.length) {
+      select.replaceChildren(...state.runs.map((r) => element("option", r.name, { value: r.index })));
+      select.value = state.focus;
+    }
+    const waiting = state.runs.filter((r) => r.state === "waiting");
+    $("waiting").hidden = !waiting.length;
+    $("waiting").textContent = waiting.length ? `Waiting for the run to start: ${waiting.map((r) => r.name).join(", ")} (the page picks it up when it appears).` : "";
+  }
+
+  // Zooming one time plot zooms them all and, live, fetches the visible range at full resolution.
+  let syncing = false;
+  function onRelayout(event) {
+    if (syncing) return;
+    let range;
+    if (event["xaxis.autorange"]) range = null;
+    else if (event["xaxis.range[0]"] !== undefined) range = [event["xaxis.range[0]"], event["xaxis.range[1]"]];
+    else if (Array.isArray(event["xaxis.range"])) range = event["xaxis.range"].slice();
+    else return;
+    state.range = range;
+    syncing = true;
+    Promise.all(TIME_PLOTS.filter((id) => $(id).data).map((id) => Plotly.relayout($(id), range ? { "xaxis.range": range } : { "xaxis.autorange": true })))
+      .finally(() => { syncing = false; });
+    if (source.live) scheduleRefresh(state.runs.map((r) => r.index));
+  }
+
+  function connect() {
+    const status = $("connection");
+    const events = new EventSource("api/stream");
+    events.addEventListener("open", () => { status.textContent = "live"; status.className = "connection live"; });
+    events.addEventListener("error", () => { status.textContent = "reconnecting…"; status.className = "connection lost"; });
+    events.addEventListener("hello", (e) => scheduleRefresh(JSON.parse(e.data).runs.map((r) => r.index)));
+    events.addEventListener("reset", (e) => { delete state.data[JSON.parse(e.data).run]; });
+    events.addEventListener("update", (e) => scheduleRefresh([JSON.parse(e.data).run]));
+  }
+
+  async function start() {
+    if (SNAPSHOT) {
+      $("title").textContent = SNAPSHOT.title;
+      $("connection").textContent = `report written ${SNAPSHOT.written}`;
+    }
+    $("incident-close").addEventListener("click", () => { $("incident").hidden = true; });
+    $("focus-run").addEventListener("change", (e) => { state.focus = +e.target.value; drawTimePlots(); drawLayerPlots(); });
+    $("layer-step").addEventListener("input", (e) => {
+      const focus = state.runs[state.focus];
+      const steps = state.data[focus.index].steps.iters;
+      // at the right end the slider follows the newest step as the run goes on
+      state.layerIter = +e.target.value === steps.length - 1 ? null : steps[+e.target.value];
+      drawLayerPlots();
+    });
+    state.runs = await source.runs();
+    await refresh(state.runs.map((r) => r.index));
+    if (source.live) connect();
+  }
+
+  window.dashboardState = state;  // for the browser tests and for poking at in the console
+  start();
+})();

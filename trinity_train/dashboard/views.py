@@ -1,0 +1,164 @@
+"""The JSON the page draws, built from a `RunView`: the same payloads serve the live server's
+routes and the offline report (docs/CONTRACT.md "Dashboard" lists them).
+
+Numbers go out as lists with `None` for a missing value. Series are downsampled to the plot's
+width (min and max per bucket); markers and events never are.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import numpy as np
+
+from trinity_train.dashboard.downsample import bucket_max, minmax_indices, window
+from trinity_train.dashboard.runs import RunView
+
+# series name -> record kind it comes from
+SERIES = {"loss": "train", "grad_norm": "train", "lr": "train", "lr_muon": "train", "tokens_per_s": "train",
+          "mfu": "train", "val_loss": "val"}
+MARKER_EVENTS = ("checkpoint", "resume", "run_start", "run_end", "halt", "lr_backoff", "fault_injected",
+                 "incident_open", "incident_close", "rollback_unavailable", "checkpoint_passed_over",
+                 "config_changed", "superseded")
+
+
+def numbers(values) -> list:
+    """float32/float64 values as JSON numbers, None for NaN/inf."""
+    return [None if not math.isfinite(v) else round(v, 7) if abs(v) >= 1e-3 else v
+            for v in np.asarray(values, np.float64).tolist()]
+
+
+def run_summary(run: RunView) -> dict:
+    with run.lock:
+        train, layers = run.metrics.train, run.metrics.layers
+        iters = train["iter"]
+        moe = train["moe_max_load_per_layer"]
+        summary = {
+            "index": run.index, "name": run.name, "exists": run.exists(), "loaded": run.loaded,
+            "state": run.state(), "generation": run.generation,
+            "first_iter": int(iters[0]) if len(iters) else None,
+            "last_iter": int(iters[-1]) if len(iters) else None,
+            "records": {"train": len(train), "val": len(run.metrics.val), "layers": len(layers),
+                        "superseded": len(run.superseded.train) + len(run.superseded.val), "events": len(run.events)},
+            "moe_layers": run.metrics.moe_layers,
+            "num_moe_layers": int(moe.shape[1]) if moe.ndim == 2 else 0,
+            "num_layers": int(layers["residual_rms"].shape[1]) if len(layers) else 0,
+        }
+    return summary
+
+
+def _split(run: RunView, iters: np.ndarray, values: np.ndarray, x0, x1, width: int) -> dict:
+    """The main line and the rollback-abandoned points of one series in [x0, x1]."""
+    span = window(iters, x0, x1)
+    x, y = iters[span], values[span]
+    abandoned = run.abandoned_mask(x)
+    main = _downsampled(x[~abandoned], y[~abandoned], width)
+    faded = _downsampled(*_with_gaps(x[abandoned], y[abandoned]), width)
+    return {"main": main, "abandoned": faded, "points": int(len(x))}
+
+
+def _with_gaps(x: np.ndarray, y: np.ndarray, breaks: np.ndarray | None = None):
+    """A NaN between segments (where x does not continue by one, or `breaks` changes), so the
+    chart does not join separate abandoned stretches with a line."""
+    if len(x) < 2:
+        return x, y
+    cut = np.diff(x) != 1
+    if breaks is not None:  # another resume's records, or the same iterations again
+        cut = (np.diff(x) <= 0) | (np.diff(np.nan_to_num(breaks, nan=-1.0)) != 0)
+    at = np.flatnonzero(cut) + 1
+    return (np.insert(x.astype(np.float64), at, np.nan), np.insert(y.astype(np.float64), at, np.nan))
+
+
+def _downsampled(x: np.ndarray, y: np.ndarray, width: int) -> dict:
+    keep = minmax_indices(y, width)
+    return {"x": numbers(x[keep]), "y": numbers(y[keep]), "downsampled": len(keep) < len(x)}
+
+
+def series(run: RunView, names: list[str], x0: float | None, x1: float | None, width: int) -> dict:
+    out = {}
+    with run.lock:
+        for name in names:
+            columns = getattr(run.metrics, SERIES[name])
+            part = _split(run, columns["iter"], columns[name], x0, x1, width)
+            old = getattr(run.superseded, SERIES[name])
+            span = window(old["iter"], x0, x1) if len(old) and _sorted(old["iter"]) else slice(None)
+            sx, sy = _with_gaps(old["iter"][span], old[name][span], old["superseded_at"][span])
+            part["superseded"] = _downsampled(sx, sy, width)
+            out[name] = part
+        generation = run.generation
+    return {"run": run.index, "generation": generation, "x0": x0, "x1": x1, "width": width, "series": out}
+
+
+def _sorted(x: np.ndarray) -> bool:
+    return bool(np.all(np.diff(x) >= 0))
+
+
+def markers(run: RunView) -> dict:
+    """Skipped steps, rollbacks and the other events, none left out."""
+    with run.lock:
+        skip_events = {e.get("iter"): e for e in run.events_named("skip")}
+        skipped = []
+        for source, abandoned_all in ((run.metrics.train, False), (run.superseded.train, True)):
+            flagged = np.flatnonzero(source["skipped"] == 1)
+            abandoned = run.abandoned_mask(source["iter"][flagged]) | abandoned_all
+            for i, gone in zip(flagged.tolist(), abandoned.tolist()):
+                iteration = int(source["iter"][i])
+                event = skip_events.get(iteration, {})
+                skipped.append({"iter": iteration, "loss": numbers([source["loss"][i]])[0],
+                                "grad_norm": numbers([source["grad_norm"][i]])[0], "reason": event.get("reason"),
+                                "loss_z": event.get("loss_z"), "grad_norm_z": event.get("grad_norm_z"),
+                                "incident": _incident_name(event), "abandoned": gone})
+        rollbacks = [{**{k: e.get(k) for k in ("iter", "to_iter", "from_step", "to_step", "checkpoint",
+                                               "skipped_batches", "rollbacks", "lr_scale")},
+                      "incident": _incident_name(e)} for e in run.events_named("rollback")]
+        events = [e for e in run.events if e.get("event") in MARKER_EVENTS]
+        generation = run.generation
+    return {"run": run.index, "generation": generation, "skipped": skipped, "rollbacks": rollbacks, "events": events}
+
+
+def _incident_name(event: dict) -> str | None:
+    """The report file name (XXXXXXXX.json) an event refers to."""
+    path = event.get("incident")
+    return str(path).replace("\\", "/").rsplit("/", 1)[-1] if path else None
+
+
+def expert_load(run: RunView, x0: float | None, x1: float | None, width: int) -> dict:
+    """Max load per MoE layer over iterations: the heatmap's rows (bucket maxima)."""
+    with run.lock:
+        train = run.metrics.train
+        load = train["moe_max_load_per_layer"]
+        span = window(train["iter"], x0, x1)
+        x, z = bucket_max(train["iter"][span], load[span] if load.ndim == 2 else np.empty((0, 0)), width)
+        layers = run.metrics.moe_layers
+    rows = z.shape[1] if z.ndim == 2 else 0
+    return {"run": run.index, "x": numbers(x), "layers": layers[:rows] if len(layers) >= rows else list(range(rows)),
+            "z": [numbers(z[:, j]) for j in range(rows)]}
+
+
+def layer_steps(run: RunView) -> dict:
+    """The iterations that have layer statistics (the step slider's positions)."""
+    with run.lock:
+        iters = run.metrics.layers["iter"]
+        abandoned = run.abandoned_mask(iters)
+        return {"run": run.index, "iters": iters.tolist(), "abandoned": abandoned.tolist()}
+
+
+def layer_record(run: RunView, iteration: int | None) -> dict:
+    """The layers record at `iteration` (the latest one at or before it; the latest of all when
+    None), with tokens per expert divided by each layer's mean."""
+    with run.lock:
+        layers = run.metrics.layers
+        iters = layers["iter"]
+        if not len(iters):
+            return {"run": run.index, "iter": None}
+        at = len(iters) - 1 if iteration is None else max(int(np.searchsorted(iters, iteration, "right")) - 1, 0)
+        tokens = layers["tokens_per_expert"][at]
+        record = {name: numbers(layers[name][at]) for name in ("grad_norm_attn", "grad_norm_ffn", "residual_rms")}
+        record.update(run=run.index, iter=int(iters[at]), step=int(layers["step"][at]),
+                      moe_layers=run.metrics.moe_layers, abandoned=bool(run.abandoned_mask(iters[at:at + 1])[0]))
+    with np.errstate(invalid="ignore", divide="ignore"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # a layer whose counts are all missing
+        relative = tokens / np.nanmean(tokens, axis=1, keepdims=True) if tokens.size else tokens
+    record["tokens_per_expert_relative"] = [numbers(row) for row in relative]
+    return record

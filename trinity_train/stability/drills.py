@@ -1,0 +1,100 @@
+"""Fault drills (`stability.inject`): rehearse a spike, a rollback and a halt without writing code.
+
+Each fault of the config acts at its iterations (transient faults: what a flaky device or an
+overflow does at a moment) or on its global batches (poisoned data: what is in the data, so it
+comes back if those batches are drawn again), on one rank or on all:
+
+- `nan_loss`: the step's loss (and so its gradients) is NaN;
+- `loss_spike`: the loss, and with it the gradients, is multiplied by `factor` (default 10);
+- `grad_scale`: the gradients are multiplied by `factor` (default 1000) after backward, the loss
+  stays flat;
+- `poison_random`: the batch's tokens are replaced by uniformly random ones (seeded by the batch
+  index, so every drill run sees the same poison);
+- `poison_repeat`: every token of the batch is `token`.
+
+Every fault that acts is reported as a `fault_injected` event by the process that writes the run
+directory (whichever rank it acts on), so nobody mistakes a drill for the real thing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from trinity_train.config import POISON_FAULTS, FaultConfig
+
+DEFAULT_FACTORS = {"loss_spike": 10.0, "grad_scale": 1000.0}
+
+
+@dataclass(frozen=True)
+class StepFaults:
+    """What the drills do to one step on this rank."""
+
+    loss_factor: float = 1.0  # multiplies the summed cross entropy (NaN for nan_loss)
+    grad_factor: float = 1.0  # multiplies the gradients after backward
+
+    @property
+    def any(self) -> bool:
+        return self.loss_factor != 1.0 or self.grad_factor != 1.0
+
+
+def _covers(fault: FaultConfig, at: int) -> bool:
+    last = fault.first if fault.last < 0 else fault.last
+    return fault.first <= at <= last
+
+
+def _factor(fault: FaultConfig) -> float:
+    return fault.factor or DEFAULT_FACTORS[fault.fault]
+
+
+class FaultInjector:
+    def __init__(self, faults: list[FaultConfig], rank: int, vocab_size: int):
+        self.faults = list(faults)
+        self.rank = rank
+        self.vocab_size = vocab_size
+
+    def _here(self, fault: FaultConfig) -> bool:
+        return fault.rank in (-1, self.rank)
+
+    def events(self, iteration: int, batch_index: int) -> list[dict]:
+        """The `fault_injected` events of this iteration, on any rank."""
+        out = []
+        for fault in self.faults:
+            at = batch_index if fault.fault in POISON_FAULTS else iteration
+            if _covers(fault, at):
+                event = {"event": "fault_injected", "iter": iteration, "batch": batch_index,
+                         "fault": fault.fault, "rank": None if fault.rank < 0 else fault.rank}
+                if fault.fault in DEFAULT_FACTORS:
+                    event["factor"] = _factor(fault)
+                if fault.fault == "poison_repeat":
+                    event["token"] = fault.token
+                out.append(event)
+        return out
+
+    def step_faults(self, iteration: int) -> StepFaults:
+        loss_factor, grad_factor = 1.0, 1.0
+        for fault in self.faults:
+            if fault.fault in POISON_FAULTS or not self._here(fault) or not _covers(fault, iteration):
+                continue
+            if fault.fault == "nan_loss":
+                loss_factor = float("nan")
+            elif fault.fault == "loss_spike":
+                loss_factor *= _factor(fault)
+            else:
+                grad_factor *= _factor(fault)
+        return StepFaults(loss_factor, grad_factor)
+
+    def poison(self, batch) -> None:
+        """Replace this rank's rows of `batch` (in place) where a poison fault covers its index."""
+        for fault in self.faults:
+            if fault.fault not in POISON_FAULTS or not self._here(fault) or not _covers(fault, batch.index):
+                continue
+            rows, length = batch.input_ids.shape
+            if fault.fault == "poison_random":
+                generator = torch.Generator().manual_seed(1_000_003 * batch.index + self.rank)
+                tokens = torch.randint(0, self.vocab_size, (rows, length + 1), generator=generator)
+            else:
+                tokens = torch.full((rows, length + 1), fault.token, dtype=torch.long)
+            batch.input_ids.copy_(tokens[:, :-1])
+            batch.labels.copy_(tokens[:, 1:])

@@ -1,0 +1,75 @@
+"""Incident reports: one JSON file per skipped step and per rollback, and the `incidents` table.
+
+A report (`<run.dir>/incidents/XXXXXXXX.json`, named by its iteration; the format is in
+docs/CONTRACT.md) says what the guard saw (the signals and z-scores of the steps before it), where
+in the model the gradient was (per-layer norms of the offending step), which data it came from
+(global batch indices, datasets, shards, documents, first tokens), whether a fault drill caused
+it, and what the guard did. `trinity-train incidents RUN_DIR` prints them as a table.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from trinity_train.errors import UserError
+from trinity_train.files import atomic_write_json, json_safe, read_json_object
+from trinity_train.rundir import RunDir
+
+SIGNAL_FIELDS = ("iter", "step", "loss", "grad_norm", "loss_z", "grad_norm_z", "skipped")
+
+
+def signal_rows(records: list[dict]) -> list[dict]:
+    """The guard's view of train records: their signals only."""
+    return [{k: r.get(k) for k in SIGNAL_FIELDS} for r in records]
+
+
+def write_incident(run: RunDir, report: dict) -> Path:
+    """Write `report` (complete or not at all) as the incident of its iteration."""
+    path = run.incident(report["iter"])
+    atomic_write_json(path, json_safe(report))
+    return path
+
+
+def read_incidents(run: RunDir) -> list[dict]:
+    """Every incident report of the run, in iteration order."""
+    return [read_json_object(path, UserError, "incident report") for _, path in run.incident_files()]
+
+
+def _number(value, fmt: str) -> str:
+    return "-" if value is None else format(value, fmt)
+
+
+def _data(report: dict) -> str:
+    batches = report.get("batches") or []
+    if not batches:
+        return "-"
+    first = batches[0]
+    docs = first.get("documents") or []
+    where = ""
+    if docs:
+        d = docs[0]
+        where = f" {Path(d['dataset']).name} shard {d['shard']} doc {d['document']}"
+        if len(docs) > 1:
+            where += f" (+{len(docs) - 1} rows)"
+    more = f" +{len(batches) - 1} batches" if len(batches) > 1 else ""
+    return f"batch {first['index']}{more}:{where}"
+
+
+def format_table(reports: list[dict]) -> str:
+    """One line per incident: iteration, step, action, reason, signals, z-scores, drill, data."""
+    if not reports:
+        return "no incidents"
+    header = f"{'iter':>7} {'step':>6}  {'action':<8} {'reason':<11} {'loss':>9} {'loss z':>7} " \
+             f"{'grad norm':>10} {'grad z':>7}  {'drill':<14} data"
+    lines = [header]
+    for r in reports:
+        current = next((s for s in reversed(r.get("signals") or []) if s.get("iter") == r["iter"]), {})
+        drill = ",".join(f["fault"] for f in r.get("drill") or []) or "-"
+        action = r["action"]
+        if action == "rollback" and r.get("rollback"):
+            action = f"rollback->{r['rollback']['to_step']}"
+        lines.append(f"{r['iter']:>7} {r['step']:>6}  {action:<8} {r.get('reason') or '-':<11} "
+                     f"{_number(current.get('loss'), '9.4f')} {_number(current.get('loss_z'), '7.1f')} "
+                     f"{_number(current.get('grad_norm'), '10.3g')} {_number(current.get('grad_norm_z'), '7.1f')}  "
+                     f"{drill:<14} {_data(r)}")
+    return "\n".join(lines)

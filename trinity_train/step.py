@@ -1,0 +1,157 @@
+"""One optimizer step and one validation pass (DESIGN §2): what `Trainer` runs every iteration.
+
+`TrainingStep`: forward + backward over the micro-batches, each scaled so the summed gradient is
+that of the token-weighted mean cross entropy of the whole global batch (plus aux and z losses) ->
+global loss and pre-clip gradient norm -> `StepGuard` verdict (apply or skip) -> clip, optimizer
+step, expert-bias update from the step's tokens per expert, scheduler step (and the LR back-off
+after a rollback). Fault drills act here too (`stability.drills`).
+
+Every place where a distributed run must combine values across data-parallel ranks goes through
+`parallel.reductions` with the run's `ParallelDims` (marked "DP all-reduce"); in one process the
+dims have no mesh and the sums are the identity, so one code path serves one and N ranks. Each
+rank's loss is its share of the global token-weighted mean, so the data-parallel gradient
+reduction must SUM rank gradients, not average them (FSDP2: `set_gradient_divide_factor(1.0)`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from trinity_train.config import Config
+from trinity_train.model.loss import IGNORE_INDEX
+from trinity_train.observe.layer_stats import LayerStatsCollector, per_layer_grad_norms
+from trinity_train.parallel.mesh import ParallelDims
+from trinity_train.parallel.reductions import clip_grads_with_norm_, global_grad_norm, sum_over_data_parallel
+from trinity_train.stability import StepGuard, Verdict
+from trinity_train.stability.drills import FaultInjector, StepFaults
+from trinity_train.stability.rollback import LRBackoff
+
+
+def autocast_context(cfg: Config, device: torch.device):
+    if cfg.train.dtype == "bf16":
+        return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+@dataclass
+class StepResult:
+    loss: float  # mean cross entropy over the step's counted tokens, all ranks
+    aux_loss: float
+    z_loss: float
+    grad_norm: float  # global, before clipping
+    tokens: int  # counted (label) tokens, all ranks
+    tokens_per_expert: torch.Tensor  # [num_moe_layers, E], summed over micro-batches and ranks
+    lrs: dict[str, float]  # learning rate of each group kind for this step
+    lr_scale: float  # the LR back-off factor in those rates (1 outside a back-off)
+    verdict: Verdict
+    layer_grad_norms: dict[str, list[float]] | None = None  # a skipped step's, for its incident report
+    layer_stats: dict | None = None  # the "layers" record (without iter/step) on statistics iterations
+
+
+def micro_batches(batch: Any, micro_batch_size: int) -> list[dict[str, torch.Tensor]]:
+    """Split the rank's rows of a global batch into micro-batches of model inputs."""
+    fields = ("input_ids", "labels", "position_ids", "document_ids")
+    tensors = {f: getattr(batch, f) for f in fields if getattr(batch, f, None) is not None}
+    rows = tensors["input_ids"].shape[0]
+    return [{f: t[start:start + micro_batch_size] for f, t in tensors.items()}
+            for start in range(0, rows, micro_batch_size)]
+
+
+def _forward(model: nn.Module, mb: dict[str, torch.Tensor], cfg: Config, device: torch.device):
+    mb = {k: v.to(device, non_blocking=True) for k, v in mb.items()}
+    with autocast_context(cfg, device):
+        return model(mb["input_ids"], labels=mb["labels"], position_ids=mb.get("position_ids"),
+                     document_ids=mb.get("document_ids"))
+
+
+class TrainingStep:
+    """Forward/backward over micro-batches, the stability verdict, and the optimizer step."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, guard: StepGuard,
+                 cfg: Config, device: torch.device, dims: ParallelDims | None = None,
+                 lr_backoff: LRBackoff | None = None, faults: FaultInjector | None = None):
+        self.model = model
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.guard = guard
+        self.cfg = cfg
+        self.device = device
+        self.dims = dims or ParallelDims.one_process()
+        self.lr_backoff = lr_backoff or LRBackoff()
+        self.faults = faults
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.layer_stats = LayerStatsCollector(model, cfg.metrics.layer_stats_every, self.dims)
+
+    def learning_rates(self) -> dict[str, float]:
+        lrs: dict[str, float] = {}
+        for group in self.optimizer.param_groups:
+            lrs.setdefault(group.get("kind", "adamw"), float(group["lr"]))
+        return lrs
+
+    def __call__(self, batch: Any, iteration: int, steps_applied: int) -> StepResult:
+        """Train on `batch` as iteration `iteration`, after `steps_applied` optimizer steps."""
+        faults = self.faults.step_faults(iteration) if self.faults else StepFaults()
+        parts = micro_batches(batch, self.cfg.train.micro_batch_size)
+        # The token-weighted mean needs the global token count before the first backward.
+        tokens = sum_over_data_parallel((batch.labels != IGNORE_INDEX).sum().to(self.device),
+                                        self.dims)  # DP all-reduce
+        # Aux and z losses are means per micro-batch: average them over micro-batches and ranks.
+        per_part = 1.0 / (len(parts) * self.dims.dp)
+
+        totals = torch.zeros(3, device=self.device)  # cross-entropy sum, aux loss, z loss
+        counts = None
+        stats_due = self.layer_stats.due(iteration)
+        for mb in parts:
+            with self.layer_stats.recording(stats_due):  # the forward only: not recomputations in backward
+                out = _forward(self.model, mb, self.cfg, self.device)
+            ce_sum = out.ce_sum * faults.loss_factor if faults.loss_factor != 1.0 else out.ce_sum  # a drill
+            loss = ce_sum / tokens.clamp_min(1) + (out.aux_loss + out.z_loss) * per_part
+            loss.backward()
+            totals += torch.stack([ce_sum.detach().float(), out.aux_loss.detach().float() * per_part,
+                                   out.z_loss.detach().float() * per_part])
+            counts = out.tokens_per_expert if counts is None else counts + out.tokens_per_expert
+        if faults.grad_factor != 1.0:  # a drill: this rank's gradients blow up
+            torch._foreach_mul_([p.grad for p in self.params if p.grad is not None], faults.grad_factor)
+        totals = sum_over_data_parallel(totals, self.dims)  # DP all-reduce
+        counts = sum_over_data_parallel(counts, self.dims)  # DP all-reduce
+        ce_sum, aux_loss, z_loss = totals.tolist()
+        num_tokens = int(tokens.item())
+        mean_loss = ce_sum / max(num_tokens, 1)
+        grad_norm = global_grad_norm(self.params)  # global over ranks and shards
+        grad_norm_value = grad_norm.item()
+        layer_stats = self.layer_stats.collect(counts) if stats_due else None  # pre-clip gradients
+
+        lrs = self.learning_rates()
+        verdict = self.guard.judge(mean_loss, grad_norm_value, iteration, steps_applied)
+        # Every rank has the same verdict, so all of them join the norms' collectives.
+        layer_grad_norms = None if verdict.apply else per_layer_grad_norms(self.model, self.dims)
+        if verdict.apply:
+            if self.cfg.train.grad_clip > 0:
+                clip_grads_with_norm_(self.params, self.cfg.train.grad_clip, grad_norm)
+            self.optimizer.step()
+            self.model.update_expert_biases(counts)
+            self.scheduler.step()
+            self.lr_backoff.apply(self.optimizer, self.scheduler.get_last_lr(), steps_applied + 1)
+        self.optimizer.zero_grad(set_to_none=True)
+        return StepResult(mean_loss, aux_loss, z_loss, grad_norm_value, num_tokens, counts, lrs,
+                          self.lr_backoff.factor(steps_applied), verdict, layer_grad_norms, layer_stats)
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, val_loader: Any, cfg: Config, device: torch.device,
+             dims: ParallelDims | None = None) -> tuple[float, int]:
+    """Mean cross entropy over the first `train.eval_batches` validation batches (all ranks)."""
+    model.eval()
+    totals = torch.zeros(2, dtype=torch.float64, device=device)  # cross-entropy sum, tokens
+    for batch in val_loader.batches(cfg.train.eval_batches):
+        for mb in micro_batches(batch, cfg.train.micro_batch_size):
+            out = _forward(model, mb, cfg, device)
+            totals += torch.stack([out.ce_sum.double(), out.num_tokens.double()])
+    model.train()
+    ce_sum, tokens = sum_over_data_parallel(totals, dims or ParallelDims.one_process()).tolist()  # DP all-reduce
+    return ce_sum / max(tokens, 1.0), int(tokens)
