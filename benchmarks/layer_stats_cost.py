@@ -9,14 +9,15 @@ each timed; validation, checkpoints and console lines are off (they are not part
 - the configured interval k: rounds of k iterations, one of them a statistics iteration, which
   is compared with the median of the other k - 1 of its round; the cost is that over k.
 
-The cost is the best statistics iteration over the best iteration without (as the other
-benchmarks here report the best of several repetitions), and, beside it, the median of the
-paired differences over the median iteration without statistics: a shared machine's load drifts
-over seconds to minutes, so only iterations that ran next to each other are paired, and the
-median keeps a load spike on one iteration from counting. The cost per iteration is that
-difference divided by the interval.
+The cost is the median of those paired differences, divided by the interval, over the median
+iteration without statistics (quartiles beside it): a shared machine's load drifts over seconds
+to minutes, so only iterations that ran next to each other are paired, and the median keeps a
+load spike on one iteration from counting (a best-of-N comparison does not: the best iterations
+with and without statistics fall on different moments of the load). Both in wall-clock time
+and, on a CPU, in this process's CPU time (all threads), which other processes' load changes
+less.
 
-    python benchmarks/layer_stats_cost.py [--pairs 20] [--rounds 8] [--a.b=value overrides...]
+    python benchmarks/layer_stats_cost.py [--pairs 20] [--rounds 12] [--a.b=value overrides...]
 
 `measure_layer_stats_overhead(...)` is the same measurement for other benchmarks to print.
 """
@@ -33,10 +34,11 @@ import argparse
 import statistics
 import sys
 import tempfile
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from measure import timed
+from measure import synchronize
 from trinity_train.config import load_config
 from trinity_train.observe import MetricsRecorder
 from trinity_train.train import Throughput, Trainer, TrainSummary
@@ -57,32 +59,52 @@ def load_average() -> str:
 
 
 @dataclass
+class Samples:
+    """Seconds on one clock: of the statistics iterations, of the others, and each statistics
+    iteration's extra over the iterations next to it."""
+
+    stats: list[float] = field(default_factory=list)
+    plain: list[float] = field(default_factory=list)
+    extra: list[float] = field(default_factory=list)
+
+    def fractions(self, interval: int) -> list[float]:
+        """Each paired difference spread over the interval, as a fraction of the median step."""
+        return [e / interval / statistics.median(self.plain) for e in self.extra]
+
+    def fraction(self, interval: int) -> float:
+        return statistics.median(self.fractions(interval))
+
+    def describe(self, interval: int) -> str:
+        fractions = self.fractions(interval)
+        low, _, high = statistics.quantiles(fractions, n=4) if len(fractions) > 1 else fractions * 3
+        return (f"{100 * self.fraction(interval):+6.2f} % of the step (quartiles {100 * low:+.2f} .. "
+                f"{100 * high:+.2f} %; a statistics iteration adds {statistics.median(self.extra) * 1e3:.1f} ms "
+                f"to {statistics.median(self.plain) * 1e3:.1f} ms; median of {len(self.extra)})")
+
+
+# Wall-clock time, and on a CPU this process's CPU time (all its threads), which other processes'
+# load changes far less: on a shared machine the steadier of the two.
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
+
+
+@dataclass
 class IntervalCost:
-    """What statistics every `interval` iterations cost: the times of the statistics iterations,
-    of the iterations without, and the extra seconds of each statistics iteration over the
-    iterations next to it."""
+    """What statistics every `interval` iterations cost, by clock."""
 
     interval: int
-    stats_s: list[float] = field(default_factory=list)
-    plain_s: list[float] = field(default_factory=list)
-    extra_s: list[float] = field(default_factory=list)
+    clocks: dict[str, Samples]
 
     @property
     def fraction(self) -> float:
-        """Of the step, from the best iterations with and without statistics."""
-        return (min(self.stats_s) - min(self.plain_s)) / self.interval / min(self.plain_s)
+        """Of the step's wall-clock time."""
+        return self.clocks["wall"].fraction(self.interval)
 
-    @property
-    def median_fraction(self) -> float:
-        """Of the step, from the median paired difference."""
-        return statistics.median(self.extra_s) / self.interval / statistics.median(self.plain_s)
-
-    def line(self) -> str:
-        best = (min(self.stats_s) - min(self.plain_s)) * 1e3
-        return (f"layer_stats_every={self.interval:<4d} costs {100 * self.fraction:+6.2f} % of the step "
-                f"(best: a statistics iteration adds {best:.1f} ms to {min(self.plain_s) * 1e3:.1f} ms; "
-                f"median of {len(self.extra_s)} paired: {100 * self.median_fraction:+.2f} %, "
-                f"{statistics.median(self.extra_s) * 1e3:.1f} ms to {statistics.median(self.plain_s) * 1e3:.1f} ms)")
+    def lines(self) -> list[str]:
+        label = f"layer_stats_every={self.interval:<4d}"
+        out = [f"{label} costs {self.clocks['wall'].describe(self.interval)}"]
+        if "cpu" in self.clocks:
+            out.append(f"{' ' * len(label)} CPU time {self.clocks['cpu'].describe(self.interval)}")
+        return out
 
 
 @dataclass
@@ -97,11 +119,11 @@ class LayerStatsOverhead:
         return {c.interval: c.fraction for c in self.costs}
 
     def lines(self) -> list[str]:
-        return [c.line() for c in self.costs]
+        return [line for c in self.costs for line in c.lines()]
 
 
 def measure_layer_stats_overhead(config: Path = DEFAULT_CONFIG, overrides: list[str] | None = None,
-                                 pairs: int = 20, rounds: int = 8) -> LayerStatsOverhead:
+                                 pairs: int = 20, rounds: int = 12) -> LayerStatsOverhead:
     """Run the iterations described in the module docstring and return what they measured."""
     load = [load_average()]
     with tempfile.TemporaryDirectory() as run_dir:
@@ -114,31 +136,39 @@ def measure_layer_stats_overhead(config: Path = DEFAULT_CONFIG, overrides: list[
         throughput = Throughput(cfg, trainer.device, 1)
         summary = TrainSummary(trainer.run_dir, 0, 0, 0)
         collector = trainer.step_fn.layer_stats
+        clocks = CLOCKS if trainer.device.type == "cpu" else {"wall": CLOCKS["wall"]}
 
-        def iteration(every: int) -> tuple[bool, float]:
-            """(took statistics, seconds) of the next iteration with statistics every `every`."""
+        def iteration(every: int) -> tuple[bool, dict[str, float]]:
+            """(took statistics, seconds by clock) of the next iteration with statistics every `every`."""
             collector.every = every
             takes_stats = collector.due(trainer.state.iteration + 1)
-            return takes_stats, timed(lambda: trainer._one_iteration(recorder, throughput, summary),
-                                      trainer.device)[0]
+            synchronize(trainer.device)
+            start = {name: clock() for name, clock in clocks.items()}
+            trainer._one_iteration(recorder, throughput, summary)
+            synchronize(trainer.device)
+            return takes_stats, {name: clock() - start[name] for name, clock in clocks.items()}
 
         for every in (1, 0, 1, 0):  # warm-up: allocator, first statistics iterations
             iteration(every)
-        every_one = IntervalCost(1)
-        times = [iteration(k % 2)[1] for k in range(2 * pairs + 1)]  # off, on, off, ..., off
-        every_one.plain_s, every_one.stats_s = times[0::2], times[1::2]
-        every_one.extra_s = [times[i] - (times[i - 1] + times[i + 1]) / 2 for i in range(1, 2 * pairs, 2)]
+        every_one = IntervalCost(1, {name: Samples() for name in clocks})
+        runs = [iteration(k % 2)[1] for k in range(2 * pairs + 1)]  # off, on, off, ..., off
+        for name, samples in every_one.clocks.items():
+            times = [r[name] for r in runs]
+            samples.plain, samples.stats = times[0::2], times[1::2]
+            samples.extra = [times[i] - (times[i - 1] + times[i + 1]) / 2 for i in range(1, 2 * pairs, 2)]
         costs = [every_one]
         if interval > 1:
-            every_k = IntervalCost(interval)
+            every_k = IntervalCost(interval, {name: Samples() for name in clocks})
             while trainer.state.iteration % interval:  # start rounds right after a statistics iteration
                 iteration(0)
             for _ in range(rounds):
-                round_times = [iteration(interval) for _ in range(interval)]
-                plain = [t for stats, t in round_times if not stats]
-                every_k.plain_s += plain
-                every_k.stats_s += [t for stats, t in round_times if stats]
-                every_k.extra_s += [t - statistics.median(plain) for stats, t in round_times if stats]
+                runs_k = [iteration(interval) for _ in range(interval)]
+                for name, samples in every_k.clocks.items():
+                    plain = [t[name] for stats, t in runs_k if not stats]
+                    took = [t[name] for stats, t in runs_k if stats]
+                    samples.plain += plain
+                    samples.stats += took
+                    samples.extra += [t - statistics.median(plain) for t in took]
             costs.append(every_k)
         recorder.close()
     load.append(load_average())
@@ -149,7 +179,7 @@ def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", type=Path, default=DEFAULT_CONFIG)
     parser.add_argument("--pairs", type=int, default=20, help="statistics iterations at interval 1")
-    parser.add_argument("--rounds", type=int, default=8, help="statistics iterations at the configured interval")
+    parser.add_argument("--rounds", type=int, default=12, help="statistics iterations at the configured interval")
     args, overrides = parser.parse_known_args(argv)
     print(f"# load: {load_average()}")
     result = measure_layer_stats_overhead(args.config, overrides, args.pairs, args.rounds)
