@@ -6,7 +6,8 @@ name; the collector must agree: exactly up to float64 rounding, and the max/medi
 the histogram's stated precision (2^-8, 0.39 %), gradient norms to fp32 rounding (each
 gradient's norm is taken in fp32, like the global norm's). Also: activation checkpointing's repeated
 forwards do not count, the record reaches metrics.jsonl through the Trainer at the configured
-interval, and compiled blocks give the eager values without recompiling.
+interval, a skipped step's incident report carries the same per-layer gradient norms, and
+compiled blocks give the eager values without recompiling.
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ from trinity_train.observe import activation_sums
 from trinity_train.observe.layer_record import MOE_FIELDS, NORM_GAIN_FIELDS, PER_LAYER_FIELDS
 from trinity_train.observe.layer_stats import LayerStatsCollector, per_layer_grad_norms
 from trinity_train.parallel.reductions import global_grad_norm
+from trinity_train.rundir import RunDir
+from trinity_train.stability.incidents import read_incidents
 from trinity_train.train import Trainer, apply_training_wrappers
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
@@ -282,3 +285,20 @@ def test_layer_stats_every_must_not_be_negative():
 @pytest.mark.parametrize("path", sorted(CONFIGS.rglob("*.toml")), ids=lambda p: p.stem)
 def test_every_shipped_config_takes_layer_statistics(path):
     assert load_config(path).metrics.layer_stats_every >= 1
+
+
+def test_a_skipped_steps_incident_report_has_its_layer_gradient_norms(corpus, tmp_path):
+    guard = {"window": 32, "min_history": 4, "max_consecutive_skips": 6,
+             "inject": [{"fault": "grad_scale", "first": 9, "factor": 1e4}]}
+    cfg = run_config(corpus, tmp_path / "run", train={"steps": 10, "micro_batch_size": 4, "eval_every": 0},
+                     optim={"warmup_steps": 2}, checkpoint={"every": 0}, stability=guard,
+                     metrics={"layer_stats_every": 1})
+    Trainer(cfg).run()
+    run = RunDir(tmp_path / "run")
+    (report,) = read_incidents(run)
+    assert report["iter"] == 9 and report["action"] == "skip"
+    layers = {r["iter"]: r for r in run.read_metrics("layers")}
+    norms = report["layer_grad_norms"]
+    # the gradients the statistics of that iteration saw: the same numbers
+    assert norms == {"attn": layers[9]["grad_norm_attn"], "ffn": layers[9]["grad_norm_ffn"]}
+    assert all(n > 100 * b for n, b in zip(norms["attn"], layers[8]["grad_norm_attn"]))  # the drill's 1e4

@@ -29,8 +29,8 @@ def layer_records(trainer: Trainer) -> list[dict]:
     """The `layer_stats` of every step this rank's trainer ran."""
     step, records = trainer.step_fn, []
 
-    def recording_step(batch, iteration):
-        result = step(batch, iteration)
+    def recording_step(*args):
+        result = step(*args)
         records.append(result.layer_stats)
         return result
 
