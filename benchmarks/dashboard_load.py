@@ -15,8 +15,8 @@ the mirror (the JSON parsed by pyarrow), and measures:
 - the server's peak resident memory (VmHWM);
 - the bytes the first view sends (the page, its scripts and every API answer).
 
-Sections: `dashboard_load` (above); `layer_stats_overhead` is where the cost of layer statistics
-per training step goes once they land.
+Sections: `dashboard_load` (above); `layer_stats_overhead`: what the layer statistics cost per
+training step on the default model (`layer_stats_cost.measure_layer_stats_overhead`).
 """
 
 from __future__ import annotations
@@ -168,8 +168,13 @@ def dashboard_load(lines: int, keep: Path | None) -> None:
 
 
 def layer_stats_overhead() -> None:
-    """Layer-statistics overhead per training step: to be added with the layer statistics."""
-    print("layer-statistics overhead per step: not measured yet (layer statistics have not landed)")
+    """Layer-statistics overhead per training step on the default model: the figure of
+    benchmarks/layer_stats_cost.py (fewer repetitions: a few minutes on 2 CPU cores)."""
+    from layer_stats_cost import measure_layer_stats_overhead
+
+    print("layer-statistics overhead per training step (benchmarks/layer_stats_cost.py, configs/debug.toml):")
+    for line in measure_layer_stats_overhead(pairs=10, rounds=4).lines():
+        print(f"  {line}")
 
 
 def main() -> None:

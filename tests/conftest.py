@@ -73,3 +73,56 @@ def layout_config(corpus: Path, run_dir: Path, changes: dict, world: int) -> Con
     for section, values in changes.items():
         table[section] = {**table.get(section, {}), **values}
     return run_config(corpus, run_dir, **table)
+
+
+# The layouts the distributed tests compare with one process (name: the config sections it
+# changes): FSDP, TP and EP on two ranks, with TP also for the block variants whose norms TP
+# treats specially (NormFormer's width and head norms, Gemma 3's (1 + g) norms); HSDP and the
+# combinations on four (ep taken from dp_shard=4; TP x EP with activation checkpointing).
+TWO_RANK_LAYOUTS = {
+    "fsdp2": {"parallel": {"dp_shard": 2}},
+    "tp2": {"parallel": {"tp": 2}},
+    "ep2": {"parallel": {"ep": 2}},
+    "tp2_normformer": {"parallel": {"tp": 2}, "model": {"block": "normformer"}},
+    "tp2_gemma3": {"parallel": {"tp": 2}, "model": {"block": "gemma3"}},
+}
+FOUR_RANK_LAYOUTS = {
+    "hsdp2x2": {"parallel": {"dp_replicate": 2, "dp_shard": 2}},
+    "tp2_fsdp2": {"parallel": {"tp": 2}},
+    "ep2_fsdp2": {"parallel": {"ep": 2}},
+    "tp2_ep2": {"parallel": {"tp": 2, "ep": 2}, "train": {"activation_checkpointing": True}},
+}
+LAYOUT_BLOCKS = ("trinity", "normformer", "gemma3")  # the blocks of the layouts above
+
+
+def layout_block(layout: str) -> str:
+    return {**TWO_RANK_LAYOUTS, **FOUR_RANK_LAYOUTS}[layout].get("model", {}).get("block", "trinity")
+
+
+def merge_sections(base: dict, changes: dict) -> dict:
+    """Config sections of `base` with those of `changes` laid over them, key by key."""
+    return {s: {**base.get(s, {}), **changes.get(s, {})} for s in {*base, *changes}}
+
+
+def run_layouts(corpus: Path, root: Path, layouts: dict, run, common: dict | None = None) -> dict:
+    """In each rank of `ranks.run_ranks`: join the gloo group, build a Trainer for every layout
+    (`layout_config` with `common` sections under the layout's) and return {layout: run(trainer)}."""
+    import functools
+
+    import torch
+    import torch.distributed as dist
+
+    from ranks import init_gloo
+    from trinity_train.parallel.mesh import ParallelDims
+    from trinity_train.train import Trainer, build_model_for_training
+
+    init_gloo()
+    world = dist.get_world_size()
+    results = {}
+    for name, changes in layouts.items():
+        cfg = layout_config(corpus, root / name, merge_sections(common or {}, changes), world)
+        dims = ParallelDims.from_config(cfg, world)
+        dims.build_mesh("cpu")
+        results[name] = run(Trainer(cfg, dims, torch.device("cpu"),
+                                    model_builder=functools.partial(build_model_for_training, dims=dims)))
+    return results

@@ -36,3 +36,20 @@ def poison_batches(trainer, poisoned: set[int]) -> None:
 
     trainer.step_fn = stepping
     trainer.model.forward = poisoned_forward
+
+
+def assert_values_close(got, want, rel: float, path: str = "record") -> None:
+    """`got` equals `want` member by member (dicts, lists, nulls, ints exactly), floats within
+    `rel` relative difference; the message names the first member that differs."""
+    if isinstance(want, dict):
+        assert isinstance(got, dict) and got.keys() == want.keys(), f"{path}: keys {got} vs {want}"
+        for key in want:
+            assert_values_close(got[key], want[key], rel, f"{path}.{key}")
+    elif isinstance(want, list):
+        assert isinstance(got, list) and len(got) == len(want), f"{path}: {got} vs {want}"
+        for i, (g, w) in enumerate(zip(got, want)):
+            assert_values_close(g, w, rel, f"{path}[{i}]")
+    elif isinstance(want, float):
+        assert isinstance(got, float) and abs(got - want) <= rel * abs(want), f"{path}: {got} vs {want}"
+    else:
+        assert got == want, f"{path}: {got} vs {want}"

@@ -24,6 +24,7 @@ LAYERS = [
 ]
 SIDEWAYS = {
     ("study", "dashboard"),  # the study's report is the dashboard's offline report
+    ("observe", "parallel"),  # layer statistics are global values: they reduce through parallel.reductions
 }
 
 

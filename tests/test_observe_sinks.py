@@ -1,4 +1,5 @@
-"""Metrics sinks: JSONL, TensorBoard, W&B (offline without a key), console progress, resume trim."""
+"""Metrics sinks: JSONL, TensorBoard, W&B (offline without a key), console progress, resume trim,
+and the per-layer records (per-layer scalars and histograms)."""
 
 import json
 import math
@@ -10,6 +11,7 @@ from trinity_train.config import Config
 from trinity_train.files import read_jsonl
 from trinity_train.observe import MetricsRecorder, measure_peak_flops, mfu, supersede_records_after
 from trinity_train.observe.jsonl import JsonlWriter
+from trinity_train.observe.scalars import named_values
 from trinity_train.rundir import METRICS_FILE, RunDir
 from trinity_train.observe.wandb_sink import resolve_mode
 
@@ -130,3 +132,54 @@ def test_progress_bar_shows_step_loss_throughput_and_eta(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "3/3" in err and "loss=1.2500" in err and "tok/s=100" in err and "step 3: validation loss 1.5000" in err
     assert "<" in err  # tqdm's elapsed<remaining (the ETA)
+
+
+def layers_record(i):
+    """A `"layers"` record of a 3-layer model whose layers 1 and 2 are MoE with 4 experts."""
+    return {"iter": i, "step": i, "grad_norm_attn": [0.5, 0.25, 0.125], "residual_rms": [1.0, 2.0, None],
+            "norm_gain": {"attn_norm": [1.0, 0.9, 0.8], "attn_post_norm": [None, None, None], "final_norm": 1.5},
+            "moe_layers": [1, 2], "tokens_per_expert": [[4, 0, 2, 2], [1, 1, 3, 3]],
+            "router_entropy": [1.2, 1.3], "experts_without_tokens": [1, 0]}
+
+
+def test_layer_records_flatten_by_layer_with_histograms_of_rows():
+    scalars, histograms = named_values(layers_record(7), "layers")
+    assert scalars["layers/grad_norm_attn/2"] == 0.125
+    assert "layers/residual_rms/2" not in scalars  # null: no value
+    assert scalars["layers/norm_gain/attn_norm/1"] == 0.9 and scalars["layers/norm_gain/final_norm"] == 1.5
+    assert not any(k.startswith("layers/norm_gain/attn_post_norm") for k in scalars)
+    # lists indexed by MoE layer are named by the layer, not the position
+    assert scalars["layers/router_entropy/1"] == 1.2 and scalars["layers/router_entropy/2"] == 1.3
+    assert scalars["layers/experts_without_tokens/1"] == 1.0
+    assert histograms == {"layers/tokens_per_expert/1": [4.0, 0.0, 2.0, 2.0],
+                          "layers/tokens_per_expert/2": [1.0, 1.0, 3.0, 3.0]}
+    assert not any(k.startswith(("layers/moe_layers", "layers/iter", "layers/tokens_per_expert")) for k in scalars)
+    # other records keep positional names
+    assert named_values({"moe_cv_per_layer": [0.5, 0.25]}, "train")[0] == {
+        "train/moe_cv_per_layer/0": 0.5, "train/moe_cv_per_layer/1": 0.25}
+
+
+def test_recorder_writes_layer_records_to_every_sink(tmp_path, monkeypatch):
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    cfg = Config()
+    cfg.metrics.tensorboard = cfg.metrics.wandb = True
+    cfg.metrics.progress_bar = False
+    recorder = MetricsRecorder(cfg, tmp_path, start_step=0)
+    for i in (1, 2):
+        recorder.train(train_record(i))
+        recorder.layers(layers_record(i))
+    recorder.close()
+    assert [(r["kind"], r["iter"]) for r in read_jsonl(tmp_path / METRICS_FILE)] == [
+        ("train", 1), ("layers", 1), ("train", 2), ("layers", 2)]
+    assert RunDir(tmp_path).read_metrics("layers")[0]["tokens_per_expert"] == [[4, 0, 2, 2], [1, 1, 3, 3]]
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    tb = EventAccumulator(str(tmp_path / "tb"), size_guidance={"histograms": 0, "scalars": 0})
+    tb.Reload()
+    assert [e.value for e in tb.Scalars("layers/router_entropy/2")] == pytest.approx([1.3, 1.3])
+    assert [e.step for e in tb.Scalars("layers/norm_gain/final_norm")] == [1, 2]
+    histogram = tb.Histograms("layers/tokens_per_expert/1")[0].histogram_value
+    assert (histogram.num, histogram.min, histogram.max, histogram.sum) == (4, 0.0, 4.0, 8.0)
+    assert list((tmp_path / "wandb").glob("offline-run-*"))

@@ -2,44 +2,28 @@
 acceptance): three AdamW steps on the same global batches give the same losses and gradient norms
 (rel <= 1e-5), the same parameters (<= 1e-4) and the same, rank-identical expert biases.
 
-Layouts: FSDP 2, TP 2, EP 2 on two gloo ranks; HSDP 2x2, TP 2 x FSDP 2, EP 2 x FSDP 2 (ep taken
-from dp_shard=4) and TP 2 x EP 2 (with activation checkpointing) on four; and TP 2 for the block
-variants whose norms TP treats specially (NormFormer's width and head norms, Gemma 3's (1 + g)
-norms). The global batch is 4 sequences everywhere (grad_accum makes up for fewer data-parallel
-ranks), so every run reads exactly the same tokens. The sharded initialisation is checked too:
+Layouts (conftest.py): FSDP 2, TP 2, EP 2 on two gloo ranks; HSDP 2x2, TP 2 x FSDP 2, EP 2 x FSDP 2
+(ep taken from dp_shard=4) and TP 2 x EP 2 (with activation checkpointing) on four; and TP 2 for
+the block variants whose norms TP treats specially (NormFormer's width and head norms, Gemma 3's
+(1 + g) norms). The global batch is 4 sequences everywhere (grad_accum makes up for fewer
+data-parallel ranks), so every run reads exactly the same tokens. The sharded initialisation is checked too:
 bit-identical to the single process's.
 """
 
 from __future__ import annotations
-
-import functools
 
 import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from conftest import layout_config
+from conftest import (FOUR_RANK_LAYOUTS, LAYOUT_BLOCKS, TWO_RANK_LAYOUTS, layout_block, layout_config,
+                      run_layouts)
 from trinity_train.files import read_jsonl
-from ranks import init_gloo, run_ranks
-from trinity_train.parallel.mesh import ParallelDims
-from trinity_train.train import Trainer, build_model_for_training
+from ranks import run_ranks
+from trinity_train.train import Trainer
 
-# layout name: config sections it changes
-TWO_RANKS = {
-    "fsdp2": {"parallel": {"dp_shard": 2}},
-    "tp2": {"parallel": {"tp": 2}},
-    "ep2": {"parallel": {"ep": 2}},
-    "tp2_normformer": {"parallel": {"tp": 2}, "model": {"block": "normformer"}},
-    "tp2_gemma3": {"parallel": {"tp": 2}, "model": {"block": "gemma3"}},
-}
-FOUR_RANKS = {
-    "hsdp2x2": {"parallel": {"dp_replicate": 2, "dp_shard": 2}},
-    "tp2_fsdp2": {"parallel": {"tp": 2}},
-    "ep2_fsdp2": {"parallel": {"ep": 2}},
-    "tp2_ep2": {"parallel": {"tp": 2, "ep": 2}, "train": {"activation_checkpointing": True}},
-}
-BLOCKS = ("trinity", "normformer", "gemma3")
+
 def whole_params(model) -> dict[str, torch.Tensor]:
     """By model name (activation checkpointing's wrapper adds a level to module names)."""
     return {name.replace("_checkpoint_wrapped_module.", ""):
@@ -60,41 +44,26 @@ def trained(trainer: Trainer) -> dict:
             "losses": [r["loss"] for r in records], "norms": [r["grad_norm"] for r in records]}
 
 
-def train_layouts(corpus, root, layouts: dict) -> dict:
-    init_gloo()
-    world = dist.get_world_size()
-    results = {}
-    for name, changes in layouts.items():
-        cfg = layout_config(corpus, root / name, changes, world)
-        dims = ParallelDims.from_config(cfg, world)
-        dims.build_mesh("cpu")
-        trainer = Trainer(cfg, dims, torch.device("cpu"),
-                          model_builder=functools.partial(build_model_for_training, dims=dims))
-        results[name] = trained(trainer)
-    return results
-
-
 @pytest.fixture(scope="module")
 def references(corpus, tmp_path_factory) -> dict[str, dict]:
     """One process, per block variant."""
     return {block: trained(Trainer(layout_config(corpus, tmp_path_factory.mktemp(block),
                                                  {"model": {"block": block}}, 1)))
-            for block in BLOCKS}
+            for block in LAYOUT_BLOCKS}
 
 
 @pytest.fixture(scope="module")
 def two_rank_results(corpus, tmp_path_factory) -> list[dict]:
-    return run_ranks(2, train_layouts, corpus, tmp_path_factory.mktemp("two"), TWO_RANKS)
+    return run_ranks(2, run_layouts, corpus, tmp_path_factory.mktemp("two"), TWO_RANK_LAYOUTS, trained)
 
 
 @pytest.fixture(scope="module")
 def four_rank_results(corpus, tmp_path_factory) -> list[dict]:
-    return run_ranks(4, train_layouts, corpus, tmp_path_factory.mktemp("four"), FOUR_RANKS)
+    return run_ranks(4, run_layouts, corpus, tmp_path_factory.mktemp("four"), FOUR_RANK_LAYOUTS, trained)
 
 
 def assert_matches_reference(ranks: list[dict], layout: str, references: dict) -> None:
-    block = {**TWO_RANKS, **FOUR_RANKS}[layout].get("model", {}).get("block", "trinity")
-    reference = references[block]
+    reference = references[layout_block(layout)]
     ours = ranks[0][layout]
     for name, want in reference["initial"].items():
         assert torch.equal(ours["initial"][name], want), f"{layout}: {name} starts differently"
@@ -112,18 +81,18 @@ def assert_matches_reference(ranks: list[dict], layout: str, references: dict) -
         assert err <= 1e-4, f"{layout}: {name} differs from the single process by {err}"
 
 
-@pytest.mark.parametrize("block", BLOCKS)
+@pytest.mark.parametrize("block", LAYOUT_BLOCKS)
 def test_reference_run_learns_and_balances(references, block):
     reference = references[block]
     assert reference["losses"][-1] < reference["losses"][0]
     assert reference["biases"].abs().sum() > 0, "expert biases never moved"
 
 
-@pytest.mark.parametrize("layout", list(TWO_RANKS))
+@pytest.mark.parametrize("layout", list(TWO_RANK_LAYOUTS))
 def test_two_rank_layout_matches_one_process(two_rank_results, references, layout):
     assert_matches_reference(two_rank_results, layout, references)
 
 
-@pytest.mark.parametrize("layout", list(FOUR_RANKS))
+@pytest.mark.parametrize("layout", list(FOUR_RANK_LAYOUTS))
 def test_four_rank_layout_matches_one_process(four_rank_results, references, layout):
     assert_matches_reference(four_rank_results, layout, references)

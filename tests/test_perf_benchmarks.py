@@ -85,3 +85,15 @@ def test_components_benchmark_times_each_alternative():
     for case in ("local, one dense TxT mask", "local, window blocks of 4", "fused, chunks of 512",
                  "checkpointed chunks of 64", "per-expert loop", "autograd indexing"):
         assert re.search(rf"^  {re.escape(case)}.* [\d.]+ ms", out, re.M), (case, out)
+
+
+def test_layer_stats_cost_benchmark_reports_each_interval(corpus):
+    tiny = [a for a in TINY if "vocab_size" not in a] + ["--model.vocab_size=320", f"--data.path={corpus}",
+                                                         "--data.seq_len=16", "--metrics.layer_stats_every=2"]
+    out = run("layer_stats_cost.py", "--pairs", "2", "--rounds", "3", *tiny)
+    assert re.search(r"^# load: [\d.]+ [\d.]+ [\d.]+", out, re.M), out
+    figure = r"[-+][\d.]+ % of the step \(quartiles [-+][\d.]+ \.\. [-+][\d.]+ %; a statistics iteration adds " \
+             r"-?[\d.]+ ms to [\d.]+ ms; median of {}\)$"
+    for interval, samples in ((1, 2), (2, 3)):
+        assert re.search(rf"^layer_stats_every={interval} +costs +" + figure.format(samples), out, re.M), out
+        assert re.search(r"^ +CPU time +" + figure.format(samples), out, re.M), out

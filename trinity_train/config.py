@@ -209,6 +209,8 @@ class MetricsConfig:
     wandb_mode: str = "auto"  # "auto": online with an API key (WANDB_API_KEY or netrc), else offline
     progress_bar: bool = True
     peak_flops: float = 0.0  # one device's peak FLOP/s for MFU; 0: measured with a matmul at start
+    layer_stats_every: int = 10  # per-layer statistics ("layers" records) every this many
+    #                              iterations; 0: off (cost: benchmarks/layer_stats_cost.py)
 
 
 @dataclass
@@ -491,6 +493,8 @@ def validate(cfg: Config) -> None:
     mc = cfg.metrics
     _one_of(mc.wandb_mode, ("auto", "online", "offline"), "metrics.wandb_mode")
     _require(mc.peak_flops >= 0, "metrics.peak_flops", "must be >= 0 (0 measures it)")
+    _require(mc.layer_stats_every >= 0, "metrics.layer_stats_every",
+             f"must be >= 0 (0 turns the layer statistics off), got {mc.layer_stats_every}")
 
     _require(bool(cfg.run.dir), "run.dir", "must not be empty")
 

@@ -24,6 +24,7 @@ from torch import nn
 
 from trinity_train.config import Config
 from trinity_train.model.loss import IGNORE_INDEX
+from trinity_train.observe.layer_stats import LayerStatsCollector, per_layer_grad_norms
 from trinity_train.parallel.mesh import ParallelDims
 from trinity_train.parallel.reductions import clip_grads_with_norm_, global_grad_norm, sum_over_data_parallel
 from trinity_train.stability import StepGuard, Verdict
@@ -49,6 +50,7 @@ class StepResult:
     lr_scale: float  # the LR back-off factor in those rates (1 outside a back-off)
     verdict: Verdict
     layer_grad_norms: dict[str, list[float]] | None = None  # a skipped step's, for its incident report
+    layer_stats: dict | None = None  # the "layers" record (without iter/step) on statistics iterations
 
 
 def micro_batches(batch: Any, micro_batch_size: int) -> list[dict[str, torch.Tensor]]:
@@ -83,6 +85,7 @@ class TrainingStep:
         self.lr_backoff = lr_backoff or LRBackoff()
         self.faults = faults
         self.params = [p for p in model.parameters() if p.requires_grad]
+        self.layer_stats = LayerStatsCollector(model, cfg.metrics.layer_stats_every, self.dims)
 
     def learning_rates(self) -> dict[str, float]:
         lrs: dict[str, float] = {}
@@ -102,8 +105,10 @@ class TrainingStep:
 
         totals = torch.zeros(3, device=self.device)  # cross-entropy sum, aux loss, z loss
         counts = None
+        stats_due = self.layer_stats.due(iteration)
         for mb in parts:
-            out = _forward(self.model, mb, self.cfg, self.device)
+            with self.layer_stats.recording(stats_due):  # the forward only: not recomputations in backward
+                out = _forward(self.model, mb, self.cfg, self.device)
             ce_sum = out.ce_sum * faults.loss_factor if faults.loss_factor != 1.0 else out.ce_sum  # a drill
             loss = ce_sum / tokens.clamp_min(1) + (out.aux_loss + out.z_loss) * per_part
             loss.backward()
@@ -119,9 +124,12 @@ class TrainingStep:
         mean_loss = ce_sum / max(num_tokens, 1)
         grad_norm = global_grad_norm(self.params)  # global over ranks and shards
         grad_norm_value = grad_norm.item()
+        layer_stats = self.layer_stats.collect(counts) if stats_due else None  # pre-clip gradients
 
         lrs = self.learning_rates()
         verdict = self.guard.judge(mean_loss, grad_norm_value, iteration, steps_applied)
+        # Every rank has the same verdict, so all of them join the norms' collectives.
+        layer_grad_norms = None if verdict.apply else per_layer_grad_norms(self.model, self.dims)
         if verdict.apply:
             if self.cfg.train.grad_clip > 0:
                 clip_grads_with_norm_(self.params, self.cfg.train.grad_clip, grad_norm)
@@ -131,7 +139,7 @@ class TrainingStep:
             self.lr_backoff.apply(self.optimizer, self.scheduler.get_last_lr(), steps_applied + 1)
         self.optimizer.zero_grad(set_to_none=True)
         return StepResult(mean_loss, aux_loss, z_loss, grad_norm_value, num_tokens, counts, lrs,
-                          self.lr_backoff.factor(steps_applied), verdict)
+                          self.lr_backoff.factor(steps_applied), verdict, layer_grad_norms, layer_stats)
 
 
 @torch.no_grad()

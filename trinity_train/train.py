@@ -426,6 +426,8 @@ class Trainer:
             self._record_skip(result, batch.index, recorder)
         record = step_record(result, self.state, batch.index, throughput.of(result.tokens, elapsed))
         recorder.train(record)
+        if result.layer_stats is not None:
+            recorder.layers({"iter": self.state.iteration, "step": self.state.step, **result.layer_stats})
         self.recent.append(record)
         summary.last_loss = result.loss
         if verdict.apply:

@@ -1,7 +1,8 @@
 """Fan a run's records out to every configured sink.
 
-- `metrics.jsonl`: one object per training iteration (`"kind": "train"`) and one per validation
-  (`"kind": "val"`); TensorBoard and W&B get the same numbers as scalars.
+- `metrics.jsonl`: one object per training iteration (`"kind": "train"`), one per validation
+  (`"kind": "val"`) and one per layer-statistics iteration (`"kind": "layers"`); TensorBoard and
+  W&B get the same numbers as scalars (and lists of lists as histograms, `observe/scalars.py`).
 - `events.jsonl`: what happened to the run (start, resume, checkpoint saved, step skipped, end).
 - the console: progress bar or periodic lines.
 Only the main process (rank 0) writes; the others get a recorder that discards.
@@ -69,6 +70,11 @@ class MetricsRecorder:
         if self.is_main:
             self._write("val", record)
             self.progress.validation(record["val_loss"], record["step"])
+
+    def layers(self, record: dict) -> None:
+        """A per-layer statistics record (`observe/layer_stats.py`)."""
+        if self.is_main:
+            self._write("layers", record)
 
     def notice(self, text: str) -> None:
         """Tell the person watching the console (skips, rollbacks, drills)."""

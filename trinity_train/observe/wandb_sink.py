@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 from trinity_train.config import Config, config_to_dict
-from trinity_train.observe.scalars import named_scalars
+from trinity_train.observe.scalars import named_values
 
 _INIT_TIMEOUT_S = 60
 
@@ -58,7 +58,9 @@ class WandbSink:
                                 dir=str(run_dir), config=config_to_dict(cfg), mode=mode, settings=settings)
 
     def write(self, kind: str, record: dict) -> None:
-        self.run.log(named_scalars(record, kind), step=record["iter"])
+        scalars, histograms = named_values(record, kind)
+        values = {**scalars, **{name: self._wandb.Histogram(v) for name, v in histograms.items()}}
+        self.run.log(values, step=record["iter"])
 
     def close(self) -> None:
         self.run.finish()

@@ -29,6 +29,14 @@ def sum_over_data_parallel(tensor: torch.Tensor, dims: ParallelDims) -> torch.Te
     return tensor
 
 
+def max_over_data_parallel(tensor: torch.Tensor, dims: ParallelDims) -> torch.Tensor:
+    """The elementwise maximum of `tensor` over the data-parallel ranks, in place (and return it);
+    a no-op on one rank."""
+    if dims.mesh is not None and dims.dp > 1:
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=dims.dp_mesh.get_group())
+    return tensor
+
+
 def _params_by_mesh(parameters: Iterable[torch.Tensor]) -> list[list[torch.Tensor]]:
     """Parameters with a gradient, grouped by the mesh it lives on (None for plain tensors):
     DTensor ops, the foreach ones included, only combine tensors of one mesh."""
