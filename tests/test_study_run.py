@@ -111,3 +111,22 @@ def test_a_changed_study_is_refused_before_anything_runs(study_run, tmp_path):
 
 def test_the_runner_knows_the_trainers_halt_exit_code():
     assert runner.HALT_EXIT_CODE == HALT_EXIT_CODE
+
+
+@pytest.mark.slow
+def test_cells_as_torchrun_jobs_train_on_the_same_batches(corpus, tmp_path):
+    """--nproc 2: each cell is its own two-rank job (launch/local.sh 2), each rank taking half of
+    every batch, and it computes what the one-process cell computes."""
+    write_base(corpus, tmp_path)
+    study = write_study(tmp_path, variants=["prenorm"])
+    for out, nproc in (("one", 1), ("two", 2)):
+        result = ablate("--study", study, "--out", tmp_path / out, "--nproc", nproc, cwd=tmp_path)
+        assert result.returncode == 0, result.stdout + result.stderr
+    one, two = (RunDir(tmp_path / out / "cells" / "prenorm-normal-s0") for out in ("one", "two"))
+    assert [e["devices"] for e in two.read_events("run_start")] == [2]
+    train_one, train_two = one.read_metrics("train"), two.read_metrics("train")
+    assert [r["batch"] for r in train_two] == [r["batch"] for r in train_one] and len(train_one) == STEPS
+    assert [r["loss"] for r in train_two] == pytest.approx([r["loss"] for r in train_one], rel=1e-5)
+    summary = json.loads((tmp_path / "two" / "summary.json").read_text())
+    assert summary["run"]["nproc"] == 2 and summary["study"]["budget"]["global_batch"] == 2
+    assert "--nproc 2" in (tmp_path / "two" / "report.md").read_text()
