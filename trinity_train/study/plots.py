@@ -16,6 +16,7 @@ import matplotlib
 matplotlib.use("Agg")  # before pyplot: files only, never a window
 
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.ticker import EngFormatter, FuncFormatter, MaxNLocator  # noqa: E402
 
 from trinity_train.config import BLOCK_VARIANTS  # noqa: E402
 from trinity_train.files import atomic_open  # noqa: E402
@@ -31,8 +32,11 @@ def _save(fig, path: Path) -> None:
 
 
 def _grid(rows: int, cols: int, width: float = 4.2, height: float = 3.2):
-    fig, axes = plt.subplots(rows, cols, figsize=(width * cols, height * rows), squeeze=False)
+    fig, axes = plt.subplots(rows, cols, figsize=(width * cols, height * rows), squeeze=False, layout="constrained")
     return fig, axes
+
+
+_PLAIN = FuncFormatter(lambda value, _: f"{value:.3g}")  # log axes within a decade: 0.25, not 2.5x10^-1
 
 
 def _empty(ax, text: str) -> None:
@@ -92,6 +96,12 @@ def _finish(ax, drew: bool, xlabel: str, ylabel: str, title: str, log: bool = Fa
         return
     if log:
         ax.set_yscale("log")
+        ax.yaxis.set_major_formatter(_PLAIN)
+        ax.yaxis.set_minor_formatter(_PLAIN)
+    if xlabel == "tokens":
+        ax.xaxis.set_major_formatter(EngFormatter(sep=""))  # 200k, not 200000
+    elif xlabel == "layer":
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
 
@@ -101,10 +111,14 @@ def loss_curves(cells: list[dict], lrs: list[str], path: Path) -> None:
     for col, lr in enumerate(lrs):
         top, bottom = axes[0][col], axes[1][col]
         drew_train = drew_val = False
+        labelled = set()
         for cell in (c for c in cells if c["lr"] == lr):
             m = cell.get("measures") or {}
             style = ":" if cell["drilled"] else "-"
-            label = f"{cell['variant']} s{cell['seed']}" + (" (drill)" if cell["drilled"] else "")
+            # one legend entry per variant (its seeds share the colour), and one per drilled cell
+            key = (cell["variant"], cell["drilled"])
+            label = "_nolegend_" if key in labelled else cell["variant"] + (" (drill)" if cell["drilled"] else "")
+            labelled.add(key)
             curve = m.get("train_curve") or {}
             if curve.get("tokens"):
                 top.plot(curve["tokens"], curve["loss"], style, color=COLORS[cell["variant"]], lw=1, alpha=0.8, label=label)
