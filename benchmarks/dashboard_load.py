@@ -3,11 +3,14 @@
     .venv/bin/python benchmarks/dashboard_load.py [--lines 1000000] [--keep DIR]
 
 Writes a metrics.jsonl of `--lines` records per the run-directory contract (train records of the
-debug model's shape, a `layers` record every 100th line, a few skipped steps and a rollback),
-then starts `trinity-train dashboard` on it in its own process and measures:
+debug model's shape, a `layers` record every 100th line, a few skipped steps and a rollback) and
+its columnar mirror `metrics.columns.arrow`, as the trainer's recorder keeps it (the time to build
+it from the JSON is what a trainer start spends on a run this long). Then it starts `trinity-train
+dashboard` in its own process, on that run and, side by side, on the same metrics.jsonl without
+the mirror (the JSON parsed by pyarrow), and measures:
 
 - the time from starting the server to its answer of the first full-range request (what the
-  page asks first: every series, downsampled to 1000 buckets);
+  page asks first: every series, downsampled to 1000 buckets), with and without the mirror;
 - the time to first render in headless Chromium (navigation start to the charts drawn);
 - the server's peak resident memory (VmHWM);
 - the bytes the first view sends (the page, its scripts and every API answer).
@@ -34,6 +37,7 @@ sys.path.insert(0, str(REPO / "tests"))
 
 from synthetic_run import layers_record, train_record  # noqa: E402  (the tests' record shapes)
 
+from trinity_train.columnar import MirrorWriter  # noqa: E402
 from trinity_train.dashboard import browser  # noqa: E402
 from trinity_train.rundir import RunDir  # noqa: E402
 
@@ -111,17 +115,41 @@ def first_view_bytes(driver) -> int:
         ".reduce((n, e) => n + e.encodedBodySize, 0);"))
 
 
+def without_mirror(run_dir: Path) -> Path:
+    """A second run directory holding the same files (hard links) but no columnar mirror."""
+    bare = run_dir.with_name(run_dir.name + "-json-only")
+    bare.mkdir(exist_ok=True)
+    for name in ("metrics.jsonl", "events.jsonl"):
+        if not (bare / name).exists():
+            (bare / name).hardlink_to(run_dir / name)
+    return bare
+
+
 def dashboard_load(lines: int, keep: Path | None) -> None:
     work = keep or Path(tempfile.mkdtemp(prefix="dashboard-bench-"))
     run_dir = work / "long-run"
     t = time.perf_counter()
     size = write_long_run(run_dir, lines)
     print(f"wrote {lines:,} lines ({size / 2**20:.0f} MiB) in {time.perf_counter() - t:.0f} s")
+    t = time.perf_counter()
+    run = RunDir(run_dir)
+    MirrorWriter(run.metrics_mirror, run.metrics).close()
+    print(f"built the columnar mirror ({run.metrics_mirror.stat().st_size / 2**20:.0f} MiB) from the JSON in "
+          f"{time.perf_counter() - t:.1f} s (what a trainer start spends on a run this long)")
+
+    bare_process, bare_url, bare_started = start_server(without_mirror(run_dir))
+    try:
+        answered, _ = first_full_range_answer(bare_url)
+        print(f"without the mirror: server start to first full-range answer: {answered - bare_started:.2f} s; "
+              f"peak RSS {peak_rss_mib(bare_process.pid):.0f} MiB")
+    finally:
+        bare_process.terminate()
+        bare_process.wait(timeout=30)
 
     process, url, started = start_server(run_dir)
     try:
         answered, answer_bytes = first_full_range_answer(url)
-        print(f"server start to first full-range answer: {answered - started:.2f} s "
+        print(f"with the mirror: server start to first full-range answer: {answered - started:.2f} s "
               f"(every series, 1000 buckets: {answer_bytes / 1024:.0f} KiB)")
         if browser.available():
             with browser.headless_chromium() as driver:
@@ -133,7 +161,7 @@ def dashboard_load(lines: int, keep: Path | None) -> None:
                       f"(plotly.min.js alone {len(fetch(url + 'static/plotly.min.js')) / 2**20:.2f} MiB)")
         else:
             print(f"no {browser.CHROMIUM}: time to first render not measured")
-        print(f"server peak RSS: {peak_rss_mib(process.pid):.0f} MiB")
+        print(f"with the mirror: server peak RSS: {peak_rss_mib(process.pid):.0f} MiB")
     finally:
         process.terminate()
         process.wait(timeout=30)

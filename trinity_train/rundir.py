@@ -7,6 +7,7 @@ Everything about a run lives under its directory; the trainer writes it, and the
 |-----------------------------|-------------------------------------------------------------------|
 | `config.toml`               | the resolved config of the latest start                           |
 | `metrics.jsonl`             | one JSON object per iteration / validation / layer-statistics step |
+| `metrics.columns.arrow`     | the plotted fields of metrics.jsonl as Arrow columns (a cache)    |
 | `metrics.superseded.jsonl`  | records a resume discarded (the run went back past them)          |
 | `events.jsonl`              | what happened: start, resume, checkpoint, skip, rollback, ...     |
 | `skip_ledger.json`          | global batches never to train on again                            |
@@ -25,6 +26,7 @@ from trinity_train.files import read_jsonl
 
 CONFIG_FILE = "config.toml"
 METRICS_FILE = "metrics.jsonl"
+METRICS_MIRROR_FILE = "metrics.columns.arrow"
 SUPERSEDED_FILE = "metrics.superseded.jsonl"
 EVENTS_FILE = "events.jsonl"
 LEDGER_FILE = "skip_ledger.json"
@@ -50,6 +52,10 @@ class RunDir:
     @property
     def metrics(self) -> Path:
         return self.path / METRICS_FILE
+
+    @property
+    def metrics_mirror(self) -> Path:
+        return self.path / METRICS_MIRROR_FILE
 
     @property
     def superseded(self) -> Path:

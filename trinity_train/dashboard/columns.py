@@ -1,60 +1,20 @@
 """metrics.jsonl as columns: numpy arrays of the fields the dashboard draws, nothing else.
 
 A million-line metrics file is ~700 MB of JSON; a list of dicts of it would take gigabytes and
-`json.loads` per line ~15 s. pyarrow's JSON reader parses the lines in C++ with an explicit
-schema that names only the plotted fields (the others are skipped while parsing), and the values
-are kept as float32 (plenty for a chart; NaN where a value is null or absent), so a million train
-records cost ~40 MB. A chunk pyarrow cannot parse (a garbled line in the middle of the file) is
-parsed again line by line, skipping the bad lines, like every other reader of the run directory.
+`json.loads` per line ~15 s. The records arrive as Arrow tables of `columnar.SCHEMA` (the plotted
+fields only): from the trainer's columnar mirror of metrics.jsonl, and from pyarrow's C++ JSON
+reader for the lines after it. The values are kept as float32 (plenty for a chart; NaN where a
+value is null or absent), so a million train records cost ~40 MB.
 """
 
 from __future__ import annotations
 
-import json
-
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.json as pa_json
 
-# The plotted scalars of each record kind (contract: docs/CONTRACT.md "Run directory").
-TRAIN_SCALARS = ("loss", "grad_norm", "lr", "lr_muon", "tokens_per_s", "mfu")
-VAL_SCALARS = ("val_loss",)
-# Per-layer lists: train records carry one value per MoE layer, layers records one per layer.
-TRAIN_LISTS = ("moe_max_load_per_layer",)
-LAYER_LISTS = ("grad_norm_attn", "grad_norm_ffn", "residual_rms")
+from trinity_train.columnar import LAYER_LISTS, TRAIN_LISTS, TRAIN_SCALARS, VAL_SCALARS, parse_lines
 
-_F64 = pa.float64()
-SCHEMA = pa.schema(
-    [("kind", pa.string()), ("iter", pa.int64()), ("step", pa.int64()), ("skipped", pa.bool_()),
-     ("superseded_at", pa.int64()), ("moe_layers", pa.list_(pa.int64())),
-     ("tokens_per_expert", pa.list_(pa.list_(_F64)))]
-    + [(name, _F64) for name in TRAIN_SCALARS + VAL_SCALARS]
-    + [(name, pa.list_(_F64)) for name in TRAIN_LISTS + LAYER_LISTS])
-_PARSE = pa_json.ParseOptions(explicit_schema=SCHEMA, unexpected_field_behavior="ignore")
-_READ = pa_json.ReadOptions(block_size=8 << 20)
-
-
-def parse_lines(data: bytes) -> pa.Table:
-    """The records of complete JSON lines as a table with SCHEMA's columns."""
-    if not data.strip():
-        return SCHEMA.empty_table()
-    try:
-        return pa_json.read_json(pa.BufferReader(data), read_options=_READ, parse_options=_PARSE)
-    except (pa.ArrowInvalid, pa.ArrowTypeError):
-        return _parse_line_by_line(data)
-
-
-def _parse_line_by_line(data: bytes) -> pa.Table:
-    tables = []
-    for line in data.splitlines():
-        try:
-            record = json.loads(line)
-            if isinstance(record, dict):
-                tables.append(pa.Table.from_pylist([record], schema=SCHEMA))
-        except (ValueError, TypeError, pa.ArrowInvalid, pa.ArrowTypeError):
-            continue  # a torn or garbled line, or a field of an unexpected type
-    return pa.concat_tables(tables) if tables else SCHEMA.empty_table()
 
 
 def float_column(table: pa.Table, name: str) -> np.ndarray:
@@ -83,6 +43,8 @@ def list_column(table: pa.Table, name: str, depth: int = 1) -> np.ndarray:
     width = int(lengths.max()) if len(lengths) else 0
     out = np.full((len(column), width), np.nan, np.float32)
     values = column.flatten().to_numpy(zero_copy_only=False).astype(np.float32)
+    if width and len(values) == width * len(column):  # every row full (the usual case): a reshape
+        return values.reshape(len(column), width)
     if width and len(values):
         rows_idx = np.repeat(np.arange(len(column)), lengths)
         starts = np.repeat(np.cumsum(lengths) - lengths, lengths)
@@ -190,7 +152,10 @@ class MetricsColumns:
 
     def append_lines(self, data: bytes) -> dict[str, int]:
         """Add the records of complete JSON lines; returns how many of each kind arrived."""
-        table = parse_lines(data)
+        return self.append_table(parse_lines(data))
+
+    def append_table(self, table: pa.Table) -> dict[str, int]:
+        """Add records given as a table of `columnar.SCHEMA`; returns how many of each kind arrived."""
         table = table.set_column(table.schema.get_field_index("skipped"), "skipped",
                                  table.column("skipped").cast(pa.float64()))
         table = table.set_column(table.schema.get_field_index("superseded_at"), "superseded_at",
@@ -198,8 +163,10 @@ class MetricsColumns:
         kinds = table.column("kind")
         counts = {}
         for kind, columns in (("train", self.train), ("val", self.val), ("layers", self.layers)):
-            rows = table.filter(pc.equal(kinds, kind))
-            rows = rows.filter(pc.is_valid(rows.column("iter")))
+            # Only this kind's columns are filtered: copying every column (the layers records'
+            # nested lists) for a million train rows would cost seconds.
+            wanted = list(columns.columns) + (["moe_layers"] if kind == "layers" else [])
+            rows = table.select(wanted).filter(pc.and_kleene(pc.equal(kinds, kind), pc.is_valid(table.column("iter"))))
             columns.append(rows)
             counts[kind] = rows.num_rows
             if kind == "layers" and rows.num_rows:

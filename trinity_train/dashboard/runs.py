@@ -21,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
+from trinity_train.columnar import read_mirror
 from trinity_train.dashboard.columns import MetricsColumns
 from trinity_train.dashboard.tail import FileTail
 from trinity_train.rundir import RunDir
@@ -64,10 +65,26 @@ class RunView:
 
     # -- reading the files ---------------------------------------------------------------------
 
+    def _load_mirror(self) -> dict[str, int]:
+        """Before metrics.jsonl is read from its start: take what the trainer's columnar mirror of
+        it holds (milliseconds for a million lines), so only the lines after it are parsed."""
+        mirrored = read_mirror(self.rundir.metrics_mirror, self.rundir.metrics)
+        if mirrored is None:
+            return {}
+        table, end, identity = mirrored
+        parsed = MetricsColumns()
+        counts = parsed.append_table(table)
+        if not self._tails["metrics"].start_at(end, identity):
+            return {}
+        with self.lock:
+            return self._append("metrics", (parsed, counts))
+
     def refresh(self) -> Update | None:
         """Read what changed; None when nothing did."""
         reset, new = False, {}
         for name, tail in self._tails.items():
+            if name == "metrics" and tail.offset == 0:
+                new.update(self._load_mirror())
             poll = tail.poll()
             if poll.reset:
                 reset = True

@@ -37,6 +37,20 @@ class FileTail:
     def offset(self) -> int:
         return self._offset
 
+    def start_at(self, offset: int, identity: tuple[int, int]) -> bool:
+        """Take the file's lines before `offset` as read already (they came from elsewhere, e.g.
+        the columnar mirror), if the file is still the one with `identity`; returns whether it is."""
+        try:
+            with open(self.path, "rb", buffering=0) as f:
+                st = os.fstat(f.fileno())
+                if (st.st_dev, st.st_ino) != identity or st.st_size < offset:
+                    return False
+                self._identity, self._offset = identity, offset
+                self._head = os.pread(f.fileno(), min(HEAD_BYTES, offset), 0)
+                return True
+        except FileNotFoundError:
+            return False
+
     def poll(self) -> Poll:
         """What changed since the last poll. The file is opened here and read through the same
         descriptor, so a replacement between the check and the read cannot mix two files."""

@@ -41,11 +41,13 @@ class JsonlWriter:
     def __init__(self, path: Path):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = open(self.path, "a")
+        self._file = open(self.path, "ab")
 
-    def write(self, record: dict) -> None:
-        self._file.write(json.dumps(json_safe(record), allow_nan=False) + "\n")
+    def write(self, record: dict) -> int:
+        """Append one line; returns the file's length after it (where the line ends)."""
+        self._file.write((json.dumps(json_safe(record), allow_nan=False) + "\n").encode())
         self._file.flush()
+        return self._file.tell()
 
     def close(self) -> None:
         self._file.close()

@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+from trinity_train.columnar import MirrorWriter
 from trinity_train.config import Config
 from trinity_train.observe.jsonl import JsonlWriter, move_records
 from trinity_train.observe.progress import ProgressDisplay
@@ -32,6 +33,7 @@ class MetricsRecorder:
         self.is_main = is_main
         self.sinks: list = []
         self.metrics = None
+        self.mirror = None
         self.event_log = None
         self.progress = None
         if not is_main:
@@ -40,6 +42,7 @@ class MetricsRecorder:
         self.event_log = JsonlWriter(run.events)
         if cfg.metrics.jsonl:
             self.metrics = JsonlWriter(run.metrics)
+            self.mirror = MirrorWriter(run.metrics_mirror, run.metrics)
         if cfg.metrics.tensorboard:
             from trinity_train.observe.tensorboard_sink import TensorBoardSink
 
@@ -53,7 +56,7 @@ class MetricsRecorder:
     def _write(self, kind: str, record: dict) -> None:
         record = {"kind": kind, **record}
         if self.metrics is not None:
-            self.metrics.write(record)
+            self.mirror.append(record, self.metrics.write(record))
         for sink in self.sinks:
             sink.write(kind, record)
 
@@ -87,6 +90,8 @@ class MetricsRecorder:
         self.progress.close()
         for sink in self.sinks:
             sink.close()
+        if self.mirror is not None:
+            self.mirror.close()
         for writer in (self.metrics, self.event_log):
             if writer is not None:
                 writer.close()
