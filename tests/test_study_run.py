@@ -130,3 +130,20 @@ def test_cells_as_torchrun_jobs_train_on_the_same_batches(corpus, tmp_path):
     summary = json.loads((tmp_path / "two" / "summary.json").read_text())
     assert summary["run"]["nproc"] == 2 and summary["study"]["budget"]["global_batch"] == 2
     assert "--nproc 2" in (tmp_path / "two" / "report.md").read_text()
+
+
+def test_a_failed_cell_is_reported_and_run_again_next_time(corpus, tmp_path):
+    """A cell that crashes (here: its data is missing) is not a divergence: the report is written,
+    the command exits 1 naming it, and the next invocation tries it again."""
+    write_base(corpus, tmp_path, data={"path": str(tmp_path / "no-such-data")})
+    study, out = write_study(tmp_path, variants=["prenorm"]), tmp_path / "out"
+    for attempt in (1, 2):
+        result = ablate("--study", study, "--out", out, cwd=tmp_path)
+        assert result.returncode == 1, result.stdout + result.stderr
+        assert result.stderr.strip().splitlines() == [
+            f"error: 1 of 1 cells failed (prenorm-normal-s0); their consoles are in {out / 'logs'}; run the same "
+            "command again to retry them"]
+        cell = json.loads((out / "summary.json").read_text())["cells"][0]
+        assert cell["status"] == "failed" and cell["exit_code"] == 1 and cell["attempts"] == attempt
+        assert cell["reason"].startswith("exit code 1: error: ") and "no-such-data" in cell["reason"]
+    assert "failed" in (out / "report.md").read_text()

@@ -5,7 +5,7 @@ every cell's run directory)."""
 from __future__ import annotations
 
 from trinity_train.files import atomic_write_json, atomic_write_text
-from trinity_train.study import aggregate, plots, table
+from trinity_train.study import aggregate, table
 from trinity_train.study.cells import Cell, global_batch
 from trinity_train.study.layout import StudyDir
 from trinity_train.study.measure import measure_cell
@@ -45,7 +45,9 @@ def build_summary(study: Study, cells: list[Cell], config_hash: str, out: StudyD
 
 
 def write_study_report(summary: dict, out: StudyDir) -> None:
-    from trinity_train.dashboard.report import write_report  # numpy, plotly's bundle: only when reporting
+    # matplotlib, numpy, plotly's bundle: loaded only to report, so a bad study file fails at once
+    from trinity_train.dashboard.report import write_report
+    from trinity_train.study import plots
 
     atomic_write_json(out.summary, summary)
     plots.write_plots(summary["cells"], [lr["name"] for lr in summary["study"]["lrs"]], summary["study"]["variants"],
