@@ -38,8 +38,12 @@ def default_out(study_name: str) -> Path:
     return Path("runs") / "studies" / study_name
 
 
+def say_now(message: str) -> None:
+    print(message, flush=True)  # a study runs for an hour: its progress must not wait in a pipe's buffer
+
+
 def run_ablate(study_file: str, out_dir: str | None, nproc: int, command: str,
-               say: Callable[[str], None] = print) -> int:
+               say: Callable[[str], None] = say_now) -> int:
     started, load_start = time.time(), load_average()
     if nproc < 1:
         raise StudyError(f"--nproc must be at least 1, got {nproc}")

@@ -128,13 +128,20 @@ def _settle(cell: Cell, out: StudyDir, code: int, error: str) -> tuple[str, str]
     return FAILED, f"{why}: {error}" if error else why
 
 
+def _detail(cell: Cell, out: StudyDir, reason: str) -> str:
+    if reason:
+        return f": {reason}"
+    last = [r for r in out.cell(cell.name).read_metrics("val") if r.get("val_loss") is not None][-1:]
+    return f" (validation loss {last[0]['val_loss']:.4f})" if last else ""
+
+
 def _drop_checkpoints(cell: Cell, out: StudyDir) -> None:
     """A done cell's checkpoints are never read again: the report needs only its metrics."""
     shutil.rmtree(out.cell(cell.name).checkpoints, ignore_errors=True)
 
 
 def run_cells(cells: list[Cell], out: StudyDir, state: StudyState, *, nproc: int = 1, keep_checkpoints: bool = False,
-              say: Callable[[str], None] = print) -> list[CellResult]:
+              say: Callable[[str], None]) -> list[CellResult]:
     results = []
     width = len(str(len(cells)))
     for number, cell in enumerate(cells, 1):
@@ -146,13 +153,11 @@ def run_cells(cells: list[Cell], out: StudyDir, state: StudyState, *, nproc: int
             say(f"{prefix} {done.status} before, not run again")
             results.append(CellResult(cell, done.status, ran=False, reason=done.reason))
         else:
-            say(f"{prefix} training ({' '.join(cell_command(cell, out, nproc)[-2:])})")
+            say(f"{prefix} training (console: {out.cell_log(cell.name)})")
             code, wall, error = run_one(cell, out, nproc)
             status, reason = _settle(cell, out, code, error)
             state.record(cell.name, status, exit_code=code, wall_s=wall, reason=reason)
-            detail = f": {reason}" if reason else ""
-            say(f"{prefix} {status} in {wall:.0f} s{detail}"
-                + (f" (log: {out.cell_log(cell.name)})" if status == FAILED else ""))
+            say(f"{prefix} {status} in {wall:.0f} s{_detail(cell, out, reason)}")
             results.append(CellResult(cell, status, ran=True, wall_s=wall, exit_code=code, reason=reason))
         if results[-1].status in DONE and not keep_checkpoints:
             _drop_checkpoints(cell, out)
