@@ -53,7 +53,7 @@ def _lr_overrides(setting: LRSetting) -> dict:
     return {k: v for k, v in values.items() if v is not None}
 
 
-def _spread_over_ranks(table: dict, base: Config, nproc: int, study: Study) -> None:
+def _spread_over_ranks(table: dict, base: Config, nproc: int) -> None:
     """With `nproc` ranks, each data-parallel rank takes its share of the base's global batch, so
     that every cell trains on the same batches as on one process."""
     tp = base.parallel.tp
@@ -96,7 +96,7 @@ def study_cells(study: Study, out: StudyDir, nproc: int = 1) -> list[Cell]:
                                "checkpoint": {"resume": "auto"},  # an interrupted cell goes on from its checkpoint
                                "run": {"dir": str(out.cell(name).path), "name": name}}
                 if nproc > 1:
-                    _spread_over_ranks(table, base, nproc, study)
+                    _spread_over_ranks(table, base, nproc)
                 drills = [d for d in study.drills if d.selects(variant, setting.name, seed)]
                 for drill in drills:
                     table["stability"] = {**table.get("stability", {}), **drill.stability}

@@ -198,6 +198,8 @@ def load_study(path: str | Path) -> Study:
         raise StudyError(f"study file '{path}' is not valid TOML: {e}") from None
     r = _Reader(path, table, "", STUDY_KEYS)
     name = r.get("name", str, "a name", path.stem)
+    if not name or not name.replace("_", "").replace("-", "").isalnum():
+        r.fail("name", f"must be letters, digits, '_' and '-' (it names the default output directory), got {name!r}")
     base_name = r.get("base", str, 'the base config\'s path, relative to the study file (base = "base.toml")')
     base = (path.parent / base_name).resolve()
     if not base.is_file():
