@@ -31,7 +31,9 @@ class StudyDir:
     path: Path
 
     def __init__(self, path: str | Path):
-        object.__setattr__(self, "path", Path(path).absolute())
+        # as given: relative to the working directory the cells run in too, so that a study
+        # written into the repository (docs/studies/...) names no machine's absolute paths
+        object.__setattr__(self, "path", Path(path))
 
     def cell(self, name: str) -> RunDir:
         return RunDir(self.path / "cells" / name)

@@ -4,6 +4,8 @@ every cell's run directory)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from trinity_train.files import atomic_write_json, atomic_write_text
 from trinity_train.study import aggregate, table
 from trinity_train.study.cells import Cell, global_batch
@@ -11,6 +13,15 @@ from trinity_train.study.layout import StudyDir
 from trinity_train.study.measure import measure_cell
 from trinity_train.study.spec import Study
 from trinity_train.study.state import FAILED, PENDING, StudyState, run_outcome
+
+
+def _shown(path: Path) -> str:
+    """`path` relative to the working directory when it is inside it (a report committed to the
+    repository then names no machine's directories)."""
+    try:
+        return str(path.relative_to(Path.cwd()))
+    except ValueError:
+        return str(path)
 
 
 def cell_summary(cell: Cell, out: StudyDir, state: StudyState) -> dict:
@@ -32,7 +43,7 @@ def build_summary(study: Study, cells: list[Cell], config_hash: str, out: StudyD
     summaries = [cell_summary(cell, out, state) for cell in cells]
     first = cells[0].config
     return {
-        "study": {"name": study.name, "file": str(study.path), "base": str(study.base), "config_hash": config_hash,
+        "study": {"name": study.name, "file": str(study.path), "base": _shown(study.base), "config_hash": config_hash,
                   "variants": list(study.variants), "seeds": list(study.seeds),
                   "lrs": [lr.as_dict() for lr in study.lrs], "drills": [d.as_dict() for d in study.drills],
                   "budget": {"steps": first.train.steps, "global_batch": global_batch(first, nproc),
