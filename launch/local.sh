@@ -1,15 +1,16 @@
 #!/usr/bin/env bash
 # Train on one node with N processes (N GPUs, or N gloo ranks on the CPU).
 #
-#   launch/local.sh N [--config FILE] [--section.key=value ...]
+#   launch/local.sh N [--max-restarts R] [--config FILE] [--section.key=value ...]
 #
-# Everything after N goes to `trinity-train train`; the layout comes from the config, e.g.
+# Everything after N (but --max-restarts, see launch/restarts.sh) goes to `trinity-train train`;
+# the layout comes from the config, e.g.
 #   launch/local.sh 4 --parallel.tp=2            # tp 2 x FSDP 2
 #   launch/local.sh 8 --parallel.ep=4            # experts over 4 ranks, FSDP over all 8
 # N defaults to the number of visible GPUs when given as "gpus".
 set -euo pipefail
 
-usage="usage: launch/local.sh N|gpus [--config FILE] [--section.key=value ...]"
+usage="usage: launch/local.sh N|gpus [--max-restarts R] [--config FILE] [--section.key=value ...]"
 nproc="${1:?$usage}"
 shift
 if [[ "$nproc" == "gpus" ]]; then
@@ -17,8 +18,10 @@ if [[ "$nproc" == "gpus" ]]; then
     [[ "$nproc" -gt 0 ]] || { echo "launch/local.sh: no GPU visible; give the process count" >&2; exit 2; }
 fi
 [[ "$nproc" =~ ^[1-9][0-9]*$ ]] || { echo "$usage" >&2; exit 2; }
+source "$(dirname "$0")/restarts.sh"
 
 # An impossible layout for N processes fails here, with one line, before anything starts.
-python -m trinity_train.parallel.preflight "$nproc" "$@"
+python -m trinity_train.parallel.preflight "$nproc" ${train_args[@]+"${train_args[@]}"}
 # --standalone: a private c10d rendezvous on a free local port, so several jobs can share a node.
-exec torchrun --standalone --nnodes=1 --nproc-per-node="$nproc" -m trinity_train.cli train "$@"
+exec torchrun --standalone --nnodes=1 --nproc-per-node="$nproc" --max-restarts="$max_restarts" \
+    -m trinity_train.cli train ${train_args[@]+"${train_args[@]}"}

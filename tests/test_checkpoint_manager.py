@@ -13,6 +13,7 @@ from trinity_train.checkpoint import (CheckpointManager, ModelState, OptimizerSt
 from trinity_train.checkpoint.layout import list_checkpoints
 from trinity_train.config import CheckpointConfig, Config
 from trinity_train.errors import CheckpointError
+from trinity_train.optim.schedule import ConfiguredSchedule
 
 
 class Counter:
@@ -38,7 +39,7 @@ def toy_model(seed=0):
 def trained_state(seed=0, steps=2):
     model = toy_model(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (s + 1))
+    sched = ConfiguredSchedule(opt, lambda s: 1.0 / (s + 1))
     for _ in range(steps):
         model(torch.randn(5, 6)).square().mean().backward()
         opt.step()

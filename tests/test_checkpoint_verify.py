@@ -59,7 +59,7 @@ def test_missing_data_file_is_reported(tmp_path):
 def test_missing_meta_and_corrupt_metadata_are_reported(tmp_path):
     path = saved_checkpoint(tmp_path)
     (path / ".metadata").write_bytes(b"not a pickle")
-    with pytest.raises(CheckpointError, match="unreadable DCP .metadata"):
+    with pytest.raises(CheckpointError, match="truncated: '.metadata'"):
         verify_checkpoint(path)
     (path / "meta.json").unlink()
     with pytest.raises(CheckpointError, match="incomplete: it has no meta.json"):

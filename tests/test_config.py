@@ -103,3 +103,13 @@ def test_resolved_config_round_trips_through_toml(tmp_path):
     cfg = load_config(CONFIGS / "debug.toml", ["--train.steps=7", "--data.skip_ranges=[[0, 2]]"])
     save_config(cfg, tmp_path / "config.toml")
     assert config_to_dict(load_config(tmp_path / "config.toml")) == config_to_dict(cfg)
+
+
+@pytest.mark.parametrize("path", sorted(p for p in CONFIGS.rglob("*.toml") if "studies" not in p.parts),
+                         ids=lambda p: str(p.relative_to(CONFIGS)))
+def test_every_shipped_config_runs_with_the_spike_guard_and_rollbacks(path):
+    cfg = load_config(path)
+    s = cfg.stability
+    assert s.skip_nonfinite and s.spike_zscore > 0 and s.rollback_after > 0
+    assert cfg.checkpoint.every > 0  # something to roll back to
+    assert s.rollback_lookback < cfg.checkpoint.every * cfg.checkpoint.keep  # and it is kept

@@ -93,8 +93,13 @@ def cmd_ckpt(args: argparse.Namespace) -> int:
     if args.ckpt_command == "inspect":
         _print_summary(inspect_checkpoint(args.path), args.json)
     else:
-        summary = verify_checkpoint(args.path)
-        print(f"ok: {args.path} is complete and loadable ({summary['kind']} checkpoint, step {summary['step']})")
+        summary = verify_checkpoint(args.path, deep=args.deep)
+        files = summary["checksummed_files"]
+        checked = (f"{files} files match their checksums" if files else
+                   "no checksums to compare (written before trinity-train recorded them)")
+        finite = "every tensor is" if args.deep else "the model's tensors are"
+        print(f"ok: {args.path} is complete and loadable, {checked}, {finite} finite "
+              f"({summary['kind']} checkpoint, step {summary['step']})")
     return 0
 
 
@@ -197,8 +202,10 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     inspect = ckpt_sub.add_parser("inspect", help="describe a checkpoint")
     inspect.add_argument("path")
     inspect.add_argument("--json", action="store_true", help="print the summary as JSON")
-    verify = ckpt_sub.add_parser("verify", help="check that a checkpoint is complete and loadable")
+    verify = ckpt_sub.add_parser("verify", help="check that a checkpoint is complete, unchanged and loadable")
     verify.add_argument("path")
+    verify.add_argument("--deep", action="store_true",
+                        help="also check that every tensor (optimizer state included) is finite")
 
     incidents = sub.add_parser("incidents", help="list a run's skipped steps and rollbacks (incident reports)",
                                description="One line per incident report in RUN_DIR/incidents/: what the guard "
@@ -240,6 +247,14 @@ def main(argv: list[str] | None = None) -> int:
         message = " ".join(str(e).split())  # one line, whatever the message holds
         print(f"error: {message}", file=sys.stderr)
         return e.exit_code
+    except OSError as e:  # a full or read-only disk under any write (metrics, events, configs)
+        from trinity_train.files import os_error_message
+
+        message = os_error_message(e)
+        if message is None:
+            raise
+        print(f"error: {message}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130

@@ -101,7 +101,10 @@ class DataConfig:
 class TrainConfig:
     steps: int = 300
     micro_batch_size: int = 8
-    grad_accum: int = 1
+    grad_accum: int = 1  # micro-batches per optimizer step on each rank (derived when global_batch_size > 0)
+    global_batch_size: int = 0  # >0: sequences per optimizer step over all data-parallel ranks, fixed
+    #                             whatever the layout: grad_accum = global / (micro_batch_size x dp), so
+    #                             a resume on other ranks trains on the same batches. 0: micro x accum x dp
     grad_clip: float = 1.0
     seed: int = 0
     eval_every: int = 50
@@ -141,6 +144,10 @@ class ParallelConfig:
     dp_shard: int = -1  # ranks FSDP shards weights over; -1: whatever is left of the world size
     tp: int = 1  # tensor parallel (heads and FFN width split, sequence-parallel norms)
     ep: int = 1  # expert parallel: routed experts split whole over this many of the dp_shard ranks
+    init_timeout_s: float = 300.0  # joining the process group and building the mesh; a rank that
+    #                                does not arrive fails the others after this (torch: 30 min)
+    collective_timeout_s: float = 600.0  # any one collective while training (and a checkpoint's);
+    #                                      raise it for very slow checkpoint storage (torch: 30 min)
 
 
 @dataclass
@@ -447,6 +454,11 @@ def validate(cfg: Config) -> None:
     for name in ("steps", "micro_batch_size", "grad_accum", "eval_batches", "log_every"):
         _require(getattr(t, name) > 0, f"train.{name}", f"must be positive, got {getattr(t, name)}")
     _require(t.eval_every >= 0, "train.eval_every", "must be >= 0 (0 disables validation)")
+    _require(t.global_batch_size >= 0, "train.global_batch_size", "must be >= 0 (0: micro_batch_size x grad_accum x dp)")
+    if t.global_batch_size > 0:
+        _require(t.grad_accum == 1, "train.grad_accum",
+                 f"is derived from train.global_batch_size={t.global_batch_size}; leave it at 1")
+        grad_accum_for(t, 1)
     _require(t.grad_clip >= 0, "train.grad_clip", "must be >= 0 (0 disables clipping)")
     _one_of(t.dtype, ("fp32", "bf16"), "train.dtype")
     _one_of(t.device, ("auto", "cpu", "cuda"), "train.device")
@@ -469,6 +481,8 @@ def validate(cfg: Config) -> None:
     for name in ("dp_replicate", "tp", "ep"):
         _require(getattr(p, name) >= 1, f"parallel.{name}", f"must be >= 1, got {getattr(p, name)}")
     _require(p.dp_shard == -1 or p.dp_shard >= 1, "parallel.dp_shard", "must be >= 1, or -1 for the rest")
+    for name in ("init_timeout_s", "collective_timeout_s"):
+        _require(getattr(p, name) > 0, f"parallel.{name}", f"must be positive (seconds), got {getattr(p, name)}")
     # Rules that need no world size; parallel/mesh.py checks the rest once the ranks are known.
     _require(m.num_heads % p.tp == 0 and m.num_kv_heads % p.tp == 0, "parallel.tp",
              f"tp={p.tp} must divide model.num_heads={m.num_heads} and model.num_kv_heads="
@@ -531,6 +545,25 @@ def _validate_stability(cfg: Config) -> None:
         _require(f.factor >= 0, f"{key}.factor", "must be >= 0 (0: the fault's default)")
         _require(0 <= f.token < cfg.model.vocab_size, f"{key}.token",
                  f"must be a token id below model.vocab_size ({cfg.model.vocab_size})")
+
+
+def grad_accum_for(t: TrainConfig, dp: int) -> int:
+    """Micro-batches per optimizer step on each of `dp` data-parallel ranks: `train.grad_accum`,
+    or what makes `train.global_batch_size` (ConfigError when it cannot be split evenly)."""
+    if t.global_batch_size == 0:
+        return t.grad_accum
+    step = t.micro_batch_size * dp
+    if t.global_batch_size % step:
+        raise ConfigError(
+            f"train.global_batch_size: {t.global_batch_size} sequences cannot be split over {dp} data-parallel "
+            f"rank(s) in micro-batches of {t.micro_batch_size} (it must be a multiple of micro_batch_size x dp = "
+            f"{step}); change train.global_batch_size, train.micro_batch_size or the number of ranks")
+    return t.global_batch_size // step
+
+
+def rows_per_rank(t: TrainConfig, dp: int) -> int:
+    """Sequences each of `dp` data-parallel ranks reads per optimizer step."""
+    return t.micro_batch_size * grad_accum_for(t, dp)
 
 
 def init_std(m: ModelConfig) -> float:

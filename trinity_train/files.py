@@ -9,9 +9,11 @@ never half of one. A failed write (a full disk, a read-only directory) removes i
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import math
 import os
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
@@ -94,3 +96,43 @@ def read_jsonl(path: str | Path) -> list[dict]:
                 if isinstance(record, dict):
                     records.append(record)
     return records
+
+
+# ---------------------------------------------------------------------------- disks
+
+NO_SPACE = frozenset({errno.ENOSPC, errno.EDQUOT})
+NOT_WRITABLE = frozenset({errno.EROFS, errno.EACCES, errno.EPERM})
+_ALMOST_FULL = 1 << 20  # bytes: a write that failed on a disk with less than this free ran out of space
+
+
+def free_bytes(path: str | Path) -> int | None:
+    """Free bytes on the file system holding `path` (or its nearest existing parent)."""
+    for candidate in (Path(path), *Path(path).parents):
+        if candidate.exists():
+            return shutil.disk_usage(candidate).free
+    return None
+
+
+def disk_problem(codes: set[int], path: str | Path, almost_full_counts: bool = False) -> str | None:
+    """What the disk holding `path` did wrong, given the errno codes of a failed write to it:
+    'no space left on ...' (with the free space and what to do) or 'cannot be written ...', or
+    None when the codes say neither. `almost_full_counts`: a failure on a disk with (next to) no
+    free space is a full disk whatever the codes say (torch's serializer reports ENOSPC as
+    "unexpected pos")."""
+    path = Path(path)
+    where = f"the disk holding '{path.parent if path.suffix or not path.is_dir() else path}'"
+    free = free_bytes(path)
+    if codes & NO_SPACE or (almost_full_counts and free is not None and free < _ALMOST_FULL):
+        left = f" ({free / 2**20:.1f} MiB free)" if free is not None else ""
+        return (f"no space left on {where}{left}; free some space (or lower checkpoint.keep, or put run.dir "
+                "on a larger disk) and continue with --checkpoint.resume=auto")
+    if codes & NOT_WRITABLE:
+        return f"{where} cannot be written (a read-only file system or no permission); choose another --run.dir"
+    return None
+
+
+def os_error_message(error: OSError) -> str | None:
+    """One line for a failed write that is the disk's doing (full, read-only), else None."""
+    path = error.filename or "."
+    problem = disk_problem({error.errno} if error.errno is not None else set(), path)
+    return f"could not write '{path}': {problem}" if problem else None

@@ -18,10 +18,12 @@ Everything about a run lives under its directory; the trainer writes it, and the
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from trinity_train.errors import ConfigError
 from trinity_train.files import read_jsonl
 
 CONFIG_FILE = "config.toml"
@@ -84,6 +86,23 @@ class RunDir:
     @property
     def wandb(self) -> Path:
         return self.path / WANDB_DIR
+
+    def require_writable(self) -> None:
+        """ConfigError (naming run.dir and what to do) unless the run directory is, or can be
+        created as, a directory this process can write; checked before any work so that a run
+        never starts where its files cannot go."""
+        existing = self.path
+        while not existing.exists() and existing != existing.parent:
+            existing = existing.parent
+        if existing == self.path and not self.path.is_dir():
+            raise ConfigError(f"run.dir: '{self.path}' is a file, not a directory; choose another --run.dir")
+        if not existing.is_dir():
+            raise ConfigError(f"run.dir: '{self.path}' cannot be created: '{existing}' is a file; "
+                              "choose another --run.dir")
+        for directory in (existing, self.checkpoints):
+            if directory.is_dir() and not os.access(directory, os.W_OK | os.X_OK):
+                raise ConfigError(f"run.dir: '{directory}' cannot be written (a read-only file system or no "
+                                  "permission); choose another --run.dir, or make it writable")
 
     def incident(self, iteration: int) -> Path:
         """The report of the incident at `iteration`."""

@@ -35,13 +35,14 @@ from torch import nn
 
 from trinity_train.checkpoint import CheckpointManager, ModelState, OptimizerState, RNGState, load_checkpoint
 from trinity_train.checkpoint.compat import config_differences, describe_differences
+from trinity_train.checkpoint.integrity import find_sound_checkpoint
 from trinity_train.checkpoint.manager import read_compatible_meta
 from trinity_train.config import Config, config_to_dict, load_config, save_config
 from trinity_train.data import build_loaders
 from trinity_train.data.loader import dataset_dirs
 from trinity_train.data.provenance import batch_documents
 from trinity_train.data.ledger import SkipLedger
-from trinity_train.errors import CheckpointError, ConfigError
+from trinity_train.errors import ConfigError
 from trinity_train.model.counting import training_flops_per_token
 from trinity_train.observe import MetricsRecorder, expert_load_stats, measure_peak_flops, mfu, supersede_records_after
 from trinity_train.optim.groups import build_optimizer
@@ -142,7 +143,9 @@ RUN_CONTROL_KEYS = frozenset({"checkpoint.resume", "metrics.progress_bar", "trai
 
 
 def check_run_dir(cfg: Config, run_dir: Path) -> list[tuple[str, Any, Any]]:
-    """Refuse to start a fresh run over a different run; returns how the config changed."""
+    """Refuse to start a fresh run over a different run, or where its files cannot be written;
+    returns how the config changed."""
+    RunDir(run_dir).require_writable()
     previous_file = RunDir(run_dir).config
     if not previous_file.is_file():
         return []
@@ -223,6 +226,8 @@ class Trainer:
         self.checkpoints.remove_interrupted_saves()
         if self.resume_from is not None:
             load_checkpoint(self.resume_from, self.checkpoint_state(), self.cfg)
+            # The schedule set the configured rates for the resumed step; a back-off scales them.
+            self.lr_backoff.apply(self.optimizer, self.scheduler.get_last_lr(), self.state.step)
             # Skips after the checkpoint are judged again, as the uninterrupted run judged them.
             self.ledger.forget_skips_after(self.state.iteration)
             return [{"event": "resume", "checkpoint": str(self.resume_from), "step": self.state.step,
@@ -245,10 +250,13 @@ class Trainer:
         return [{"event": "superseded", "from_iter": self.state.iteration, "records": moved}] if moved else []
 
     def _save(self, recorder: MetricsRecorder) -> None:
-        path = self.checkpoints.save(self.state.step, self.checkpoint_state(), self.cfg,
-                                     iteration=self.state.iteration)
-        recorder.event("checkpoint", step=self.state.step, iter=self.state.iteration, path=str(path),
-                       async_save=self.cfg.checkpoint.async_save)
+        step, iteration = self.state.step, self.state.iteration
+
+        def committed(path: Path) -> None:  # when the checkpoint is complete (an async one: later)
+            recorder.event("checkpoint", step=step, iter=iteration, path=str(path),
+                           async_save=self.cfg.checkpoint.async_save)
+
+        self.checkpoints.save(step, self.checkpoint_state(), self.cfg, on_commit=committed, iteration=iteration)
 
     def _validate(self, recorder: MetricsRecorder, summary: TrainSummary) -> None:
         val_loss, val_tokens = evaluate(self.model, self.val_loader, self.cfg, self.device, self.dims)
@@ -277,12 +285,13 @@ class Trainer:
                         f"{f', z {z:.1f}' if z is not None else ''}; loss {result.loss:.4f}, grad norm "
                         f"{result.grad_norm:.3g}); report {report}")
 
-    def _report_incident(self, result: StepResult, action: str, batches: list[int], drill: list[dict],
+    def _report_incident(self, result: StepResult, step: int, action: str, batches: list[int], drill: list[dict],
                          rollback: dict | None = None) -> None:
-        """Write the incident report of this iteration (main process only)."""
+        """Write the incident report of this iteration, which found `step` optimizer steps applied
+        (main process only)."""
         if not self.is_main:
             return
-        report = {"iter": self.state.iteration, "step": self.state.step, "action": action,
+        report = {"iter": self.state.iteration, "step": step, "action": action,
                   "reason": result.verdict.reason, "onset_iter": result.verdict.onset_iter,
                   "signals": signal_rows(list(self.recent)), "layer_grad_norms": result.layer_grad_norms,
                   "batches": [{"index": b, "documents": batch_documents(self.train_loader, self.dataset_dirs, b)}
@@ -293,17 +302,11 @@ class Trainer:
         write_incident(self.rundir, report)
 
     def _rollback_target(self, max_step: int, recorder: MetricsRecorder) -> Path | None:
-        """The newest checkpoint at or before `max_step` that is complete and reads back whole;
-        damaged ones are reported and passed over, never loaded."""
-        for step, path in reversed(self.checkpoints.list()):
-            if step > max_step:
-                continue
-            try:
-                self.checkpoints.check(path)
-                return path
-            except CheckpointError as e:
-                recorder.event("checkpoint_passed_over", path=str(path), reason=str(e))
-        return None
+        """The newest checkpoint at or before `max_step` that passes its integrity check (sizes and
+        checksums); damaged ones are reported and passed over, never loaded. Rank 0 decides for
+        every rank."""
+        return find_sound_checkpoint(self.checkpoints.checkpoints_dir, max_step, on_passed_over=lambda path, why:
+                                     recorder.event("checkpoint_passed_over", path=str(path), reason=why))
 
     def _roll_back(self, result: StepResult, last_bad_batch: int, recorder: MetricsRecorder) -> dict | None:
         """Restore a checkpoint from before the incident's onset and never train on the batches
@@ -360,6 +363,8 @@ class Trainer:
                    "resumed_from": str(self.resume_from) if self.resume_from else None}] + events
         if self.config_changes:
             events.insert(1, {"event": "config_changed", "changes": [[k, a, b] for k, a, b in self.config_changes]})
+        events[1:1] = [{"event": "checkpoint_passed_over", "path": str(path), "reason": reason}
+                       for path, reason in self.checkpoints.passed_over]
         if self.cfg.stability.rollback_after > 0 and self.cfg.checkpoint.every <= 0:
             if self.is_main:
                 print("warning: stability.rollback_after is set but checkpoint.every = 0: with no checkpoints "
@@ -397,6 +402,7 @@ class Trainer:
         return summary
 
     def _one_iteration(self, recorder: MetricsRecorder, throughput: "Throughput", summary: TrainSummary) -> None:
+        self.checkpoints.poll()  # commits an asynchronous save whose write has finished
         started = time.perf_counter()
         batch = self.train_loader.next_batch()
         self.state.iteration += 1
@@ -425,18 +431,18 @@ class Trainer:
         if verdict.apply:
             self._after_applied_step(recorder, summary)
             return
-        rollback, streak = None, list(self.skip_streak)
+        rollback, streak, step = None, list(self.skip_streak), self.state.step
         if verdict.rollback:
             try:
                 rollback = self._roll_back(result, batch.index, recorder)
             except TrainingDivergedError:
-                self._report_incident(result, "halt", streak, drill)
+                self._report_incident(result, step, "halt", streak, drill)
                 raise
         if rollback is not None:
             summary.rollbacks += 1
             self.skip_streak.clear()
-        self._report_incident(result, "rollback" if rollback else "skip", streak if rollback else [batch.index],
-                              drill, rollback)
+        self._report_incident(result, step, "rollback" if rollback else "skip",
+                              streak if rollback else [batch.index], drill, rollback)
 
     def _after_applied_step(self, recorder: MetricsRecorder, summary: TrainSummary) -> None:
         cfg, step = self.cfg, self.state.step

@@ -12,7 +12,7 @@ import json
 import re
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch.distributed as dist
 
@@ -22,12 +22,20 @@ from trinity_train.files import atomic_write_json
 META_FILE = "meta.json"
 DCP_METADATA_FILE = ".metadata"  # written by torch.distributed.checkpoint once all ranks finished
 FORMAT = "trinity-train-checkpoint"
-FORMAT_VERSION = 2  # 2: the guard's windows on loss and gradient norm, the LR back-off
+FORMAT_VERSION = 3  # 2: the guard's windows on loss and gradient norm, the LR back-off;
+#                    3: meta.json lists every file's size and checksum (checkpoint/integrity.py)
+READABLE_VERSIONS = (2, 3)  # 2: the same state, without checksums
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
 
 
 def step_dir_name(step: int) -> str:
     return f"step_{step:08d}"
+
+
+def step_of(path: Path) -> int | None:
+    """The step of a directory named like a checkpoint (`step_00000100`), else None."""
+    match = _STEP_DIR.match(Path(path).name)
+    return int(match.group(1)) if match else None
 
 
 def is_coordinator() -> bool:
@@ -37,6 +45,24 @@ def is_coordinator() -> bool:
 def barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
+
+
+def decided_by_rank_zero(decide: Callable[[], Any]) -> Any:
+    """`decide()` on rank 0, its result on every rank (one process: just `decide()`). A
+    CheckpointError on rank 0 is raised on every rank, so none of them waits for the others."""
+    if not dist.is_initialized():
+        return decide()
+    box: list[Any] = [None]
+    if dist.get_rank() == 0:
+        try:
+            box[0] = ("ok", decide())
+        except CheckpointError as e:
+            box[0] = ("error", str(e))
+    dist.broadcast_object_list(box, src=0)
+    outcome, value = box[0]
+    if outcome == "error":
+        raise CheckpointError(value)
+    return value
 
 
 def is_complete(path: Path) -> bool:
@@ -124,11 +150,13 @@ def read_meta(path: Path) -> dict[str, Any]:
         meta = json.loads(meta_file.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"checkpoint '{path}' has a corrupt {META_FILE}: {e}") from None
+    except OSError as e:
+        raise CheckpointError(f"checkpoint '{path}': {META_FILE} cannot be read: {e}") from None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise CheckpointError(f"'{path}' is not a trinity-train checkpoint ({META_FILE} lacks format={FORMAT!r})")
-    if meta.get("format_version") != FORMAT_VERSION:
+    if meta.get("format_version") not in READABLE_VERSIONS:
         raise CheckpointError(f"checkpoint '{path}' has format version {meta.get('format_version')}, "
-                              f"this trinity-train reads version {FORMAT_VERSION}")
+                              f"this trinity-train reads versions {', '.join(map(str, READABLE_VERSIONS))}")
     if not (path / DCP_METADATA_FILE).is_file():
         raise CheckpointError(f"checkpoint '{path}' is incomplete: the DCP {DCP_METADATA_FILE} file is missing")
     return meta

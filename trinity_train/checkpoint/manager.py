@@ -2,45 +2,69 @@
 
 `state` is a dict of `Stateful` components (model, optim, scheduler, loader, trainer, rng, ...);
 a checkpoint is exactly that dict written by DCP, plus `meta.json` (step, resolved config, the
-component names) committed last. Only one asynchronous save is in flight at a time: the next
-save, or `wait()`, finishes the previous one (meta.json, rename, retention).
+component names, every file's checksum) committed last.
+
+An asynchronous save is committed as soon as its write has finished: `poll()`, called once per
+training step, commits it when every rank's write (and its checksums, computed in the background
+too) is done, so a crash loses at most the steps since the last checkpoint interval. Only one
+save is in flight at a time: the next save, or `wait()`, finishes the previous one first. Whoever
+saves can pass `on_commit(path)`, called once the checkpoint is complete under its final name.
+
+Which checkpoint a resume loads is decided by rank 0 and given to every rank: the newest one
+that passes `check_integrity` (`resume = "auto"`, and after a torchrun restart; the damaged ones
+it passes over are kept in `passed_over` for the run to log), or the named one, refused with the
+newest sound alternative when it is damaged.
 """
 
 from __future__ import annotations
 
+import os
 import shutil
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from trinity_train.checkpoint import dcp_io
 from trinity_train.checkpoint.compat import check_model_compatible, config_from_meta
+from trinity_train.checkpoint.integrity import (candidate_checkpoints, check_integrity, digest_files,
+                                                newest_sound_checkpoint)
 from trinity_train.checkpoint.layout import (
     apply_retention,
     barrier,
     commit,
+    decided_by_rank_zero,
     delete_checkpoint,
     is_coordinator,
     list_checkpoints,
-    newest_checkpoint,
     read_meta,
     remove_incomplete,
     step_dir_name,
 )
-from trinity_train.checkpoint.verify import verify_checkpoint
 from trinity_train.config import CheckpointConfig, Config, config_to_dict
 from trinity_train.errors import CheckpointError
 from trinity_train.rundir import RunDir
 
+OnCommit = Callable[[Path], None]
+
+
+def torchrun_restart_count() -> int:
+    """How often torchrun has restarted this process's workers (0 on the first start or without
+    torchrun)."""
+    try:
+        return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    except ValueError:
+        return 0
+
 
 @dataclass
 class _PendingSave:
-    future: Future
+    digests: Future  # this rank's file checksums, once its write has finished
     tmp_dir: Path
     final_dir: Path
     meta: dict
+    on_commit: OnCommit | None
 
 
 def checkpoint_meta(kind: str, step: int, cfg: Config, components: list[str], **extra: Any) -> dict:
@@ -54,26 +78,59 @@ def checkpoint_meta(kind: str, step: int, cfg: Config, components: list[str], **
     }
 
 
-def write_checkpoint(state: dict[str, Any], final_dir: Path, meta: dict) -> None:
+def _timeout_s(cfg: Config | None) -> float | None:
+    return cfg.parallel.collective_timeout_s if cfg is not None else None
+
+
+def write_checkpoint(state: dict[str, Any], final_dir: Path, meta: dict, cfg: Config | None = None) -> None:
     """Synchronously write `state` to `final_dir` atomically (temp dir, meta.json, rename)."""
     tmp_dir = final_dir.with_name(final_dir.name + ".tmp")
     _prepare_tmp_dir(tmp_dir)
-    dcp_io.save(state, tmp_dir)
-    _commit_everywhere(tmp_dir, final_dir, meta)
+    try:
+        dcp_io.save(state, tmp_dir)
+        digests = _own_digests(tmp_dir)
+    except CheckpointError as e:
+        digests = e
+    _commit_everywhere(tmp_dir, final_dir, meta, digests, _timeout_s(cfg))
 
 
 def _prepare_tmp_dir(tmp_dir: Path) -> None:
     if is_coordinator():
-        if tmp_dir.exists():  # left by an interrupted save of the same step
-            shutil.rmtree(tmp_dir)
-        tmp_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            if tmp_dir.exists():  # left by an interrupted save of the same step
+                shutil.rmtree(tmp_dir)
+            tmp_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise dcp_io.save_failure(e, tmp_dir) from None
     barrier()
 
 
-def _commit_everywhere(tmp_dir: Path, final_dir: Path, meta: dict) -> None:
-    barrier()  # every rank has finished writing its shards
+def _own_digests(tmp_dir: Path) -> dict:
+    rank, world = dcp_io.rank_and_world()
+    try:
+        return digest_files(tmp_dir, rank, world)
+    except OSError as e:
+        raise dcp_io.save_failure(e, tmp_dir) from None
+
+
+def _commit_everywhere(tmp_dir: Path, final_dir: Path, meta: dict, digests: dict | CheckpointError,
+                       timeout_s: float | None) -> None:
+    """Gather every rank's checksums (or failure), then the coordinator writes meta.json and
+    renames; a failure anywhere removes the temporary directory and raises on every rank."""
+    gathered = dcp_io.gather_from_everyone(digests if isinstance(digests, dict) else str(digests), timeout_s)
+    failures = [g for g in gathered if not isinstance(g, dict)]
+    if failures:
+        if is_coordinator():
+            shutil.rmtree(tmp_dir, ignore_errors=True)
+        barrier()
+        raise CheckpointError(failures[0])
     if is_coordinator():
-        commit(tmp_dir, final_dir, meta)
+        files = {name: record for part in gathered for name, record in part.items()}
+        try:
+            commit(tmp_dir, final_dir, {**meta, "files": files})
+        except OSError as e:
+            shutil.rmtree(tmp_dir, ignore_errors=True)
+            raise dcp_io.save_failure(e, final_dir) from None
     barrier()
 
 
@@ -97,6 +154,22 @@ def load_checkpoint(path: Path, state: dict[str, Any], cfg: Config) -> dict:
     return meta
 
 
+def _digests_when_written(written: Future, tmp_dir: Path) -> Future:
+    """A future of this rank's checksums, computed in the writer's thread once `written` is done."""
+    digests: Future = Future()
+    rank, world = dcp_io.rank_and_world()
+
+    def hash_files(done: Future) -> None:
+        try:
+            done.result()
+            digests.set_result(digest_files(tmp_dir, rank, world))
+        except BaseException as e:  # reported on the training thread, at commit
+            digests.set_exception(dcp_io.save_failure(e, tmp_dir))
+
+    written.add_done_callback(hash_files)
+    return digests
+
+
 class CheckpointManager:
     def __init__(self, run_dir: Path, ckpt_cfg: CheckpointConfig, protect_lookback: int | None = None):
         """`protect_lookback`: retention keeps, besides the newest `keep`, the newest checkpoint at
@@ -106,14 +179,13 @@ class CheckpointManager:
         self.cfg = ckpt_cfg
         self.protect_lookback = protect_lookback
         self._pending: _PendingSave | None = None
+        self._timeout_s: float | None = None
+        # (path, reason) of each damaged checkpoint `resume_path` passed over, newest first.
+        self.passed_over: list[tuple[Path, str]] = []
 
     def list(self) -> list[tuple[int, Path]]:
         """(step, path) of every complete checkpoint, oldest first."""
         return list_checkpoints(self.checkpoints_dir)
-
-    def check(self, path: Path) -> None:
-        """Raise CheckpointError unless `path` is complete and every item reads back."""
-        verify_checkpoint(path)
 
     def discard_after(self, step: int) -> list[Path]:
         """Delete the complete checkpoints of steps after `step` (a timeline a rollback undid)."""
@@ -133,38 +205,80 @@ class CheckpointManager:
         return self.cfg.every > 0 and step % self.cfg.every == 0
 
     def resume_path(self) -> Path | None:
-        """The checkpoint `checkpoint.resume` selects, or None to start fresh."""
-        resume = self.cfg.resume
-        if resume == "none":
-            return None
-        if resume == "auto":
-            return newest_checkpoint(self.checkpoints_dir)
-        path = Path(resume)
-        read_meta(path)  # a named checkpoint must exist and be complete
+        """The checkpoint `checkpoint.resume` selects, or None to start fresh (collective: rank 0
+        decides). After a torchrun restart (TORCHELASTIC_RESTART_COUNT > 0 on any rank; torchrun
+        counts per node) the newest sound checkpoint of the run wins over `checkpoint.resume`, so
+        a restarted job continues where it got to instead of starting over."""
+        restarted = max(dcp_io.gather_from_everyone(torchrun_restart_count())) > 0
+        path, self.passed_over = decided_by_rank_zero(lambda: self._select(restarted))
         return path
 
-    def save(self, step: int, state: dict[str, Any], cfg: Config, **extra_meta: Any) -> Path:
-        """Save `state` as checkpoint `step`; returns the directory it will have once complete."""
+    def _select(self, restarted: bool) -> tuple[Path | None, list[tuple[Path, str]]]:
+        resume = self.cfg.resume
+        if restarted and resume != "auto" and candidate_checkpoints(self.checkpoints_dir):
+            resume = "auto"
+        if resume == "none":
+            return None, []
+        if resume == "auto":
+            path, passed_over = newest_sound_checkpoint(self.checkpoints_dir)
+            if path is None and passed_over:
+                raise CheckpointError(f"no checkpoint of '{self.checkpoints_dir}' can be resumed: all "
+                                      f"{len(passed_over)} are damaged (the newest: {passed_over[0][1]}); start a "
+                                      "new run with another --run.dir or --checkpoint.resume=none")
+            return path, passed_over
+        return self._checked(Path(resume)), []
+
+    def _checked(self, path: Path) -> Path:
+        """`path` if it passes the integrity check, else an error naming the newest that does."""
+        try:
+            check_integrity(path)
+        except CheckpointError as e:
+            alternative = None
+            for near in dict.fromkeys((path.parent, self.checkpoints_dir)):
+                alternative = alternative or newest_sound_checkpoint(near)[0]
+            hint = (f"the newest checkpoint that verifies is '{alternative}': resume from it with "
+                    f"--checkpoint.resume={alternative} (or --checkpoint.resume=auto)" if alternative is not None
+                    else "no other checkpoint there verifies")
+            raise CheckpointError(f"{e}; {hint}") from None
+        return path
+
+    def save(self, step: int, state: dict[str, Any], cfg: Config, on_commit: OnCommit | None = None,
+             **extra_meta: Any) -> Path:
+        """Save `state` as checkpoint `step`; returns the directory it will have once complete.
+        `on_commit(path)` runs when it is (at once for a synchronous save)."""
         self.wait()
+        self._timeout_s = _timeout_s(cfg)
         final_dir = self.checkpoints_dir / step_dir_name(step)
         tmp_dir = final_dir.with_name(final_dir.name + ".tmp")
         meta = checkpoint_meta("training", step, cfg, list(state), **extra_meta)
         if self.cfg.async_save:
             _prepare_tmp_dir(tmp_dir)
-            self._pending = _PendingSave(dcp_io.async_save(state, tmp_dir), tmp_dir, final_dir, meta)
+            written = dcp_io.async_save(state, tmp_dir, self._timeout_s)
+            self._pending = _PendingSave(_digests_when_written(written, tmp_dir), tmp_dir, final_dir, meta,
+                                         on_commit)
         else:
-            write_checkpoint(state, final_dir, meta)
-            self._after_commit(step)
+            write_checkpoint(state, final_dir, meta, cfg)
+            self._after_commit(step, final_dir, on_commit)
         return final_dir
+
+    def poll(self) -> Path | None:
+        """Commit the asynchronous save in flight if every rank has finished writing it (collective
+        while one is in flight); returns its directory when it was committed now."""
+        if self._pending is None or not dcp_io.everyone(self._pending.digests.done(), self._timeout_s):
+            return None
+        return self.wait()
 
     def wait(self) -> Path | None:
         """Finish an in-flight asynchronous save; returns its directory, if there was one."""
         pending, self._pending = self._pending, None
         if pending is None:
             return None
-        pending.future.result()
-        _commit_everywhere(pending.tmp_dir, pending.final_dir, pending.meta)
-        self._after_commit(pending.meta["step"])
+        try:
+            digests: dict | CheckpointError = pending.digests.result()
+        except CheckpointError as e:
+            digests = e
+        _commit_everywhere(pending.tmp_dir, pending.final_dir, pending.meta, digests, self._timeout_s)
+        self._after_commit(pending.meta["step"], pending.final_dir, pending.on_commit)
         return pending.final_dir
 
     def _rollback_candidates(self, step: int) -> frozenset[Path]:
@@ -177,7 +291,9 @@ class CheckpointManager:
         old_enough = [path for s, path in found if s <= horizon]
         return frozenset(old_enough[-1:] + [path for s, path in found if s > horizon])
 
-    def _after_commit(self, step: int) -> None:
+    def _after_commit(self, step: int, final_dir: Path, on_commit: OnCommit | None) -> None:
         if is_coordinator():
             apply_retention(self.checkpoints_dir, self.cfg.keep, protect=self._rollback_candidates(step))
         barrier()
+        if on_commit is not None:
+            on_commit(final_dir)

@@ -34,6 +34,14 @@ class ModelState:
 
 
 class OptimizerState:
+    """The optimizer's per-parameter state (moments, momentum buffers, step counts).
+
+    A checkpoint also stores each group's hyperparameters (lr, betas, weight decay, Muon's
+    momentum ...), but loading keeps the ones the run's config gave the optimizer: the config is
+    what the user asked for at this start (`--optim.weight_decay=...` at a resume takes effect),
+    and the learning rate at the resumed position is set by the schedule (optim/schedule.py).
+    """
+
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer):
         self.model = model
         self.optimizer = optimizer
@@ -42,7 +50,10 @@ class OptimizerState:
         return get_optimizer_state_dict(self.model, self.optimizer)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        configured = [{k: v for k, v in group.items() if k != "params"} for group in self.optimizer.param_groups]
         set_optimizer_state_dict(self.model, self.optimizer, state_dict)
+        for group, settings in zip(self.optimizer.param_groups, configured):
+            group.update(settings)
 
 
 class RNGState:

@@ -1,9 +1,10 @@
-"""`trinity-train ckpt inspect|verify`: describe a checkpoint, and prove it complete and loadable.
+"""`trinity-train ckpt inspect|verify`: describe a checkpoint, and prove it whole and loadable.
 
-Verification goes from cheap to thorough: meta.json and config, DCP metadata, every data file
-present and long enough for the byte ranges the metadata points at, then every item actually
-read back (one component at a time, so memory stays bounded by the largest component) and the
-model's floating-point tensors checked for NaN/Inf.
+Verification goes from cheap to thorough: `check_integrity` (meta.json and its config, every
+file's size and checksum, the DCP metadata and the byte ranges it points at), then every item
+actually read back (one component at a time, so memory stays bounded by the largest component)
+with the model's floating-point tensors checked for NaN/Inf; `deep` checks every component's
+tensors, optimizer state included.
 """
 
 from __future__ import annotations
@@ -13,24 +14,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from trinity_train.checkpoint import dcp_io
 from trinity_train.checkpoint.compat import config_from_meta
+from trinity_train.checkpoint.integrity import check_integrity, component_of, read_back, read_dcp_metadata
 from trinity_train.checkpoint.layout import read_meta
-from trinity_train.errors import CheckpointError
-
-
-def _read_dcp_metadata(path: Path) -> Metadata:
-    try:
-        return FileSystemReader(str(path)).read_metadata()
-    except Exception as e:  # any unpickling/IO failure means the same thing to the user
-        raise CheckpointError(f"checkpoint '{path}' has an unreadable DCP .metadata file: {e}") from None
-
-
-def _component(fqn: str) -> str:
-    return fqn.split(".", 1)[0]
 
 
 def _tensor_bytes(md: TensorStorageMetadata) -> int:
@@ -42,10 +30,10 @@ def inspect_checkpoint(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     meta = read_meta(path)
     cfg = config_from_meta(meta, path)
-    dcp_meta = _read_dcp_metadata(path)
+    dcp_meta = read_dcp_metadata(path)
     components: dict[str, dict[str, int]] = defaultdict(lambda: {"tensors": 0, "bytes": 0, "objects": 0})
     for fqn, md in dcp_meta.state_dict_metadata.items():
-        entry = components[_component(fqn)]
+        entry = components[component_of(fqn)]
         if isinstance(md, TensorStorageMetadata):
             entry["tensors"] += 1
             entry["bytes"] += _tensor_bytes(md)
@@ -61,46 +49,14 @@ def inspect_checkpoint(path: str | Path) -> dict[str, Any]:
                   "experts": m.num_experts, "top_k": m.num_experts_per_tok, "vocab_size": m.vocab_size},
         "components": dict(sorted(components.items())),
         "files_bytes": sum(f.stat().st_size for f in path.iterdir() if f.is_file()),
+        "checksummed_files": len(meta.get("files") or {}),
     }
 
 
-def _check_files(path: Path, dcp_meta: Metadata) -> None:
-    needed: dict[str, int] = defaultdict(int)
-    for info in (dcp_meta.storage_data or {}).values():
-        needed[info.relative_path] = max(needed[info.relative_path], info.offset + info.length)
-    for name, end in sorted(needed.items()):
-        file = path / name
-        if not file.is_file():
-            raise CheckpointError(f"checkpoint '{path}' is incomplete: data file '{name}' is missing")
-        if file.stat().st_size < end:
-            raise CheckpointError(f"checkpoint '{path}' is truncated: '{name}' has {file.stat().st_size} "
-                                  f"bytes, the metadata needs {end}")
-
-
-def _empty_like_metadata(md: Any) -> Any:
-    if isinstance(md, TensorStorageMetadata):
-        return torch.empty(md.size, dtype=md.properties.dtype)
-    return None  # a pickled object; DCP replaces the placeholder with what it reads
-
-
-def verify_checkpoint(path: str | Path) -> dict[str, Any]:
+def verify_checkpoint(path: str | Path, deep: bool = False) -> dict[str, Any]:
     """Raise CheckpointError on the first problem; return the inspect summary when all is well."""
     path = Path(path)
+    check_integrity(path)  # before anything reads a possibly damaged .metadata
     summary = inspect_checkpoint(path)
-    dcp_meta = _read_dcp_metadata(path)
-    saved = set(summary["components"])
-    missing = sorted(set(read_meta(path).get("components", [])) - saved)
-    if missing:
-        raise CheckpointError(f"checkpoint '{path}' is missing components {', '.join(missing)} listed in meta.json")
-    _check_files(path, dcp_meta)
-    for component in sorted(saved):
-        template = {fqn: _empty_like_metadata(md) for fqn, md in dcp_meta.state_dict_metadata.items()
-                    if _component(fqn) == component}
-        dcp_io.load(template, path)
-        if component == "model":
-            bad = [fqn for fqn, t in template.items()
-                   if isinstance(t, torch.Tensor) and t.is_floating_point() and not torch.isfinite(t).all()]
-            if bad:
-                raise CheckpointError(f"checkpoint '{path}' has non-finite values in {len(bad)} model "
-                                      f"tensor(s), first {bad[0]}")
+    read_back(path, read_dcp_metadata(path), finite=lambda component: deep or component == "model")
     return summary

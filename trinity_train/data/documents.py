@@ -15,6 +15,7 @@ from pathlib import Path
 
 import datasets
 import fsspec
+import pyarrow as pa
 
 from trinity_train.errors import DataError
 
@@ -119,7 +120,9 @@ def load_documents(inputs: Inputs, text_field: str, cache_dir: Path, num_proc: i
                    encoding_errors: str = "strict") -> tuple[datasets.Dataset, ReadReport]:
     """All documents as a Dataset with one `text` column, and what was skipped on the way."""
     datasets.disable_progress_bars()
-    datasets.logging.set_verbosity_error()
+    # A file datasets cannot parse is reported below as one line (file, line, what to do); its
+    # own log line about it would come first.
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)
     report = ReadReport()
     if inputs.hub_name:
         parts = [_load_hub(inputs, text_field, num_proc, skip_bad_records, report)]
@@ -162,7 +165,8 @@ def _load_files(fmt: str, files: list[Path], text_field: str, cache_dir: Path, n
         ds = datasets.load_dataset(fmt, data_files=[str(p) for p in files], split="train",
                                    cache_dir=str(cache_dir), num_proc=_procs(num_proc, len(files)),
                                    **kwargs)
-    except datasets.exceptions.DatasetGenerationError as e:
+    except (datasets.exceptions.DatasetGenerationError, ValueError, pa.ArrowException) as e:
+        # (a malformed line can also surface as pyarrow's or the json module's own error)
         if fmt != "json":
             cause = e.__cause__ or e
             hint = " (pass --encoding-errors replace to replace undecodable bytes)" \
@@ -173,10 +177,12 @@ def _load_files(fmt: str, files: list[Path], text_field: str, cache_dir: Path, n
             raise DataError(f"{problem or f'could not read {where} as JSON: {e.__cause__ or e}'}; "
                             "fix it, or pass --skip-bad-records to skip bad records") from None
         return _load_json_skipping_bad(files, text_field, cache_dir, report)
-    if fmt == "json" and not skip_bad_records and _has_missing_text(ds, text_field):
+    if fmt == "json" and (_has_missing_text(ds, text_field) or not _holds_text(ds, text_field)):
         problem = first_json_problem(files, text_field)
-        if problem:  # a record lacks the field: say which one
+        if problem and not skip_bad_records:  # a record lacks the field, or its value is no string
             raise DataError(f"{problem}; fix it, or pass --skip-bad-records to skip bad records")
+        if problem:
+            return _load_json_skipping_bad(files, text_field, cache_dir, report)
     # A text file's documents are its raw text: there is no field to choose.
     return _text_column(ds, TEXT if fmt == "text" else text_field, where, skip_bad_records, report, num_proc)
 
@@ -184,6 +190,11 @@ def _load_files(fmt: str, files: list[Path], text_field: str, cache_dir: Path, n
 def _procs(num_proc: int, num_items: int) -> int | None:
     n = min(num_proc, num_items)
     return n if n > 1 else None
+
+
+def _holds_text(ds: datasets.Dataset, text_field: str) -> bool:
+    feature = ds.features.get(text_field)
+    return isinstance(feature, datasets.Value) and feature.dtype in ("string", "large_string")
 
 
 def _has_missing_text(ds: datasets.Dataset, text_field: str) -> bool:
@@ -196,9 +207,8 @@ def _text_column(ds: datasets.Dataset, text_field: str, where: str, skip_bad_rec
     if text_field not in ds.column_names:
         raise DataError(f"{where}: no field '{text_field}' (fields: {', '.join(ds.column_names)}); "
                         "choose the text field with --text-field")
-    feature = ds.features[text_field]
-    if not (isinstance(feature, datasets.Value) and feature.dtype in ("string", "large_string")):
-        raise DataError(f"{where}: field '{text_field}' holds {feature}, not text; "
+    if not _holds_text(ds, text_field):
+        raise DataError(f"{where}: field '{text_field}' holds {ds.features[text_field]}, not text; "
                         "choose the text field with --text-field")
     ds = ds.select_columns([text_field])
     if text_field != TEXT:
@@ -255,6 +265,9 @@ def _text_of(record, text_field: str) -> tuple[str | None, str | None]:
     if not isinstance(record, dict):
         return None, "not a JSON object"
     value = record.get(text_field)
+    if text_field in record and not isinstance(value, str):
+        what = "null" if value is None else f"{type(value).__name__} {json.dumps(value)[:40]}"
+        return None, f"field '{text_field}' holds {what}, not a string"
     if not isinstance(value, str):
         fields = ", ".join(record) or "none"
         return None, f"no string field '{text_field}' (fields: {fields}; choose one with --text-field)"

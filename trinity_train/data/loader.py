@@ -2,7 +2,8 @@
 
 A split is cut into fixed-length sequences: sequence j is tokens [j*L, j*L + L + 1) (L inputs and
 their next-token labels; neighbours share one token). Global batch *i* is samples
-[i*G, (i+1)*G) of the stream `mixing.py` defines (G = micro_batch_size * grad_accum * dp_size),
+[i*G, (i+1)*G) of the stream `mixing.py` defines (G = micro_batch_size * grad_accum * dp_size, or
+`train.global_batch_size`, which fixes G for every layout),
 and data-parallel rank r reads rows [r*R, (r+1)*R) of it (R = G / dp_size). So a batch is a pure
 function of (manifests, seed, i): the loader's whole state is its position, `skip(n)` is O(1), and
 resuming with another dp_size (same G) gives the same global batches. If G itself changes at a
@@ -23,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from trinity_train.config import Config, DataConfig
+from trinity_train.config import Config, DataConfig, rows_per_rank
 from trinity_train.data.default_corpus import default_dataset, default_dataset_dir
 from trinity_train.data.ledger import SkipLedger
 from trinity_train.data.mixing import EpochOrder, MixSchedule
@@ -249,6 +250,19 @@ def _fingerprint(datasets: list[PreparedDataset], phases: list, seq_len: int) ->
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
 
 
+def check_token_ids(ds: PreparedDataset, model_vocab_size: int) -> None:
+    """Every token id of `ds` must index the model's embedding (and lie in the dataset's own
+    vocabulary): an id out of range would fail deep inside the first forward that reads it (an
+    IndexError on the CPU, a device-side assert on a GPU), after the run directory was written."""
+    if ds.vocab_size > model_vocab_size:
+        raise DataError(f"dataset '{ds.path}' has a vocabulary of {ds.vocab_size} tokens but "
+                        f"model.vocab_size is {model_vocab_size}; set --model.vocab_size={ds.vocab_size}")
+    largest = ds.max_token_id if ds.max_token_id is not None else -1
+    if largest >= ds.vocab_size:
+        raise DataError(f"dataset '{ds.path}' holds token id {largest}, outside its tokenizer's vocabulary of "
+                        f"{ds.vocab_size}: the shards do not belong to its tokenizer.json; prepare the dataset again")
+
+
 def build_loaders(cfg: Config, dp_rank: int = 0, dp_size: int = 1,
                   ledger: SkipLedger | None = None) -> tuple[TrainLoader, ValidationLoader]:
     """The train loader and validation loader of data-parallel rank `dp_rank` of `dp_size`.
@@ -260,16 +274,15 @@ def build_loaders(cfg: Config, dp_rank: int = 0, dp_size: int = 1,
         raise ValueError(f"dp_rank {dp_rank} is outside [0, {dp_size})")
     d = cfg.data
     sources = _sources(cfg)
-    datasets = [PreparedDataset.open(path, verify_checksums=d.verify_checksums) for path, _ in sources]
+    datasets = [PreparedDataset.open(path, verify_checksums=d.verify_checksums, cache_dir=d.cache_dir)
+                for path, _ in sources]
     tokenizers = {ds.manifest["tokenizer"].get("sha256") for ds in datasets}
     if len(tokenizers) > 1:
         raise DataError(f"the data.mix sources were tokenized with {len(tokenizers)} different tokenizers "
                         f"({', '.join(str(ds.path) for ds in datasets)}); prepare them all with one tokenizer.json")
     for ds in datasets:
-        if ds.vocab_size > cfg.model.vocab_size:
-            raise DataError(f"dataset '{ds.path}' has a vocabulary of {ds.vocab_size} tokens but "
-                            f"model.vocab_size is {cfg.model.vocab_size}; set --model.vocab_size={ds.vocab_size}")
-    rows = cfg.train.micro_batch_size * cfg.train.grad_accum
+        check_token_ids(ds, cfg.model.vocab_size)
+    rows = rows_per_rank(cfg.train, dp_size)
     global_batch = rows * dp_size
     phases = _phases(cfg, [w for _, w in sources])
     doc_positions = cfg.model.doc_masking
@@ -283,7 +296,8 @@ def build_loaders(cfg: Config, dp_rank: int = 0, dp_size: int = 1,
     if total_sequences < global_batch:
         raise DataError(f"the training data holds {total_sequences} sequences of data.seq_len={d.seq_len}, "
                         f"fewer than one global batch of {global_batch} (micro_batch_size "
-                        f"{cfg.train.micro_batch_size} x grad_accum {cfg.train.grad_accum} x {dp_size} ranks); "
+                        f"{cfg.train.micro_batch_size} x grad_accum {rows // cfg.train.micro_batch_size} x "
+                        f"{dp_size} ranks); "
                         "add data or lower the batch size or seq_len")
     orders = [EpochOrder(r.num_sequences, d.seed, k) for k, r in enumerate(train_readers)]
     train_mixed = _MixedRows(train_readers, MixSchedule(phases, d.seed), orders)

@@ -13,6 +13,7 @@ written last, so a directory without one is never mistaken for a complete datase
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import os
@@ -36,7 +37,7 @@ from trinity_train.data.documents import FORMATS, TEXT, Inputs, load_documents, 
 from trinity_train.data.shards import (FORMAT_VERSION, MANIFEST, SPLITS, TOKENIZER_FILE, ShardWriter,
                                        file_sha256, finished_shard, new_manifest, read_manifest,
                                        shard_paths, split_summary, token_dtype_for, write_manifest)
-from trinity_train.data.tokenizer import (find_eos_id, load_tokenizer, tokenizer_sha256,
+from trinity_train.data.tokenizer import (MIN_BPE_VOCAB, find_eos_id, load_tokenizer, tokenizer_sha256,
                                           train_byte_level_bpe, vocab_size_of)
 from trinity_train.errors import DataError
 
@@ -85,13 +86,31 @@ def prepare(opts: PrepareOptions) -> Path:
     tokenizer_spec = ({"train_vocab": opts.train_tokenizer} if opts.train_tokenizer
                       else {"sha256": file_sha256(_existing(opts.tokenizer))})
     build_key = _build_key(opts, inputs.fingerprint(), tokenizer_spec)
+    created = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
+    try:
+        _prepare_locked(opts, out, inputs, build_key, started)
+    except BaseException:
+        if created:  # a build that failed before writing anything leaves no directory behind
+            _remove_if_only_the_lock(out)
+        raise
+    return out
+
+
+def _remove_if_only_the_lock(out: Path) -> None:
+    if [p.name for p in out.iterdir()] == [_LOCK]:
+        (out / _LOCK).unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            out.rmdir()
+
+
+def _prepare_locked(opts: PrepareOptions, out: Path, inputs: Inputs, build_key: str, started: float) -> None:
     with FileLock(str(out / _LOCK)):
         if (out / MANIFEST).is_file():
             previous = read_manifest(out)
             if previous.get("build_key") == build_key:
                 opts.stats.update(reused=True, seconds=time.perf_counter() - started)
-                return out
+                return
             if not opts.overwrite:
                 raise DataError(f"'{out}' already holds a different prepared dataset; choose another "
                                 "--out or pass --overwrite to replace it")
@@ -104,7 +123,6 @@ def prepare(opts: PrepareOptions) -> Path:
         finally:
             shutil.rmtree(work, ignore_errors=True)
     opts.stats["seconds"] = time.perf_counter() - started
-    return out
 
 
 def _build(opts: PrepareOptions, out: Path, inputs: Inputs, build_key: str, work: Path) -> None:
@@ -139,10 +157,10 @@ def _build(opts: PrepareOptions, out: Path, inputs: Inputs, build_key: str, work
 
 
 def _check_options(opts: PrepareOptions) -> None:
+    if opts.train_tokenizer and opts.train_tokenizer < MIN_BPE_VOCAB or opts.train_tokenizer < 0:
+        raise _vocabulary_too_small(opts.train_tokenizer)
     if bool(opts.tokenizer) == bool(opts.train_tokenizer):
         raise DataError("give exactly one of --tokenizer PATH and --train-tokenizer VOCAB")
-    if opts.train_tokenizer < 0:
-        raise DataError(f"--train-tokenizer must be a positive vocabulary size, got {opts.train_tokenizer}")
     if not 0.0 <= opts.val_fraction < 1.0:
         raise DataError(f"--val-fraction must be in [0, 1), got {opts.val_fraction}")
     if opts.num_proc < 1 or opts.shard_documents < 1:
@@ -153,6 +171,11 @@ def _check_options(opts: PrepareOptions) -> None:
                                  ("--encoding-errors", opts.encoding_errors, ("strict", "replace", "ignore"))):
         if value not in allowed:
             raise DataError(f"{name} must be one of {', '.join(allowed)}, got '{value}'")
+
+
+def _vocabulary_too_small(vocab: int) -> DataError:
+    return DataError(f"--train-tokenizer must be a vocabulary size of at least {MIN_BPE_VOCAB}, got {vocab} "
+                     "(a byte-level BPE holds every byte plus the end-of-document and padding tokens)")
 
 
 def _existing(path: str) -> Path:
@@ -314,6 +337,8 @@ def add_prepare_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_prepare(args: argparse.Namespace) -> int:
     """Run `prepare-data` from parsed arguments; a DataError propagates for the CLI to print."""
+    if args.train_tokenizer is not None and args.train_tokenizer <= 0:  # 0 would read as "not given"
+        raise _vocabulary_too_small(args.train_tokenizer)
     names = set(PrepareOptions.__dataclass_fields__) - {"stats"}
     opts = PrepareOptions(**{k: v for k, v in vars(args).items() if k in names and v is not None})
     out = prepare(opts)

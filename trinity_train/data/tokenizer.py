@@ -12,6 +12,7 @@ from trinity_train.errors import DataError
 
 EOS_TOKEN = "<|endoftext|>"
 PAD_TOKEN = "<|pad|>"
+MIN_BPE_VOCAB = 256 + 2  # every byte, EOS and PAD
 # Tried in order when a user-supplied tokenizer does not name its end-of-document token.
 _EOS_CANDIDATES = (EOS_TOKEN, "<|end_of_text|>", "</s>", "<eos>", "<|eot_id|>", "[SEP]")
 
@@ -21,8 +22,8 @@ def train_byte_level_bpe(text_batches: Iterable[list[str]], vocab_size: int,
     """A GPT-2-style byte-level BPE: every byte is a token, so no text is ever out of vocabulary."""
     alphabet = pre_tokenizers.ByteLevel.alphabet()
     specials = [EOS_TOKEN, PAD_TOKEN]
-    if vocab_size < len(alphabet) + len(specials):
-        raise DataError(f"a byte-level BPE needs a vocabulary of at least {len(alphabet) + len(specials)} "
+    if vocab_size < MIN_BPE_VOCAB:
+        raise DataError(f"a byte-level BPE needs a vocabulary of at least {MIN_BPE_VOCAB} "
                         f"(bytes plus specials), got {vocab_size}")
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)

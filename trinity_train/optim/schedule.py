@@ -1,9 +1,19 @@
 """Learning-rate schedules: warmup-stable-decay (WSD), cosine and constant, all with linear warmup.
 
 The schedule is a multiplier on each parameter group's own peak learning rate (AdamW and Muon
-groups have different peaks), applied through `torch.optim.lr_scheduler.LambdaLR`, so its state
-(`last_epoch`, base learning rates) checkpoints like any other scheduler. Step `s` counts applied
-optimizer steps from 0; the optimizer step with index `s` runs at `peak * lr_multiplier(s)`.
+groups have different peaks), applied through `torch.optim.lr_scheduler.LambdaLR`. Step `s`
+counts applied optimizer steps from 0; the optimizer step with index `s` runs at
+`peak * lr_multiplier(s)`.
+
+What a resume takes from the checkpoint is the schedule's *position* only (`last_epoch`, the
+applied steps). The peaks (`optim.lr`, `optim.muon_lr`), the schedule's shape and its length
+(`train.steps`) are those of the config the run starts with, so `--optim.lr=...` at a resume takes
+effect from the resumed step on (a plain LambdaLR would restore the old peaks). Changing
+`train.steps` re-plans the schedule for the new length at the same position: the step after a
+resume runs at `peak * lr_multiplier(step, new length)`. Extending a finished WSD run therefore
+goes back to the stable phase (no warmup again) and decays over the new last
+`decay_fraction` of steps; it never trains at the old schedule's final rate of 0. To extend a WSD
+run the usual way, resume from a checkpoint taken before its decay began.
 """
 
 from __future__ import annotations
@@ -43,8 +53,28 @@ def lr_multiplier(step: int, optim_cfg: OptimConfig, total_steps: int) -> float:
     raise ValueError(f"unknown schedule {optim_cfg.schedule!r}")  # validate() rejects it earlier
 
 
-def build_scheduler(optimizer: torch.optim.Optimizer, cfg: Config) -> LambdaLR:
+class ConfiguredSchedule(LambdaLR):
+    """A LambdaLR whose checkpoint restores where the schedule is, not what it is.
+
+    `load_state_dict` keeps this object's peaks (`base_lrs`, from the optimizer as the config
+    built it) and multiplier (the config's schedule and `train.steps`), takes the position from
+    the checkpoint, and sets every group's learning rate for that position. It does not matter
+    whether the optimizer's own state is loaded before or after: `OptimizerState` keeps the
+    configured hyperparameters of every group (checkpoint/stateful.py).
+    """
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.last_epoch = int(state_dict["last_epoch"])
+        self._step_count = int(state_dict.get("_step_count", self.last_epoch + 1))
+        # The same expression as LambdaLR.get_lr, so an unchanged config resumes bit-identically.
+        lrs = [base_lr * lmbda(self.last_epoch) for lmbda, base_lr in zip(self.lr_lambdas, self.base_lrs)]
+        for group, lr in zip(self.optimizer.param_groups, lrs):
+            group["lr"] = lr
+        self._last_lr = lrs
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, cfg: Config) -> ConfiguredSchedule:
     """A LambdaLR scaling every parameter group's peak rate by `lr_multiplier`."""
     # functools.partial rather than a lambda keeps the scheduler's state_dict picklable.
     multiplier = functools.partial(lr_multiplier, optim_cfg=cfg.optim, total_steps=cfg.train.steps)
-    return LambdaLR(optimizer, lr_lambda=multiplier)
+    return ConfiguredSchedule(optimizer, lr_lambda=multiplier)

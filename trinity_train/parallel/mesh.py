@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from trinity_train.config import Config
+from trinity_train.config import Config, grad_accum_for
 from trinity_train.errors import ConfigError
 from trinity_train.model.moe import GROUPED_MM_ALIGNMENT
 
@@ -69,6 +69,7 @@ class ParallelDims:
                 f"parallel.ep: ep={p.ep} must divide the expert-data-parallel size "
                 f"dp_shard={dp_shard} (expert parallelism takes its ranks from dp_shard); "
                 f"choose an ep that divides {dp_shard} or start more processes")
+        grad_accum_for(cfg.train, p.dp_replicate * dp_shard)  # a fixed global batch must split over the ranks
         m = cfg.model
         if m.expert_impl == "grouped" and (m.moe_intermediate_size // p.tp) % GROUPED_MM_ALIGNMENT:
             raise ConfigError(

@@ -7,6 +7,7 @@ process (LOCAL_RANK) and NCCL; otherwise the CPU and gloo.
 
 from __future__ import annotations
 
+import datetime
 import os
 import time
 
@@ -51,9 +52,27 @@ def init_distributed(cfg: Config) -> tuple[ParallelDims, torch.device]:
         return dims, device
     if not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(backend, device_id=device if device.type == "cuda" else None)
+        dist.init_process_group(backend, device_id=device if device.type == "cuda" else None,
+                                timeout=datetime.timedelta(seconds=cfg.parallel.init_timeout_s))
     dims.build_mesh(device.type)
+    apply_collective_timeout(cfg.parallel.collective_timeout_s)
     return dims, device
+
+
+def apply_collective_timeout(seconds: float) -> None:
+    """From here on a collective that waits longer than `seconds` fails (every rank's watchdog
+    or wait raises, torchrun restarts the job) instead of hanging for torch's 30 minutes.
+
+    Applied to every process group of this process (the world and the mesh's groups, which
+    torch creates with its own default), as torchtitan does with its train timeout, after a
+    barrier: a slow rank must not still be in a collective under the long joining timeout while
+    the others already run under the short one. torch offers no public setter; `_set_pg_timeout`
+    is its own helper for exactly this.
+    """
+    dist.barrier()
+    timeout = datetime.timedelta(seconds=seconds)
+    for group in list(dist.distributed_c10d._world.pg_map):
+        dist.distributed_c10d._set_pg_timeout(timeout, group)
 
 
 # How long a gloo rank releases the GIL before tearing down; see `destroy_distributed`.

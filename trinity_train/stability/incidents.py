@@ -36,7 +36,9 @@ def read_incidents(run: RunDir) -> list[dict]:
 
 
 def _number(value, fmt: str) -> str:
-    return "-" if value is None else format(value, fmt)
+    """`value` formatted, or a dash as wide as the format."""
+    width = int(fmt.split(".")[0]) if fmt[0].isdigit() else 0
+    return f"{'-':>{width}}" if value is None else format(value, fmt)
 
 
 def _data(report: dict) -> str:
@@ -59,7 +61,7 @@ def format_table(reports: list[dict]) -> str:
     """One line per incident: iteration, step, action, reason, signals, z-scores, drill, data."""
     if not reports:
         return "no incidents"
-    header = f"{'iter':>7} {'step':>6}  {'action':<8} {'reason':<11} {'loss':>9} {'loss z':>7} " \
+    header = f"{'iter':>7} {'step':>6}  {'action':<14} {'reason':<11} {'loss':>9} {'loss z':>7} " \
              f"{'grad norm':>10} {'grad z':>7}  {'drill':<14} data"
     lines = [header]
     for r in reports:
@@ -68,7 +70,7 @@ def format_table(reports: list[dict]) -> str:
         action = r["action"]
         if action == "rollback" and r.get("rollback"):
             action = f"rollback->{r['rollback']['to_step']}"
-        lines.append(f"{r['iter']:>7} {r['step']:>6}  {action:<8} {r.get('reason') or '-':<11} "
+        lines.append(f"{r['iter']:>7} {r['step']:>6}  {action:<14} {r.get('reason') or '-':<11} "
                      f"{_number(current.get('loss'), '9.4f')} {_number(current.get('loss_z'), '7.1f')} "
                      f"{_number(current.get('grad_norm'), '10.3g')} {_number(current.get('grad_norm_z'), '7.1f')}  "
                      f"{drill:<14} {_data(r)}")
