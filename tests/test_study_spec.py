@@ -78,6 +78,12 @@ def test_more_ranks_split_each_batch_so_the_cells_see_the_same_tokens(corpus, tm
     assert global_batch(two[0].config, 2) == global_batch(one[0].config, 1)
     with pytest.raises(StudyError, match="--nproc 4: the base config's train.micro_batch_size=2 cannot be split"):
         study_cells(study, StudyDir(tmp_path), nproc=4)
+    # a base with a fixed global batch keeps its micro-batch: each rank accumulates fewer of them
+    write_base(corpus, tmp_path, train={"micro_batch_size": 1, "global_batch_size": 2, "steps": 6})
+    one, two = study_cells(study, StudyDir(tmp_path)), study_cells(study, StudyDir(tmp_path), nproc=2)
+    assert two[0].config.train == one[0].config.train and global_batch(two[0].config, 2) == 2
+    with pytest.raises(StudyError, match="--nproc 4: train.global_batch_size: 2 sequences cannot be split"):
+        study_cells(study, StudyDir(tmp_path), nproc=4)
 
 
 def ablate(*args, cwd):

@@ -14,7 +14,7 @@ import json
 from dataclasses import dataclass
 
 from trinity_train.config import (Config, config_differences, config_to_dict, describe_differences,
-                                  load_config)
+                                  grad_accum_for, load_config, rows_per_rank)
 from trinity_train.errors import ConfigError
 from trinity_train.study.layout import StudyDir
 from trinity_train.study.spec import LRSetting, Study, StudyError
@@ -45,7 +45,8 @@ def cell_name(variant: str, lr: str, seed: int) -> str:
 
 def global_batch(cfg: Config, nproc: int) -> int:
     """Sequences per optimizer step over all data-parallel ranks."""
-    return cfg.train.micro_batch_size * cfg.train.grad_accum * (nproc // cfg.parallel.tp)
+    dp = nproc // cfg.parallel.tp
+    return rows_per_rank(cfg.train, dp) * dp
 
 
 def _lr_overrides(setting: LRSetting) -> dict:
@@ -55,11 +56,18 @@ def _lr_overrides(setting: LRSetting) -> dict:
 
 def _spread_over_ranks(table: dict, base: Config, nproc: int) -> None:
     """With `nproc` ranks, each data-parallel rank takes its share of the base's global batch, so
-    that every cell trains on the same batches as on one process."""
+    that every cell trains on the same batches as on one process: `train.global_batch_size`, when
+    the base sets it, does that by itself; otherwise each rank's micro-batch is divided."""
     tp = base.parallel.tp
     if nproc % tp:
         raise StudyError(f"--nproc {nproc}: the base config's parallel.tp={tp} must divide it")
     dp = nproc // tp
+    if base.train.global_batch_size > 0:
+        try:
+            grad_accum_for(base.train, dp)
+        except ConfigError as e:
+            raise StudyError(f"--nproc {nproc}: {e}") from None
+        return
     micro = base.train.micro_batch_size
     if micro % dp:
         raise StudyError(f"--nproc {nproc}: the base config's train.micro_batch_size={micro} cannot be split over "
