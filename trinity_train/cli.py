@@ -1,5 +1,5 @@
 """`trinity-train <command>`: train, prepare-data, export-hf, import-hf, ckpt inspect|verify,
-incidents, dashboard, report.
+incidents, dashboard, report, ablate.
 
 A user mistake (any `UserError`) ends with one line `error: <message>` on stderr and the error's
 exit code: 2 for configuration, 1 otherwise. Heavy imports (torch, the model, data libraries)
@@ -127,6 +127,26 @@ def cmd_report(args: argparse.Namespace) -> int:
     return run_report(args.run_dirs, args.out, args.title)
 
 
+def cmd_ablate(args: argparse.Namespace) -> int:
+    from trinity_train.study.command import run_ablate
+
+    command = f"trinity-train ablate --study {args.study}" + (f" --out {args.out}" if args.out else "") + (
+        f" --nproc {args.nproc}" if args.nproc != 1 else "")
+    return run_ablate(args.study, args.out, args.nproc, command)
+
+
+def _add_ablate(sub) -> None:
+    ablate = sub.add_parser("ablate", help="run a study: a grid of training cells, then its report",
+                            description="Run every cell of a study (variants x learning rates x seeds of a base "
+                                        "config, on the same batches) one after another, each in its own process, "
+                                        "and write the report (summary.json, report.md, plots/, report.html) into "
+                                        "the output directory. Cells that are done are not run again.")
+    ablate.add_argument("--study", required=True, help="study file (e.g. configs/studies/norm_placement.toml)")
+    ablate.add_argument("--out", help="output directory (default: runs/studies/<study name>)")
+    ablate.add_argument("--nproc", type=int, default=1,
+                        help="processes per cell: >1 runs each cell as its own torchrun job (launch/local.sh N)")
+
+
 def _add_dashboard(sub) -> None:
     dashboard = sub.add_parser("dashboard", help="live web dashboard of run directories (local, read-only)",
                                description="Serve a live dashboard of one or more run directories; it follows "
@@ -193,6 +213,7 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     incidents.add_argument("run_dir", metavar="RUN_DIR")
     incidents.add_argument("--json", action="store_true", help="print the full reports as a JSON list")
     _add_dashboard(sub)
+    _add_ablate(sub)
     return parser
 
 
@@ -205,7 +226,7 @@ def run(argv: list[str]) -> int:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     handlers = {"prepare-data": cmd_prepare_data, "export-hf": cmd_export_hf,
                 "import-hf": cmd_import_hf, "ckpt": cmd_ckpt, "incidents": cmd_incidents,
-                "dashboard": cmd_dashboard, "report": cmd_report}
+                "dashboard": cmd_dashboard, "report": cmd_report, "ablate": cmd_ablate}
     return handlers[args.command](args)
 
 

@@ -375,6 +375,24 @@ def save_config(cfg: Config, path: str | Path) -> None:
     atomic_write_text(path, tomli_w.dumps(config_to_dict(cfg)))
 
 
+def config_differences(old: dict, new: dict, prefix: str = "") -> list[tuple[str, Any, Any]]:
+    """(dotted key, old value, new value) for every leaf that differs, in key order."""
+    diffs = []
+    for key in sorted(set(old) | set(new)):
+        dotted = f"{prefix}.{key}" if prefix else key
+        a, b = old.get(key), new.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            diffs.extend(config_differences(a, b, dotted))
+        elif a != b:
+            diffs.append((dotted, a, b))
+    return diffs
+
+
+def describe_differences(diffs: list[tuple[str, Any, Any]], limit: int = 3) -> str:
+    shown = ", ".join(f"{k}: {a!r} -> {b!r}" for k, a, b in diffs[:limit])
+    return shown + (f" and {len(diffs) - limit} more" if len(diffs) > limit else "")
+
+
 # ---------------------------------------------------------------------------- validation
 
 

@@ -6,7 +6,8 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
-from trinity_train.config import Config, ModelConfig, config_from_dict, global_every, norm_eps
+from trinity_train.config import (Config, ModelConfig, config_differences, config_from_dict, describe_differences,
+                                  global_every, norm_eps)
 from trinity_train.errors import CheckpointError, ConfigError
 
 # Model settings that change how a model is trained or computed, not what its weights mean: a
@@ -14,24 +15,6 @@ from trinity_train.errors import CheckpointError, ConfigError
 TRAINING_ONLY_MODEL_KEYS = frozenset({
     "expert_impl", "load_balance", "bias_update_rate", "smebu_lambda", "smebu_beta", "smebu_kappa",
     "aux_loss_alpha", "z_loss_weight", "doc_masking", "loss_chunk_tokens", "init_std"})
-
-
-def config_differences(old: dict, new: dict, prefix: str = "") -> list[tuple[str, Any, Any]]:
-    """(dotted key, old value, new value) for every leaf that differs, in key order."""
-    diffs = []
-    for key in sorted(set(old) | set(new)):
-        dotted = f"{prefix}.{key}" if prefix else key
-        a, b = old.get(key), new.get(key)
-        if isinstance(a, dict) and isinstance(b, dict):
-            diffs.extend(config_differences(a, b, dotted))
-        elif a != b:
-            diffs.append((dotted, a, b))
-    return diffs
-
-
-def describe_differences(diffs: list[tuple[str, Any, Any]], limit: int = 3) -> str:
-    shown = ", ".join(f"{k}: {a!r} -> {b!r}" for k, a, b in diffs[:limit])
-    return shown + (f" and {len(diffs) - limit} more" if len(diffs) > limit else "")
 
 
 def config_from_meta(meta: dict, path: Path) -> Config:

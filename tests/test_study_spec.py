@@ -1,0 +1,135 @@
+"""Study files: the shipped norm-placement study is a controlled comparison (only the block, the
+seed and the learning rates change between cells, on the same tokens), and a bad study file is
+one line `error: ...` with exit code 2 before anything runs."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from study_files import DIVERGING, TOKENS, write_base, write_study
+from trinity_train.config import BLOCK_VARIANTS, config_differences, config_to_dict, load_config
+from trinity_train.study.cells import global_batch, study_cells, study_hash
+from trinity_train.study.layout import StudyDir
+from trinity_train.study.spec import StudyError, load_study
+
+ROOT = Path(__file__).resolve().parents[1]
+SHIPPED = ROOT / "configs" / "studies" / "norm_placement.toml"
+# What a cell may change relative to its base: the block, the init seed, the learning rates (and
+# where it runs and how it resumes).
+CELL_KEYS = {"model.block", "train.seed", "optim.lr", "optim.muon_lr", "run.dir", "run.name", "checkpoint.resume"}
+
+
+def test_the_shipped_study_compares_every_variant_on_the_same_tokens(tmp_path):
+    study = load_study(SHIPPED)
+    assert set(study.variants) == set(BLOCK_VARIANTS) and len(study.seeds) >= 3 and len(study.lrs) >= 2
+    cells = study_cells(study, StudyDir(tmp_path))
+    assert len(cells) == len(study.variants) * len(study.seeds) * len(study.lrs)
+    base = config_to_dict(load_config(study.base))
+    for cell in cells:
+        changed = {key for key, _, _ in config_differences(base, config_to_dict(cell.config))}
+        assert changed <= CELL_KEYS, (cell.name, changed - CELL_KEYS)
+        assert cell.config.model.block == cell.variant and cell.config.train.seed == cell.seed
+        assert not cell.drilled
+    first = cells[0].config
+    assert first.model.num_layers >= 12 > load_config(ROOT / "configs" / "debug.toml").model.num_layers
+    assert {c.config.data.seed for c in cells} == {first.data.seed}
+    assert study.tokens == first.train.steps * global_batch(first, 1) * first.data.seq_len
+    assert first.metrics.layer_stats_every > 0  # the depth profile needs the "layers" records
+    lrs = {setting.name: setting for setting in study.lrs}
+    assert lrs["aggressive"].muon_lr > lrs["normal"].muon_lr and lrs["aggressive"].lr > lrs["normal"].lr
+
+
+def test_cells_run_seed_by_seed_and_the_hash_covers_what_they_compute(corpus, tmp_path):
+    write_base(corpus, tmp_path)
+    study = load_study(write_study(tmp_path, seeds=[0, 1], lrs=[
+        {"name": "normal", "lr": 3e-3}, {"name": "high", "lr": 1e-2, "variants": ["prenorm"]}]))
+    cells = study_cells(study, StudyDir(tmp_path / "out"))
+    assert [c.name for c in cells] == ["sandwich-normal-s0", "prenorm-normal-s0", "sandwich-normal-s1",
+                                       "prenorm-normal-s1", "prenorm-high-s0", "prenorm-high-s1"]
+    assert cells[-1].config.optim.lr == 1e-2 and cells[-1].config.optim.muon_lr == cells[0].config.optim.muon_lr
+    assert cells[0].config.run.dir == str(tmp_path / "out" / "cells" / "sandwich-normal-s0")
+    # where the study is written does not change its hash; what a cell computes does
+    moved = study_cells(study, StudyDir(tmp_path / "elsewhere"))
+    assert study_hash(moved) == study_hash(cells)
+    other = load_study(write_study(tmp_path, seeds=[0, 2], lrs=[
+        {"name": "normal", "lr": 3e-3}, {"name": "high", "lr": 1e-2, "variants": ["prenorm"]}]))
+    assert study_hash(study_cells(other, StudyDir(tmp_path / "out"))) != study_hash(cells)
+
+
+def test_a_drill_changes_only_the_stability_of_the_cells_it_selects(corpus, tmp_path):
+    write_base(corpus, tmp_path)
+    study = load_study(write_study(tmp_path, drills=[{"variant": "prenorm", "stability": DIVERGING}]))
+    sandwich, prenorm = study_cells(study, StudyDir(tmp_path / "out"))
+    assert prenorm.drilled and not sandwich.drilled
+    assert prenorm.config.stability.inject[0].fault == "nan_loss" and not sandwich.config.stability.inject
+    changed = {k for k, _, _ in config_differences(config_to_dict(sandwich.config), config_to_dict(prenorm.config))}
+    assert {k.split(".")[0] for k in changed} == {"model", "run", "stability"}
+
+
+def test_more_ranks_split_each_batch_so_the_cells_see_the_same_tokens(corpus, tmp_path):
+    write_base(corpus, tmp_path)
+    study = load_study(write_study(tmp_path))
+    one, two = study_cells(study, StudyDir(tmp_path)), study_cells(study, StudyDir(tmp_path), nproc=2)
+    assert two[0].config.train.micro_batch_size * 2 == one[0].config.train.micro_batch_size
+    assert global_batch(two[0].config, 2) == global_batch(one[0].config, 1)
+    with pytest.raises(StudyError, match="--nproc 4: the base config's train.micro_batch_size=2 cannot be split"):
+        study_cells(study, StudyDir(tmp_path), nproc=4)
+    # a base with a fixed global batch keeps its micro-batch: each rank accumulates fewer of them
+    write_base(corpus, tmp_path, train={"micro_batch_size": 1, "global_batch_size": 2, "steps": 6})
+    one, two = study_cells(study, StudyDir(tmp_path)), study_cells(study, StudyDir(tmp_path), nproc=2)
+    assert two[0].config.train == one[0].config.train and global_batch(two[0].config, 2) == 2
+    with pytest.raises(StudyError, match="--nproc 4: train.global_batch_size: 2 sequences cannot be split"):
+        study_cells(study, StudyDir(tmp_path), nproc=4)
+
+
+def ablate(*args, cwd):
+    return subprocess.run([sys.executable, "-m", "trinity_train.cli", "ablate", *map(str, args)], cwd=cwd,
+                          capture_output=True, text=True, timeout=300)
+
+
+BAD_STUDIES = [
+    ({"variants": ["sandwich", "prenrom"]}, ["variants: unknown variant 'prenrom'", "did you mean 'prenorm'"]),
+    ({"variants": []}, ["variants: must list at least one variant"]),
+    ({"seeds": []}, ["seeds: must list at least one train.seed"]),
+    ({"seeds": None}, ["seeds: missing"]),
+    ({"base": "nowhere.toml"}, ["base: the base config 'nowhere.toml' does not exist"]),
+    ({"sedes": [0]}, ["sedes: unknown key (did you mean 'seeds'?)"]),
+    ({"lrs": [{"name": "normal", "lr": 3e-3, "mun_lr": 1e-2}]}, ["lrs[0].mun_lr: unknown key (did you mean 'lrs[0].muon_lr'?)"]),
+    ({"lrs": [{"name": "normal", "lr": -1.0}]}, ["lrs[0].lr: must be positive"]),
+    ({"lrs": []}, ["lrs: must list at least one learning-rate setting"]),
+    ({"tokens": 1000}, [f"tokens: the study states 1000 tokens but its base config trains 6 steps x 2 sequences x 16 "
+                        f"tokens = {TOKENS}"]),
+    ({"drills": [{"variant": "gemma3", "stability": DIVERGING}]}, ["drills[0].variant: 'gemma3' is not one of the study's"]),
+    ({"drills": [{"stability": {"injct": []}}]}, ["cell sandwich-normal-s0: unknown config key 'stability.injct'"]),
+]
+
+
+@pytest.mark.parametrize("keys, fragments", BAD_STUDIES, ids=[f[0].split(":")[0] for _, f in BAD_STUDIES])
+def test_a_bad_study_file_is_one_line_before_anything_runs(corpus, tmp_path, keys, fragments):
+    write_base(corpus, tmp_path)
+    study = write_study(tmp_path, **keys)
+    result = ablate("--study", study, "--out", tmp_path / "out", cwd=tmp_path)
+    assert result.returncode == 2, result.stdout + result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: {study}: "), result.stderr
+    for fragment in fragments:
+        assert fragment in lines[0]
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_bad_base_config_or_study_path_is_one_line(corpus, tmp_path):
+    write_base(corpus, tmp_path, train={"stepz": 3})
+    result = ablate("--study", write_study(tmp_path), "--out", tmp_path / "out", cwd=tmp_path)
+    assert result.returncode == 2 and "base config: unknown config key 'train.stepz'" in result.stderr
+    result = ablate("--study", tmp_path / "missing.toml", cwd=tmp_path)
+    assert result.returncode == 2 and result.stderr.strip() == f"error: study file '{tmp_path / 'missing.toml'}' does not exist"
+    (tmp_path / "broken.toml").write_text("variants = [")
+    result = ablate("--study", tmp_path / "broken.toml", cwd=tmp_path)
+    assert result.returncode == 2 and "is not valid TOML" in result.stderr and len(result.stderr.strip().splitlines()) == 1
+    result = ablate("--study", write_study(tmp_path), "--nproc", "0", cwd=tmp_path)
+    assert result.returncode == 2 and "--nproc must be at least 1" in result.stderr
+    assert not (tmp_path / "runs").exists() and not (tmp_path / "out").exists()

@@ -1,0 +1,76 @@
+"""What a study knows of its cells: how each ended, read from its run directory, and the runner's
+own record (`study_state.json`, written whole after every cell).
+
+A cell is done when its run directory says so, whatever the state file holds (a study stopped
+between a cell's end and the next write of the state file does not run that cell again):
+
+- finished: after its latest `run_start` the run ended (`run_end`) at its last step;
+- diverged: after its latest `run_start` the trainer halted it (`halt`: the spike guard gave up,
+  exit code 3). Training is deterministic, so a diverged cell would diverge again: it is not
+  re-run either, and the report shows where it stopped.
+
+Anything else (not started, interrupted, crashed: `failed` in the state file) runs on the next
+invocation, from its newest checkpoint (`checkpoint.resume = "auto"`).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from trinity_train.files import atomic_write_json, read_json_object
+from trinity_train.rundir import RunDir
+from trinity_train.study.spec import StudyError
+
+FINISHED, DIVERGED, FAILED, PENDING = "finished", "diverged", "failed", "pending"
+DONE = (FINISHED, DIVERGED)
+
+
+@dataclass(frozen=True)
+class RunOutcome:
+    status: str  # FINISHED or DIVERGED
+    step: int | None  # optimizer steps applied when it ended
+    iteration: int | None
+    reason: str = ""  # why it halted
+
+
+def run_outcome(run: RunDir, steps: int) -> RunOutcome | None:
+    """How the run in `run` ended, if it is done (see the module doc); `steps` is its train.steps."""
+    events = run.read_events()
+    starts = [i for i, e in enumerate(events) if e.get("event") == "run_start"]
+    if not starts:
+        return None
+    latest = events[starts[-1]:]
+    for event in latest:
+        if event.get("event") == "halt":
+            return RunOutcome(DIVERGED, event.get("step"), event.get("iter"), str(event.get("reason", "")))
+    ends = [e for e in latest if e.get("event") == "run_end"]
+    if ends and isinstance(ends[-1].get("step"), int) and ends[-1]["step"] >= steps:
+        return RunOutcome(FINISHED, ends[-1]["step"], ends[-1].get("iter"))
+    return None
+
+
+class StudyState:
+    """`study_state.json`: per cell its `status`, `exit_code`, `attempts`, `wall_s` (all attempts
+    together), `reason` (why it failed or diverged); per invocation its command, start, wall time
+    and the machine's load average at its start and end."""
+
+    def __init__(self, path):
+        self.path = path
+        data = read_json_object(path, StudyError, "study state") if path.is_file() else {}
+        self.cells: dict[str, dict] = data.get("cells", {})
+        self.invocations: list[dict] = data.get("invocations", [])
+
+    def cell(self, name: str) -> dict:
+        return self.cells.get(name, {"status": PENDING, "attempts": 0, "wall_s": 0.0, "exit_code": None, "reason": ""})
+
+    def record(self, name: str, status: str, *, exit_code: int | None, wall_s: float, reason: str = "",
+               attempt: bool = True) -> None:
+        previous = self.cell(name)
+        self.cells[name] = {"status": status, "exit_code": exit_code, "reason": reason,
+                            "attempts": previous["attempts"] + int(attempt),
+                            "wall_s": previous["wall_s"] + wall_s, "updated": time.time()}
+        self.save()
+
+    def save(self) -> None:
+        atomic_write_json(self.path, {"cells": self.cells, "invocations": self.invocations})
