@@ -1,8 +1,8 @@
-"""Run directories written by hand, per docs/CONTRACT.md "Run directory", for the dashboard's tests,
-its screenshot and its benchmark.
+"""Run directories written by hand, per docs/CONTRACT.md "Run directory", for the dashboard's unit
+and API tests and its million-line benchmark: a timeline known to the iteration, and any length
+without training. (The browser tests draw real fault-drill runs: tests/drill_run.py.)
 
-`write_rollback_run` stands in for a fault-drill run until those land: swap it for a real drill
-run directory and the tests that use it should pass unchanged. Its timeline (300 iterations):
+`write_rollback_run`'s timeline (300 iterations):
 
 - validation every 50 iterations, checkpoints every 50 steps, layer statistics every 10;
 - a loss spike at iteration 80 that is skipped (incident report 00000080.json);

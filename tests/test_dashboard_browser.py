@@ -1,15 +1,15 @@
-"""The dashboard and the report in headless Chromium: charts drawn, the rollback band and the
-abandoned segment there, one heatmap row per MoE layer, two runs overlaid, the report offline.
-
-`write_rollback_run` makes the run directory; point `rollback_run` at a real fault-drill run
-directory instead and these checks should hold unchanged."""
+"""The dashboard and the report in headless Chromium, on real fault-drill runs (tests/drill_run.py:
+a skipped loss spike, a rollback of poisoned batches, a kill and a resume): charts drawn, the
+rollback band and the abandoned segment there, the superseded records faded, one heatmap row per
+MoE layer, two runs overlaid, the incident report on a click, a live update, the report offline."""
 
 import os
 import random
 
 import pytest
 
-from synthetic_run import MOE_LAYERS, append_jsonl, train_record, write_rollback_run
+from drill_run import STEPS, write_drill_run
+from synthetic_run import MOE_LAYERS, append_jsonl, train_record
 from trinity_train.dashboard import browser
 from trinity_train.dashboard.report import write_report
 from trinity_train.dashboard.server import DashboardServer
@@ -26,9 +26,11 @@ pytestmark = pytest.mark.slow
 FIGURE = "const d = document.getElementById(arguments[0]); return {data: d.data, layout: d.layout};"
 
 
-@pytest.fixture
-def rollback_run(tmp_path):
-    return write_rollback_run(tmp_path / "run-a")
+@pytest.fixture(scope="module")
+def drill_runs(corpus, tmp_path_factory):
+    """Two drill runs of different initialisations: run-a and run-b."""
+    root = tmp_path_factory.mktemp("drills")
+    return [write_drill_run(corpus, root / "run-a", seed=0), write_drill_run(corpus, root / "run-b", seed=1)]
 
 
 def figure(driver, plot_id):
@@ -37,18 +39,20 @@ def figure(driver, plot_id):
     return fig
 
 
-def check_rollback_views(driver, fake):
+def check_rollback_views(driver, run):
     loss = figure(driver, "plot-loss")
-    lo, hi = fake.abandoned
-    bands = [s for s in loss["layout"]["shapes"] if s.get("name") == f"rollback: {fake.path.name}"]
-    assert [(b["x0"], b["x1"]) for b in bands] == [(lo - 0.5, hi + 0.5)]
+    bands = [s for s in loss["layout"]["shapes"] if s.get("name") == f"rollback: {run.path.name}"]
+    assert sorted((b["x0"], b["x1"]) for b in bands) == sorted((lo - 0.5, hi + 0.5) for lo, hi in run.abandoned)
     ours = [t for t in loss["data"] if t["meta"]["run"] == 0]
     faded = [t for t in ours if t["meta"]["kind"] == "abandoned" and t["meta"]["series"] == "loss"]
-    undone = [x for t in faded if t["meta"]["source"] == "rollback" for x in t["x"] if x is not None]
-    assert undone and min(undone) == lo and max(undone) == hi and all(t["opacity"] < 1 for t in faded)
-    assert any(t["meta"]["source"] == "superseded" for t in faded)
+    undone = {x for t in faded if t["meta"]["source"] == "rollback" for x in t["x"] if x is not None}
+    # every undone iteration that trained is drawn faded (skipped ones are markers, not line points)
+    assert undone and undone <= {i for lo, hi in run.abandoned for i in range(lo, hi + 1)}
+    assert all(t["opacity"] < 1 for t in faded)
+    superseded = [x for t in faded if t["meta"]["source"] == "superseded" for x in t["x"] if x is not None]
+    assert sorted(superseded) == run.superseded
     skips = [x for t in ours if t["meta"]["kind"] == "skip" for x in t["x"]]
-    assert sorted(skips) == fake.skipped
+    assert sorted(skips) == run.skipped
     heat = figure(driver, "plot-moe-heat")["data"][0]
     assert heat["type"] == "heatmap" and len(heat["z"]) == len(MOE_LAYERS)
     assert len(figure(driver, "plot-experts")["data"][0]["z"]) == len(MOE_LAYERS)
@@ -62,17 +66,17 @@ def run_lines(driver):
             if t["meta"]["kind"] == "main" and t["meta"]["series"] == "loss"}
 
 
-def test_the_live_dashboard_draws_a_rollback_run_and_overlays_a_second(tmp_path, rollback_run):
-    second = write_rollback_run(tmp_path / "run-b", seed=1, offset=0.5)
-    with DashboardServer([rollback_run.path, second.path], poll_interval=0.1) as server, \
+def test_the_live_dashboard_draws_a_rollback_run_and_overlays_a_second(tmp_path, drill_runs):
+    first, second = drill_runs
+    with DashboardServer([first.path, second.path], poll_interval=0.1) as server, \
             browser.headless_chromium() as driver:
         driver.get(server.url)
         browser.wait_until_rendered(driver)
-        check_rollback_views(driver, rollback_run)
+        check_rollback_views(driver, first)
         lines = run_lines(driver)
         assert set(lines) == {"run-a", "run-b"} and len(set(lines.values())) == 2
         legend = driver.find_element("id", "runs").text
-        assert "run-a" in legend and "run-b" in legend and "ended at iter 300" in legend
+        assert "run-a" in legend and "run-b" in legend and f"ended at iter {first.last_iter}" in legend
 
         # a click on the skipped step opens its incident report, fetched from the server
         driver.execute_script("""const d = document.getElementById('plot-loss');
@@ -80,13 +84,14 @@ def test_the_live_dashboard_draws_a_rollback_run_and_overlays_a_second(tmp_path,
             d.emit('plotly_click', {points: [{data: t, customdata: t.customdata[0]}]});""")
         driver.implicitly_wait(10)
         panel = driver.find_element("id", "incident")
-        assert "Skipped step at iteration 80" in driver.find_element("id", "incident-body").text
+        assert f"Skipped step at iteration {first.skipped[0]}" in driver.find_element("id", "incident-body").text
         assert panel.is_displayed()
 
         # a line appended to run-b shows up without a reload
-        append_jsonl(second.path / "metrics.jsonl", [train_record(301, 290, random.Random(0))])
+        appended = second.last_iter + 1
+        append_jsonl(second.path / "metrics.jsonl", [train_record(appended, STEPS + 1, random.Random(0))])
         from selenium.webdriver.support.ui import WebDriverWait
-        WebDriverWait(driver, 20).until(lambda d: 301 in [x for t in figure(d, "plot-loss")["data"]
+        WebDriverWait(driver, 20).until(lambda d: appended in [x for t in figure(d, "plot-loss")["data"]
                                                           if t["name"] == "run-b" for x in t["x"]])
         driver.save_screenshot(str(tmp_path / "dashboard.png"))
     assert (tmp_path / "dashboard.png").stat().st_size > 10_000
@@ -108,13 +113,13 @@ def test_a_run_without_layer_statistics_or_data_says_so(tmp_path):
         assert "Waiting for the run to start: not-started" in driver.find_element("id", "waiting").text
 
 
-def test_the_report_renders_offline(tmp_path, rollback_run):
-    second = write_rollback_run(tmp_path / "run-b", seed=1, offset=0.5)
-    out = write_report([rollback_run.path, second.path], tmp_path / "report.html", title="drill")
+def test_the_report_renders_offline(tmp_path, drill_runs):
+    first, second = drill_runs
+    out = write_report([first.path, second.path], tmp_path / "report.html", title="drill")
     with browser.headless_chromium(offline=True) as driver:
         driver.get(out.as_uri())
         browser.wait_until_rendered(driver)
-        check_rollback_views(driver, rollback_run)
+        check_rollback_views(driver, first)
         assert set(run_lines(driver)) == {"run-a", "run-b"}
         fetched = driver.execute_script("return performance.getEntriesByType('resource').map((e) => e.name)")
         assert [name for name in fetched if not name.startswith("data:")] == []

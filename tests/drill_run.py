@@ -1,0 +1,83 @@
+"""A real fault-drill run directory, trained by the `Trainer` on the tiny corpus, for the tests of
+the dashboard and the report: what they draw must be what a run writes, not what a hand-written
+run directory says it would.
+
+The run (`RUN_MODEL`: 4 layers, 3 of them MoE; 40 steps of 4 x 16 tokens):
+
+- layer statistics every 5 iterations, validation every 10, a checkpoint every 5 steps;
+- a `loss_spike` drill at iteration 12, skipped (incident report);
+- poisoned batches 18-23 (`poison_random`): skipped, then rolled back to a checkpoint from before
+  the onset (the undone iterations are the rollback's abandoned segment);
+- the process is killed at step 33 (between checkpoints) and the run resumed with
+  `checkpoint.resume=auto`: the records after the checkpoint of step 30 move to
+  `metrics.superseded.jsonl`.
+
+`DrillRun` holds what the events say happened, for the tests to compare the charts against.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from conftest import run_config
+from trinity_train.files import read_jsonl
+from trinity_train.rundir import RunDir
+from trinity_train.train import Trainer
+
+STEPS = 40
+KILL_AT_STEP = 33
+GUARD = {"window": 32, "min_history": 8, "rollback_after": 2, "max_consecutive_skips": 6,
+         "rollback_lookback": 2, "skip_extra_batches": 2, "repeat_window": 10, "calm_steps": 5}
+DRILLS = [{"fault": "loss_spike", "first": 12}, {"fault": "poison_random", "first": 18, "last": 23}]
+
+
+@dataclass
+class DrillRun:
+    path: Path
+    skipped: list[int]                   # iterations of the skipped steps
+    abandoned: list[tuple[int, int]]     # per rollback: the first and last iteration it undid
+    superseded: list[int]                # iterations of the train records the resume moved aside
+    last_iter: int
+
+
+class Killed(Exception):
+    pass
+
+
+def drill_config(corpus: Path, run_dir: Path, seed: int):
+    return run_config(corpus, run_dir,
+                      train={"steps": STEPS, "micro_batch_size": 4, "grad_accum": 1, "eval_every": 10,
+                             "eval_batches": 2, "seed": seed},
+                      optim={"lr": 3e-3, "warmup_steps": 2},
+                      checkpoint={"every": 5, "keep": 3},
+                      metrics={"layer_stats_every": 5},
+                      stability={**GUARD, "inject": [dict(d) for d in DRILLS]})
+
+
+def write_drill_run(corpus: Path, run_dir: Path, *, seed: int = 0) -> DrillRun:
+    original = Trainer._one_iteration
+
+    def killed_between_checkpoints(self, *args):
+        original(self, *args)
+        if self.state.step == KILL_AT_STEP:
+            raise Killed()
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(Trainer, "_one_iteration", killed_between_checkpoints)
+        with pytest.raises(Killed):
+            Trainer(drill_config(corpus, run_dir, seed)).run()
+    cfg = drill_config(corpus, run_dir, seed)
+    cfg.checkpoint.resume = "auto"
+    Trainer(cfg).run()
+
+    rd = RunDir(run_dir)
+    rollbacks = rd.read_events("rollback")
+    superseded = [r["iter"] for r in read_jsonl(rd.superseded) if r.get("kind") == "train"]
+    train = rd.read_metrics("train")
+    assert rollbacks and superseded, "the drill run must roll back and resume past records"
+    return DrillRun(path=rd.path, skipped=[r["iter"] for r in train if r["skipped"]],
+                    abandoned=[(e["to_iter"] + 1, e["iter"]) for e in rollbacks],
+                    superseded=superseded, last_iter=train[-1]["iter"])
