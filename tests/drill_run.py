@@ -1,6 +1,6 @@
-"""A real fault-drill run directory, trained by the `Trainer` on the tiny corpus, for the tests of
-the dashboard and the report: what they draw must be what a run writes, not what a hand-written
-run directory says it would.
+"""The fault-drill tests' run (`drill_config`, `train_killed_then_resumed`), and a real drill run
+directory trained with them (`write_drill_run`) for the tests of the dashboard and the report:
+what they draw must be what a run writes, not what a hand-written run directory says it would.
 
 The run (`RUN_MODEL`: 4 layers, 3 of them MoE; 40 steps of 4 x 16 tokens):
 
@@ -19,19 +19,35 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import pytest
 
 from conftest import run_config
+from trinity_train.config import Config
 from trinity_train.files import read_jsonl
 from trinity_train.rundir import RunDir
 from trinity_train.train import Trainer
 
 STEPS = 40
 KILL_AT_STEP = 33
+# The guard of every drill test: verdicts from step 10 on (warm-up 2, then 8 steps of history).
 GUARD = {"window": 32, "min_history": 8, "rollback_after": 2, "max_consecutive_skips": 6,
          "rollback_lookback": 2, "skip_extra_batches": 2, "repeat_window": 10, "calm_steps": 5}
 DRILLS = [{"fault": "loss_spike", "first": 12}, {"fault": "poison_random", "first": 18, "last": 23}]
+
+
+def drill_config(corpus: Path, run_dir: Path, *faults: dict, train: dict | None = None,
+                 metrics: dict | None = None, **stability) -> Config:
+    """`STEPS` steps of 4 x 16 tokens on `corpus` with the drill tests' guard and `faults`
+    injected, a checkpoint every 5 steps; `train`/`metrics` and `stability` override."""
+    return run_config(corpus, run_dir,
+                      train={"steps": STEPS, "micro_batch_size": 4, "grad_accum": 1, "eval_every": STEPS,
+                             "eval_batches": 2, **(train or {})},
+                      optim={"lr": 3e-3, "warmup_steps": 2},
+                      checkpoint={"every": 5, "keep": 3},
+                      metrics=metrics or {},
+                      stability={**GUARD, "inject": [dict(f) for f in faults], **stability})
 
 
 @dataclass
@@ -47,31 +63,30 @@ class Killed(Exception):
     pass
 
 
-def drill_config(corpus: Path, run_dir: Path, seed: int):
-    return run_config(corpus, run_dir,
-                      train={"steps": STEPS, "micro_batch_size": 4, "grad_accum": 1, "eval_every": 10,
-                             "eval_batches": 2, "seed": seed},
-                      optim={"lr": 3e-3, "warmup_steps": 2},
-                      checkpoint={"every": 5, "keep": 3},
-                      metrics={"layer_stats_every": 5},
-                      stability={**GUARD, "inject": [dict(d) for d in DRILLS]})
-
-
-def write_drill_run(corpus: Path, run_dir: Path, *, seed: int = 0) -> DrillRun:
+def train_killed_then_resumed(make_config: Callable[[], Config], killed_after: Callable[[Trainer], bool]) -> None:
+    """Train the run of `make_config()` in a trainer that dies (an exception, as a SIGKILL would
+    leave its files) after the first iteration at which `killed_after(trainer)` holds, then resume
+    it with `checkpoint.resume=auto`, as a restarted job would."""
     original = Trainer._one_iteration
 
-    def killed_between_checkpoints(self, *args):
+    def one_iteration_then_maybe_die(self, *args):
         original(self, *args)
-        if self.state.step == KILL_AT_STEP:
+        if killed_after(self):
             raise Killed()
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(Trainer, "_one_iteration", killed_between_checkpoints)
+        patch.setattr(Trainer, "_one_iteration", one_iteration_then_maybe_die)
         with pytest.raises(Killed):
-            Trainer(drill_config(corpus, run_dir, seed)).run()
-    cfg = drill_config(corpus, run_dir, seed)
+            Trainer(make_config()).run()
+    cfg = make_config()
     cfg.checkpoint.resume = "auto"
     Trainer(cfg).run()
+
+
+def write_drill_run(corpus: Path, run_dir: Path, *, seed: int = 0) -> DrillRun:
+    train_killed_then_resumed(lambda: drill_config(corpus, run_dir, *DRILLS, train={"eval_every": 10, "seed": seed},
+                                                   metrics={"layer_stats_every": 5}),
+                              killed_after=lambda trainer: trainer.state.step == KILL_AT_STEP)
 
     rd = RunDir(run_dir)
     rollbacks = rd.read_events("rollback")

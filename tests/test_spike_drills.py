@@ -12,7 +12,7 @@ import shutil
 
 import pytest
 
-from conftest import run_config
+from drill_run import GUARD, STEPS, drill_config, train_killed_then_resumed
 from trinity_train.cli import main
 from trinity_train.config import save_config
 from trinity_train.data import SkipLedger
@@ -20,21 +20,6 @@ from trinity_train.rundir import RunDir
 from trinity_train.stability import HALT_EXIT_CODE, TrainingDivergedError
 from trinity_train.stability.incidents import format_table, read_incidents
 from trinity_train.train import Trainer
-
-STEPS = 40
-# Verdicts from step 10 on (warm-up 2, then 8 steps of history); checkpoints every 5 steps.
-GUARD = {"window": 32, "min_history": 8, "rollback_after": 2, "max_consecutive_skips": 6,
-         "rollback_lookback": 2, "skip_extra_batches": 2, "repeat_window": 10, "calm_steps": 5}
-
-
-def drill_config(corpus, run_dir, *faults, **stability):
-    return run_config(corpus, run_dir,
-                      train={"steps": STEPS, "micro_batch_size": 4, "grad_accum": 1, "eval_every": STEPS,
-                             "eval_batches": 2},
-                      optim={"lr": 3e-3, "warmup_steps": 2},
-                      checkpoint={"every": 5, "keep": 3},
-                      stability={**GUARD, "inject": [dict(f) for f in faults], **stability})
-
 
 def train_records(run_dir):
     return RunDir(run_dir).read_metrics("train")
@@ -133,29 +118,14 @@ def test_poisoned_data_rolls_back_to_before_the_onset_and_never_trains_again(cor
     assert "rollback->" in table and "poison_random" in table
 
 
-class Killed(Exception):
-    pass
-
-
-def test_a_kill_in_the_middle_of_an_incident_resumes_to_the_same_run(corpus, tmp_path, monkeypatch):
+def test_a_kill_in_the_middle_of_an_incident_resumes_to_the_same_run(corpus, tmp_path):
     straight = tmp_path / "straight"
     Trainer(drill_config(corpus, straight, POISON)).run()
 
     interrupted = tmp_path / "interrupted"
-    original = Trainer._one_iteration
-
-    def dies_after_the_first_skip(self, *args):
-        original(self, *args)
-        if self.skip_streak:  # one poisoned batch skipped, the rollback not yet asked for
-            raise Killed()
-
-    with monkeypatch.context() as m:
-        m.setattr(Trainer, "_one_iteration", dies_after_the_first_skip)
-        with pytest.raises(Killed):
-            Trainer(drill_config(corpus, interrupted, POISON)).run()
-    cfg = drill_config(corpus, interrupted, POISON)
-    cfg.checkpoint.resume = "auto"
-    Trainer(cfg).run()
+    # dies with one poisoned batch skipped, the rollback not yet asked for
+    train_killed_then_resumed(lambda: drill_config(corpus, interrupted, POISON),
+                              killed_after=lambda trainer: bool(trainer.skip_streak))
 
     fields = ("iter", "step", "batch", "loss", "grad_norm", "skipped")
     assert [tuple(r[k] for k in fields) for r in train_records(interrupted)] == \
