@@ -53,7 +53,7 @@ def _split(run: RunView, iters: np.ndarray, values: np.ndarray, x0, x1, width: i
     span = window(iters, x0, x1)
     x, y = iters[span], values[span]
     abandoned = run.abandoned_mask(x)
-    main = _downsampled(x[~abandoned], y[~abandoned], width)
+    main = _downsampled(*_broken_at_rollbacks(run, x[~abandoned], y[~abandoned]), width)
     faded = _downsampled(*_with_gaps(x[abandoned], y[abandoned]), width)
     return {"main": main, "abandoned": faded, "points": int(len(x))}
 
@@ -67,6 +67,15 @@ def _with_gaps(x: np.ndarray, y: np.ndarray, breaks: np.ndarray | None = None):
     if breaks is not None:  # another resume's records, or the same iterations again
         cut = (np.diff(x) <= 0) | (np.diff(np.nan_to_num(breaks, nan=-1.0)) != 0)
     at = np.flatnonzero(cut) + 1
+    return (np.insert(x.astype(np.float64), at, np.nan), np.insert(y.astype(np.float64), at, np.nan))
+
+
+def _broken_at_rollbacks(run: RunView, x: np.ndarray, y: np.ndarray):
+    """A NaN where the main line jumps over iterations a rollback undid: a line drawn through the
+    band would look like training that happened."""
+    if len(x) < 2:
+        return x, y
+    at = np.flatnonzero((np.diff(x) > 1) & run.abandoned_mask(x[:-1] + 1)) + 1
     return (np.insert(x.astype(np.float64), at, np.nan), np.insert(y.astype(np.float64), at, np.nan))
 
 
