@@ -4,6 +4,7 @@ configs. Test modules take the `corpus` fixture and build configs with `tiny_mod
 
 from __future__ import annotations
 
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -25,6 +26,15 @@ RUN_MODEL = dict(vocab_size=320, hidden_size=32, num_layers=4, num_dense_layers=
                  num_kv_heads=1, head_dim=16, intermediate_size=64, num_experts=4,
                  num_experts_per_tok=2, moe_intermediate_size=16, sliding_window=8,
                  bias_update_rate=1e-2)
+
+
+CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+
+
+def shipped_training_configs() -> list[Path]:
+    """Every training config under configs/, the study's base included (a study file, which
+    names variants, is not one)."""
+    return sorted(p for p in CONFIGS.rglob("*.toml") if "variants" not in tomllib.loads(p.read_text()))
 
 
 @pytest.fixture(scope="session")

@@ -1,13 +1,10 @@
 """The config tree: TOML loading, dotted overrides, validation messages, the shipped configs."""
 
-from pathlib import Path
-
 import pytest
 
+from conftest import CONFIGS, shipped_training_configs
 from trinity_train.config import Config, config_to_dict, load_config, parse_overrides, save_config
 from trinity_train.errors import ConfigError
-
-CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 
 
 def test_debug_toml_equals_the_dataclass_defaults():
@@ -105,8 +102,7 @@ def test_resolved_config_round_trips_through_toml(tmp_path):
     assert config_to_dict(load_config(tmp_path / "config.toml")) == config_to_dict(cfg)
 
 
-@pytest.mark.parametrize("path", sorted(p for p in CONFIGS.rglob("*.toml") if "studies" not in p.parts),
-                         ids=lambda p: str(p.relative_to(CONFIGS)))
+@pytest.mark.parametrize("path", shipped_training_configs(), ids=lambda p: str(p.relative_to(CONFIGS)))
 def test_every_shipped_config_runs_with_the_spike_guard_and_rollbacks(path):
     cfg = load_config(path)
     s = cfg.stability

@@ -14,12 +14,11 @@ from __future__ import annotations
 
 import math
 import re
-from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import run_config, tiny_model
+from conftest import CONFIGS, run_config, shipped_training_configs, tiny_model
 from helpers import assert_values_close
 from trinity_train.config import Config, load_config
 from trinity_train.errors import ConfigError
@@ -34,7 +33,6 @@ from trinity_train.rundir import RunDir
 from trinity_train.stability.incidents import read_incidents
 from trinity_train.train import Trainer, apply_training_wrappers
 
-CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 MEDIAN_TOLERANCE = activation_sums.MEDIAN_RELATIVE_PRECISION
 NUM_LAYERS = 4
 MOE_LAYERS = [1, 2, 3]  # TINY_MODEL: one dense layer, then MoE
@@ -282,7 +280,7 @@ def test_layer_stats_every_must_not_be_negative():
         load_config(None, ["--metrics.layer_stats_every=-1"])
 
 
-@pytest.mark.parametrize("path", sorted(CONFIGS.rglob("*.toml")), ids=lambda p: p.stem)
+@pytest.mark.parametrize("path", shipped_training_configs(), ids=lambda p: str(p.relative_to(CONFIGS)))
 def test_every_shipped_config_takes_layer_statistics(path):
     assert load_config(path).metrics.layer_stats_every >= 1
 
