@@ -25,6 +25,8 @@ def test_rollback_iterations_are_abandoned_and_superseded_records_drawn_apart(tm
     assert main.count(None) == 1 and (main[gap - 1], main[gap + 1]) == (lo - 1, hi + 1)
     drawn = [x for x in main if x is not None]
     assert drawn == sorted(drawn) and drawn[-1] == 300
+    narrow = views.series(run, ["loss", "val_loss"], None, None, 20)["series"]  # downsampled: still broken
+    assert None in narrow["loss"]["main"]["x"] and None in narrow["val_loss"]["main"]["x"]
     first, last = fake.superseded
     assert [x for x in loss["superseded"]["x"] if x is not None] == list(range(first, last + 1))
     mask = run.abandoned_mask(np.array([lo - 1, lo, hi, hi + 1]))

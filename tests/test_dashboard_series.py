@@ -33,6 +33,13 @@ def test_short_series_are_not_downsampled_and_nan_buckets_stay_gaps():
     assert np.isnan(y[keep]).sum() == 5
 
 
+def test_a_single_nan_break_survives_downsampling():
+    y = np.ones(100_000)
+    y[54_321] = np.nan  # where a line breaks (at a rollback)
+    keep = minmax_indices(y, 100)
+    assert 54_321 in keep and len(keep) <= 3 * 100
+
+
 def test_window_selects_the_range_with_one_neighbour_each_side():
     x = np.arange(1, 101)
     assert (x[window(x, 10, 20)][[0, -1]] == [9, 21]).all()

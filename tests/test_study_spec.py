@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from filelock import FileLock
 
 from study_files import DIVERGING, TOKENS, write_base, write_study
 from trinity_train.config import BLOCK_VARIANTS, config_differences, config_to_dict, load_config
@@ -99,12 +100,15 @@ BAD_STUDIES = [
     ({"base": "nowhere.toml"}, ["base: the base config 'nowhere.toml' does not exist"]),
     ({"sedes": [0]}, ["sedes: unknown key (did you mean 'seeds'?)"]),
     ({"lrs": [{"name": "normal", "lr": 3e-3, "mun_lr": 1e-2}]}, ["lrs[0].mun_lr: unknown key (did you mean 'lrs[0].muon_lr'?)"]),
-    ({"lrs": [{"name": "normal", "lr": -1.0}]}, ["lrs[0].lr: must be positive"]),
+    ({"lrs": [{"name": "normal", "lr": -1.0}]}, ["lrs[0].lr: must be a positive finite number"]),
+    ({"lrs": [{"name": "normal", "lr": float("inf")}]}, ["lrs[0].lr: must be a positive finite number, got inf"]),
     ({"lrs": []}, ["lrs: must list at least one learning-rate setting"]),
     ({"tokens": 1000}, [f"tokens: the study states 1000 tokens but its base config trains 6 steps x 2 sequences x 16 "
                         f"tokens = {TOKENS}"]),
     ({"drills": [{"variant": "gemma3", "stability": DIVERGING}]}, ["drills[0].variant: 'gemma3' is not one of the study's"]),
     ({"drills": [{"stability": {"injct": []}}]}, ["cell sandwich-normal-s0: unknown config key 'stability.injct'"]),
+    ({"lrs": [{"name": "normal", "lr": 3e-3}, {"name": "high", "lr": 1e-2, "variants": ["prenorm"]}],
+      "drills": [{"variant": "sandwich", "lr": "high", "stability": DIVERGING}]}, ["drills[0]: selects no cell"]),
 ]
 
 
@@ -132,4 +136,22 @@ def test_a_bad_base_config_or_study_path_is_one_line(corpus, tmp_path):
     assert result.returncode == 2 and "is not valid TOML" in result.stderr and len(result.stderr.strip().splitlines()) == 1
     result = ablate("--study", write_study(tmp_path), "--nproc", "0", cwd=tmp_path)
     assert result.returncode == 2 and "--nproc must be at least 1" in result.stderr
+    (tmp_path / "a-file").write_text("")
+    result = ablate("--study", write_study(tmp_path), "--out", tmp_path / "a-file" / "out", cwd=tmp_path)
+    assert result.returncode == 2 and f"{tmp_path / 'a-file'} is not a directory" in result.stderr
+    write_base(corpus, tmp_path, model={"num_kv_heads": 2}, parallel={"tp": 2})
+    result = ablate("--study", write_study(tmp_path), "--out", tmp_path / "out", cwd=tmp_path)
+    assert result.returncode == 2 and "--nproc 1: the base config's parallel.tp=2 must divide it" in result.stderr
     assert not (tmp_path / "runs").exists() and not (tmp_path / "out").exists()
+
+
+def test_a_second_ablate_in_the_same_directory_is_refused(corpus, tmp_path):
+    write_base(corpus, tmp_path)
+    out = StudyDir(tmp_path / "out")
+    out.path.mkdir()
+    with FileLock(out.lock):  # as the first ablate holds it while its cells train
+        result = ablate("--study", write_study(tmp_path), "--out", out.path, cwd=tmp_path)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip() == (f"error: another `trinity-train ablate` is running in {out.path}; wait for it to "
+                                     f"finish, or write this one to another --out")
+    assert not (out.path / "cells").exists()

@@ -469,7 +469,8 @@ def validate(cfg: Config) -> None:
     _one_of(o.name, ("adamw", "muon"), "optim.name")
     _one_of(o.schedule, ("wsd", "cosine", "constant"), "optim.schedule")
     _one_of(o.muon_scale, ("spectral", "rms_match"), "optim.muon_scale")
-    _require(o.lr > 0 and o.muon_lr > 0, "optim.lr", "learning rates must be positive")
+    _require(all(v > 0 and math.isfinite(v) for v in (o.lr, o.muon_lr)), "optim.lr",
+             "learning rates must be positive finite numbers")
     _require(0 <= o.beta1 < 1 and 0 <= o.beta2 < 1, "optim.beta1", "betas must be in [0, 1)")
     _require(o.weight_decay >= 0, "optim.weight_decay", "must be >= 0")
     _require(o.warmup_steps >= 0, "optim.warmup_steps", "must be >= 0")

@@ -128,8 +128,11 @@ class TrainingStep:
 
         lrs = self.learning_rates()
         verdict = self.guard.judge(mean_loss, grad_norm_value, iteration, steps_applied)
-        # Every rank has the same verdict, so all of them join the norms' collectives.
-        layer_grad_norms = None if verdict.apply else per_layer_grad_norms(self.model, self.dims)
+        layer_grad_norms = None  # a skipped step's, for its incident report
+        if not verdict.apply and layer_stats is not None:
+            layer_grad_norms = {"attn": layer_stats["grad_norm_attn"], "ffn": layer_stats["grad_norm_ffn"]}
+        elif not verdict.apply:  # every rank has the same verdict, so all of them join the norms' collectives
+            layer_grad_norms = per_layer_grad_norms(self.model, self.dims)
         if verdict.apply:
             if self.cfg.train.grad_clip > 0:
                 clip_grads_with_norm_(self.params, self.cfg.train.grad_clip, grad_norm)

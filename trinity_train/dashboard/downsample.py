@@ -4,7 +4,8 @@ A chart `width` pixels wide cannot show more than about one value per pixel colu
 series is cut into `width` buckets of consecutive points and each bucket keeps its smallest and
 its largest value (in their order along x). Averaging, or keeping every k-th point, would make a
 one-step loss spike vanish; the min/max of its bucket always keeps it. Missing values (NaN) are
-ignored; a bucket with nothing but NaN keeps one NaN, which the chart draws as a gap.
+ignored as values, but the first NaN after each value is kept (up to `width` of them), since the
+chart draws it as a gap: the break of a line at a rollback survives downsampling.
 """
 
 from __future__ import annotations
@@ -21,8 +22,8 @@ def window(x: np.ndarray, x0: float | None, x1: float | None) -> slice:
 
 
 def minmax_indices(y: np.ndarray, width: int) -> np.ndarray:
-    """Indices into `y` (ascending) of at most 2 * `width` points that keep every bucket's
-    extremes; all indices when `y` is that short already."""
+    """Indices into `y` (ascending) of at most 3 * `width` points that keep every bucket's
+    extremes and the line's breaks; all indices when `y` is short already."""
     n = len(y)
     if n <= 2 * width:
         return np.arange(n)
@@ -38,7 +39,10 @@ def minmax_indices(y: np.ndarray, width: int) -> np.ndarray:
     lowest[empty] = highest[empty] = 0
     base = np.arange(buckets) * size
     picked = np.unique(np.concatenate([base + lowest, base + highest]))
-    return picked[picked < n]
+    picked = picked[picked < n]
+    nan = np.isnan(np.asarray(y, np.float64))
+    gaps = np.flatnonzero(nan[1:] & ~nan[:-1]) + 1  # where a line breaks
+    return np.union1d(picked, gaps) if len(gaps) <= width else picked
 
 
 def bucket_max(x: np.ndarray, z: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray]:

@@ -73,9 +73,11 @@ def _with_gaps(x: np.ndarray, y: np.ndarray, breaks: np.ndarray | None = None):
 def _broken_at_rollbacks(run: RunView, x: np.ndarray, y: np.ndarray):
     """A NaN where the main line jumps over iterations a rollback undid: a line drawn through the
     band would look like training that happened."""
-    if len(x) < 2:
+    starts = run.rollback_ranges()[:, 0]
+    if len(x) < 2 or not len(starts):
         return x, y
-    at = np.flatnonzero((np.diff(x) > 1) & run.abandoned_mask(x[:-1] + 1)) + 1
+    # between two points whose iterations have a rollback's first undone iteration between them
+    at = np.flatnonzero(np.diff(np.searchsorted(starts, x, "right")) > 0) + 1
     return (np.insert(x.astype(np.float64), at, np.nan), np.insert(y.astype(np.float64), at, np.nan))
 
 

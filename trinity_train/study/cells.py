@@ -58,10 +58,7 @@ def _spread_over_ranks(table: dict, base: Config, nproc: int) -> None:
     """With `nproc` ranks, each data-parallel rank takes its share of the base's global batch, so
     that every cell trains on the same batches as on one process: `train.global_batch_size`, when
     the base sets it, does that by itself; otherwise each rank's micro-batch is divided."""
-    tp = base.parallel.tp
-    if nproc % tp:
-        raise StudyError(f"--nproc {nproc}: the base config's parallel.tp={tp} must divide it")
-    dp = nproc // tp
+    dp = nproc // base.parallel.tp
     if base.train.global_batch_size > 0:
         try:
             grad_accum_for(base.train, dp)
@@ -93,6 +90,8 @@ def study_cells(study: Study, out: StudyDir, nproc: int = 1) -> list[Cell]:
         base = load_config(study.base)
     except ConfigError as e:
         raise StudyError(f"{study.path}: base config: {e}") from None
+    if nproc % base.parallel.tp:  # also nproc < tp: a cell runs on --nproc ranks
+        raise StudyError(f"--nproc {nproc}: the base config's parallel.tp={base.parallel.tp} must divide it")
     cells = []
     for setting in study.lrs:
         for seed in study.seeds:
@@ -106,15 +105,32 @@ def study_cells(study: Study, out: StudyDir, nproc: int = 1) -> list[Cell]:
                 if nproc > 1:
                     _spread_over_ranks(table, base, nproc)
                 drills = [d for d in study.drills if d.selects(variant, setting.name, seed)]
-                for drill in drills:
-                    table["stability"] = {**table.get("stability", {}), **drill.stability}
+                if drills:
+                    table["stability"] = _merged_drills(drills)
                 try:
                     cfg = load_config(study.base, table)
                 except ConfigError as e:
                     raise StudyError(f"{study.path}: cell {name}: {e}") from None
                 _check_budget(study, cfg, nproc)
                 cells.append(Cell(name, variant, setting.name, seed, bool(drills), cfg))
+    for i, drill in enumerate(study.drills):
+        if not any(drill.selects(c.variant, c.lr, c.seed) for c in cells):
+            raise StudyError(f"{study.path}: drills[{i}]: selects no cell of the study ({drill.as_dict()}); "
+                             f"name a variant, lr setting and seed the study runs")
     return cells
+
+
+def _merged_drills(drills: list) -> dict:
+    """The [stability] settings of every drill acting on one cell: later settings win, and the
+    faults of all of them are injected."""
+    merged: dict = {}
+    faults: list = []
+    for drill in drills:
+        merged.update(drill.stability)
+        faults += list(drill.stability.get("inject", []))
+    if faults:
+        merged["inject"] = faults
+    return merged
 
 
 def _comparable(cfg: Config) -> dict:

@@ -14,6 +14,8 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from filelock import FileLock, Timeout
+
 from trinity_train.errors import UserError
 from trinity_train.study.cells import recorded_config_mismatch, study_cells, study_hash
 from trinity_train.study.layout import StudyDir
@@ -49,6 +51,7 @@ def run_ablate(study_file: str, out_dir: str | None, nproc: int, command: str,
         raise StudyError(f"--nproc must be at least 1, got {nproc}")
     study = load_study(study_file)
     out = StudyDir(out_dir or default_out(study.name))
+    _check_out(out)
     cells = study_cells(study, out, nproc)
     for cell in cells:
         if (mismatch := recorded_config_mismatch(cell, out)) is not None:
@@ -56,6 +59,27 @@ def run_ablate(study_file: str, out_dir: str | None, nproc: int, command: str,
                              f"changed since that cell ran; write it to another --out, or delete that directory "
                              f"to run the cell again")
     config_hash = study_hash(cells)
+    out.path.mkdir(parents=True, exist_ok=True)
+    try:
+        with FileLock(out.lock, timeout=0):  # two studies in one directory would train the same cells
+            return _run_locked(study, cells, out, nproc, config_hash, command, started, load_start, say)
+    except Timeout:
+        raise StudyError(f"another `trinity-train ablate` is running in {out.path}; wait for it to finish, "
+                         f"or write this one to another --out") from None
+
+
+def _check_out(out: StudyDir) -> None:
+    """--out must be a directory, or a path a directory can be made at."""
+    for path in (out.path, *out.path.parents):
+        if path.exists():
+            if not path.is_dir():
+                raise StudyError(f"--out {out.path}: {path} is not a directory; name a directory (it is created "
+                                 f"if missing)")
+            return
+
+
+def _run_locked(study, cells, out: StudyDir, nproc: int, config_hash: str, command: str, started: float,
+                load_start: str | None, say: Callable[[str], None]) -> int:
     write_cell_configs(cells, out)
     check_launcher(cells, out, nproc)
     state = StudyState(out.state)

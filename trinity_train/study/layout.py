@@ -6,6 +6,7 @@
 | `configs/NAME.toml`   | each cell's resolved config (`trinity-train train --config` reruns it) |
 | `logs/NAME.log`       | each cell's console output, every attempt appended                    |
 | `study_state.json`    | what the runner knows of each cell (outcome, exit code, wall time)    |
+| `.ablate.lock`        | held by the `ablate` that is running in this directory               |
 | `summary.json`        | every measurement of every cell, and the means over seeds             |
 | `report.md`           | the tables (mean ± std over seeds; one row per cell)                  |
 | `plots/*.png`         | loss curves, gradient norm and residual RMS by layer, spikes by LR    |
@@ -24,6 +25,7 @@ SUMMARY_FILE = "summary.json"
 TABLE_FILE = "report.md"
 HTML_FILE = "report.html"
 PLOTS_DIR = "plots"
+LOCK_FILE = ".ablate.lock"
 
 
 @dataclass(frozen=True)
@@ -47,6 +49,10 @@ class StudyDir:
     @property
     def state(self) -> Path:
         return self.path / STATE_FILE
+
+    @property
+    def lock(self) -> Path:
+        return self.path / LOCK_FILE
 
     @property
     def summary(self) -> Path:

@@ -4,9 +4,9 @@ Loss and stability, from the `train`, `val` records and the events:
 - `val`: the validation curve of the run's main line (`step`, `tokens` seen, `val_loss`), and
   `val_loss_at`: the loss at 50 % and 100 % of the steps (the last validation at or before it),
   so cells compare at matched token counts (every cell trains the same tokens per step);
-- `skipped_steps`, `nonfinite_steps` (loss or gradient norm not finite), `rollbacks` (the train
-  records and rollback events; the step on which the guard halts a run writes no train record,
-  its `halt` event is `halt`);
+- `skipped_steps`, `nonfinite_steps` (loss or gradient norm not finite), `rollbacks` (from the
+  train records and the rollback events; a halt after too many skips in a row leaves its last
+  step without a train record, the `halt` event says why);
 - `max_loss_jump`: the largest rise of the train loss from one iteration to the next;
 - `clipped_fraction`: applied steps whose pre-clip gradient norm exceeded `train.grad_clip`;
 - `max_grad_norm`; `tokens_per_s` (median, past the first iterations); `moe_max_load` (the worst
@@ -17,7 +17,8 @@ the steps: per layer the gradient norm (attention, FFN, and both together) with 
 depth (`spread`: max/min over layers; `log_slope`: least-squares slope of ln(norm) against the
 layer index: negative when early layers get the larger gradients), the residual-stream RMS after
 each block (`residual_ratio`: last over first), the learned post-norm gains, and each block
-output's excess kurtosis and max|a|/median|a|.
+output's excess kurtosis and max|a|/median|a|. Records of skipped steps are left out: a spike's
+gradients are not the profile of the training.
 
 Iterations a rollback undid (to_iter+1 .. iter) are left out of the main line (the validation
 curve and the depth profile), as the dashboard fades them; the stability counts include them:
@@ -158,8 +159,9 @@ def measure_cell(run: RunDir, cfg: Config) -> dict:
         reached = curve and curve[-1]["step"] >= round(fraction * steps)
         val_at[label] = point if reached else None
 
-    layers = sorted(_main_line([r for r in records if r.get("kind") == "layers" and isinstance(r.get("iter"), int)],
-                               ranges), key=lambda r: r["iter"])
+    skipped = {r["iter"] for r in train if r.get("skipped")}  # a spike's gradients are no depth profile
+    layers = sorted(_main_line([r for r in records if r.get("kind") == "layers" and isinstance(r.get("iter"), int)
+                                and r["iter"] not in skipped], ranges), key=lambda r: r["iter"])
     profile = {}
     for label, fraction in LAYER_POINTS.items():
         record = _record_near(layers, fraction * steps, tolerance=0.1 * steps)

@@ -183,6 +183,7 @@ def spikes_by_lr(cells: list[dict], lrs: list[str], variants: list[str], path: P
     width = 0.8 / max(1, len(variants))
     for ax, key, ylabel in ((axes[0][0], "skipped_steps", "skipped steps"), (axes[0][1], "rollbacks", "rollbacks")):
         for v, variant in enumerate(variants):
+            labelled = False  # one legend entry per variant, at its first bar (not every LR has every variant)
             for x, lr in enumerate(lrs):
                 members = _by_group(cells, lr).get(variant, [])
                 values = [c["headline"][key] for c in members if c["headline"][key] is not None]
@@ -190,7 +191,8 @@ def spikes_by_lr(cells: list[dict], lrs: list[str], variants: list[str], path: P
                     continue
                 mean = sum(values) / len(values)
                 bar = x - 0.4 + width * (v + 0.5)
-                ax.bar(bar, mean, width, color=COLORS[variant], label=variant if x == 0 else None)
+                ax.bar(bar, mean, width, color=COLORS[variant], label=None if labelled else variant)
+                labelled = True
                 ax.scatter([bar] * len(values), values, color="black", s=6, zorder=3)
                 diverged = sum(1 for c in members if c["status"] == "diverged")
                 if diverged:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from trinity_train.files import atomic_write_json, atomic_write_text
+from trinity_train.files import atomic_write_json, atomic_write_text, json_safe
 from trinity_train.study import aggregate, table
 from trinity_train.study.cells import Cell, global_batch
 from trinity_train.study.layout import StudyDir
@@ -60,7 +60,7 @@ def write_study_report(summary: dict, out: StudyDir) -> None:
     from trinity_train.dashboard.report import write_report
     from trinity_train.study import plots
 
-    atomic_write_json(out.summary, summary)
+    atomic_write_json(out.summary, json_safe(summary))  # a NaN or inf in a drill's settings is null, not a crash
     plots.write_plots(summary["cells"], [lr["name"] for lr in summary["study"]["lrs"]], summary["study"]["variants"],
                       out.plot)
     atomic_write_text(out.table, table.render_markdown(summary))

@@ -120,8 +120,8 @@ def _settle(cell: Cell, out: StudyDir, code: int, error: str) -> tuple[str, str]
     outcome = run_outcome(out.cell(cell.name), cell.config.train.steps)
     if outcome is not None and outcome.status == DIVERGED:
         return DIVERGED, outcome.reason
-    if code == 0 and outcome is not None:
-        return FINISHED, ""
+    if outcome is not None:  # its last step and run_end are written: its records are complete
+        return FINISHED, "" if code == 0 else f"finished its steps, then {_exit_description(code)}: {error}"
     if code == HALT_EXIT_CODE:
         return DIVERGED, error.removeprefix("error: ")
     why = "it exited without finishing its steps" if code == 0 else _exit_description(code)

@@ -11,7 +11,7 @@ seq_len, and must equal what the base trains. `drills` rehearse a diverging cell
     base = "norm_placement_base.toml"           # relative to the study file
     variants = ["prenorm", "sandwich", "trinity", "gemma3", "normformer"]
     seeds = [0, 1, 2]
-    tokens = 307200                             # 300 steps x 8 sequences x 128 tokens
+    tokens = 51200                              # 100 steps x 4 sequences x 128 tokens
 
     [[lrs]]
     name = "normal"
@@ -21,7 +21,7 @@ seq_len, and must equal what the base trains. `drills` rehearse a diverging cell
 
     [[drills]]
     variant = "sandwich"                        # optional: lr = "normal", seed = 0
-    stability = {inject = [{fault = "nan_loss", first = 3, last = 100}], max_consecutive_skips = 2}
+    stability = {inject = [{fault = "nan_loss", first = 3, last = 100}], rollback_after = 0, max_consecutive_skips = 2}
 
 Every mistake is one `StudyError` naming the file and the key (the CLI: one line, exit 2).
 """
@@ -29,6 +29,7 @@ Every mistake is one `StudyError` naming the file and the key (the CLI: one line
 from __future__ import annotations
 
 import difflib
+import math
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
@@ -120,8 +121,8 @@ class _Reader:
 
     def positive_float(self, key: str) -> float | None:
         value = self.get(key, (int, float), "a positive number", None)
-        if value is not None and not value > 0:
-            self.fail(key, f"must be positive, got {value!r}")
+        if value is not None and not (value > 0 and math.isfinite(value)):
+            self.fail(key, f"must be a positive finite number, got {value!r}")
         return None if value is None else float(value)
 
     def variant_list(self, key: str, default: Any = ...) -> tuple[str, ...]:
@@ -212,7 +213,7 @@ def load_study(path: str | Path) -> Study:
         r.fail("seeds", "must list at least one train.seed, e.g. seeds = [0, 1, 2]")
     if not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in seeds) or len(set(seeds)) != len(seeds):
         r.fail("seeds", f"must be distinct integers >= 0, got {seeds}")
-    tokens = r.get("tokens", int, "the token budget, steps x global batch x seq_len (tokens = 307200)")
+    tokens = r.get("tokens", int, "the token budget, steps x global batch x seq_len (e.g. tokens = 51200)")
     if tokens <= 0:
         r.fail("tokens", f"must be positive, got {tokens}")
     lrs = _read_lrs(path, r.get("lrs", list, "the learning-rate settings ([[lrs]] tables)"), variants)
