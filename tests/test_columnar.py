@@ -29,6 +29,14 @@ def recorder(run_dir, **metrics):
     return MetricsRecorder(cfg, run_dir, start_step=0)
 
 
+def recorded(run_dir, iterations: int) -> tuple[RunDir, MetricsRecorder]:
+    """A recorder (still open) that has written the train records of iterations 1..`iterations`."""
+    rec = recorder(run_dir)
+    for i in range(1, iterations + 1):
+        rec.train(train_record(i))
+    return RunDir(run_dir), rec
+
+
 def test_the_mirror_holds_what_parsing_the_json_gives(tmp_path):
     run = RunDir(tmp_path)
     rec = recorder(tmp_path)
@@ -47,10 +55,7 @@ def test_the_mirror_holds_what_parsing_the_json_gives(tmp_path):
 
 
 def test_an_unflushed_tail_and_a_new_start(tmp_path):
-    run = RunDir(tmp_path)
-    rec = recorder(tmp_path)
-    for i in range(1, 300):
-        rec.train(train_record(i))
+    run, rec = recorded(tmp_path, 299)
     # 256 rows are in the mirror; the other 43 are only in metrics.jsonl so far
     table, end, _ = read_mirror(run.metrics_mirror, run.metrics)
     assert table.num_rows == 256 and end < os.path.getsize(run.metrics)
@@ -69,10 +74,7 @@ def test_an_unflushed_tail_and_a_new_start(tmp_path):
 
 
 def test_a_torn_last_batch_keeps_the_rows_before_it(tmp_path):
-    run = RunDir(tmp_path)
-    rec = recorder(tmp_path)
-    for i in range(1, 600):
-        rec.train(train_record(i))
+    run, rec = recorded(tmp_path, 599)
     rec.close()
     data = run.metrics_mirror.read_bytes()
     run.metrics_mirror.write_bytes(data[:-500])  # a crash in the middle of writing the last batch
@@ -83,10 +85,7 @@ def test_a_torn_last_batch_keeps_the_rows_before_it(tmp_path):
 
 
 def test_the_dashboard_reads_the_mirror_and_parses_only_the_lines_after_it(tmp_path):
-    run = RunDir(tmp_path)
-    rec = recorder(tmp_path)
-    for i in range(1, 300):
-        rec.train(train_record(i))
+    run, rec = recorded(tmp_path, 299)
     table, end, _ = read_mirror(run.metrics_mirror, run.metrics)
     # Damage the mirrored lines in the JSON: if the dashboard parsed them, it would drop them.
     data = bytearray(run.metrics.read_bytes())
