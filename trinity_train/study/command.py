@@ -60,12 +60,32 @@ def run_ablate(study_file: str, out_dir: str | None, nproc: int, command: str,
                              f"to run the cell again")
     config_hash = study_hash(cells)
     out.path.mkdir(parents=True, exist_ok=True)
+    lock = FileLock(out.lock, timeout=0)  # two studies in one directory would train the same cells
     try:
-        with FileLock(out.lock, timeout=0):  # two studies in one directory would train the same cells
-            return _run_locked(study, cells, out, nproc, config_hash, command, started, load_start, say)
+        lock.acquire()
     except Timeout:
         raise StudyError(f"another `trinity-train ablate` is running in {out.path}; wait for it to finish, "
                          f"or write this one to another --out") from None
+    try:
+        write_cell_configs(cells, out)
+        check_launcher(cells, out, nproc)
+        state = StudyState(out.state)
+        say(f"study {study.name}: {len(cells)} cells, config hash {config_hash[:16]}, in {out.path}")
+        results = run_cells(cells, out, state, nproc=nproc, keep_checkpoints=study.keep_checkpoints, say=say)
+        run = {"command": command, "started": started, "wall_s": time.time() - started, "load_start": load_start,
+               "load_end": load_average(), "cpus": os.cpu_count()}
+        state.invocations.append(run)
+        state.save()
+        write_study_report(build_summary(study, cells, config_hash, out, state, run, nproc), out)
+    finally:
+        lock.release()
+    say(f"report: {out.table} (summary.json, plots/, report.html beside it)")
+
+    failed = [r.cell.name for r in results if r.status == FAILED]
+    if failed:
+        raise StudyCellsFailedError(f"{len(failed)} of {len(cells)} cells failed ({', '.join(failed)}); their "
+                                    f"consoles are in {out.path / 'logs'}; run the same command again to retry them")
+    return 0
 
 
 def _check_out(out: StudyDir) -> None:
@@ -76,26 +96,3 @@ def _check_out(out: StudyDir) -> None:
                 raise StudyError(f"--out {out.path}: {path} is not a directory; name a directory (it is created "
                                  f"if missing)")
             return
-
-
-def _run_locked(study, cells, out: StudyDir, nproc: int, config_hash: str, command: str, started: float,
-                load_start: str | None, say: Callable[[str], None]) -> int:
-    write_cell_configs(cells, out)
-    check_launcher(cells, out, nproc)
-    state = StudyState(out.state)
-
-    say(f"study {study.name}: {len(cells)} cells, config hash {config_hash[:16]}, in {out.path}")
-    results = run_cells(cells, out, state, nproc=nproc, keep_checkpoints=study.keep_checkpoints, say=say)
-    run = {"command": command, "started": started, "wall_s": time.time() - started, "load_start": load_start,
-           "load_end": load_average(), "cpus": os.cpu_count()}
-    state.invocations.append(run)
-    state.save()
-    summary = build_summary(study, cells, config_hash, out, state, run, nproc)
-    write_study_report(summary, out)
-    say(f"report: {out.table} (summary.json, plots/, report.html beside it)")
-
-    failed = [r.cell.name for r in results if r.status == FAILED]
-    if failed:
-        raise StudyCellsFailedError(f"{len(failed)} of {len(cells)} cells failed ({', '.join(failed)}); their "
-                                    f"consoles are in {out.path / 'logs'}; run the same command again to retry them")
-    return 0
