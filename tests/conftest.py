@@ -115,7 +115,7 @@ def merge_sections(base: dict, changes: dict) -> dict:
 
 
 def run_layouts(corpus: Path, root: Path, layouts: dict, run, common: dict | None = None) -> dict:
-    """In each rank of `ranks.run_ranks`: join the gloo group, build a Trainer for every layout
+    """In each rank of a `ranks.RankPool` job: join the gloo group, build a Trainer for every layout
     (`layout_config` with `common` sections under the layout's) and return {layout: run(trainer)}."""
     import functools
 
@@ -136,3 +136,35 @@ def run_layouts(corpus: Path, root: Path, layouts: dict, run, common: dict | Non
         results[name] = run(Trainer(cfg, dims, torch.device("cpu"),
                                     model_builder=functools.partial(build_model_for_training, dims=dims)))
     return results
+
+
+@pytest.fixture(scope="session")
+def rank_pool():
+    """`rank_pool(n)`: n gloo ranks spawned once for the whole session (`ranks.RankPool`)."""
+    from ranks import RankPool
+
+    pools: dict[int, RankPool] = {}
+
+    def get(world: int) -> RankPool:
+        return pools.setdefault(world, RankPool(world))
+
+    yield get
+    for pool in pools.values():
+        pool.close()
+
+
+@pytest.fixture(scope="session")
+def layout_runs(corpus, tmp_path_factory, rank_pool) -> dict:
+    """Every layout of the matrix and its single-process references, trained once
+    (`tests/layout_runs.py`): {"references": {block: run}, 2: [rank results], 4: [...]}, each rank's
+    result being {layout: run}."""
+    from layout_runs import COMMON, recorded
+    from trinity_train.train import Trainer
+
+    root = tmp_path_factory.mktemp("layouts")
+    references = {block: recorded(Trainer(layout_config(corpus, root / block,
+                                                        merge_sections(COMMON, {"model": {"block": block}}), 1)))
+                  for block in LAYOUT_BLOCKS}
+    return {"references": references,
+            2: rank_pool(2).run(run_layouts, corpus, root / "two", TWO_RANK_LAYOUTS, recorded, COMMON),
+            4: rank_pool(4).run(run_layouts, corpus, root / "four", FOUR_RANK_LAYOUTS, recorded, COMMON)}

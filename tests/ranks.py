@@ -6,15 +6,24 @@ WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT on a free port), calls `fn(*args)` in e
 what they return, by rank. A failure in any rank raises in the caller with that rank's traceback;
 ranks still running after `timeout_s` (a collective that hangs) are killed and the call fails, so
 a hang never blocks the suite. `fn` must be importable (a module-level function).
+
+`RankPool(n)` does the same with n ranks spawned once and kept: each `.run(fn, *args)` is one
+job on ranks that have already imported torch and joined the gloo group (a fresh spawn costs
+seconds of interpreter start per rank on a 2-core machine; the suite runs dozens of jobs). A
+job that fails or hangs in any rank ends the pool's processes (the others may be stuck in a
+collective with it); the next job spawns new ones. Jobs join the group through `init_gloo()`,
+which is a no-op there, and never leave it.
 """
 
 from __future__ import annotations
 
 import datetime
 import os
+import queue as queue_module
 import socket
 import tempfile
 import time
+import traceback
 from pathlib import Path
 from typing import Any, Callable
 
@@ -66,5 +75,80 @@ def run_ranks(world: int, fn: Callable, *args: Any, timeout_s: float = DEFAULT_T
 
 
 def init_gloo() -> None:
-    """Join the process group from the environment `run_ranks` set."""
-    dist.init_process_group("gloo", timeout=COLLECTIVE_TIMEOUT)
+    """Join the process group from the environment `run_ranks` set (already joined in a pool)."""
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", timeout=COLLECTIVE_TIMEOUT)
+
+
+def _serve(rank: int, world: int, port: int, tasks, results) -> None:
+    """A pool rank: run the jobs from `tasks` until told to stop (None), reporting each."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    init_gloo()
+    try:
+        while (job := tasks.get()) is not None:
+            fn, args, out = job
+            try:
+                torch.save(fn(*args), Path(out) / f"rank{rank}.pt")
+                results.put((rank, None))
+            except BaseException:  # reported in the caller, which ends the pool
+                results.put((rank, traceback.format_exc()))
+        leave_together()
+    finally:
+        destroy_distributed()
+
+
+class RankPool:
+    def __init__(self, world: int):
+        self.world = world
+        self._procs: list = []
+
+    def _start(self) -> None:
+        ctx = mp.get_context("spawn")
+        self._tasks = [ctx.Queue() for _ in range(self.world)]
+        self._results = ctx.Queue()
+        port = free_port()
+        self._procs = [ctx.Process(target=_serve, args=(r, self.world, port, self._tasks[r], self._results),
+                                   daemon=True) for r in range(self.world)]
+        for proc in self._procs:
+            proc.start()
+
+    def run(self, fn: Callable, *args: Any, timeout_s: float = DEFAULT_TIMEOUT_S) -> list:
+        if not self._procs:
+            self._start()
+        with tempfile.TemporaryDirectory() as out_dir:
+            for queue in self._tasks:
+                queue.put((fn, args, out_dir))
+            deadline, done = time.monotonic() + timeout_s, 0
+            while done < self.world:
+                try:
+                    rank, failure = self._results.get(timeout=2)
+                except queue_module.Empty:
+                    dead = [r for r, p in enumerate(self._procs) if not p.is_alive()]
+                    if dead or time.monotonic() > deadline:
+                        self.close(kill=True)
+                        if dead:
+                            raise RuntimeError(f"rank {dead[0]} of the {self.world}-rank pool died in "
+                                               f"{fn.__name__}") from None
+                        raise RanksHung(f"{self.world} ranks of {fn.__name__} still running after "
+                                        f"{timeout_s:.0f}s: a collective hung") from None
+                    continue
+                if failure is not None:
+                    self.close(kill=True)
+                    raise RuntimeError(f"rank {rank} of {fn.__name__} failed:\n{failure}")
+                done += 1
+            return [torch.load(Path(out_dir) / f"rank{r}.pt", weights_only=False) for r in range(self.world)]
+
+    def close(self, kill: bool = False) -> None:
+        """Stop the ranks: together (leaving the group cleanly) or, after a failure, at once."""
+        if not kill:
+            for queue in self._tasks:
+                queue.put(None)
+            for proc in self._procs:
+                proc.join(timeout=30)
+        for proc in self._procs:
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+        self._procs = []

@@ -14,7 +14,7 @@ from conftest import run_config
 from helpers import poison_batches
 from trinity_train.checkpoint import verify_checkpoint
 from trinity_train.files import read_jsonl
-from ranks import init_gloo, run_ranks
+from ranks import init_gloo
 from trinity_train.parallel.mesh import ParallelDims
 from trinity_train.train import Trainer, build_model_for_training
 
@@ -62,8 +62,8 @@ def two_rank_runs(corpus, root):
     return dist.get_rank()
 
 
-def test_two_rank_checkpoints_resume_exactly_and_reshard_to_one_process(corpus, tmp_path):
-    run_ranks(2, two_rank_runs, corpus, tmp_path)
+def test_two_rank_checkpoints_resume_exactly_and_reshard_to_one_process(corpus, tmp_path, rank_pool):
+    rank_pool(2).run(two_rank_runs, corpus, tmp_path)
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     expected = losses(straight)
     assert [s for s, _, _ in expected] == [1, 2, 3, 4]
@@ -101,8 +101,8 @@ def two_rank_rollback(corpus, root):
     return dist.get_rank()
 
 
-def test_two_rank_rollback_equals_a_run_that_skipped_those_batches(corpus, tmp_path):
-    run_ranks(2, two_rank_rollback, corpus, tmp_path)
+def test_two_rank_rollback_equals_a_run_that_skipped_those_batches(corpus, tmp_path, rank_pool):
+    rank_pool(2).run(two_rank_rollback, corpus, tmp_path)
     rolled, skipped = losses(tmp_path / "rolled"), losses(tmp_path / "skipped")
     assert [s for s, _, _ in rolled] == [1, 2, 3, 3, 3, 3, 4, 5, 6]  # two skips after step 3, back to 2
     assert rolled[-4:] == skipped[-4:]  # steps 3-6 after the rollback: bit-identical

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from conftest import run_config
-from ranks import init_gloo, run_ranks
+from ranks import init_gloo
 from trinity_train.config import grad_accum_for, load_config
 from trinity_train.errors import ConfigError
 from trinity_train.parallel.mesh import ParallelDims
@@ -71,9 +71,9 @@ def records(run_dir):
 
 
 @pytest.mark.slow
-def test_a_run_resumed_on_another_number_of_ranks_trains_on_the_same_batches(corpus, tmp_path):
+def test_a_run_resumed_on_another_number_of_ranks_trains_on_the_same_batches(corpus, tmp_path, rank_pool):
     straight, moved = tmp_path / "straight", tmp_path / "moved"
-    run_ranks(2, two_ranks, corpus, straight, "none")  # 2 ranks x 2 micro-batches of 1
+    rank_pool(2).run(two_ranks, corpus, straight, "none")  # 2 ranks x 2 micro-batches of 1
 
     # Steps 3-4 in one process (4 micro-batches of 1) from the two-rank step-2 checkpoint ...
     (moved / "checkpoints").mkdir(parents=True)
@@ -90,7 +90,7 @@ def test_a_run_resumed_on_another_number_of_ranks_trains_on_the_same_batches(cor
     with pytest.raises(KeyboardInterrupt):
         single.run()
     # ... and steps 5-6 on two ranks again, from the one-process step-4 checkpoint.
-    run_ranks(2, two_ranks, corpus, moved, "auto")
+    rank_pool(2).run(two_ranks, corpus, moved, "auto")
 
     expected, ours = records(straight), records(moved)
     assert [r[0] for r in ours] == [3, 4, 5, 6]

@@ -23,7 +23,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from torch.distributed.tensor.placement_types import _StridedShard
 from torch.utils.flop_counter import FlopCounterMode
 
-from ranks import init_gloo, run_ranks
+from ranks import init_gloo
 from trinity_train.optim.muon import Muon
 
 SHAPES = {
@@ -223,17 +223,17 @@ def _run_scenarios(out_dir, scenarios):
 
 
 @pytest.fixture(scope="module")
-def two_ranks():
+def two_ranks(rank_pool):
     with tempfile.TemporaryDirectory() as out_dir:
-        results = run_ranks(2, _run_scenarios, out_dir, ["layouts_2", "expert_without_tokens", "work_split",
+        results = rank_pool(2).run(_run_scenarios, out_dir, ["layouts_2", "expert_without_tokens", "work_split",
                                                          "checkpoint"])
         yield results, out_dir
 
 
 @pytest.fixture(scope="module")
-def four_ranks():
+def four_ranks(rank_pool):
     with tempfile.TemporaryDirectory() as out_dir:
-        yield run_ranks(4, _run_scenarios, out_dir, ["layouts_4"])
+        yield rank_pool(4).run(_run_scenarios, out_dir, ["layouts_4"])
 
 
 def _values(results, scenario):

@@ -20,7 +20,7 @@ from trinity_train.checkpoint import dcp_io
 from trinity_train.checkpoint.stateful import ModelState, OptimizerState
 from trinity_train.config import load_config
 from trinity_train.optim.groups import build_optimizer
-from ranks import init_gloo, run_ranks
+from ranks import init_gloo
 from trinity_train.parallel.mesh import ParallelDims
 from trinity_train.parallel.parallelize import build_parallel_model
 from trinity_train.parallel.reductions import sum_over_data_parallel
@@ -132,13 +132,13 @@ def references() -> dict[bool, dict]:
 
 
 @pytest.fixture(scope="module")
-def two_ranks(tmp_path_factory) -> list[dict]:
-    return run_ranks(2, train_layouts, TWO_RANKS, tmp_path_factory.mktemp("muon_ckpt") / "step2")
+def two_ranks(tmp_path_factory, rank_pool) -> list[dict]:
+    return rank_pool(2).run(train_layouts, TWO_RANKS, tmp_path_factory.mktemp("muon_ckpt") / "step2")
 
 
 @pytest.fixture(scope="module")
-def four_ranks() -> list[dict]:
-    return run_ranks(4, train_layouts, FOUR_RANKS)
+def four_ranks(rank_pool) -> list[dict]:
+    return rank_pool(4).run(train_layouts, FOUR_RANKS)
 
 
 def assert_equals_one_process(ranks: list[dict], layout: str, reference: dict) -> None:

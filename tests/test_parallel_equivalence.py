@@ -1,5 +1,6 @@
 """Every parallel layout trains like one process does, through the real Trainer (the issue's
-acceptance): three AdamW steps on the same global batches give the same losses and gradient norms
+acceptance): three AdamW steps (trained once per session for this file and the layer-statistics
+tests: `tests/layout_runs.py`) on the same global batches give the same losses and gradient norms
 (rel <= 1e-5), the same parameters (<= 1e-4) and the same, rank-identical expert biases.
 
 Layouts (conftest.py): FSDP 2, TP 2, EP 2 on two gloo ranks; HSDP 2x2, TP 2 x FSDP 2, EP 2 x FSDP 2
@@ -14,52 +15,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
-from conftest import (FOUR_RANK_LAYOUTS, LAYOUT_BLOCKS, TWO_RANK_LAYOUTS, layout_block, layout_config,
-                      run_layouts)
-from trinity_train.files import read_jsonl
-from ranks import run_ranks
-from trinity_train.train import Trainer
-
-
-def whole_params(model) -> dict[str, torch.Tensor]:
-    """By model name (activation checkpointing's wrapper adds a level to module names)."""
-    return {name.replace("_checkpoint_wrapped_module.", ""):
-            (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
-            for name, p in model.named_parameters()}
-
-
-def trained(trainer: Trainer) -> dict:
-    """Initial and final parameters (whole), expert biases, and the losses/grad norms logged."""
-    initial = whole_params(trainer.model)
-    trainer.run()
-    params = whole_params(trainer.model)
-    if dist.is_initialized():
-        dist.barrier()  # rank 0 has written metrics.jsonl
-    records = [r for r in read_jsonl(trainer.run_dir / "metrics.jsonl") if r["kind"] == "train"]
-    return {"initial": initial, "params": params,
-            "biases": torch.stack([moe.expert_bias.clone() for moe in trainer.model.moe_layers]),
-            "losses": [r["loss"] for r in records], "norms": [r["grad_norm"] for r in records]}
-
-
-@pytest.fixture(scope="module")
-def references(corpus, tmp_path_factory) -> dict[str, dict]:
-    """One process, per block variant."""
-    return {block: trained(Trainer(layout_config(corpus, tmp_path_factory.mktemp(block),
-                                                 {"model": {"block": block}}, 1)))
-            for block in LAYOUT_BLOCKS}
-
-
-@pytest.fixture(scope="module")
-def two_rank_results(corpus, tmp_path_factory) -> list[dict]:
-    return run_ranks(2, run_layouts, corpus, tmp_path_factory.mktemp("two"), TWO_RANK_LAYOUTS, trained)
-
-
-@pytest.fixture(scope="module")
-def four_rank_results(corpus, tmp_path_factory) -> list[dict]:
-    return run_ranks(4, run_layouts, corpus, tmp_path_factory.mktemp("four"), FOUR_RANK_LAYOUTS, trained)
+from conftest import FOUR_RANK_LAYOUTS, LAYOUT_BLOCKS, TWO_RANK_LAYOUTS, layout_block
+from layout_runs import STEPS
 
 
 def assert_matches_reference(ranks: list[dict], layout: str, references: dict) -> None:
@@ -67,7 +25,7 @@ def assert_matches_reference(ranks: list[dict], layout: str, references: dict) -
     ours = ranks[0][layout]
     for name, want in reference["initial"].items():
         assert torch.equal(ours["initial"][name], want), f"{layout}: {name} starts differently"
-    assert len(ours["losses"]) == 3
+    assert len(ours["losses"]) == STEPS
     for step, (got, want) in enumerate(zip(ours["losses"], reference["losses"])):
         assert abs(got - want) <= 1e-5 * abs(want), f"{layout} step {step}: loss {got} vs {want}"
     assert ours["norms"] == pytest.approx(reference["norms"], rel=1e-5)
@@ -82,17 +40,17 @@ def assert_matches_reference(ranks: list[dict], layout: str, references: dict) -
 
 
 @pytest.mark.parametrize("block", LAYOUT_BLOCKS)
-def test_reference_run_learns_and_balances(references, block):
-    reference = references[block]
+def test_reference_run_learns_and_balances(layout_runs, block):
+    reference = layout_runs["references"][block]
     assert reference["losses"][-1] < reference["losses"][0]
     assert reference["biases"].abs().sum() > 0, "expert biases never moved"
 
 
 @pytest.mark.parametrize("layout", list(TWO_RANK_LAYOUTS))
-def test_two_rank_layout_matches_one_process(two_rank_results, references, layout):
-    assert_matches_reference(two_rank_results, layout, references)
+def test_two_rank_layout_matches_one_process(layout_runs, layout):
+    assert_matches_reference(layout_runs[2], layout, layout_runs["references"])
 
 
 @pytest.mark.parametrize("layout", list(FOUR_RANK_LAYOUTS))
-def test_four_rank_layout_matches_one_process(four_rank_results, references, layout):
-    assert_matches_reference(four_rank_results, layout, references)
+def test_four_rank_layout_matches_one_process(layout_runs, layout):
+    assert_matches_reference(layout_runs[4], layout, layout_runs["references"])

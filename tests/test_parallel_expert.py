@@ -14,7 +14,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import parallelize_module
 
-from ranks import init_gloo, run_ranks
+from ranks import init_gloo
 from trinity_train.model.moe import GroupedExperts
 from trinity_train.parallel.expert_parallel import ExpertParallel, dispatch_tokens, combine_tokens
 
@@ -94,8 +94,8 @@ def _all_checks() -> dict:
 
 
 @pytest.fixture(scope="module")
-def rank_results():
-    return run_ranks(4, _all_checks)
+def rank_results(rank_pool):
+    return rank_pool(4).run(_all_checks)
 
 
 @pytest.mark.parametrize("impl", ["grouped", "loop"])

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from ranks import init_gloo, run_ranks
+from ranks import init_gloo
 from trinity_train.config import load_config
 from trinity_train.errors import ConfigError, UserError
 from trinity_train.parallel.mesh import ParallelDims
@@ -111,8 +111,8 @@ def _mesh_groups() -> dict:
     return out
 
 
-def test_mesh_views_group_the_right_ranks():
-    by_rank = run_ranks(4, _mesh_groups)
+def test_mesh_views_group_the_right_ranks(rank_pool):
+    by_rank = rank_pool(4).run(_mesh_groups)
     r0, r3 = by_rank[0], by_rank[3]
     # HSDP 2x2: shard within a replica, replicas of the same shard index apart.
     assert r0["hsdp"]["fsdp_shape"] == (2, 2)

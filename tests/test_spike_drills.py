@@ -239,10 +239,8 @@ def fsdp_drill_runs(corpus, root):
     Trainer(cfg, dims, torch.device("cpu"), model_builder=functools.partial(build_model_for_training, dims=dims)).run()
 
 
-def test_every_drill_on_one_fsdp_rank_is_handled_on_both_like_one_process(corpus, tmp_path, clean):
-    from ranks import run_ranks
-
-    run_ranks(2, fsdp_drill_runs, corpus, tmp_path)
+def test_every_drill_on_one_fsdp_rank_is_handled_on_both_like_one_process(corpus, tmp_path, clean, rank_pool):
+    rank_pool(2).run(fsdp_drill_runs, corpus, tmp_path)
     Trainer(drill_config(corpus, tmp_path / "one", *[{k: v for k, v in f.items() if k != "rank"}
                                                       for f in ALL_DRILLS])).run()
     outcome = lambda run: ([(e["iter"], e["reason"]) for e in events(run, "skip")],  # noqa: E731

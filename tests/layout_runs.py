@@ -1,0 +1,52 @@
+"""The parallel-layout matrix, trained once per test session for every test that compares it.
+
+`tests/test_parallel_equivalence.py` (losses, gradient norms, parameters, expert biases) and
+`tests/test_layer_stats_parallel.py` (the `"layers"` records) assert on the same runs: each
+layout of conftest's TWO_RANK_LAYOUTS / FOUR_RANK_LAYOUTS and a single-process reference per block
+variant, three AdamW steps (`layout_config`) with layer statistics on every step. Training them
+once for both halves the suite's largest cost. `recorded(trainer)` is what every rank keeps of
+its run.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from trinity_train.files import read_jsonl
+from trinity_train.train import Trainer
+
+STEPS = 3
+# Layer statistics on every step: the statistics tests compare each step's record.
+COMMON = {"train": {"steps": STEPS}, "metrics": {"layer_stats_every": 1}}
+
+
+def whole_params(model) -> dict[str, torch.Tensor]:
+    """By model name (activation checkpointing's wrapper adds a level to module names)."""
+    return {name.replace("_checkpoint_wrapped_module.", ""):
+            (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+            for name, p in model.named_parameters()}
+
+
+def recorded(trainer: Trainer) -> dict:
+    """Initial and final parameters (whole), expert biases, the losses / grad norms logged, and
+    the `layer_stats` of every step as this rank computed them."""
+    initial = whole_params(trainer.model)
+    step, layer_stats = trainer.step_fn, []
+
+    def recording_step(*args):
+        result = step(*args)
+        layer_stats.append(result.layer_stats)
+        return result
+
+    trainer.step_fn = recording_step
+    trainer.run()
+    params = whole_params(trainer.model)
+    if dist.is_initialized():
+        dist.barrier()  # rank 0 has written metrics.jsonl
+    records = [r for r in read_jsonl(trainer.run_dir / "metrics.jsonl") if r["kind"] == "train"]
+    return {"initial": initial, "params": params,
+            "biases": torch.stack([moe.expert_bias.clone() for moe in trainer.model.moe_layers]),
+            "losses": [r["loss"] for r in records], "norms": [r["grad_norm"] for r in records],
+            "layer_stats": layer_stats}
