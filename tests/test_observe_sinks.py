@@ -12,6 +12,7 @@ from trinity_train.files import read_jsonl
 from trinity_train.observe import MetricsRecorder, measure_peak_flops, mfu, supersede_records_after
 from trinity_train.observe.jsonl import JsonlWriter
 from trinity_train.observe.scalars import named_values
+from trinity_train.records import EventName, event
 from trinity_train.rundir import METRICS_FILE, RunDir
 from trinity_train.observe.wandb_sink import resolve_mode
 
@@ -58,7 +59,7 @@ def test_recorder_feeds_jsonl_tensorboard_and_offline_wandb(tmp_path, monkeypatc
     cfg.metrics.progress_bar = False
     cfg.train.steps = 2
     recorder = MetricsRecorder(cfg, tmp_path, start_step=0)
-    recorder.event("run_start", step=0)
+    recorder.event(event(EventName.RUN_START, step=0, iter=0, device="cpu", devices=1, resumed_from=None))
     recorder.train(train_record(1))
     recorder.train(train_record(2, loss=math.nan, skipped=True))
     recorder.validation({"iter": 2, "step": 2, "val_loss": 1.75})
@@ -107,7 +108,7 @@ def test_console_lines_without_a_bar(tmp_path, capsys):
 def test_non_main_ranks_write_nothing(tmp_path):
     recorder = MetricsRecorder(Config(), tmp_path, start_step=0, is_main=False)
     recorder.train(train_record(1))
-    recorder.event("x")
+    recorder.event(event(EventName.RUN_END, step=0, iter=0, wall_s=0.0))
     recorder.close()
     assert list(tmp_path.iterdir()) == []
 
