@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from trinity_train.rundir import RunDir
-from trinity_train.records import EventName, RecordKind
+from trinity_train.records import EventName, IncidentAction, RecordKind
 
 NUM_LAYERS = 4
 MOE_LAYERS = [1, 2, 3]
@@ -122,7 +122,7 @@ def write_rollback_run(path: str | Path, *, seed: int = 0, offset: float = 0.0) 
                            "loss_z": 9.5, "grad_norm_z": 7.0, "incident": f"incidents/{iteration:08d}.json"})
             if iteration != 173:
                 rd.incident(iteration).parent.mkdir(exist_ok=True)
-                rd.incident(iteration).write_text(json.dumps(incident_report(iteration, step, "skip", "loss_spike", recent)))
+                rd.incident(iteration).write_text(json.dumps(incident_report(iteration, step, IncidentAction.SKIP, "loss_spike", recent)))
                 out.incidents.append(iteration)
             else:
                 rollback = {"event": EventName.ROLLBACK, "time": float(iteration), "iter": 173, "from_step": step,
@@ -132,7 +132,7 @@ def write_rollback_run(path: str | Path, *, seed: int = 0, offset: float = 0.0) 
                             "incident": "incidents/00000173.json"}
                 events.append(rollback)
                 rd.incident(173).write_text(json.dumps(incident_report(
-                    173, step, "rollback", "loss_spike", recent, rollback={k: v for k, v in rollback.items()})))
+                    173, step, IncidentAction.ROLLBACK, "loss_spike", recent, rollback={k: v for k, v in rollback.items()})))
                 out.incidents.append(173)
                 step = checkpoint_steps[150]
             continue

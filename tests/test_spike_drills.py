@@ -20,7 +20,7 @@ from trinity_train.rundir import RunDir
 from trinity_train.stability import HALT_EXIT_CODE, TrainingDivergedError
 from trinity_train.stability.incidents import format_table, read_incidents
 from trinity_train.train import Trainer
-from trinity_train.records import EventName, IncidentAction, RecordKind
+from trinity_train.records import ROLLBACK_OF, EventName, IncidentAction, RecordKind
 
 def train_records(run_dir):
     return RunDir(run_dir).read_metrics(RecordKind.TRAIN)
@@ -58,11 +58,11 @@ def test_a_transient_fault_is_one_skip(corpus, tmp_path, clean, fault, reason):
     records = train_records(tmp_path / "run")
     skipped = [r for r in records if r["skipped"]]
     assert [(r["iter"], r["skip_reason"]) for r in skipped] == [(fault["first"], reason)]
-    assert [e["iter"] for e in events(tmp_path / "run", "fault_injected")] == [fault["first"]]
-    assert events(tmp_path / "run", "rollback") == []
+    assert [e["iter"] for e in events(tmp_path / "run", EventName.FAULT_INJECTED)] == [fault["first"]]
+    assert events(tmp_path / "run", EventName.ROLLBACK) == []
     assert final_val_loss(tmp_path / "run") == pytest.approx(final_val_loss(clean), rel=0.02)
     (report,) = read_incidents(RunDir(tmp_path / "run"))
-    assert (report["iter"], report["action"], report["reason"]) == (fault["first"], "skip", reason)
+    assert (report["iter"], report["action"], report["reason"]) == (fault["first"], IncidentAction.SKIP, reason)
     assert report["drill"][0]["fault"] == fault["fault"]
     assert report["signals"][-1]["iter"] == fault["first"] and len(report["signals"]) > 10
     (batch,) = report["batches"]
@@ -111,9 +111,9 @@ def test_poisoned_data_rolls_back_to_before_the_onset_and_never_trains_again(cor
     records = train_records(run_dir)
     assert [r["iter"] for r in records] == list(range(1, len(records) + 1))  # iterations stay unique
     reports = read_incidents(RunDir(run_dir))
-    assert [r["action"] for r in reports].count("rollback") == len(rollbacks)
+    assert [r["action"] for r in reports].count(IncidentAction.ROLLBACK) == len(rollbacks)
     rollback_report = next(r for r in reports if r["action"] == IncidentAction.ROLLBACK)
-    assert rollback_report["rollback"]["to_step"] == first["to_step"]
+    assert rollback_report[ROLLBACK_OF]["to_step"] == first["to_step"]
     assert [b["index"] for b in rollback_report["batches"]] == [18, 19]  # the streak of skips
     table = format_table(reports)
     assert "rollback->" in table and "poison_random" in table
@@ -252,6 +252,6 @@ def test_every_drill_on_one_fsdp_rank_is_handled_on_both_like_one_process(corpus
     assert outcome(tmp_path / "fsdp") == outcome(tmp_path / "one")
     assert [reason for it, reason in skips if it < 24] == ["nonfinite", "grad_spike", "loss_spike"]
     assert rollbacks and rollbacks[0][1] <= 23 - GUARD["rollback_lookback"]
-    assert {e["rank"] for e in events(tmp_path / "fsdp", "fault_injected")} == {1}
+    assert {e["rank"] for e in events(tmp_path / "fsdp", EventName.FAULT_INJECTED)} == {1}
     assert_poison_never_trained(tmp_path / "fsdp", 24, 27)
     assert final_val_loss(tmp_path / "fsdp") == pytest.approx(final_val_loss(clean), rel=0.02)

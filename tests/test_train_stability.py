@@ -7,7 +7,7 @@ import random
 import pytest
 
 from trinity_train.config import StabilityConfig
-from trinity_train.data.ledger import SkipRange
+from trinity_train.data.ledger import LedgerKind, SkipRange
 from trinity_train.stability import HALT_EXIT_CODE, StepGuard, TrainingDivergedError
 from trinity_train.stability.detector import RollingSignal
 from trinity_train.stability.rollback import LRBackoff, plan_rollback
@@ -153,7 +153,7 @@ def test_state_round_trip_continues_identically():
 
 
 def rollback_record(iteration, target_step, extra, repeat=0):
-    return SkipRange(0, 1, "rollback", "rollback", iteration,
+    return SkipRange(0, 1, "rollback to step 0", LedgerKind.ROLLBACK, iteration,
                      {"target_step": target_step, "extra_batches": extra, "repeat": repeat})
 
 
