@@ -40,6 +40,7 @@ from synthetic_run import layers_record, train_record  # noqa: E402  (the tests'
 from trinity_train.columnar import MirrorWriter  # noqa: E402
 from trinity_train.dashboard import browser  # noqa: E402
 from trinity_train.rundir import RunDir  # noqa: E402
+from trinity_train.records import EventName
 
 SKIPS = (123_457, 500_001)
 ROLLBACK = (700_000, 700_050)  # to_iter, iter: 700_001..700_050 abandoned
@@ -49,7 +50,7 @@ def write_long_run(path: Path, lines: int) -> int:
     """A run directory whose metrics.jsonl has `lines` lines; returns its size in bytes."""
     rd, rng = RunDir(path), random.Random(0)
     rd.path.mkdir(parents=True, exist_ok=True)
-    events = [{"event": "run_start", "time": 0.0, "step": 0, "iter": 0, "device": "cpu", "devices": 1, "resumed_from": None}]
+    events = [{"event": EventName.RUN_START, "time": 0.0, "step": 0, "iter": 0, "device": "cpu", "devices": 1, "resumed_from": None}]
     iteration = step = 0
     with open(rd.metrics, "w") as f:
         for n in range(lines):
@@ -62,17 +63,17 @@ def write_long_run(path: Path, lines: int) -> int:
                 step += 1
             f.write(json.dumps(train_record(iteration, step, rng, loss=14.0 if skipped else None, skipped=skipped)) + "\n")
             if skipped:
-                events.append({"event": "skip", "time": float(iteration), "iter": iteration, "step": step,
+                events.append({"event": EventName.SKIP, "time": float(iteration), "iter": iteration, "step": step,
                                "batch": iteration - 1, "reason": "loss_spike", "loss": 14.0, "grad_norm": 40.0,
                                "loss_z": 9.0, "grad_norm_z": 7.0, "incident": None})
-            if iteration == ROLLBACK[1] and not any(e["event"] == "rollback" for e in events):
-                events.append({"event": "rollback", "time": float(iteration), "iter": ROLLBACK[1], "from_step": step,
+            if iteration == ROLLBACK[1] and not any(e["event"] == EventName.ROLLBACK for e in events):
+                events.append({"event": EventName.ROLLBACK, "time": float(iteration), "iter": ROLLBACK[1], "from_step": step,
                                "to_step": step - 47, "to_iter": ROLLBACK[0], "checkpoint": None,
                                "skipped_batches": [ROLLBACK[0], ROLLBACK[1]], "rollbacks": 1, "lr_scale": 0.5,
                                "incident": None})
                 step -= 47
             if iteration % 10_000 == 0:
-                events.append({"event": "checkpoint", "time": float(iteration), "step": step, "iter": iteration,
+                events.append({"event": EventName.CHECKPOINT, "time": float(iteration), "step": step, "iter": iteration,
                                "path": f"checkpoints/step_{step:08d}", "async_save": True})
     with open(rd.events, "w") as f:
         f.writelines(json.dumps(e) + "\n" for e in events)

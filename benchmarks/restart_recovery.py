@@ -30,6 +30,7 @@ import time
 from pathlib import Path
 
 from trinity_train.config import load_config, save_config
+from trinity_train.records import EventName
 
 ROOT = Path(__file__).resolve().parents[1]
 TORCHRUN = str(Path(sys.executable).parent / "torchrun")
@@ -132,8 +133,8 @@ def trainer_trial(variant: str, timeout_s: float, data: Path, root: Path) -> tup
     outcome, seconds, reason = run_job(cmd, env, timeout_s, kill_a_worker_after_the_first_checkpoint)
     if outcome == "recovered":
         events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines() if line.strip()]
-        resumed = [e for e in events if e.get("event") == "resume"]
-        ends = [e for e in events if e.get("event") == "run_end"]
+        resumed = [e for e in events if e.get("event") == EventName.RESUME]
+        ends = [e for e in events if e.get("event") == EventName.RUN_END]
         if not resumed or not ends or ends[-1]["step"] != 30:
             outcome = "finished without resuming"
     return outcome, seconds, reason

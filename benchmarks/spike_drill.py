@@ -33,6 +33,7 @@ from trinity_train.data import SkipLedger
 from trinity_train.rundir import RunDir
 from trinity_train.stability import StepGuard, TrainingDivergedError
 from trinity_train.train import train
+from trinity_train.records import EventName, RecordKind
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -66,9 +67,9 @@ def config(run_dir: Path, steps: int, every: int, overrides: list[str], faults: 
 
 def outcome(run_dir: Path, halted: bool) -> dict:
     run = RunDir(run_dir)
-    records = run.read_metrics("train")
-    vals = run.read_metrics("val")
-    rollbacks = run.read_events("rollback")
+    records = run.read_metrics(RecordKind.TRAIN)
+    vals = run.read_metrics(RecordKind.VAL)
+    rollbacks = run.read_events(EventName.ROLLBACK)
     ruled_out = sum(r.end - r.start for r in SkipLedger.load(run.ledger).ranges)
     return {"skipped": sum(r["skipped"] for r in records), "rollbacks": len(rollbacks),
             "ruled_out": ruled_out, "val_loss": vals[-1]["val_loss"] if vals else None, "halted": halted,

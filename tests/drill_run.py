@@ -28,6 +28,7 @@ from trinity_train.config import Config
 from trinity_train.files import read_jsonl
 from trinity_train.rundir import RunDir
 from trinity_train.train import Trainer
+from trinity_train.records import EventName, RecordKind
 
 STEPS = 40
 KILL_AT_STEP = 33
@@ -89,9 +90,9 @@ def write_drill_run(corpus: Path, run_dir: Path, *, seed: int = 0) -> DrillRun:
                               killed_after=lambda trainer: trainer.state.step == KILL_AT_STEP)
 
     rd = RunDir(run_dir)
-    rollbacks = rd.read_events("rollback")
-    superseded = [r["iter"] for r in read_jsonl(rd.superseded) if r.get("kind") == "train"]
-    train = rd.read_metrics("train")
+    rollbacks = rd.read_events(EventName.ROLLBACK)
+    superseded = [r["iter"] for r in read_jsonl(rd.superseded) if r.get("kind") == RecordKind.TRAIN]
+    train = rd.read_metrics(RecordKind.TRAIN)
     assert rollbacks and superseded, "the drill run must roll back and resume past records"
     return DrillRun(path=rd.path, skipped=[r["iter"] for r in train if r["skipped"]],
                     abandoned=[(e["to_iter"] + 1, e["iter"]) for e in rollbacks],

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from trinity_train.rundir import RunDir
+from trinity_train.records import EventName, IncidentAction, RecordKind
 
 NUM_LAYERS = 4
 MOE_LAYERS = [1, 2, 3]
@@ -35,7 +36,7 @@ def train_record(iteration: int, step: int, rng: random.Random, *, loss: float |
     max_load = [1.2 + 0.3 * rng.random() for _ in MOE_LAYERS]
     min_load = [0.4 + 0.3 * rng.random() for _ in MOE_LAYERS]
     record = {
-        "kind": "train", "iter": iteration, "step": step, "loss": loss, "aux_loss": 0.0, "z_loss": 0.0,
+        "kind": RecordKind.TRAIN, "iter": iteration, "step": step, "loss": loss, "aux_loss": 0.0, "z_loss": 0.0,
         "grad_norm": 0.5 + 0.1 * rng.random() if not skipped else 40.0, "lr": 3e-4 * min(1.0, iteration / 20),
         "lr_muon": 0.02 * min(1.0, iteration / 20), "tokens": 2048, "tokens_seen": 2048 * iteration,
         "tokens_per_s": 10000 + 500 * rng.random(), "step_time_s": 0.2, "mfu": 0.11 + 0.01 * rng.random(),
@@ -52,7 +53,7 @@ def train_record(iteration: int, step: int, rng: random.Random, *, loss: float |
 def layers_record(iteration: int, step: int, rng: random.Random) -> dict:
     per_layer = lambda scale: [scale * (1 + 0.2 * i) * (0.9 + 0.2 * rng.random()) for i in range(NUM_LAYERS)]
     return {
-        "kind": "layers", "iter": iteration, "step": step,
+        "kind": RecordKind.LAYERS, "iter": iteration, "step": step,
         "grad_norm_attn": per_layer(0.1), "grad_norm_ffn": per_layer(0.2), "residual_rms": per_layer(1.0),
         "attn_out_rms": per_layer(0.5), "attn_post_rms": per_layer(0.3), "ffn_out_rms": per_layer(0.5),
         "ffn_post_rms": per_layer(0.3), "act_max_over_median": per_layer(8.0), "act_kurtosis": per_layer(3.0),
@@ -100,12 +101,12 @@ def write_rollback_run(path: str | Path, *, seed: int = 0, offset: float = 0.0) 
     rd, rng = RunDir(path), random.Random(seed)
     rd.path.mkdir(parents=True, exist_ok=True)
     out = RollbackRun(rd.path)
-    metrics, events = [], [{"event": "run_start", "time": 0.0, "step": 0, "iter": 0, "device": "cpu",
+    metrics, events = [], [{"event": EventName.RUN_START, "time": 0.0, "step": 0, "iter": 0, "device": "cpu",
                             "devices": 1, "resumed_from": None}]
     step, checkpoint_steps, recent = 0, {}, []
 
     def validate(iteration):
-        metrics.append({"kind": "val", "iter": iteration, "step": step, "val_loss": 3.1 + 6 * math.exp(-iteration / 60)
+        metrics.append({"kind": RecordKind.VAL, "iter": iteration, "step": step, "val_loss": 3.1 + 6 * math.exp(-iteration / 60)
                         + offset, "val_ppl": 0.0, "val_tokens": 4096})
 
     validate(0)
@@ -116,22 +117,22 @@ def write_rollback_run(path: str | Path, *, seed: int = 0, offset: float = 0.0) 
         recent = (recent + [record])[-5:]
         if spike:
             out.skipped.append(iteration)
-            events.append({"event": "skip", "time": float(iteration), "iter": iteration, "step": step,
+            events.append({"event": EventName.SKIP, "time": float(iteration), "iter": iteration, "step": step,
                            "batch": iteration - 1, "reason": "loss_spike", "loss": 12.0, "grad_norm": 40.0,
                            "loss_z": 9.5, "grad_norm_z": 7.0, "incident": f"incidents/{iteration:08d}.json"})
             if iteration != 173:
                 rd.incident(iteration).parent.mkdir(exist_ok=True)
-                rd.incident(iteration).write_text(json.dumps(incident_report(iteration, step, "skip", "loss_spike", recent)))
+                rd.incident(iteration).write_text(json.dumps(incident_report(iteration, step, IncidentAction.SKIP, "loss_spike", recent)))
                 out.incidents.append(iteration)
             else:
-                rollback = {"event": "rollback", "time": float(iteration), "iter": 173, "from_step": step,
+                rollback = {"event": EventName.ROLLBACK, "time": float(iteration), "iter": 173, "from_step": step,
                             "to_step": checkpoint_steps[150], "to_iter": 150,
                             "checkpoint": "checkpoints/step_%08d" % checkpoint_steps[150],
                             "skipped_batches": [150, 173], "rollbacks": 1, "lr_scale": 0.5,
                             "incident": "incidents/00000173.json"}
                 events.append(rollback)
                 rd.incident(173).write_text(json.dumps(incident_report(
-                    173, step, "rollback", "loss_spike", recent, rollback={k: v for k, v in rollback.items()})))
+                    173, step, IncidentAction.ROLLBACK, "loss_spike", recent, rollback={k: v for k, v in rollback.items()})))
                 out.incidents.append(173)
                 step = checkpoint_steps[150]
             continue
@@ -143,16 +144,16 @@ def write_rollback_run(path: str | Path, *, seed: int = 0, offset: float = 0.0) 
             if not (150 < iteration <= 173):
                 checkpoint_steps[iteration] = step
                 out.checkpoints.append(iteration)
-                events.append({"event": "checkpoint", "time": float(iteration), "step": step, "iter": iteration,
+                events.append({"event": EventName.CHECKPOINT, "time": float(iteration), "step": step, "iter": iteration,
                                "path": f"checkpoints/step_{step:08d}", "async_save": False})
     # the process died after iteration 240; a resume goes back to the checkpoint of iteration 200
     kept = [r for r in metrics if r["iter"] <= 200]
     superseded = [{**r, "superseded_at": 200} for r in metrics if r["iter"] > 200]
     step = checkpoint_steps[200]
-    events += [{"event": "run_start", "time": 300.0, "step": step, "iter": 200, "device": "cpu", "devices": 1,
+    events += [{"event": EventName.RUN_START, "time": 300.0, "step": step, "iter": 200, "device": "cpu", "devices": 1,
                 "resumed_from": f"checkpoints/step_{step:08d}"},
-               {"event": "resume", "time": 300.0, "checkpoint": f"checkpoints/step_{step:08d}", "step": step, "iter": 200},
-               {"event": "superseded", "time": 300.0, "from_iter": 200, "records": len(superseded)}]
+               {"event": EventName.RESUME, "time": 300.0, "checkpoint": f"checkpoints/step_{step:08d}", "step": step, "iter": 200},
+               {"event": EventName.SUPERSEDED, "time": 300.0, "from_iter": 200, "records": len(superseded)}]
     metrics = kept
     for iteration in range(201, 301):
         step += 1
@@ -162,9 +163,9 @@ def write_rollback_run(path: str | Path, *, seed: int = 0, offset: float = 0.0) 
         if iteration % 50 == 0:
             validate(iteration)
             out.checkpoints.append(iteration)
-            events.append({"event": "checkpoint", "time": 300.0 + iteration, "step": step, "iter": iteration,
+            events.append({"event": EventName.CHECKPOINT, "time": 300.0 + iteration, "step": step, "iter": iteration,
                            "path": f"checkpoints/step_{step:08d}", "async_save": False})
-    events.append({"event": "run_end", "time": 700.0, "step": step, "iter": 300, "wall_s": 700.0})
+    events.append({"event": EventName.RUN_END, "time": 700.0, "step": step, "iter": 300, "wall_s": 700.0})
     append_jsonl(rd.metrics, metrics)
     append_jsonl(rd.superseded, superseded)
     append_jsonl(rd.events, events)

@@ -11,6 +11,7 @@ from trinity_train.checkpoint import dcp_io
 from trinity_train.checkpoint.layout import list_checkpoints
 from trinity_train.rundir import RunDir
 from trinity_train.train import Trainer
+from trinity_train.records import EventName
 
 
 class Crash(Exception):
@@ -42,7 +43,7 @@ def test_an_async_save_is_committed_at_the_first_step_after_its_write(corpus, tm
             raise Crash()  # the process dies while training step 4
         one_iteration(*args)
         seen[trainer.state.step] = ([s for s, _ in list_checkpoints(run.checkpoints)],
-                                    [e["step"] for e in run.read_events("checkpoint")])
+                                    [e["step"] for e in run.read_events(EventName.CHECKPOINT)])
 
     trainer._one_iteration = crash_in_step_4
     with pytest.raises(Crash):
@@ -50,7 +51,7 @@ def test_an_async_save_is_committed_at_the_first_step_after_its_write(corpus, tm
     # The step-2 save is complete and logged once step 3 has been trained (it used to be renamed
     # into place only when the step-4 save started).
     assert seen[2] == ([], []) and seen[3] == ([2], [2])
-    for event in run.read_events("checkpoint"):
+    for event in run.read_events(EventName.CHECKPOINT):
         assert (run.checkpoints / f"step_{event['step']:08d}").is_dir()
     # The crash in step 4 lost step 3 only: the resume starts from step 2.
     assert Trainer(config(corpus, run.path, resume="auto")).resume_from == run.checkpoints / "step_00000002"

@@ -17,6 +17,7 @@ from trinity_train.files import read_jsonl
 from ranks import init_gloo
 from trinity_train.parallel.mesh import ParallelDims
 from trinity_train.train import Trainer, build_model_for_training
+from trinity_train.records import RecordKind
 
 def config(corpus, run_dir, dp: int, steps: int = 4, stability: dict | None = None, data: dict | None = None,
            **checkpoint):
@@ -33,7 +34,7 @@ def config(corpus, run_dir, dp: int, steps: int = 4, stability: dict | None = No
 
 def losses(run_dir):
     return [(r["step"], r["loss"], r["grad_norm"]) for r in read_jsonl(run_dir / "metrics.jsonl")
-            if r["kind"] == "train"]
+            if r["kind"] == RecordKind.TRAIN]
 
 
 def fsdp_trainer(cfg):

@@ -15,6 +15,7 @@ from trinity_train.checkpoint.integrity import CHECKSUM, check_integrity, find_s
 from trinity_train.errors import CheckpointError
 from trinity_train.rundir import RunDir
 from trinity_train.train import Trainer
+from trinity_train.records import EventName, RecordKind
 
 
 def config(corpus, run_dir, steps=6, **checkpoint):
@@ -121,10 +122,10 @@ def test_resume_auto_passes_over_a_damaged_newest_checkpoint(corpus, run, damage
     trainer = Trainer(config(corpus, run, steps=8, resume="auto"))
     assert trainer.resume_from == ckpt(run, 4)
     trainer.run()
-    passed = RunDir(run).read_events("checkpoint_passed_over")
+    passed = RunDir(run).read_events(EventName.CHECKPOINT_PASSED_OVER)
     assert [e["path"] for e in passed] == [str(ckpt(run, 6))] and reason in passed[0]["reason"]
-    assert RunDir(run).read_events("resume")[-1]["checkpoint"] == str(ckpt(run, 4))
-    assert [r["step"] for r in RunDir(run).read_metrics("train")][-4:] == [5, 6, 7, 8]
+    assert RunDir(run).read_events(EventName.RESUME)[-1]["checkpoint"] == str(ckpt(run, 4))
+    assert [r["step"] for r in RunDir(run).read_metrics(RecordKind.TRAIN)][-4:] == [5, 6, 7, 8]
 
 
 def test_a_damaged_named_checkpoint_is_refused_naming_the_newest_sound_one(corpus, run):

@@ -12,6 +12,7 @@ import torch
 
 from trinity_train.checkpoint import load_model_checkpoint
 from trinity_train.files import read_jsonl
+from trinity_train.records import EventName, RecordKind
 
 TINY_TOML = """
 [model]
@@ -90,10 +91,10 @@ def test_resume_auto_continues_from_the_newest_checkpoint(workdir):
     result = cli("train", "--config", "tiny.toml", "--run.dir=resumed", "--train.steps=3",
                  "--checkpoint.resume=auto", cwd=workdir)
     assert "trained steps 3-3" in result.stdout
-    assert [r["step"] for r in read_jsonl(workdir / "resumed" / "metrics.jsonl") if r["kind"] == "train"] == [1, 2, 3]
+    assert [r["step"] for r in read_jsonl(workdir / "resumed" / "metrics.jsonl") if r["kind"] == RecordKind.TRAIN] == [1, 2, 3]
     events = [json.loads(line) for line in (workdir / "resumed" / "events.jsonl").read_text().splitlines()]
-    assert any(e["event"] == "config_changed" and ["train.steps", 2, 3] in e["changes"] for e in events)
-    assert any(e["event"] == "resume" and e["checkpoint"].endswith("step_00000002") for e in events)
+    assert any(e["event"] == EventName.CONFIG_CHANGED and ["train.steps", 2, 3] in e["changes"] for e in events)
+    assert any(e["event"] == EventName.RESUME and e["checkpoint"].endswith("step_00000002") for e in events)
 
 
 def test_ckpt_inspect_and_verify(workdir):
@@ -170,4 +171,4 @@ def test_import_hf_gives_a_checkpoint_a_run_can_start_from(workdir, exported):
                  "--checkpoint.init_from=imported", cwd=workdir)
     assert "trained steps 1-1" in result.stdout
     events = [json.loads(line)["event"] for line in (workdir / "from_import" / "events.jsonl").read_text().splitlines()]
-    assert "init_from" in events
+    assert EventName.INIT_FROM in events

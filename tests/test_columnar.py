@@ -14,10 +14,11 @@ from trinity_train.config import Config
 from trinity_train.dashboard.runs import RunView
 from trinity_train.observe import MetricsRecorder
 from trinity_train.rundir import RunDir
+from trinity_train.records import RecordKind
 
 
 def train_record(i, loss=None):
-    return {"kind": "train", "iter": i, "step": i, "loss": 3.0 - i / 100 if loss is None else loss, "grad_norm": 1.0,
+    return {"kind": RecordKind.TRAIN, "iter": i, "step": i, "loss": 3.0 - i / 100 if loss is None else loss, "grad_norm": 1.0,
             "lr": 1e-3, "tokens_per_s": 100.0, "mfu": 0.1, "skipped": False, "moe_max_load_per_layer": [1.1, 1.2]}
 
 

@@ -13,6 +13,7 @@ import pytest
 
 from synthetic_run import append_jsonl, train_record, write_rollback_run
 from trinity_train.dashboard.server import DashboardServer
+from trinity_train.records import IncidentAction
 
 
 @pytest.fixture
@@ -153,7 +154,7 @@ def test_incident_reports_are_served_and_nothing_outside_the_run(tmp_path, serve
     server = serve(fake.path)
     wait_for(lambda: get(server, "/api/runs")[1]["runs"][0]["loaded"])
     status, report = get(server, "/api/runs/0/incidents/00000080.json")
-    assert status == 200 and report["action"] == "skip" and report["iter"] == 80
+    assert status == 200 and report["action"] == IncidentAction.SKIP and report["iter"] == 80
     for path in ["/api/runs/0/incidents/../../etc/passwd", "/api/runs/0/incidents/%2e%2e/%2e%2e/etc/passwd",
                  "/api/runs/0/incidents/..%2f..%2fsecret.json", "/api/runs/0/incidents/%2fetc%2fpasswd",
                  "/api/runs/0/incidents//etc/passwd", "/api/runs/0/incidents/00000099.json",

@@ -5,6 +5,7 @@ import numpy as np
 from synthetic_run import MOE_LAYERS, NUM_EXPERTS, NUM_LAYERS, write_rollback_run
 from trinity_train.dashboard import views
 from trinity_train.dashboard.runs import RunView
+from trinity_train.records import EventName, IncidentAction
 
 
 def loaded(path) -> RunView:
@@ -40,8 +41,8 @@ def test_markers_list_every_skip_rollback_checkpoint_and_resume(tmp_path):
     assert [s["abandoned"] for s in m["skipped"]] == [False, True, True, True]
     assert m["skipped"][0]["incident"] == "00000080.json" and m["skipped"][0]["reason"] == "loss_spike"
     assert [(r["to_iter"], r["iter"], r["incident"]) for r in m["rollbacks"]] == [(150, 173, "00000173.json")]
-    assert [e["iter"] for e in m["events"] if e["event"] == "checkpoint"] == fake.checkpoints
-    assert [e["iter"] for e in m["events"] if e["event"] == "resume"] == [200]
+    assert [e["iter"] for e in m["events"] if e["event"] == EventName.CHECKPOINT] == fake.checkpoints
+    assert [e["iter"] for e in m["events"] if e["event"] == EventName.RESUME] == [200]
 
 
 def test_expert_load_and_layer_records(tmp_path):
@@ -71,8 +72,8 @@ def test_an_absent_or_empty_run_is_waiting_and_every_view_is_empty(tmp_path):
 def test_incident_reports_are_read_only_from_inside_the_run(tmp_path):
     fake = write_rollback_run(tmp_path / "run")
     run = loaded(fake.path)
-    assert run.incident_report("00000080.json")["action"] == "skip"
-    assert run.incident_report("173")["action"] == "rollback"
+    assert run.incident_report("00000080.json")["action"] == IncidentAction.SKIP
+    assert run.incident_report("173")["action"] == IncidentAction.ROLLBACK
     outside = tmp_path / "secret.json"
     outside.write_text('{"secret": 1}')
     (fake.path / "incidents" / "00000099.json").symlink_to(outside)

@@ -7,6 +7,7 @@ import pytest
 
 from trinity_train.dashboard.columns import GrowingArray, MetricsColumns
 from trinity_train.dashboard.downsample import bucket_max, minmax_indices, window
+from trinity_train.records import RecordKind
 
 
 def lines(*records) -> bytes:
@@ -59,11 +60,11 @@ def test_bucket_max_keeps_a_load_spike_in_a_heatmap():
 def test_mixed_kinds_become_columns_with_nan_for_null_and_absent():
     cols = MetricsColumns()
     counts = cols.append_lines(lines(
-        {"kind": "train", "iter": 1, "step": 1, "loss": 2, "grad_norm": None, "skipped": False,
+        {"kind": RecordKind.TRAIN, "iter": 1, "step": 1, "loss": 2, "grad_norm": None, "skipped": False,
          "moe_max_load_per_layer": [1.5, 1.25], "other": {"ignored": [1, 2]}},
-        {"kind": "val", "iter": 1, "step": 1, "val_loss": 2.5},
-        {"kind": "train", "iter": 2, "step": 1, "loss": 9.5, "skipped": True, "skip_reason": "loss_spike"},
-        {"kind": "layers", "iter": 2, "step": 1, "grad_norm_attn": [0.1, 0.2], "grad_norm_ffn": [0.3, None],
+        {"kind": RecordKind.VAL, "iter": 1, "step": 1, "val_loss": 2.5},
+        {"kind": RecordKind.TRAIN, "iter": 2, "step": 1, "loss": 9.5, "skipped": True, "skip_reason": "loss_spike"},
+        {"kind": RecordKind.LAYERS, "iter": 2, "step": 1, "grad_norm_attn": [0.1, 0.2], "grad_norm_ffn": [0.3, None],
          "residual_rms": [1, 2], "moe_layers": [1], "tokens_per_expert": [[3, 5, 4]]}))
     assert counts == {"train": 2, "val": 1, "layers": 1}
     assert cols.train["iter"].tolist() == [1, 2] and cols.train["loss"].tolist() == [2.0, 9.5]
@@ -76,15 +77,15 @@ def test_mixed_kinds_become_columns_with_nan_for_null_and_absent():
 
 
 def test_a_garbled_line_is_skipped_and_the_rest_kept():
-    data = lines({"kind": "train", "iter": 1, "loss": 1.0}) + b'{"kind": "train", "iter": 2, "lo\n' + \
-        lines({"kind": "train", "iter": 3, "loss": "not a number"}, {"kind": "train", "iter": 4, "loss": 4.0})
+    data = lines({"kind": RecordKind.TRAIN, "iter": 1, "loss": 1.0}) + b'{"kind": RecordKind.TRAIN, "iter": 2, "lo\n' + \
+        lines({"kind": RecordKind.TRAIN, "iter": 3, "loss": "not a number"}, {"kind": RecordKind.TRAIN, "iter": 4, "loss": 4.0})
     cols = MetricsColumns()
     cols.append_lines(data)
     assert cols.train["iter"].tolist() == [1, 4]
 
 
 def test_parsing_in_chunks_equals_parsing_at_once():
-    records = [{"kind": "train", "iter": i, "step": i, "loss": 1 / i, "moe_max_load_per_layer": [i, 2 * i]}
+    records = [{"kind": RecordKind.TRAIN, "iter": i, "step": i, "loss": 1 / i, "moe_max_load_per_layer": [i, 2 * i]}
                for i in range(1, 3001)]
     whole, parts = MetricsColumns(), MetricsColumns()
     whole.append_lines(lines(*records))

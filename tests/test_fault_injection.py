@@ -19,6 +19,7 @@ from conftest import run_config
 from trinity_train.checkpoint import load_model_checkpoint
 from trinity_train.config import save_config
 from trinity_train.rundir import RunDir
+from trinity_train.records import EventName, RecordKind
 
 pytestmark = pytest.mark.slow
 
@@ -48,7 +49,7 @@ def train(config, run_dir, *extra, killed_at=None) -> subprocess.CompletedProces
 
 
 def losses(run_dir) -> list[tuple]:
-    return [(r["iter"], r["step"], r["loss"], r["grad_norm"], r["lr"]) for r in RunDir(run_dir).read_metrics("train")]
+    return [(r["iter"], r["step"], r["loss"], r["grad_norm"], r["lr"]) for r in RunDir(run_dir).read_metrics(RecordKind.TRAIN)]
 
 
 def final_weights(run_dir) -> dict[str, torch.Tensor]:
@@ -83,7 +84,7 @@ def test_killed_during_a_save_resumes_bit_identically(config, reference, tmp_pat
 
     resumed = train(config, run_dir, mode, "--checkpoint.resume=auto")
     assert resumed.returncode == 0, resumed.stderr[-2000:]
-    assert RunDir(run_dir).read_events("resume")[-1]["checkpoint"].endswith(f"step_{resumes_from:08d}")
+    assert RunDir(run_dir).read_events(EventName.RESUME)[-1]["checkpoint"].endswith(f"step_{resumes_from:08d}")
     assert not list(RunDir(run_dir).checkpoints.glob("*.tmp"))  # the interrupted save was cleared away
     assert_same_as(reference, run_dir)
 
@@ -104,7 +105,7 @@ def test_a_flipped_byte_fails_verification_and_the_resume_falls_back(config, ref
 
     resumed = train(config, run_dir, "--checkpoint.resume=auto")
     assert resumed.returncode == 0, resumed.stderr[-2000:]
-    passed = RunDir(run_dir).read_events("checkpoint_passed_over")
+    passed = RunDir(run_dir).read_events(EventName.CHECKPOINT_PASSED_OVER)
     assert [e["path"] for e in passed] == [str(newest)] and "does not match" in passed[0]["reason"]
-    assert RunDir(run_dir).read_events("resume")[-1]["checkpoint"].endswith("step_00000004")
+    assert RunDir(run_dir).read_events(EventName.RESUME)[-1]["checkpoint"].endswith("step_00000004")
     assert_same_as(reference, run_dir)

@@ -18,6 +18,7 @@ from trinity_train.errors import ConfigError
 from trinity_train.parallel.mesh import ParallelDims
 from trinity_train.rundir import RunDir
 from trinity_train.train import Trainer, build_model_for_training
+from trinity_train.records import RecordKind
 
 
 def test_grad_accum_is_derived_per_layout():
@@ -67,7 +68,7 @@ def two_ranks(corpus, run_dir, resume):
 
 
 def records(run_dir):
-    return [(r["step"], r["tokens"], r["loss"], r["grad_norm"]) for r in RunDir(run_dir).read_metrics("train")]
+    return [(r["step"], r["tokens"], r["loss"], r["grad_norm"]) for r in RunDir(run_dir).read_metrics(RecordKind.TRAIN)]
 
 
 @pytest.mark.slow

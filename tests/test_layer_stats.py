@@ -32,6 +32,7 @@ from trinity_train.parallel.reductions import global_grad_norm
 from trinity_train.rundir import RunDir
 from trinity_train.stability.incidents import read_incidents
 from trinity_train.train import Trainer, apply_training_wrappers
+from trinity_train.records import IncidentAction, RecordKind
 
 MEDIAN_TOLERANCE = activation_sums.MEDIAN_RELATIVE_PRECISION
 NUM_LAYERS = 4
@@ -264,8 +265,8 @@ def test_trainer_writes_a_layers_record_every_interval(corpus, tmp_path):
                      metrics={"layer_stats_every": 2}, checkpoint={"every": 0})
     Trainer(cfg).run()
     records = read_jsonl(tmp_path / "run" / "metrics.jsonl")
-    layers = [r for r in records if r["kind"] == "layers"]
-    train = {r["iter"]: r for r in records if r["kind"] == "train"}
+    layers = [r for r in records if r["kind"] == RecordKind.LAYERS]
+    train = {r["iter"]: r for r in records if r["kind"] == RecordKind.TRAIN}
     assert [(r["iter"], r["step"]) for r in layers] == [(2, 2), (4, 4)]
     for r in layers:
         assert len(r["residual_rms"]) == 4 and r["moe_layers"] == [1, 2, 3]
@@ -294,8 +295,8 @@ def test_a_skipped_steps_incident_report_has_its_layer_gradient_norms(corpus, tm
     Trainer(cfg).run()
     run = RunDir(tmp_path / "run")
     (report,) = read_incidents(run)
-    assert report["iter"] == 9 and report["action"] == "skip"
-    layers = {r["iter"]: r for r in run.read_metrics("layers")}
+    assert report["iter"] == 9 and report["action"] == IncidentAction.SKIP
+    layers = {r["iter"]: r for r in run.read_metrics(RecordKind.LAYERS)}
     norms = report["layer_grad_norms"]
     # the gradients the statistics of that iteration saw: the same numbers
     assert norms == {"attn": layers[9]["grad_norm_attn"], "ffn": layers[9]["grad_norm_ffn"]}

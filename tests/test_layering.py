@@ -18,7 +18,7 @@ LAYERS = [
     {"step"},
     {"parallel", "checkpoint", "stability", "observe", "interop", "dashboard", "study"},
     {"model", "optim", "data"},
-    {"config", "rundir", "columnar"},
+    {"config", "rundir", "columnar", "records"},
     {"files"},
     {"errors", "__init__"},
 ]

@@ -12,6 +12,7 @@ from trinity_train.files import read_jsonl
 from trinity_train.observe import MetricsRecorder, measure_peak_flops, mfu, supersede_records_after
 from trinity_train.observe.jsonl import JsonlWriter
 from trinity_train.observe.scalars import named_values
+from trinity_train.records import EventName, RecordKind, event
 from trinity_train.rundir import METRICS_FILE, RunDir
 from trinity_train.observe.wandb_sink import resolve_mode
 
@@ -35,11 +36,11 @@ def test_resume_trim_keeps_records_up_to_the_checkpoint_and_supersedes_the_rest(
     run = RunDir(tmp_path)
     writer = JsonlWriter(run.metrics)
     for i in range(1, 6):
-        writer.write({"kind": "train", "iter": i, "step": i})
-    writer.write({"kind": "val", "iter": 5, "step": 5, "val_loss": 3.0})
+        writer.write({"kind": RecordKind.TRAIN, "iter": i, "step": i})
+    writer.write({"kind": RecordKind.VAL, "iter": 5, "step": 5, "val_loss": 3.0})
     writer.close()
     with open(run.metrics, "a") as f:
-        f.write('{"kind": "train", "iter": 6, "st')  # the interrupted run died mid-line
+        f.write('{"kind": RecordKind.TRAIN, "iter": 6, "st')  # the interrupted run died mid-line
     assert supersede_records_after(run, 3) == 3
     assert [r["iter"] for r in read_jsonl(run.metrics)] == [1, 2, 3]
     assert run.metrics.read_text().endswith("}\n")  # the torn line is gone: appends start clean
@@ -58,7 +59,7 @@ def test_recorder_feeds_jsonl_tensorboard_and_offline_wandb(tmp_path, monkeypatc
     cfg.metrics.progress_bar = False
     cfg.train.steps = 2
     recorder = MetricsRecorder(cfg, tmp_path, start_step=0)
-    recorder.event("run_start", step=0)
+    recorder.event(event(EventName.RUN_START, step=0, iter=0, device="cpu", devices=1, resumed_from=None))
     recorder.train(train_record(1))
     recorder.train(train_record(2, loss=math.nan, skipped=True))
     recorder.validation({"iter": 2, "step": 2, "val_loss": 1.75})
@@ -68,7 +69,7 @@ def test_recorder_feeds_jsonl_tensorboard_and_offline_wandb(tmp_path, monkeypatc
     records = read_jsonl(tmp_path / METRICS_FILE)
     assert [(r["kind"], r["iter"]) for r in records] == [("train", 1), ("train", 2), ("val", 2)]
     assert records[1]["loss"] is None and records[1]["skipped"] is True
-    assert json.loads((tmp_path / "events.jsonl").read_text().splitlines()[0])["event"] == "run_start"
+    assert json.loads((tmp_path / "events.jsonl").read_text().splitlines()[0])["event"] == EventName.RUN_START
 
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -107,7 +108,7 @@ def test_console_lines_without_a_bar(tmp_path, capsys):
 def test_non_main_ranks_write_nothing(tmp_path):
     recorder = MetricsRecorder(Config(), tmp_path, start_step=0, is_main=False)
     recorder.train(train_record(1))
-    recorder.event("x")
+    recorder.event(event(EventName.RUN_END, step=0, iter=0, wall_s=0.0))
     recorder.close()
     assert list(tmp_path.iterdir()) == []
 
@@ -172,7 +173,7 @@ def test_recorder_writes_layer_records_to_every_sink(tmp_path, monkeypatch):
     recorder.close()
     assert [(r["kind"], r["iter"]) for r in read_jsonl(tmp_path / METRICS_FILE)] == [
         ("train", 1), ("layers", 1), ("train", 2), ("layers", 2)]
-    assert RunDir(tmp_path).read_metrics("layers")[0]["tokens_per_expert"] == [[4, 0, 2, 2], [1, 1, 3, 3]]
+    assert RunDir(tmp_path).read_metrics(RecordKind.LAYERS)[0]["tokens_per_expert"] == [[4, 0, 2, 2], [1, 1, 3, 3]]
 
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 

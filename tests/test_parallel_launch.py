@@ -15,6 +15,7 @@ from conftest import layout_config
 from trinity_train.config import save_config
 from trinity_train.files import read_jsonl
 from ranks import free_port
+from trinity_train.records import RecordKind
 
 ROOT = Path(__file__).parents[1]
 # torchrun from the environment the tests run in
@@ -32,7 +33,7 @@ def finish(proc: subprocess.Popen) -> tuple[int, str]:
 
 
 def train_losses(run_dir: Path) -> list[float]:
-    return [r["loss"] for r in read_jsonl(run_dir / "metrics.jsonl") if r["kind"] == "train"]
+    return [r["loss"] for r in read_jsonl(run_dir / "metrics.jsonl") if r["kind"] == RecordKind.TRAIN]
 
 
 @pytest.fixture

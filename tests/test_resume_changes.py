@@ -8,6 +8,7 @@ from trinity_train.config import OptimConfig
 from trinity_train.optim.schedule import lr_multiplier
 from trinity_train.rundir import RunDir
 from trinity_train.train import Trainer
+from trinity_train.records import EventName, RecordKind
 
 
 def config(corpus, run_dir, steps, resume="none", **optim):
@@ -18,7 +19,7 @@ def config(corpus, run_dir, steps, resume="none", **optim):
 
 
 def train_records(run_dir):
-    return RunDir(run_dir).read_metrics("train")
+    return RunDir(run_dir).read_metrics(RecordKind.TRAIN)
 
 
 def expected_lr(peak, step, total, **optim):
@@ -37,7 +38,7 @@ def test_new_peak_learning_rates_take_effect_at_a_resume(corpus, tmp_path):
     for r in after:
         assert r["lr"] == pytest.approx(expected_lr(1e-3, r["step"] - 1, 6))
         assert r["lr_muon"] == pytest.approx(expected_lr(2e-3, r["step"] - 1, 6))
-    changes = RunDir(run).read_events("config_changed")[-1]["changes"]
+    changes = RunDir(run).read_events(EventName.CONFIG_CHANGED)[-1]["changes"]
     assert ["optim.lr", 3e-3, 1e-3] in changes and ["optim.muon_lr", 1.5e-2, 2e-3] in changes
 
 

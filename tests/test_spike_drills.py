@@ -20,9 +20,10 @@ from trinity_train.rundir import RunDir
 from trinity_train.stability import HALT_EXIT_CODE, TrainingDivergedError
 from trinity_train.stability.incidents import format_table, read_incidents
 from trinity_train.train import Trainer
+from trinity_train.records import ROLLBACK_OF, EventName, IncidentAction, RecordKind
 
 def train_records(run_dir):
-    return RunDir(run_dir).read_metrics("train")
+    return RunDir(run_dir).read_metrics(RecordKind.TRAIN)
 
 
 def events(run_dir, name):
@@ -30,7 +31,7 @@ def events(run_dir, name):
 
 
 def final_val_loss(run_dir):
-    return RunDir(run_dir).read_metrics("val")[-1]["val_loss"]
+    return RunDir(run_dir).read_metrics(RecordKind.VAL)[-1]["val_loss"]
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +45,7 @@ def test_the_clean_run_has_no_false_positive(clean):
     records = train_records(clean)
     assert len(records) == STEPS and not any(r["skipped"] for r in records)
     assert sum(r["loss_z"] is not None for r in records) >= STEPS - 10  # the guard did judge
-    assert events(clean, "skip") == [] and events(clean, "rollback") == []
+    assert events(clean, EventName.SKIP) == [] and events(clean, EventName.ROLLBACK) == []
 
 
 @pytest.mark.parametrize("fault, reason", [
@@ -57,11 +58,11 @@ def test_a_transient_fault_is_one_skip(corpus, tmp_path, clean, fault, reason):
     records = train_records(tmp_path / "run")
     skipped = [r for r in records if r["skipped"]]
     assert [(r["iter"], r["skip_reason"]) for r in skipped] == [(fault["first"], reason)]
-    assert [e["iter"] for e in events(tmp_path / "run", "fault_injected")] == [fault["first"]]
-    assert events(tmp_path / "run", "rollback") == []
+    assert [e["iter"] for e in events(tmp_path / "run", EventName.FAULT_INJECTED)] == [fault["first"]]
+    assert events(tmp_path / "run", EventName.ROLLBACK) == []
     assert final_val_loss(tmp_path / "run") == pytest.approx(final_val_loss(clean), rel=0.02)
     (report,) = read_incidents(RunDir(tmp_path / "run"))
-    assert (report["iter"], report["action"], report["reason"]) == (fault["first"], "skip", reason)
+    assert (report["iter"], report["action"], report["reason"]) == (fault["first"], IncidentAction.SKIP, reason)
     assert report["drill"][0]["fault"] == fault["fault"]
     assert report["signals"][-1]["iter"] == fault["first"] and len(report["signals"]) > 10
     (batch,) = report["batches"]
@@ -76,7 +77,7 @@ POISON = {"fault": "poison_random", "first": 18, "last": 23}  # global batches 1
 def surviving_batches(run_dir) -> list[int]:
     """The batches of the applied steps that no rollback undid (a rollback at iteration i back to
     a checkpoint of iteration j abandons iterations j+1 .. i)."""
-    undone = [(e["to_iter"], e["iter"]) for e in events(run_dir, "rollback")]
+    undone = [(e["to_iter"], e["iter"]) for e in events(run_dir, EventName.ROLLBACK)]
     return [r["batch"] for r in train_records(run_dir)
             if not r["skipped"] and not any(a < r["iter"] <= b for a, b in undone)]
 
@@ -94,8 +95,8 @@ def test_poisoned_data_rolls_back_to_before_the_onset_and_never_trains_again(cor
     run_dir = tmp_path / "run"
     summary = Trainer(drill_config(corpus, run_dir, POISON)).run()
     assert summary.step == STEPS and summary.rollbacks >= 1
-    rollbacks = events(run_dir, "rollback")
-    opened = events(run_dir, "incident_open")
+    rollbacks = events(run_dir, EventName.ROLLBACK)
+    opened = events(run_dir, EventName.INCIDENT_OPEN)
     first = rollbacks[0]
     onset = next(e for e in opened if e["iter"] == first["onset_iter"])
     assert first["to_step"] <= onset["step"] - GUARD["rollback_lookback"]  # from before the onset
@@ -110,9 +111,9 @@ def test_poisoned_data_rolls_back_to_before_the_onset_and_never_trains_again(cor
     records = train_records(run_dir)
     assert [r["iter"] for r in records] == list(range(1, len(records) + 1))  # iterations stay unique
     reports = read_incidents(RunDir(run_dir))
-    assert [r["action"] for r in reports].count("rollback") == len(rollbacks)
-    rollback_report = next(r for r in reports if r["action"] == "rollback")
-    assert rollback_report["rollback"]["to_step"] == first["to_step"]
+    assert [r["action"] for r in reports].count(IncidentAction.ROLLBACK) == len(rollbacks)
+    rollback_report = next(r for r in reports if r["action"] == IncidentAction.ROLLBACK)
+    assert rollback_report[ROLLBACK_OF]["to_step"] == first["to_step"]
     assert [b["index"] for b in rollback_report["batches"]] == [18, 19]  # the streak of skips
     table = format_table(reports)
     assert "rollback->" in table and "poison_random" in table
@@ -142,16 +143,16 @@ def test_repeated_incidents_back_off_then_halt_with_the_halt_exit_code(corpus, t
     assert main(["train", "--config", str(config_file)]) == HALT_EXIT_CODE
     err = capsys.readouterr().err
     assert err.count("error: training diverged") == 1 and "after 2 rollbacks" in err
-    rollbacks = events(run_dir, "rollback")
+    rollbacks = events(run_dir, EventName.ROLLBACK)
     assert [e["repeat"] for e in rollbacks] == [0, 1]
     assert [e["lr_scale"] for e in rollbacks] == [0.5, 0.25]
     assert rollbacks[1]["to_step"] < rollbacks[0]["to_step"]
-    assert [e["scale"] for e in events(run_dir, "lr_backoff")] == [0.5, 0.25]
-    (halt,) = events(run_dir, "halt")
+    assert [e["scale"] for e in events(run_dir, EventName.LR_BACKOFF)] == [0.5, 0.25]
+    (halt,) = events(run_dir, EventName.HALT)
     assert halt["exit_code"] == HALT_EXIT_CODE and "stability.max_rollbacks" in halt["reason"]
     lr_scales = [r.get("lr_scale", 1.0) for r in train_records(run_dir)]
     assert min(lr_scales) == 0.25
-    assert read_incidents(RunDir(run_dir))[-1]["action"] == "halt"
+    assert read_incidents(RunDir(run_dir))[-1]["action"] == IncidentAction.HALT
 
 
 def test_a_damaged_checkpoint_is_passed_over_with_an_event(corpus, tmp_path, monkeypatch):
@@ -168,8 +169,8 @@ def test_a_damaged_checkpoint_is_passed_over_with_an_event(corpus, tmp_path, mon
 
     monkeypatch.setattr(Trainer, "_rollback_target", damage_then_look)
     trainer.run()
-    passed = events(run_dir, "checkpoint_passed_over")
-    first = events(run_dir, "rollback")[0]
+    passed = events(run_dir, EventName.CHECKPOINT_PASSED_OVER)
+    first = events(run_dir, EventName.ROLLBACK)[0]
     assert passed and passed[0]["reason"]
     assert int(passed[0]["path"][-8:]) > first["to_step"]  # it went to an older, sound one
     assert_poison_never_trained(run_dir, 18, 23)
@@ -180,9 +181,9 @@ def test_no_checkpoint_old_enough_keeps_skipping_and_says_why(corpus, tmp_path):
     with pytest.raises(TrainingDivergedError):
         Trainer(drill_config(corpus, run_dir, {"fault": "nan_loss", "first": 3, "last": 20},
                              max_consecutive_skips=4)).run()
-    unavailable = events(run_dir, "rollback_unavailable")
+    unavailable = events(run_dir, EventName.ROLLBACK_UNAVAILABLE)
     assert unavailable and "no sound checkpoint at or before step" in unavailable[0]["reason"]
-    assert not events(run_dir, "rollback")
+    assert not events(run_dir, EventName.ROLLBACK)
 
 
 def test_retention_keeps_the_checkpoint_a_rollback_needs(corpus, tmp_path):
@@ -243,12 +244,12 @@ def test_every_drill_on_one_fsdp_rank_is_handled_on_both_like_one_process(corpus
     rank_pool(2).run(fsdp_drill_runs, corpus, tmp_path)
     Trainer(drill_config(corpus, tmp_path / "one", *[{k: v for k, v in f.items() if k != "rank"}
                                                       for f in ALL_DRILLS])).run()
-    outcome = lambda run: ([(e["iter"], e["reason"]) for e in events(run, "skip")],  # noqa: E731
-                           [(e["iter"], e["to_step"], e["skipped_batches"]) for e in events(run, "rollback")])
+    outcome = lambda run: ([(e["iter"], e["reason"]) for e in events(run, EventName.SKIP)],  # noqa: E731
+                           [(e["iter"], e["to_step"], e["skipped_batches"]) for e in events(run, EventName.ROLLBACK)])
     skips, rollbacks = outcome(tmp_path / "fsdp")
     assert outcome(tmp_path / "fsdp") == outcome(tmp_path / "one")
     assert [reason for it, reason in skips if it < 24] == ["nonfinite", "grad_spike", "loss_spike"]
     assert rollbacks and rollbacks[0][1] <= 23 - GUARD["rollback_lookback"]
-    assert {e["rank"] for e in events(tmp_path / "fsdp", "fault_injected")} == {1}
+    assert {e["rank"] for e in events(tmp_path / "fsdp", EventName.FAULT_INJECTED)} == {1}
     assert_poison_never_trained(tmp_path / "fsdp", 24, 27)
     assert final_val_loss(tmp_path / "fsdp") == pytest.approx(final_val_loss(clean), rel=0.02)

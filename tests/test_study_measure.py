@@ -12,6 +12,7 @@ from synthetic_run import append_jsonl
 from trinity_train.config import Config, TrainConfig
 from trinity_train.rundir import RunDir
 from trinity_train.study.measure import log_slope, measure_cell, spread
+from trinity_train.records import EventName, RecordKind
 
 TOKENS_PER_STEP = 32
 PROFILE = {"grad_norm_attn": [6.0, 3.0, 1.5, 0.75], "grad_norm_ffn": [8.0, 4.0, 2.0, 1.0],
@@ -29,28 +30,28 @@ def write_run(path) -> RunDir:
     abandoning iterations 13-16; "layers" records at iterations 2, 10, 15 (abandoned: an
     outlier), 20 and 25; validation at steps 0, 10 and 20."""
     run = RunDir(path)
-    records = [{"kind": "val", "iter": 0, "step": 0, "val_loss": 6.0}]
-    events = [{"event": "run_start", "step": 0, "iter": 0}]
+    records = [{"kind": RecordKind.VAL, "iter": 0, "step": 0, "val_loss": 6.0}]
+    events = [{"event": EventName.RUN_START, "step": 0, "iter": 0}]
     step = 0
     for it in range(1, 26):
         if it in (5, 16):
             nonfinite = it == 5
-            records.append({"kind": "train", "iter": it, "step": step, "loss": None if nonfinite else 9.0,
+            records.append({"kind": RecordKind.TRAIN, "iter": it, "step": step, "loss": None if nonfinite else 9.0,
                             "grad_norm": None if nonfinite else 50.0, "skipped": True, "tokens_per_s": 1.0,
                             "tokens_seen": step * TOKENS_PER_STEP})
             if it == 16:
-                events.append({"event": "rollback", "iter": 16, "to_iter": 12, "from_step": step, "to_step": 11})
+                events.append({"event": EventName.ROLLBACK, "iter": 16, "to_iter": 12, "from_step": step, "to_step": 11})
                 step = 11
             continue
         step += 1
-        records.append({"kind": "train", "iter": it, "step": step, "loss": 5 - 0.1 * step + (2.0 if it == 14 else 0.0),
+        records.append({"kind": RecordKind.TRAIN, "iter": it, "step": step, "loss": 5 - 0.1 * step + (2.0 if it == 14 else 0.0),
                         "grad_norm": 2.0 if step % 4 == 0 else 0.5, "skipped": False, "tokens_per_s": 1000.0 + it,
                         "tokens_seen": step * TOKENS_PER_STEP, "moe_max_load": 1 + step / 100})
         if it in (2, 10, 15, 20, 25):
-            records.append({"kind": "layers", "iter": it, "step": step, **(OUTLIER if it == 15 else PROFILE)})
+            records.append({"kind": RecordKind.LAYERS, "iter": it, "step": step, **(OUTLIER if it == 15 else PROFILE)})
         if step % 10 == 0:
-            records.append({"kind": "val", "iter": it, "step": step, "val_loss": 6.0 - step / 10})
-    events.append({"event": "run_end", "step": step, "iter": 25})
+            records.append({"kind": RecordKind.VAL, "iter": it, "step": step, "val_loss": 6.0 - step / 10})
+    events.append({"event": EventName.RUN_END, "step": step, "iter": 25})
     append_jsonl(run.metrics, records)
     append_jsonl(run.events, events)
     return run
@@ -101,7 +102,7 @@ def test_depth_profile_at_10_50_and_100_percent(measures):
 
 def test_a_run_without_layer_records_or_validation_has_none_there(tmp_path):
     run = RunDir(tmp_path / "run")
-    append_jsonl(run.metrics, [{"kind": "train", "iter": i, "step": i, "loss": 3.0, "grad_norm": 0.5, "skipped": False,
+    append_jsonl(run.metrics, [{"kind": RecordKind.TRAIN, "iter": i, "step": i, "loss": 3.0, "grad_norm": 0.5, "skipped": False,
                                 "tokens_seen": 32 * i} for i in range(1, 4)])
     m = measure_cell(run, Config(train=TrainConfig(steps=10, grad_clip=0.0)))
     assert m["layers"] == {"10%": None, "50%": None, "100%": None}

@@ -17,6 +17,7 @@ from trinity_train.rundir import RunDir
 from trinity_train.stability import HALT_EXIT_CODE
 from trinity_train.study import runner
 from trinity_train.study.table import PLOTS
+from trinity_train.records import EventName, RecordKind
 
 
 def ablate(*args, cwd):
@@ -25,7 +26,7 @@ def ablate(*args, cwd):
 
 
 def run_starts(out) -> dict[str, int]:
-    return {cell.name: len(RunDir(cell).read_events("run_start")) for cell in sorted((out / "cells").iterdir())}
+    return {cell.name: len(RunDir(cell).read_events(EventName.RUN_START)) for cell in sorted((out / "cells").iterdir())}
 
 
 @pytest.fixture(scope="module")
@@ -123,8 +124,8 @@ def test_cells_as_torchrun_jobs_train_on_the_same_batches(corpus, tmp_path):
         result = ablate("--study", study, "--out", tmp_path / out, "--nproc", nproc, cwd=tmp_path)
         assert result.returncode == 0, result.stdout + result.stderr
     one, two = (RunDir(tmp_path / out / "cells" / "prenorm-normal-s0") for out in ("one", "two"))
-    assert [e["devices"] for e in two.read_events("run_start")] == [2]
-    train_one, train_two = one.read_metrics("train"), two.read_metrics("train")
+    assert [e["devices"] for e in two.read_events(EventName.RUN_START)] == [2]
+    train_one, train_two = one.read_metrics(RecordKind.TRAIN), two.read_metrics(RecordKind.TRAIN)
     assert [r["batch"] for r in train_two] == [r["batch"] for r in train_one] and len(train_one) == STEPS
     assert [r["loss"] for r in train_two] == pytest.approx([r["loss"] for r in train_one], rel=1e-5)
     summary = json.loads((tmp_path / "two" / "summary.json").read_text())

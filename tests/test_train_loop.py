@@ -15,6 +15,7 @@ from trinity_train.errors import ConfigError
 from trinity_train.stability import TrainingDivergedError
 from trinity_train.files import read_jsonl
 from trinity_train.train import Trainer, build_model_for_training, train
+from trinity_train.records import EventName, RecordKind
 
 def tiny_config(corpus, run_dir, **sections):
     base = {
@@ -28,11 +29,11 @@ def tiny_config(corpus, run_dir, **sections):
 
 
 def train_records(run_dir):
-    return [r for r in read_jsonl(run_dir / "metrics.jsonl") if r["kind"] == "train"]
+    return [r for r in read_jsonl(run_dir / "metrics.jsonl") if r["kind"] == RecordKind.TRAIN]
 
 
 def val_records(run_dir):
-    return [r for r in read_jsonl(run_dir / "metrics.jsonl") if r["kind"] == "val"]
+    return [r for r in read_jsonl(run_dir / "metrics.jsonl") if r["kind"] == RecordKind.VAL]
 
 
 class StopAfterStep(Exception):
@@ -74,7 +75,7 @@ def test_resume_reproduces_an_uninterrupted_run_exactly(corpus, tmp_path, monkey
     for (name, a), (_, b) in zip(straight.model.state_dict().items(), resumed.model.state_dict().items()):
         assert torch.equal(a, b), name
     events = [json.loads(line)["event"] for line in (interrupted / "events.jsonl").read_text().splitlines()]
-    assert "resume" in events
+    assert EventName.RESUME in events
 
 
 def test_gradient_accumulation_equals_one_large_batch(corpus, tmp_path):
@@ -160,7 +161,7 @@ def test_rollback_equals_a_run_that_skipped_those_batches_from_the_start(corpus,
     assert "2 skipped, 1 rolled back)" in summary.describe()
 
     events = [json.loads(line) for line in (tmp_path / "rolled" / "events.jsonl").read_text().splitlines()]
-    rollback = next(e for e in events if e["event"] == "rollback")
+    rollback = next(e for e in events if e["event"] == EventName.ROLLBACK)
     assert (rollback["from_step"], rollback["to_step"], rollback["skipped_batches"]) == (5, 4, [4, 7])
     assert rollback["checkpoint"].endswith("step_00000004") and rollback["iter"] == 7
     ledger = json.loads((tmp_path / "rolled" / "skip_ledger.json").read_text())
@@ -185,7 +186,7 @@ def test_rollback_allowance_and_no_checkpoint_yet(corpus, tmp_path):
     with pytest.raises(TrainingDivergedError, match="4 steps in a row"):
         early.run()
     events = [json.loads(line)["event"] for line in (tmp_path / "early" / "events.jsonl").read_text().splitlines()]
-    assert "rollback_unavailable" in events and "rollback" not in events
+    assert EventName.ROLLBACK_UNAVAILABLE in events and EventName.ROLLBACK not in events
 
     # Poison that outlives every rollback: the run stops once the allowance is spent.
     stuck = Trainer(tiny_config(corpus, tmp_path / "stuck", train={"steps": 8},

@@ -7,10 +7,11 @@ import random
 import pytest
 
 from trinity_train.config import StabilityConfig
-from trinity_train.data.ledger import SkipRange
+from trinity_train.data.ledger import LedgerKind, SkipRange
 from trinity_train.stability import HALT_EXIT_CODE, StepGuard, TrainingDivergedError
 from trinity_train.stability.detector import RollingSignal
 from trinity_train.stability.rollback import LRBackoff, plan_rollback
+from trinity_train.records import EventName
 
 WARMUP = 30
 
@@ -71,7 +72,7 @@ def test_slow_drift_is_no_action():
     g = guard()
     verdicts = feed(g, noisy(1000, 1, level=4.0, noise=0.01, drift=-3e-4), noisy(1000, 2, noise=0.08, drift=3.4e-4))
     assert all(v.apply for v in verdicts)
-    assert not events(verdicts, "incident_open") or all(e["z"] < 6 for e in events(verdicts, "incident_open"))
+    assert not events(verdicts, EventName.INCIDENT_OPEN) or all(e["z"] < 6 for e in events(verdicts, EventName.INCIDENT_OPEN))
     assert not any(v.rollback for v in verdicts)
 
 
@@ -83,7 +84,7 @@ def test_one_10_sigma_loss_spike_is_one_skip():
     skipped = [i for i, v in enumerate(verdicts) if not v.apply]
     assert skipped == [200] and verdicts[200].reason == "loss_spike" and verdicts[200].loss_z >= 6
     assert len(g.loss.points) == 128 and math.log(losses[200]) not in [v for _, v in g.loss.points]  # kept out
-    opened, closed = events(verdicts, "incident_open"), events(verdicts, "incident_close")
+    opened, closed = events(verdicts, EventName.INCIDENT_OPEN), events(verdicts, EventName.INCIDENT_CLOSE)
     assert [(e["iter"], e["signal"]) for e in opened] == [(201, "loss")]
     assert [e["onset_iter"] for e in closed] == [201] and closed[0]["iter"] == 201 + 20
 
@@ -105,7 +106,7 @@ def test_slow_divergence_opens_an_incident_then_asks_for_a_rollback():
     norms = noisy(len(losses), 8, noise=0.05)
     g = guard(rollback_after=3, max_consecutive_skips=10)
     verdicts = feed(g, losses, norms, until_rollback=True)
-    opened = events(verdicts, "incident_open")
+    opened = events(verdicts, EventName.INCIDENT_OPEN)
     assert len(opened) == 1 and opened[0]["signal"] == "loss"
     onset = opened[0]["iter"]
     first_skip = next(i for i, v in enumerate(verdicts) if not v.apply)
@@ -118,7 +119,7 @@ def test_slow_divergence_opens_an_incident_then_asks_for_a_rollback():
 def test_nan_is_skipped_and_opens_an_incident_even_in_warmup():
     verdicts = feed(guard(), [3.0, math.nan, 3.0, 3.0], [1.0, 1.0, math.inf, 1.0])
     assert [v.reason for v in verdicts] == ["", "nonfinite", "nonfinite", ""]
-    assert [e["signal"] for e in events(verdicts, "incident_open")] == ["nonfinite"]
+    assert [e["signal"] for e in events(verdicts, EventName.INCIDENT_OPEN)] == ["nonfinite"]
     assert StepGuard(StabilityConfig(skip_nonfinite=False)).judge(math.nan, 1.0, 1, 100).apply
 
 
@@ -152,7 +153,7 @@ def test_state_round_trip_continues_identically():
 
 
 def rollback_record(iteration, target_step, extra, repeat=0):
-    return SkipRange(0, 1, "rollback", "rollback", iteration,
+    return SkipRange(0, 1, "rollback to step 0", LedgerKind.ROLLBACK, iteration,
                      {"target_step": target_step, "extra_batches": extra, "repeat": repeat})
 
 

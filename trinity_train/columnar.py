@@ -23,6 +23,8 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.json as pa_json
 
+from trinity_train.files import temp_sibling
+
 # The plotted scalars of each record kind (contract: docs/CONTRACT.md "Run directory").
 TRAIN_SCALARS = ("loss", "grad_norm", "lr", "lr_muon", "tokens_per_s", "mfu")
 VAL_SCALARS = ("val_loss",)
@@ -89,7 +91,7 @@ class MirrorWriter:
         self.mirror, self.jsonl, self.batch_rows = Path(mirror), Path(jsonl), batch_rows
         self._rows: list[dict] = []
         self._stopped = False  # a line the mirror could not take: readers parse from there on
-        tmp = self.mirror.with_name(f".{self.mirror.name}.tmp-{os.getpid()}")
+        tmp = temp_sibling(self.mirror)
         self._file = pa.OSFile(str(tmp), "wb")
         self._writer = pa.ipc.new_stream(self._file, MIRROR_SCHEMA.with_metadata(_identity(self.jsonl)))
         self._copy_existing_lines()

@@ -37,7 +37,28 @@ INCIDENTS_DIR = "incidents"
 TENSORBOARD_DIR = "tb"
 WANDB_DIR = "wandb"
 
-_INCIDENT_FILE = re.compile(r"^(\d{8})\.json$")
+_INCIDENT_NAME = re.compile(r"([0-9]{1,12})(?:\.json)?")
+
+
+def incident_file_name(iteration: int) -> str:
+    """The file name of the incident report of `iteration` (8 digits, more past 10^8)."""
+    return f"{iteration:08d}.json"
+
+
+def incident_iteration(name: str, canonical: bool = True) -> int | None:
+    """The iteration an incident report's file name names, or None for a name of another form;
+    `canonical=False` also takes the bare iteration and fewer digits (a name a person typed)."""
+    match = _INCIDENT_NAME.fullmatch(name)
+    if not match:
+        return None
+    iteration = int(match.group(1))
+    return iteration if not canonical or name == incident_file_name(iteration) else None
+
+
+def incident_name(path: str | Path) -> str:
+    """The file name of an incident report given by its path, as an event holds it (relative to
+    the run directory, written on any system)."""
+    return str(path).replace("\\", "/").rsplit("/", 1)[-1]
 
 
 @dataclass(frozen=True)
@@ -106,19 +127,19 @@ class RunDir:
 
     def incident(self, iteration: int) -> Path:
         """The report of the incident at `iteration`."""
-        return self.incidents / f"{iteration:08d}.json"
+        return self.incidents / incident_file_name(iteration)
 
     def incident_files(self) -> list[tuple[int, Path]]:
         """(iteration, report file) of every incident report, in iteration order."""
         if not self.incidents.is_dir():
             return []
-        found = [(int(m.group(1)), p) for p in self.incidents.iterdir()
-                 if (m := _INCIDENT_FILE.match(p.name)) and p.is_file()]
+        found = [(n, p) for p in self.incidents.iterdir()
+                 if (n := incident_iteration(p.name)) is not None and p.is_file()]
         return sorted(found)
 
     def read_metrics(self, kind: str | None = None) -> list[dict]:
-        """The complete records of metrics.jsonl, optionally only those of one `kind`
-        ("train", "val", "layers")."""
+        """The complete records of metrics.jsonl, optionally only those of one `kind` (a
+        `records.RecordKind`)."""
         records = read_jsonl(self.metrics)
         return records if kind is None else [r for r in records if r.get("kind") == kind]
 

@@ -50,7 +50,7 @@ class StepResult:
     lr_scale: float  # the LR back-off factor in those rates (1 outside a back-off)
     verdict: Verdict
     layer_grad_norms: dict[str, list[float]] | None = None  # a skipped step's, for its incident report
-    layer_stats: dict | None = None  # the "layers" record (without iter/step) on statistics iterations
+    layer_stats: dict | None = None  # the `layers` record (without iter/step) on statistics iterations
 
 
 def micro_batches(batch: Any, micro_batch_size: int) -> list[dict[str, torch.Tensor]]:

@@ -41,7 +41,7 @@ from trinity_train.config import Config, config_to_dict, load_config, save_confi
 from trinity_train.data import build_loaders
 from trinity_train.data.loader import dataset_dirs
 from trinity_train.data.provenance import batch_documents
-from trinity_train.data.ledger import SkipLedger
+from trinity_train.data.ledger import LedgerKind, SkipLedger
 from trinity_train.errors import ConfigError
 from trinity_train.model.counting import training_flops_per_token
 from trinity_train.observe import MetricsRecorder, expert_load_stats, measure_peak_flops, mfu, supersede_records_after
@@ -51,6 +51,8 @@ from trinity_train.parallel.mesh import ParallelDims
 from trinity_train.parallel.parallelize import build_parallel_model
 from trinity_train.parallel.process_group import (destroy_distributed, init_distributed, leave_together,
                                                   resolve_device, world_size_from_env)
+from trinity_train.records import EventName, IncidentAction, event, fields_of, incident_report, layers_record, \
+    train_record, val_record
 from trinity_train.rundir import RunDir
 from trinity_train.stability import StepGuard, TrainingDivergedError
 from trinity_train.stability.drills import FaultInjector
@@ -230,11 +232,11 @@ class Trainer:
             self.lr_backoff.apply(self.optimizer, self.scheduler.get_last_lr(), self.state.step)
             # Skips after the checkpoint are judged again, as the uninterrupted run judged them.
             self.ledger.forget_skips_after(self.state.iteration)
-            return [{"event": "resume", "checkpoint": str(self.resume_from), "step": self.state.step,
-                     "iter": self.state.iteration}]
+            return [event(EventName.RESUME, checkpoint=str(self.resume_from), step=self.state.step,
+                          iter=self.state.iteration)]
         if self.cfg.checkpoint.init_from:
             load_checkpoint(Path(self.cfg.checkpoint.init_from), {"model": ModelState(self.model)}, self.cfg)
-            return [{"event": "init_from", "checkpoint": self.cfg.checkpoint.init_from}]
+            return [event(EventName.INIT_FROM, checkpoint=self.cfg.checkpoint.init_from)]
         return []
 
     def _prepare_run_dir(self) -> list[dict]:
@@ -247,21 +249,21 @@ class Trainer:
             self.ledger.save()  # a fresh run must not inherit an earlier run's skips
         # What an interrupted or earlier run logged past this starting point is superseded.
         moved = supersede_records_after(self.rundir, self.state.iteration)
-        return [{"event": "superseded", "from_iter": self.state.iteration, "records": moved}] if moved else []
+        return [event(EventName.SUPERSEDED, from_iter=self.state.iteration, records=moved)] if moved else []
 
     def _save(self, recorder: MetricsRecorder) -> None:
         step, iteration = self.state.step, self.state.iteration
 
         def committed(path: Path) -> None:  # when the checkpoint is complete (an async one: later)
-            recorder.event("checkpoint", step=step, iter=iteration, path=str(path),
-                           async_save=self.cfg.checkpoint.async_save)
+            recorder.event(event(EventName.CHECKPOINT, step=step, iter=iteration, path=str(path),
+                                 async_save=self.cfg.checkpoint.async_save))
 
         self.checkpoints.save(step, self.checkpoint_state(), self.cfg, on_commit=committed, iteration=iteration)
 
     def _validate(self, recorder: MetricsRecorder, summary: TrainSummary) -> None:
         val_loss, val_tokens = evaluate(self.model, self.val_loader, self.cfg, self.device, self.dims)
-        recorder.validation({"iter": self.state.iteration, "step": self.state.step, "val_loss": val_loss,
-                             "val_ppl": math.exp(min(val_loss, 50.0)), "val_tokens": val_tokens})
+        recorder.validation(val_record(iter=self.state.iteration, step=self.state.step, val_loss=val_loss,
+                                       val_ppl=math.exp(min(val_loss, 50.0)), val_tokens=val_tokens))
         if summary.first_val_loss is None:
             summary.first_val_loss = val_loss
         summary.last_val_loss = val_loss
@@ -272,33 +274,32 @@ class Trainer:
 
     def _record_skip(self, result: StepResult, batch_index: int, recorder: MetricsRecorder) -> None:
         verdict = result.verdict
-        self.ledger.add(batch_index, batch_index + 1, reason=f"skipped step: {verdict.reason}", kind="skip",
+        self.ledger.add(batch_index, batch_index + 1, reason=f"skipped step: {verdict.reason}", kind=LedgerKind.SKIP,
                         iteration=self.state.iteration)
         self._save_ledger()
         report = self.rundir.incident(self.state.iteration)
-        recorder.event("skip", iter=self.state.iteration, step=self.state.step, batch=batch_index,
-                       reason=verdict.reason, loss=result.loss, grad_norm=result.grad_norm,
-                       loss_z=verdict.loss_z, grad_norm_z=verdict.grad_norm_z,
-                       incident=str(report.relative_to(self.rundir.path)))
+        recorder.event(event(EventName.SKIP, iter=self.state.iteration, step=self.state.step, batch=batch_index,
+                             reason=verdict.reason, loss=result.loss, grad_norm=result.grad_norm,
+                             loss_z=verdict.loss_z, grad_norm_z=verdict.grad_norm_z,
+                             incident=str(report.relative_to(self.rundir.path))))
         z = max((v for v in (verdict.loss_z, verdict.grad_norm_z) if v is not None), default=None)
         recorder.notice(f"iteration {self.state.iteration}: step skipped ({verdict.reason}"
                         f"{f', z {z:.1f}' if z is not None else ''}; loss {result.loss:.4f}, grad norm "
                         f"{result.grad_norm:.3g}); report {report}")
 
-    def _report_incident(self, result: StepResult, step: int, action: str, batches: list[int], drill: list[dict],
-                         rollback: dict | None = None) -> None:
+    def _report_incident(self, result: StepResult, step: int, action: IncidentAction, batches: list[int],
+                         drill: list[dict], rollback: dict | None = None) -> None:
         """Write the incident report of this iteration, which found `step` optimizer steps applied
         (main process only)."""
         if not self.is_main:
             return
-        report = {"iter": self.state.iteration, "step": step, "action": action,
-                  "reason": result.verdict.reason, "onset_iter": result.verdict.onset_iter,
-                  "signals": signal_rows(list(self.recent)), "layer_grad_norms": result.layer_grad_norms,
-                  "batches": [{"index": b, "documents": batch_documents(self.train_loader, self.dataset_dirs, b)}
-                              for b in batches],
-                  "drill": drill, "lr": result.lrs}
-        if rollback is not None:
-            report["rollback"] = rollback
+        report = incident_report(
+            iter=self.state.iteration, step=step, action=action, reason=result.verdict.reason,
+            onset_iter=result.verdict.onset_iter, signals=signal_rows(list(self.recent)),
+            layer_grad_norms=result.layer_grad_norms,
+            batches=[{"index": b, "documents": batch_documents(self.train_loader, self.dataset_dirs, b)}
+                     for b in batches],
+            drill=drill, lr=result.lrs, rollback=rollback and fields_of(rollback))
         write_incident(self.rundir, report)
 
     def _rollback_target(self, max_step: int, recorder: MetricsRecorder) -> Path | None:
@@ -306,7 +307,8 @@ class Trainer:
         checksums); damaged ones are reported and passed over, never loaded. Rank 0 decides for
         every rank."""
         return find_sound_checkpoint(self.checkpoints.checkpoints_dir, max_step, on_passed_over=lambda path, why:
-                                     recorder.event("checkpoint_passed_over", path=str(path), reason=why))
+                                     recorder.event(event(EventName.CHECKPOINT_PASSED_OVER, path=str(path),
+                                                          reason=why)))
 
     def _roll_back(self, result: StepResult, last_bad_batch: int, recorder: MetricsRecorder) -> dict | None:
         """Restore a checkpoint from before the incident's onset and never train on the batches
@@ -321,21 +323,23 @@ class Trainer:
         cfg, verdict = self.cfg.stability, result.verdict
         iteration, from_step = self.state.iteration, self.state.step
         if self.cfg.checkpoint.every <= 0:
-            recorder.event("rollback_unavailable", iter=iteration, step=from_step, reason="checkpoint.every = 0")
+            recorder.event(event(EventName.ROLLBACK_UNAVAILABLE, iter=iteration, step=from_step,
+                                 reason="checkpoint.every = 0"))
             return None
         plan = plan_rollback(cfg, self.ledger.rollbacks(), verdict.onset_iter, verdict.onset_step, iteration)
         self.checkpoints.wait()  # an in-flight save may be the target
         target = self._rollback_target(plan.max_target_step, recorder)
         if target is None:
-            recorder.event("rollback_unavailable", iter=iteration, step=from_step,
-                           reason=f"no sound checkpoint at or before step {plan.max_target_step}")
+            recorder.event(event(EventName.ROLLBACK_UNAVAILABLE, iter=iteration, step=from_step,
+                                 reason=f"no sound checkpoint at or before step {plan.max_target_step}"))
             return None
         windows = self.guard.windows()
         load_checkpoint(target, self.checkpoint_state(), self.cfg)
         self.guard.keep_windows(windows)
         restored_iter, first_bad = self.state.iteration, self.train_loader.position
         skipped = [first_bad, last_bad_batch + 1 + plan.extra_batches]
-        self.ledger.add(*skipped, reason=f"rollback to step {self.state.step}", kind="rollback", iteration=iteration,
+        self.ledger.add(*skipped, reason=f"rollback to step {self.state.step}", kind=LedgerKind.ROLLBACK,
+                        iteration=iteration,
                         target_step=self.state.step, extra_batches=plan.extra_batches, repeat=plan.repeat,
                         onset_iter=verdict.onset_iter)
         self._save_ledger()
@@ -344,33 +348,34 @@ class Trainer:
         self.lr_backoff.start(self.state.step, plan.lr_scale, cfg.lr_backoff_steps)
         self.lr_backoff.apply(self.optimizer, self.scheduler.get_last_lr(), self.state.step)
         self.state.iteration = iteration
-        event = {"iter": iteration, "from_step": from_step, "to_step": self.state.step, "to_iter": restored_iter,
-                 "checkpoint": str(target), "skipped_batches": skipped, "rollbacks": self.rollbacks,
-                 "onset_iter": verdict.onset_iter, "repeat": plan.repeat, "lr_scale": plan.lr_scale,
-                 "discarded_checkpoints": [str(p) for p in discarded],
-                 "incident": str(self.rundir.incident(iteration).relative_to(self.rundir.path))}
-        recorder.event("rollback", **event)
+        rolled_back = event(EventName.ROLLBACK, iter=iteration, from_step=from_step, to_step=self.state.step,
+                            to_iter=restored_iter, checkpoint=str(target), skipped_batches=skipped,
+                            rollbacks=self.rollbacks, onset_iter=verdict.onset_iter, repeat=plan.repeat,
+                            lr_scale=plan.lr_scale, discarded_checkpoints=[str(p) for p in discarded],
+                            incident=str(self.rundir.incident(iteration).relative_to(self.rundir.path)))
+        recorder.event(rolled_back)
         recorder.notice(f"iteration {iteration}: rolled back from step {from_step} to step {self.state.step} "
                         f"({target.name}); batches {skipped[0]}-{skipped[1] - 1} will not be trained on"
                         + (f"; learning rate x{plan.lr_scale:g}" if plan.lr_scale < 1.0 else ""))
         if plan.lr_scale < 1.0:
-            recorder.event("lr_backoff", iter=iteration, scale=plan.lr_scale, ramp_steps=cfg.lr_backoff_steps)
-        return event
+            recorder.event(event(EventName.LR_BACKOFF, iter=iteration, scale=plan.lr_scale,
+                                 ramp_steps=cfg.lr_backoff_steps))
+        return rolled_back
 
     def _start_events(self, events: list[dict]) -> list[dict]:
-        events = [{"event": "run_start", "step": self.state.step, "iter": self.state.iteration,
-                   "device": str(self.device), "devices": self.dims.world_size,
-                   "resumed_from": str(self.resume_from) if self.resume_from else None}] + events
+        events = [event(EventName.RUN_START, step=self.state.step, iter=self.state.iteration,
+                        device=str(self.device), devices=self.dims.world_size,
+                        resumed_from=str(self.resume_from) if self.resume_from else None)] + events
         if self.config_changes:
-            events.insert(1, {"event": "config_changed", "changes": [[k, a, b] for k, a, b in self.config_changes]})
-        events[1:1] = [{"event": "checkpoint_passed_over", "path": str(path), "reason": reason}
+            events.insert(1, event(EventName.CONFIG_CHANGED, changes=[[k, a, b] for k, a, b in self.config_changes]))
+        events[1:1] = [event(EventName.CHECKPOINT_PASSED_OVER, path=str(path), reason=reason)
                        for path, reason in self.checkpoints.passed_over]
         if self.cfg.stability.rollback_after > 0 and self.cfg.checkpoint.every <= 0:
             if self.is_main:
                 print("warning: stability.rollback_after is set but checkpoint.every = 0: with no checkpoints "
                       "to go back to, spikes are only skipped", file=sys.stderr)
-            events.append({"event": "rollback_unavailable", "iter": self.state.iteration, "step": self.state.step,
-                           "reason": "checkpoint.every = 0"})
+            events.append(event(EventName.ROLLBACK_UNAVAILABLE, iter=self.state.iteration, step=self.state.step,
+                                reason="checkpoint.every = 0"))
         return events
 
     def run(self) -> TrainSummary:
@@ -391,13 +396,14 @@ class Trainer:
                 self._one_iteration(recorder, throughput, summary)
             self.checkpoints.wait()
         except TrainingDivergedError as e:
-            recorder.event("halt", iter=self.state.iteration, step=self.state.step, reason=" ".join(str(e).split()),
-                           exit_code=e.exit_code)
+            recorder.event(event(EventName.HALT, iter=self.state.iteration, step=self.state.step,
+                                 reason=" ".join(str(e).split()), exit_code=e.exit_code))
             raise
         finally:
             summary.wall_s = time.perf_counter() - started
             summary.step, summary.iteration = self.state.step, self.state.iteration
-            recorder.event("run_end", step=self.state.step, iter=self.state.iteration, wall_s=summary.wall_s)
+            recorder.event(event(EventName.RUN_END, step=self.state.step, iter=self.state.iteration,
+                                 wall_s=summary.wall_s))
             recorder.close()
         return summary
 
@@ -427,7 +433,7 @@ class Trainer:
         record = step_record(result, self.state, batch.index, throughput.of(result.tokens, elapsed))
         recorder.train(record)
         if result.layer_stats is not None:
-            recorder.layers({"iter": self.state.iteration, "step": self.state.step, **result.layer_stats})
+            recorder.layers(layers_record(iter=self.state.iteration, step=self.state.step, **result.layer_stats))
         self.recent.append(record)
         summary.last_loss = result.loss
         if verdict.apply:
@@ -438,12 +444,12 @@ class Trainer:
             try:
                 rollback = self._roll_back(result, batch.index, recorder)
             except TrainingDivergedError:
-                self._report_incident(result, step, "halt", streak, drill)
+                self._report_incident(result, step, IncidentAction.HALT, streak, drill)
                 raise
         if rollback is not None:
             summary.rollbacks += 1
             self.skip_streak.clear()
-        self._report_incident(result, step, "rollback" if rollback else "skip",
+        self._report_incident(result, step, IncidentAction.ROLLBACK if rollback else IncidentAction.SKIP,
                               streak if rollback else [batch.index], drill, rollback)
 
     def _after_applied_step(self, recorder: MetricsRecorder, summary: TrainSummary) -> None:
@@ -476,21 +482,13 @@ class Throughput:
 
 def step_record(result: StepResult, state: TrainerState, batch_index: int, throughput: dict[str, float]) -> dict[str, Any]:
     """One line of metrics.jsonl."""
-    record = {"iter": state.iteration, "step": state.step, "batch": batch_index, "loss": result.loss,
-              "aux_loss": result.aux_loss,
-              "z_loss": result.z_loss, "grad_norm": result.grad_norm,
-              "lr": result.lrs.get("adamw", next(iter(result.lrs.values())))}
-    if "muon" in result.lrs:
-        record["lr_muon"] = result.lrs["muon"]
-    record.update(tokens=result.tokens, tokens_seen=state.tokens_seen, **throughput,
-                  skipped=not result.verdict.apply, loss_z=result.verdict.loss_z,
-                  grad_norm_z=result.verdict.grad_norm_z)
-    if not result.verdict.apply:
-        record["skip_reason"] = result.verdict.reason
-    if result.lr_scale != 1.0:
-        record["lr_scale"] = result.lr_scale
-    record.update(expert_load_stats(result.tokens_per_expert))
-    return record
+    return train_record(
+        iter=state.iteration, step=state.step, batch=batch_index, loss=result.loss, aux_loss=result.aux_loss,
+        z_loss=result.z_loss, grad_norm=result.grad_norm, lr=result.lrs.get("adamw", next(iter(result.lrs.values()))),
+        lr_muon=result.lrs.get("muon"), tokens=result.tokens, tokens_seen=state.tokens_seen, **throughput,
+        skipped=not result.verdict.apply, loss_z=result.verdict.loss_z, grad_norm_z=result.verdict.grad_norm_z,
+        skip_reason=None if result.verdict.apply else result.verdict.reason,
+        lr_scale=result.lr_scale if result.lr_scale != 1.0 else None, **expert_load_stats(result.tokens_per_expert))
 
 
 def train(cfg: Config) -> TrainSummary:

@@ -8,7 +8,6 @@ cleaned up. Filesystem changes are made by one process (the coordinator, rank 0)
 
 from __future__ import annotations
 
-import json
 import re
 import shutil
 from pathlib import Path
@@ -17,7 +16,7 @@ from typing import Any, Callable
 import torch.distributed as dist
 
 from trinity_train.errors import CheckpointError
-from trinity_train.files import atomic_write_json
+from trinity_train.files import atomic_write_json, read_json_object
 
 META_FILE = "meta.json"
 DCP_METADATA_FILE = ".metadata"  # written by torch.distributed.checkpoint once all ranks finished
@@ -146,13 +145,8 @@ def read_meta(path: Path) -> dict[str, Any]:
     if not meta_file.is_file():
         raise CheckpointError(f"checkpoint '{path}' is incomplete: it has no {META_FILE} "
                               "(the save was interrupted); use another checkpoint")
-    try:
-        meta = json.loads(meta_file.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"checkpoint '{path}' has a corrupt {META_FILE}: {e}") from None
-    except OSError as e:
-        raise CheckpointError(f"checkpoint '{path}': {META_FILE} cannot be read: {e}") from None
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+    meta = read_json_object(meta_file, CheckpointError, f"the {META_FILE} of checkpoint '{path}'")
+    if meta.get("format") != FORMAT:
         raise CheckpointError(f"'{path}' is not a trinity-train checkpoint ({META_FILE} lacks format={FORMAT!r})")
     if meta.get("format_version") not in READABLE_VERSIONS:
         raise CheckpointError(f"checkpoint '{path}' has format version {meta.get('format_version')}, "

@@ -14,6 +14,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from trinity_train.columnar import LAYER_LISTS, TRAIN_LISTS, TRAIN_SCALARS, VAL_SCALARS, parse_lines
+from trinity_train.records import RecordKind
 
 
 
@@ -162,14 +163,16 @@ class MetricsColumns:
                                  table.column("superseded_at").cast(pa.float64()))
         kinds = table.column("kind")
         counts = {}
-        for kind, columns in (("train", self.train), ("val", self.val), ("layers", self.layers)):
+        for kind, columns in ((RecordKind.TRAIN, self.train), (RecordKind.VAL, self.val),
+                              (RecordKind.LAYERS, self.layers)):
             # Only this kind's columns are filtered: copying every column (the layers records'
             # nested lists) for a million train rows would cost seconds.
-            wanted = list(columns.columns) + (["moe_layers"] if kind == "layers" else [])
-            rows = table.select(wanted).filter(pc.and_kleene(pc.equal(kinds, kind), pc.is_valid(table.column("iter"))))
+            wanted = list(columns.columns) + (["moe_layers"] if kind == RecordKind.LAYERS else [])
+            rows = table.select(wanted).filter(pc.and_kleene(pc.equal(kinds, kind.value),
+                                                             pc.is_valid(table.column("iter"))))
             columns.append(rows)
             counts[kind] = rows.num_rows
-            if kind == "layers" and rows.num_rows:
+            if kind == RecordKind.LAYERS and rows.num_rows:
                 latest = rows.column("moe_layers")[-1].as_py()
                 self.moe_layers = [int(i) for i in latest or []]
         return counts

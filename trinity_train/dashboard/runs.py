@@ -14,7 +14,6 @@ change.
 from __future__ import annotations
 
 import json
-import re
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,9 +23,8 @@ import numpy as np
 from trinity_train.columnar import read_mirror
 from trinity_train.dashboard.columns import MetricsColumns
 from trinity_train.dashboard.tail import FileTail
-from trinity_train.rundir import RunDir
-
-_INCIDENT_NAME = re.compile(r"([0-9]{1,12})(?:\.json)?")
+from trinity_train.records import EventName, RecordKind, named, run_status
+from trinity_train.rundir import RunDir, incident_iteration
 
 
 def _no_constant(name: str) -> None:
@@ -133,7 +131,7 @@ class RunView:
             self.events.extend(value)
             return counts
         target: MetricsColumns = getattr(self, name)
-        for kind in ("train", "val", "layers"):
+        for kind in RecordKind:
             source = getattr(value, kind)
             for column, array in source.columns.items():
                 target_kind = getattr(target, kind)
@@ -153,12 +151,12 @@ class RunView:
         iters = self.metrics.train["iter"]
         return int(iters[-1]) if len(iters) else None
 
-    def events_named(self, *names: str) -> list[dict]:
-        return [e for e in self.events if e.get("event") in names]
+    def events_named(self, *names: EventName) -> list[dict]:
+        return named(self.events, *names)
 
     def rollback_ranges(self) -> np.ndarray:
         """[k, 2] inclusive iteration ranges that rollbacks undid (to_iter+1 .. iter)."""
-        ranges = [(int(e["to_iter"]) + 1, int(e["iter"])) for e in self.events_named("rollback")
+        ranges = [(int(e["to_iter"]) + 1, int(e["iter"])) for e in self.events_named(EventName.ROLLBACK)
                   if isinstance(e.get("to_iter"), int) and isinstance(e.get("iter"), int)]
         return np.array(sorted(ranges), np.int64).reshape(-1, 2)
 
@@ -176,10 +174,10 @@ class RunView:
         """The incident report `name` (`XXXXXXXX.json`, or the bare iteration), or None: for a
         name of any other form, a missing or unreadable file, and a file that resolves outside
         the run directory (a symlink pointing elsewhere)."""
-        match = _INCIDENT_NAME.fullmatch(name)
-        if not match:
+        iteration = incident_iteration(name, canonical=False)
+        if iteration is None:
             return None
-        path = self.rundir.incident(int(match.group(1)))
+        path = self.rundir.incident(iteration)
         try:
             real = path.resolve(strict=True)
             inside = real.is_relative_to(self.rundir.path.resolve(strict=True)) and real.is_file()
@@ -192,6 +190,4 @@ class RunView:
         """waiting (nothing written yet), running, ended or halted."""
         if not self.exists() or (not len(self.metrics.train) and not self.events):
             return "waiting"
-        last = next((e["event"] for e in reversed(self.events)
-                     if e.get("event") in ("run_start", "run_end", "halt")), None)
-        return {"run_end": "ended", "halt": "halted"}.get(last, "running")
+        return run_status(self.events)

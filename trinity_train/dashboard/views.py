@@ -14,13 +14,16 @@ import numpy as np
 
 from trinity_train.dashboard.downsample import bucket_max, minmax_indices, window
 from trinity_train.dashboard.runs import RunView
+from trinity_train.records import EventName, RecordKind
+from trinity_train.rundir import incident_name
 
 # series name -> record kind it comes from
-SERIES = {"loss": "train", "grad_norm": "train", "lr": "train", "lr_muon": "train", "tokens_per_s": "train",
-          "mfu": "train", "val_loss": "val"}
-MARKER_EVENTS = ("checkpoint", "resume", "run_start", "run_end", "halt", "lr_backoff", "fault_injected",
-                 "incident_open", "incident_close", "rollback_unavailable", "checkpoint_passed_over",
-                 "config_changed", "superseded")
+SERIES = {**dict.fromkeys(("loss", "grad_norm", "lr", "lr_muon", "tokens_per_s", "mfu"), RecordKind.TRAIN),
+          "val_loss": RecordKind.VAL}
+MARKER_EVENTS = (EventName.CHECKPOINT, EventName.RESUME, EventName.RUN_START, EventName.RUN_END, EventName.HALT,
+                 EventName.LR_BACKOFF, EventName.FAULT_INJECTED, EventName.INCIDENT_OPEN, EventName.INCIDENT_CLOSE,
+                 EventName.ROLLBACK_UNAVAILABLE, EventName.CHECKPOINT_PASSED_OVER, EventName.CONFIG_CHANGED,
+                 EventName.SUPERSEDED)
 
 
 def numbers(values) -> list:
@@ -39,7 +42,8 @@ def run_summary(run: RunView) -> dict:
             "state": run.state(), "generation": run.generation,
             "first_iter": int(iters[0]) if len(iters) else None,
             "last_iter": int(iters[-1]) if len(iters) else None,
-            "records": {"train": len(train), "val": len(run.metrics.val), "layers": len(layers),
+            "records": {RecordKind.TRAIN: len(train), RecordKind.VAL: len(run.metrics.val),
+                        RecordKind.LAYERS: len(layers),
                         "superseded": len(run.superseded.train) + len(run.superseded.val), "events": len(run.events)},
             "moe_layers": run.metrics.moe_layers,
             "num_moe_layers": int(moe.shape[1]) if moe.ndim == 2 else 0,
@@ -108,7 +112,7 @@ def _sorted(x: np.ndarray) -> bool:
 def markers(run: RunView) -> dict:
     """Skipped steps, rollbacks and the other events, none left out."""
     with run.lock:
-        skip_events = {e.get("iter"): e for e in run.events_named("skip")}
+        skip_events = {e.get("iter"): e for e in run.events_named(EventName.SKIP)}
         skipped = []
         for source, abandoned_all in ((run.metrics.train, False), (run.superseded.train, True)):
             flagged = np.flatnonzero(source["skipped"] == 1)
@@ -122,7 +126,7 @@ def markers(run: RunView) -> dict:
                                 "incident": _incident_name(event), "abandoned": gone})
         rollbacks = [{**{k: e.get(k) for k in ("iter", "to_iter", "from_step", "to_step", "checkpoint",
                                                "skipped_batches", "rollbacks", "lr_scale")},
-                      "incident": _incident_name(e)} for e in run.events_named("rollback")]
+                      "incident": _incident_name(e)} for e in run.events_named(EventName.ROLLBACK)]
         events = [e for e in run.events if e.get("event") in MARKER_EVENTS]
         generation = run.generation
     return {"run": run.index, "generation": generation, "skipped": skipped, "rollbacks": rollbacks, "events": events}
@@ -131,7 +135,7 @@ def markers(run: RunView) -> dict:
 def _incident_name(event: dict) -> str | None:
     """The report file name (XXXXXXXX.json) an event refers to."""
     path = event.get("incident")
-    return str(path).replace("\\", "/").rsplit("/", 1)[-1] if path else None
+    return incident_name(path) if path else None
 
 
 def expert_load(run: RunView, x0: float | None, x1: float | None, width: int) -> dict:

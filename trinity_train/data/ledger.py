@@ -1,7 +1,7 @@
 """The skip ledger: ranges of global batch indices never to train on.
 
-The stability code adds a range for every skipped step (kind "skip") and for every rollback
-(kind "rollback": the batches from the restored checkpoint's position through the trigger and a
+The stability code adds a range for every skipped step (kind `skip`) and for every rollback
+(kind `rollback`: the batches from the restored checkpoint's position through the trigger and a
 margin); the config can list more (`data.skip_ranges`). The train loader consults both and jumps
 over a range in one step, so skipping costs nothing however long the range. The file
 (`<run.dir>/skip_ledger.json`) is rewritten atomically on every save, and it outlives the
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass, field
+from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +22,17 @@ from trinity_train.errors import DataError
 from trinity_train.files import atomic_write_json, read_json_object
 
 _LEDGER_VERSION = 2
-KINDS = ("skip", "rollback", "config")
+
+
+class LedgerKind(StrEnum):
+    """Why a range is in the ledger (its `kind`; the ledger's own vocabulary, not event names)."""
+
+    SKIP = "skip"  # one skipped step
+    ROLLBACK = "rollback"  # the batches a rollback ruled out
+    CONFIG = "config"  # data.skip_ranges
+
+
+KINDS = tuple(LedgerKind)
 
 
 @dataclass(frozen=True)
@@ -29,7 +40,7 @@ class SkipRange:
     start: int  # first global batch index skipped
     end: int  # one past the last
     reason: str = ""
-    kind: str = "skip"  # "skip" (one skipped step), "rollback", "config" (data.skip_ranges)
+    kind: str = LedgerKind.SKIP
     iteration: int = 0  # the iteration at which it was added (0: unknown, e.g. the config's)
     details: dict[str, Any] = field(default_factory=dict, compare=False)  # a rollback's plan
 
@@ -37,7 +48,7 @@ class SkipRange:
 def _range_from_json(r: dict) -> SkipRange:
     reason = str(r.get("reason", ""))
     # Version 1 had no kind: its rollback ranges said so in their reason.
-    kind = r.get("kind") or ("rollback" if reason.startswith("rollback") else "skip")
+    kind = r.get("kind") or (LedgerKind.ROLLBACK if reason.startswith("rollback") else LedgerKind.SKIP)
     return SkipRange(int(r["start"]), int(r["end"]), reason, kind, int(r.get("iteration", 0)),
                      dict(r.get("details", {})))
 
@@ -66,7 +77,7 @@ class SkipLedger:
     @classmethod
     def from_ranges(cls, ranges: list[list[int]], reason: str) -> "SkipLedger":
         """An in-memory ledger, e.g. for `data.skip_ranges`."""
-        return cls(None, [SkipRange(a, b, reason, kind="config") for a, b in ranges])
+        return cls(None, [SkipRange(a, b, reason, kind=LedgerKind.CONFIG) for a, b in ranges])
 
     @property
     def ranges(self) -> list[SkipRange]:
@@ -74,9 +85,9 @@ class SkipLedger:
 
     def rollbacks(self) -> list[SkipRange]:
         """The ranges of rollbacks, oldest first."""
-        return [r for r in self._ranges if r.kind == "rollback"]
+        return [r for r in self._ranges if r.kind == LedgerKind.ROLLBACK]
 
-    def add(self, start: int, end: int, reason: str = "", kind: str = "skip", iteration: int = 0,
+    def add(self, start: int, end: int, reason: str = "", kind: str = LedgerKind.SKIP, iteration: int = 0,
             **details: Any) -> None:
         if kind not in KINDS:
             raise ValueError(f"unknown skip range kind {kind!r}")
@@ -94,7 +105,7 @@ class SkipLedger:
     def forget_skips_after(self, iteration: int) -> int:
         """Drop the single-step skips added after `iteration` (a resume from a checkpoint of that
         iteration judges those batches again); rollbacks stay. Returns how many were dropped."""
-        kept = [r for r in self._ranges if not (r.kind == "skip" and r.iteration > iteration)]
+        kept = [r for r in self._ranges if not (r.kind == LedgerKind.SKIP and r.iteration > iteration)]
         dropped = len(self._ranges) - len(kept)
         if dropped:
             self._ranges = kept

@@ -32,7 +32,7 @@ from tokenizers import Tokenizer
 from tqdm import tqdm
 
 from trinity_train import __version__
-from trinity_train.files import atomic_write_json, atomic_write_text
+from trinity_train.files import atomic_write_json, atomic_write_text, read_json_object
 from trinity_train.data.documents import FORMATS, TEXT, Inputs, load_documents, resolve_inputs
 from trinity_train.data.shards import (FORMAT_VERSION, MANIFEST, SPLITS, TOKENIZER_FILE, ShardWriter,
                                        file_sha256, finished_shard, new_manifest, read_manifest,
@@ -212,10 +212,10 @@ def _tokenizer(opts: PrepareOptions, out: Path, build_key: str, train_docs: data
     else:
         record_path = out / _TRAINED_TOKENIZER_RECORD
         try:
-            record = json.loads(record_path.read_text())
+            record = read_json_object(record_path, DataError)
             if record["build_key"] == build_key and file_sha256(path) == record["sha256"]:
                 return load_tokenizer(path)  # trained by an earlier run of this same build
-        except (OSError, ValueError, KeyError):
+        except (DataError, OSError, KeyError):
             pass
         batches = (batch[TEXT] for batch in train_docs.iter(batch_size=_WRITE_BATCH))
         tokenizer = train_byte_level_bpe(batches, opts.train_tokenizer, len(train_docs))

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from trinity_train.files import atomic_write_json, temp_sibling
+from trinity_train.files import atomic_write_json, read_json_object, temp_sibling
 from trinity_train.errors import DataError
 
 FORMAT_NAME = "trinity-train-tokens"
@@ -139,8 +139,8 @@ def finished_shard(split_dir: Path, index: int, build_key: str) -> dict | None:
     """The record of a shard a previous run finished for the same build, or None."""
     _, _, record_path = shard_paths(split_dir, index)
     try:
-        record = json.loads(record_path.read_text())
-    except (OSError, ValueError):
+        record = read_json_object(record_path, DataError)
+    except DataError:
         return None
     if record.get("build_key") != build_key:
         return None
@@ -184,10 +184,10 @@ def read_manifest(path: Path) -> dict:
         raise DataError(f"'{path}' is not a complete prepared dataset (no {MANIFEST}); "
                         "run `trinity-train prepare-data` to finish it")
     try:
-        manifest = json.loads(manifest_path.read_text())
-    except ValueError as e:
-        raise DataError(f"'{manifest_path}' is not valid JSON ({e}); prepare the dataset again") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_NAME or manifest.get("version") != FORMAT_VERSION:
+        manifest = read_json_object(manifest_path, DataError)
+    except DataError as e:
+        raise DataError(f"{e}; prepare the dataset again") from None
+    if manifest.get("format") != FORMAT_NAME or manifest.get("version") != FORMAT_VERSION:
         raise DataError(f"'{manifest_path}' is not a {FORMAT_NAME} v{FORMAT_VERSION} manifest; "
                         "prepare the dataset again with this version of trinity-train")
     problem = manifest_problem(manifest)
@@ -402,10 +402,10 @@ def _cached_largest_id(paths: list[Path], dtype: np.dtype, fingerprint: str, cac
     cache = Path(cache_dir).expanduser() / "token-ranges" / f"{fingerprint}.json" if cache_dir else None
     if cache is not None:
         try:
-            cached = json.loads(cache.read_text())
+            cached = read_json_object(cache, DataError)
             if cached.get("files") == identity:
                 return int(cached["max_token_id"])
-        except (OSError, ValueError, KeyError, TypeError):
+        except (DataError, ValueError, KeyError, TypeError):
             pass
     largest = _largest_id(paths, dtype)
     if cache is not None:

@@ -24,7 +24,7 @@ from safetensors.torch import load_file
 from trinity_train.config import (Config, ModelConfig, global_every, init_std, is_global_layer,
                                   norm_eps, validate)
 from trinity_train.errors import CheckpointError, ConfigError
-from trinity_train.files import read_json_object
+from trinity_train.files import read_json_object, temp_sibling
 from trinity_train.interop.tokenizer import write_hf_tokenizer
 from trinity_train.model.moe import expert_alignment_problem
 from trinity_train.model.transformer import build_model
@@ -403,7 +403,7 @@ def save_hf(model: torch.nn.Module, out_dir: str | Path, model_cfg: ModelConfig 
         raise CheckpointError(f"export directory '{out}' already exists and is not empty: "
                               "choose a new directory or remove it")
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    tmp = temp_sibling(out)
     shutil.rmtree(tmp, ignore_errors=True)  # left over by a crashed export of this process id
     tmp.mkdir()
     try:

@@ -1,10 +1,8 @@
-"""The `"layers"` record of metrics.jsonl (docs/CONTRACT.md, "Run directory"): its field names
+"""The `layers` record of metrics.jsonl (docs/CONTRACT.md, "Run directory"): its field names
 and how its lists are indexed. Written by `observe/layer_stats.py`; read by the sinks (which name
 each value by its layer) and by anything that draws depth profiles."""
 
 from __future__ import annotations
-
-KIND = "layers"
 
 # Lists of length num_layers, indexed by layer; null where a layer has no such value.
 PER_LAYER_FIELDS = ("grad_norm_attn", "grad_norm_ffn", "residual_rms", "attn_out_rms", "attn_post_rms",

@@ -2,7 +2,7 @@
 
 Every `metrics.layer_stats_every` iterations the training step arms the collector around the
 forwards of its micro-batches and, after backward and before clipping, calls `collect` for one
-`"layers"` record (`observe/layer_record.py`, docs/CONTRACT.md). Per layer:
+`layers` record (`observe/layer_record.py`, docs/CONTRACT.md). Per layer:
 
 - `grad_norm_attn`, `grad_norm_ffn`: the global pre-clip L2 norm of the layer's attention and
   FFN gradients. Attention: every parameter of `layers.{i}.attn.*` (q/k/v/gate/o projections,
@@ -156,7 +156,7 @@ class LayerStatsCollector:
             yield
 
     def collect(self, tokens_per_expert: torch.Tensor) -> dict:
-        """The `"layers"` record without `iter` and `step`, from what the armed forwards gathered,
+        """The `layers` record without `iter` and `step`, from what the armed forwards gathered,
         the gradients as they are now, and the step's `tokens_per_expert` [M, E] (summed over
         micro-batches and ranks). Every rank must call it; all get the same values."""
         grads = per_layer_grad_norms(self.model, self.dims)

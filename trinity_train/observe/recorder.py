@@ -1,7 +1,7 @@
 """Fan a run's records out to every configured sink.
 
-- `metrics.jsonl`: one object per training iteration (`"kind": "train"`), one per validation
-  (`"kind": "val"`) and one per layer-statistics iteration (`"kind": "layers"`); TensorBoard and
+- `metrics.jsonl`: one object per training iteration (kind `train`), one per validation
+  (`val`) and one per layer-statistics iteration (`layers`), built by `records`; TensorBoard and
   W&B get the same numbers as scalars (and lists of lists as histograms, `observe/scalars.py`).
 - `events.jsonl`: what happened to the run (start, resume, checkpoint saved, step skipped, end).
 - the console: progress bar or periodic lines.
@@ -17,6 +17,7 @@ from trinity_train.columnar import MirrorWriter
 from trinity_train.config import Config
 from trinity_train.observe.jsonl import JsonlWriter, move_records
 from trinity_train.observe.progress import ProgressDisplay
+from trinity_train.records import RecordKind
 from trinity_train.rundir import RunDir
 
 
@@ -54,7 +55,7 @@ class MetricsRecorder:
             self.sinks.append(WandbSink(cfg, run.path))
         self.progress = ProgressDisplay(cfg.train.steps, start_step, cfg.metrics.progress_bar, cfg.train.log_every)
 
-    def _write(self, kind: str, record: dict) -> None:
+    def _write(self, kind: RecordKind, record: dict) -> None:
         record = {"kind": kind, **record}
         if self.metrics is not None:
             self.mirror.append(record, self.metrics.write(record))
@@ -63,32 +64,33 @@ class MetricsRecorder:
 
     def train(self, record: dict) -> None:
         if self.is_main:
-            self._write("train", record)
+            self._write(RecordKind.TRAIN, record)
             self.progress.update(record)
 
     def validation(self, record: dict) -> None:
         if self.is_main:
-            self._write("val", record)
+            self._write(RecordKind.VAL, record)
             self.progress.validation(record["val_loss"], record["step"])
 
     def layers(self, record: dict) -> None:
         """A per-layer statistics record (`observe/layer_stats.py`)."""
         if self.is_main:
-            self._write("layers", record)
+            self._write(RecordKind.LAYERS, record)
 
     def notice(self, text: str) -> None:
         """Tell the person watching the console (skips, rollbacks, drills)."""
         if self.is_main:
             self.progress.message(text)
 
-    def event(self, name: str, **fields) -> None:
+    def event(self, event: dict) -> None:
+        """Record one event (built by `records.event`), stamped with the time after its name."""
         if self.is_main:
-            self.event_log.write({"event": name, "time": time.time(), **fields})
+            self.event_log.write({"event": event["event"], "time": time.time(),
+                                  **{k: v for k, v in event.items() if k != "event"}})
 
     def events(self, events) -> None:
-        """Record events given as dicts with their name under "event"."""
         for event in events:
-            self.event(event["event"], **{k: v for k, v in event.items() if k != "event"})
+            self.event(event)
 
     def close(self) -> None:
         if not self.is_main:

@@ -1,7 +1,7 @@
 """Flatten a metrics record into named scalars and histograms for TensorBoard and W&B.
 
 - a number: `{prefix}/{key}`;
-- a list of numbers: one scalar per position, `{prefix}/{key}/{i}`; in a `"layers"` record `i` is
+- a list of numbers: one scalar per position, `{prefix}/{key}/{i}`; in a `layers` record `i` is
   the layer index (the lists indexed by MoE layer are named through its `moe_layers`);
 - an object: its members, `{prefix}/{key}/{member}...`, by the same rules;
 - a list of lists (tokens per expert): one histogram per row, `{prefix}/{key}/{i}`.

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from trinity_train.config import POISON_FAULTS, FaultConfig
+from trinity_train.records import EventName, event
 
 DEFAULT_FACTORS = {"loss_spike": 10.0, "grad_scale": 1000.0}
 
@@ -63,13 +64,10 @@ class FaultInjector:
         for fault in self.faults:
             at = batch_index if fault.fault in POISON_FAULTS else iteration
             if _covers(fault, at):
-                event = {"event": "fault_injected", "iter": iteration, "batch": batch_index,
-                         "fault": fault.fault, "rank": None if fault.rank < 0 else fault.rank}
-                if fault.fault in DEFAULT_FACTORS:
-                    event["factor"] = _factor(fault)
-                if fault.fault == "poison_repeat":
-                    event["token"] = fault.token
-                out.append(event)
+                out.append(event(EventName.FAULT_INJECTED, iter=iteration, batch=batch_index, fault=fault.fault,
+                                 rank=None if fault.rank < 0 else fault.rank,
+                                 factor=_factor(fault) if fault.fault in DEFAULT_FACTORS else None,
+                                 token=fault.token if fault.fault == "poison_repeat" else None))
         return out
 
     def step_faults(self, iteration: int) -> StepFaults:

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 from trinity_train.config import StabilityConfig
 from trinity_train.errors import UserError
+from trinity_train.records import EventName, event
 from trinity_train.stability.detector import RollingSignal
 
 HALT_EXIT_CODE = 3  # the run stopped itself as diverged; distinct from bad input (1) and config (2)
@@ -122,16 +123,15 @@ class StepGuard:
                 signal, z = (("nonfinite", None) if not finite else
                              ("loss", loss_z) if (loss_z or 0) >= (grad_z or 0) else ("grad_norm", grad_z))
                 self.incident = Incident(iteration, steps_applied, signal, z)
-                return [{"event": "incident_open", "iter": iteration, "step": steps_applied,
-                         "signal": signal, "z": z}]
+                return [event(EventName.INCIDENT_OPEN, iter=iteration, step=steps_applied, signal=signal, z=z)]
             self.incident.calm = 0
             return []
         if self.incident is not None:
             self.incident.calm += 1
             if self.incident.calm >= self.cfg.calm_steps:
                 closed, self.incident = self.incident, None
-                return [{"event": "incident_close", "iter": iteration, "onset_iter": closed.onset_iter,
-                         "calm_steps": closed.calm}]
+                return [event(EventName.INCIDENT_CLOSE, iter=iteration, onset_iter=closed.onset_iter,
+                              calm_steps=closed.calm)]
         return []
 
     def windows(self) -> dict:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from trinity_train.errors import UserError
 from trinity_train.files import atomic_write_json, json_safe, read_json_object
+from trinity_train.records import ROLLBACK_OF, IncidentAction
 from trinity_train.rundir import RunDir
 
 SIGNAL_FIELDS = ("iter", "step", "loss", "grad_norm", "loss_z", "grad_norm_z", "skipped")
@@ -68,8 +69,8 @@ def format_table(reports: list[dict]) -> str:
         current = next((s for s in reversed(r.get("signals") or []) if s.get("iter") == r["iter"]), {})
         drill = ",".join(f["fault"] for f in r.get("drill") or []) or "-"
         action = r["action"]
-        if action == "rollback" and r.get("rollback"):
-            action = f"rollback->{r['rollback']['to_step']}"
+        if action == IncidentAction.ROLLBACK and r.get(ROLLBACK_OF):
+            action = f"{action}->{r[ROLLBACK_OF]['to_step']}"
         lines.append(f"{r['iter']:>7} {r['step']:>6}  {action:<14} {r.get('reason') or '-':<11} "
                      f"{_number(current.get('loss'), '9.4f')} {_number(current.get('loss_z'), '7.1f')} "
                      f"{_number(current.get('grad_norm'), '10.3g')} {_number(current.get('grad_norm_z'), '7.1f')}  "

@@ -12,7 +12,7 @@ Loss and stability, from the `train`, `val` records and the events:
 - `max_grad_norm`; `tokens_per_s` (median, past the first iterations); `moe_max_load` (the worst
   layer's busiest expert over the mean, averaged over the second half of training).
 
-Depth profile, from the `"layers"` records (`metrics.layer_stats_every`), at 10, 50 and 100 % of
+Depth profile, from the `layers` records (`metrics.layer_stats_every`), at 10, 50 and 100 % of
 the steps: per layer the gradient norm (attention, FFN, and both together) with its spread across
 depth (`spread`: max/min over layers; `log_slope`: least-squares slope of ln(norm) against the
 layer index: negative when early layers get the larger gradients), the residual-stream RMS after
@@ -33,6 +33,7 @@ from typing import Any
 
 from trinity_train.config import Config
 from trinity_train.files import json_safe
+from trinity_train.records import EventName, RecordKind, named
 from trinity_train.rundir import RunDir
 
 LAYER_POINTS = {"10%": 0.1, "50%": 0.5, "100%": 1.0}
@@ -48,8 +49,8 @@ def _finite(x: Any) -> bool:
 
 def rollback_ranges(events: list[dict]) -> list[tuple[int, int]]:
     """Inclusive iteration ranges that rollbacks undid."""
-    return sorted((e["to_iter"] + 1, e["iter"]) for e in events
-                  if e.get("event") == "rollback" and isinstance(e.get("to_iter"), int) and isinstance(e.get("iter"), int))
+    return sorted((e["to_iter"] + 1, e["iter"]) for e in named(events, EventName.ROLLBACK)
+                  if isinstance(e.get("to_iter"), int) and isinstance(e.get("iter"), int))
 
 
 def _main_line(records: list[dict], ranges: list[tuple[int, int]]) -> list[dict]:
@@ -146,13 +147,13 @@ def measure_cell(run: RunDir, cfg: Config) -> dict:
     events = run.read_events()
     records = run.read_metrics()
     ranges = rollback_ranges(events)
-    train = [r for r in records if r.get("kind") == "train" and isinstance(r.get("iter"), int)]
+    train = [r for r in records if r.get("kind") == RecordKind.TRAIN and isinstance(r.get("iter"), int)]
     main_train = _main_line(train, ranges)
     applied = [r for r in train if not r.get("skipped")]
     grad_norms = [r.get("grad_norm") for r in train]
 
     tokens_at = {r["iter"]: r.get("tokens_seen") for r in main_train}
-    curve = _val_curve(_main_line([r for r in records if r.get("kind") == "val"], ranges), tokens_at)
+    curve = _val_curve(_main_line([r for r in records if r.get("kind") == RecordKind.VAL], ranges), tokens_at)
     val_at = {}
     for label, fraction in VAL_POINTS.items():
         point = _record_near(curve, fraction * steps, tolerance=0.1 * steps) if curve else None
@@ -160,7 +161,7 @@ def measure_cell(run: RunDir, cfg: Config) -> dict:
         val_at[label] = point if reached else None
 
     skipped = {r["iter"] for r in train if r.get("skipped")}  # a spike's gradients are no depth profile
-    layers = sorted(_main_line([r for r in records if r.get("kind") == "layers" and isinstance(r.get("iter"), int)
+    layers = sorted(_main_line([r for r in records if r.get("kind") == RecordKind.LAYERS and isinstance(r.get("iter"), int)
                                 and r["iter"] not in skipped], ranges), key=lambda r: r["iter"])
     profile = {}
     for label, fraction in LAYER_POINTS.items():
@@ -181,9 +182,9 @@ def measure_cell(run: RunDir, cfg: Config) -> dict:
         "val_loss_at": val_at,
         "skipped_steps": sum(1 for r in train if r.get("skipped")),
         "nonfinite_steps": sum(1 for r in train if not (_finite(r.get("loss")) and _finite(r.get("grad_norm")))),
-        "rollbacks": sum(1 for e in events if e.get("event") == "rollback"),
-        "halt": next(({k: e.get(k) for k in ("iter", "step", "reason")} for e in reversed(events)
-                      if e.get("event") == "halt"), None),
+        "rollbacks": len(named(events, EventName.ROLLBACK)),
+        "halt": next(({k: e.get(k) for k in ("iter", "step", "reason")}
+                      for e in reversed(named(events, EventName.HALT))), None),
         "max_loss_jump": _loss_jump(train),
         "clipped_fraction": (sum(1 for g in clip_norms if g > clip) / len(clip_norms)) if clip > 0 and clip_norms else None,
         "max_grad_norm": _max_of(grad_norms),

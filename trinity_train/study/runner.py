@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Callable
 
 from trinity_train.config import save_config
+from trinity_train.records import RecordKind
 from trinity_train.study.cells import Cell
 from trinity_train.study.layout import StudyDir
 from trinity_train.study.spec import StudyError
@@ -131,7 +132,7 @@ def _settle(cell: Cell, out: StudyDir, code: int, error: str) -> tuple[str, str]
 def _detail(cell: Cell, out: StudyDir, reason: str) -> str:
     if reason:
         return f": {reason}"
-    last = [r for r in out.cell(cell.name).read_metrics("val") if r.get("val_loss") is not None][-1:]
+    last = [r for r in out.cell(cell.name).read_metrics(RecordKind.VAL) if r.get("val_loss") is not None][-1:]
     return f" (validation loss {last[0]['val_loss']:.4f})" if last else ""
 
 

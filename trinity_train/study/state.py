@@ -19,6 +19,7 @@ import time
 from dataclasses import dataclass
 
 from trinity_train.files import atomic_write_json, read_json_object
+from trinity_train.records import ENDED, HALTED, EventName, latest_start, named, run_status
 from trinity_train.rundir import RunDir
 from trinity_train.study.spec import StudyError
 
@@ -36,16 +37,15 @@ class RunOutcome:
 
 def run_outcome(run: RunDir, steps: int) -> RunOutcome | None:
     """How the run in `run` ended, if it is done (see the module doc); `steps` is its train.steps."""
-    events = run.read_events()
-    starts = [i for i, e in enumerate(events) if e.get("event") == "run_start"]
-    if not starts:
+    latest = latest_start(run.read_events())
+    if latest is None:
         return None
-    latest = events[starts[-1]:]
-    for event in latest:
-        if event.get("event") == "halt":
-            return RunOutcome(DIVERGED, event.get("step"), event.get("iter"), str(event.get("reason", "")))
-    ends = [e for e in latest if e.get("event") == "run_end"]
-    if ends and isinstance(ends[-1].get("step"), int) and ends[-1]["step"] >= steps:
+    status = run_status(latest)
+    if status == HALTED:
+        halt = named(latest, EventName.HALT)[0]
+        return RunOutcome(DIVERGED, halt.get("step"), halt.get("iter"), str(halt.get("reason", "")))
+    ends = named(latest, EventName.RUN_END)
+    if status == ENDED and isinstance(ends[-1].get("step"), int) and ends[-1]["step"] >= steps:
         return RunOutcome(FINISHED, ends[-1]["step"], ends[-1].get("iter"))
     return None
 
