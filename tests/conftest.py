@@ -37,6 +37,28 @@ def shipped_training_configs() -> list[Path]:
     return sorted(p for p in CONFIGS.rglob("*.toml") if "variants" not in tomllib.loads(p.read_text()))
 
 
+# Test files that share a session fixture, which must therefore run in one xdist worker (each
+# worker has its own session): the layout matrix trained once for both (`layout_runs`).
+SHARED_SESSION_GROUPS = {"test_parallel_equivalence": "layouts", "test_layer_stats_parallel": "layouts"}
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist (`scripts/test.sh` runs two workers, `--dist loadgroup`), every test file
+    is one unit of work, so that its module fixtures are built once, in one worker; the files
+    holding slow tests and the layout matrix go first, so that the last unit to finish is a
+    short one."""
+    def weight(item) -> int:
+        group = SHARED_SESSION_GROUPS.get(item.module.__name__)
+        return 0 if group else 1 if item.get_closest_marker("slow") else 2
+
+    heaviest = {}
+    for item in items:
+        heaviest[item.module.__name__] = min(heaviest.get(item.module.__name__, 2), weight(item))
+        item.add_marker(pytest.mark.xdist_group(SHARED_SESSION_GROUPS.get(item.module.__name__,
+                                                                          item.module.__name__)))
+    items.sort(key=lambda item: heaviest[item.module.__name__])  # stable: file order kept within
+
+
 @pytest.fixture(scope="session")
 def corpus(tmp_path_factory) -> Path:
     """~14k tokens of word salad with a 300-token BPE: enough for ~100 batches of 2x2x16 tokens."""
