@@ -4,6 +4,9 @@ configs. Test modules take the `corpus` fixture and build configs with `tiny_mod
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import tomllib
 from pathlib import Path
 
@@ -28,7 +31,38 @@ RUN_MODEL = dict(vocab_size=320, hidden_size=32, num_layers=4, num_dense_layers=
                  bias_update_rate=1e-2)
 
 
-CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+ROOT = Path(__file__).resolve().parent.parent
+CONFIGS = ROOT / "configs"
+
+# The environment of the tests' subprocesses: the console script and torchrun of the interpreter
+# running the tests come first on PATH. ONE_THREAD_ENV also fixes one OpenMP thread that sleeps
+# while it waits: the same math in every process, and no stalls on a shared CPU.
+SUBPROCESS_ENV = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+ONE_THREAD_ENV = {**SUBPROCESS_ENV, "OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE"}
+
+
+def run_python(*args, cwd: Path = ROOT, env: dict | None = None, timeout: float = 600,
+               ok: bool = False) -> subprocess.CompletedProcess:
+    """`python ARGS` with the tests' interpreter, output captured as text; `ok` asserts exit 0,
+    showing the tail of what it printed otherwise. The one subprocess helper of the tests."""
+    done = subprocess.run([sys.executable, *map(str, args)], cwd=cwd, env=env or SUBPROCESS_ENV,
+                          capture_output=True, text=True, timeout=timeout)
+    if ok:
+        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    return done
+
+
+def run_cli(*args, **options) -> subprocess.CompletedProcess:
+    """`trinity-train ARGS` as a user runs it, in a fresh process (options: `run_python`'s)."""
+    return run_python("-m", "trinity_train.cli", *args, **options)
+
+
+def assert_one_line_error(code: int, stderr: str, expected_code: int, *fragments: str) -> None:
+    """A user's mistake: exit `expected_code` and one line `error: ...` holding every fragment."""
+    lines = stderr.strip().splitlines()
+    assert code == expected_code and len(lines) == 1 and lines[0].startswith("error: "), stderr
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
 
 
 def shipped_training_configs() -> list[Path]:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import tomli_w
 
-from conftest import RUN_MODEL
+from conftest import RUN_MODEL, run_cli
 
 STEPS, MICRO_BATCH, SEQ_LEN = 6, 2, 16
 TOKENS = STEPS * MICRO_BATCH * SEQ_LEN
@@ -42,3 +42,8 @@ def write_study(folder: Path, **keys) -> Path:
     path = folder / "study.toml"
     path.write_text(tomli_w.dumps({k: v for k, v in table.items() if v is not None}))
     return path
+
+
+def ablate(*args, cwd: Path):
+    """`trinity-train ablate ARGS` in a fresh process."""
+    return run_cli("ablate", *args, cwd=cwd)

@@ -8,13 +8,11 @@ import hashlib
 import json
 import os
 import shutil
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 
-from conftest import run_config
+from conftest import assert_one_line_error, run_cli, run_config
 from trinity_train import cli
 from trinity_train.config import save_config
 from trinity_train.rundir import RunDir
@@ -25,12 +23,6 @@ def main(capsys, *args):
     err = capsys.readouterr().err
     return code, err
 
-
-def assert_one_line(code, err, expected_code, *fragments):
-    lines = err.strip().splitlines()
-    assert code == expected_code and len(lines) == 1 and lines[0].startswith("error: "), err
-    for fragment in fragments:
-        assert fragment in lines[0], lines[0]
 
 
 @pytest.fixture
@@ -74,14 +66,16 @@ def claiming_more_tokens(manifest):
 
 
 @pytest.mark.parametrize("change, fragments", [
-    (lambda m: [1, 2], ["manifest.json' is not a trinity-train-tokens v1 manifest", "prepare the dataset again"]),
+    (lambda m: [1, 2], ["manifest.json' must hold a JSON object, not a list", "prepare the dataset again"]),
+    (lambda m: {**m, "version": 99}, ["manifest.json' is not a trinity-train-tokens v1 manifest",
+                                      "prepare the dataset again"]),
     (without_tokenizer, ["manifest.json' is damaged: it has no 'tokenizer' object", "prepare the dataset again"]),
     (claiming_more_tokens, ["damaged: shard 0 of split 'train' claims", "tokens but its 00000.bin holds"]),
 ])
 def test_a_damaged_manifest_is_refused_before_the_run_directory_exists(dataset, capsys, tmp_path, change, fragments):
     edit_manifest(dataset, change)
     code, err, run_dir = train_on(dataset, capsys, tmp_path)
-    assert_one_line(code, err, 1, *fragments)
+    assert_one_line_error(code, err, 1, *fragments)
     assert not run_dir.exists()
 
 
@@ -103,7 +97,7 @@ def put_token_id(dataset, token_id):
 def test_token_ids_outside_the_vocabulary_are_refused_before_training(dataset, capsys, tmp_path):
     put_token_id(dataset, 400)  # the tokenizer has 300 ids, the model 320: the embedding would fail
     code, err, run_dir = train_on(dataset, capsys, tmp_path)
-    assert_one_line(code, err, 1, "holds token id 400, outside its tokenizer's vocabulary of 300")
+    assert_one_line_error(code, err, 1, "holds token id 400, outside its tokenizer's vocabulary of 300")
     assert not run_dir.exists()
 
 
@@ -125,7 +119,7 @@ def test_the_largest_id_is_recorded_by_prepare_data_or_read_once_and_cached(data
     ds = PreparedDataset.open(dataset, verify_checksums=False, cache_dir=cache)
     assert ds.max_token_id == 350 and len(list((cache / "token-ranges").glob("*.json"))) == 1
     code, err, _ = train_on(dataset, capsys, tmp_path, data={"verify_checksums": False, "cache_dir": str(cache)})
-    assert_one_line(code, err, 1, "holds token id 350")
+    assert_one_line_error(code, err, 1, "holds token id 350")
 
 
 def deny_writes_under(monkeypatch, root):
@@ -142,18 +136,18 @@ def test_a_read_only_run_directory_is_refused_fresh_and_on_resume(corpus, capsys
     before = sorted(p.relative_to(run_dir) for p in run_dir.rglob("*"))
     deny_writes_under(monkeypatch, run_dir)
     code, err = main(capsys, "train", "--config", config, "--checkpoint.resume=auto", "--train.steps=4")
-    assert_one_line(code, err, 2, f"run.dir: '{run_dir}' cannot be written", "choose another --run.dir")
+    assert_one_line_error(code, err, 2, f"run.dir: '{run_dir}' cannot be written", "choose another --run.dir")
     code, err = main(capsys, "train", "--config", config, f"--run.dir={run_dir / 'fresh'}")
-    assert_one_line(code, err, 2, f"run.dir: '{run_dir}' cannot be written")
+    assert_one_line_error(code, err, 2, f"run.dir: '{run_dir}' cannot be written")
     assert sorted(p.relative_to(run_dir) for p in run_dir.rglob("*")) == before
 
 
 def test_a_run_dir_that_is_a_file_is_refused(corpus, capsys, tmp_path):
     (tmp_path / "afile").write_text("not a directory")
     config = config_file(corpus, tmp_path, tmp_path / "afile")
-    assert_one_line(*main(capsys, "train", "--config", config), 2, "run.dir:", "afile' is a file, not a directory")
+    assert_one_line_error(*main(capsys, "train", "--config", config), 2, "run.dir:", "afile' is a file, not a directory")
     code, err = main(capsys, "train", "--config", config, f"--run.dir={tmp_path / 'afile' / 'run'}")
-    assert_one_line(code, err, 2, "cannot be created:", "afile' is a file")
+    assert_one_line_error(code, err, 2, "cannot be created:", "afile' is a file")
 
 
 def test_a_full_disk_during_a_checkpoint_names_the_disk_and_leaves_no_tmp(corpus, capsys, tmp_path, monkeypatch):
@@ -165,7 +159,7 @@ def test_a_full_disk_during_a_checkpoint_names_the_disk_and_leaves_no_tmp(corpus
     monkeypatch.setattr(FileSystem, "create_stream", no_space)
     run_dir = tmp_path / "run"
     code, err = main(capsys, "train", "--config", config_file(corpus, tmp_path, run_dir))
-    assert_one_line(code, err, 1, "step_00000002", "could not be written: no space left on the disk holding",
+    assert_one_line_error(code, err, 1, "step_00000002", "could not be written: no space left on the disk holding",
                     "--checkpoint.resume=auto")
     assert list(RunDir(run_dir).checkpoints.iterdir()) == []
 
@@ -178,7 +172,7 @@ def test_a_full_disk_under_the_metrics_is_one_line(corpus, capsys, tmp_path, mon
 
     monkeypatch.setattr(jsonl.JsonlWriter, "write", no_space)
     code, err = main(capsys, "train", "--config", config_file(corpus, tmp_path, tmp_path / "run"))
-    assert_one_line(code, err, 1, "could not write", "events.jsonl': no space left on the disk holding")
+    assert_one_line_error(code, err, 1, "could not write", "events.jsonl': no space left on the disk holding")
 
 
 def test_a_corrupt_dcp_metadata_is_one_line(corpus, capsys, tmp_path):
@@ -191,10 +185,8 @@ def test_a_corrupt_dcp_metadata_is_one_line(corpus, capsys, tmp_path):
         meta = json.loads((ckpt / "meta.json").read_text())
         (ckpt / "meta.json").write_text(json.dumps(meta_change(meta)))
         # Through the console script: DCP's own logging of the failure would show there too.
-        done = subprocess.run([sys.executable, "-m", "trinity_train.cli", "train", "--config", str(config),
-                               f"--checkpoint.resume={ckpt}", "--train.steps=4"], capture_output=True, text=True,
-                              timeout=300)
-        assert_one_line(done.returncode, done.stderr, 1, f"checkpoint '{ckpt}'", ".metadata")
+        done = run_cli("train", "--config", config, f"--checkpoint.resume={ckpt}", "--train.steps=4", timeout=300)
+        assert_one_line_error(done.returncode, done.stderr, 1, f"checkpoint '{ckpt}'", ".metadata")
 
 
 def prepare(capsys, tmp_path, *args):
@@ -205,12 +197,12 @@ def test_prepare_data_on_a_numeric_text_and_a_torn_last_record(capsys, tmp_path)
     docs = tmp_path / "docs.jsonl"
     docs.write_text('{"text": "one two"}\n{"text": 42}\n{"text": "three four"}\n{"text": "torn')
     code, err = prepare(capsys, tmp_path, "--input", docs, "--train-tokenizer", 300)
-    assert_one_line(code, err, 1, "docs.jsonl:2: field 'text' holds int 42, not a string", "--skip-bad-records")
+    assert_one_line_error(code, err, 1, "docs.jsonl:2: field 'text' holds int 42, not a string", "--skip-bad-records")
     assert not (tmp_path / "out").exists()  # not even a directory holding .prepare.lock
 
     docs.write_text('{"text": "one two"}\n{"text": "three"\n')
     code, err = prepare(capsys, tmp_path, "--input", docs, "--train-tokenizer", 300)
-    assert_one_line(code, err, 1, "docs.jsonl:2: malformed JSON")  # and no pyarrow line before it
+    assert_one_line_error(code, err, 1, "docs.jsonl:2: malformed JSON")  # and no pyarrow line before it
     assert not (tmp_path / "out").exists()
 
 
@@ -219,13 +211,12 @@ def test_prepare_data_with_a_vocabulary_too_small_says_so(capsys, tmp_path):
     docs.write_text("some words")
     for vocab in (0, 100):
         code, err = prepare(capsys, tmp_path, "--input", docs, "--train-tokenizer", vocab)
-        assert_one_line(code, err, 1, f"--train-tokenizer must be a vocabulary size of at least 258, got {vocab}")
+        assert_one_line_error(code, err, 1, f"--train-tokenizer must be a vocabulary size of at least 258, got {vocab}")
 
 
 def test_the_console_script_prints_no_traceback(dataset, tmp_path):
     edit_manifest(dataset, without_tokenizer)
     run_dir = tmp_path / "run"
-    done = subprocess.run([sys.executable, "-m", "trinity_train.cli", "train", "--config",
-                           str(config_file(dataset, tmp_path, run_dir))], capture_output=True, text=True, timeout=300)
-    assert_one_line(done.returncode, done.stderr, 1, "it has no 'tokenizer' object")
+    done = run_cli("train", "--config", config_file(dataset, tmp_path, run_dir), timeout=300)
+    assert_one_line_error(done.returncode, done.stderr, 1, "it has no 'tokenizer' object")
     assert not run_dir.exists()

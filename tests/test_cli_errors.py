@@ -2,25 +2,15 @@
 exit 1 for other user errors; never a traceback."""
 
 import os
-import subprocess
-import sys
 
 import pytest
 
+from conftest import assert_one_line_error, run_cli
 from trinity_train.config import load_config, save_config
 
 
-def cli(*args, cwd):
-    return subprocess.run([sys.executable, "-m", "trinity_train.cli", *args], cwd=cwd, capture_output=True,
-                          text=True, timeout=300)
-
-
-def assert_one_line_error(result, code, *fragments):
-    assert result.returncode == code, result.stderr
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
-    for fragment in fragments:
-        assert fragment in lines[0]
+def assert_fails_in_one_line(result, code, *fragments):
+    assert_one_line_error(result.returncode, result.stderr, code, *fragments)
 
 
 @pytest.mark.parametrize("args, fragments", [
@@ -33,28 +23,28 @@ def assert_one_line_error(result, code, *fragments):
     (["--train.steps"], ["has no value"]),
 ])
 def test_bad_configuration_exits_2_before_any_work(tmp_path, args, fragments):
-    result = cli("train", "--run.dir=run", *args, cwd=tmp_path)
-    assert_one_line_error(result, 2, *fragments)
+    result = run_cli("train", "--run.dir=run", *args, cwd=tmp_path)
+    assert_fails_in_one_line(result, 2, *fragments)
     assert not (tmp_path / "run").exists()
 
 
 def test_a_run_directory_holding_another_run_is_refused(tmp_path):
     save_config(load_config(None, ["--train.steps=10"]), tmp_path / "run" / "config.toml")
-    result = cli("train", "--run.dir=run", "--train.steps=20", cwd=tmp_path)
-    assert_one_line_error(result, 2, "run.dir: 'run' already holds a run with a different config",
+    result = run_cli("train", "--run.dir=run", "--train.steps=20", cwd=tmp_path)
+    assert_fails_in_one_line(result, 2, "run.dir: 'run' already holds a run with a different config",
                           "train.steps: 10 -> 20", "--checkpoint.resume=auto")
 
 
 def test_missing_or_broken_checkpoints_exit_1(tmp_path):
-    assert_one_line_error(cli("ckpt", "verify", "nowhere", cwd=tmp_path), 1, "checkpoint 'nowhere' does not exist")
+    assert_fails_in_one_line(run_cli("ckpt", "verify", "nowhere", cwd=tmp_path), 1, "checkpoint 'nowhere' does not exist")
     (tmp_path / "half").mkdir()
-    assert_one_line_error(cli("export-hf", "half", "out", cwd=tmp_path), 1, "incomplete", "meta.json")
-    assert_one_line_error(cli("import-hf", "nothing-here", cwd=tmp_path), 1, "does not exist")
+    assert_fails_in_one_line(run_cli("export-hf", "half", "out", cwd=tmp_path), 1, "incomplete", "meta.json")
+    assert_fails_in_one_line(run_cli("import-hf", "nothing-here", cwd=tmp_path), 1, "does not exist")
 
 
 def test_resuming_from_a_missing_checkpoint_exits_1(tmp_path):
-    result = cli("train", "--run.dir=run", "--checkpoint.resume=gone/step_00000010", cwd=tmp_path)
-    assert_one_line_error(result, 1, "checkpoint 'gone/step_00000010' does not exist")
+    result = run_cli("train", "--run.dir=run", "--checkpoint.resume=gone/step_00000010", cwd=tmp_path)
+    assert_fails_in_one_line(result, 1, "checkpoint 'gone/step_00000010' does not exist")
 
 
 def test_openmp_threads_sleep_while_waiting_unless_the_user_chose(monkeypatch, tmp_path, capsys):

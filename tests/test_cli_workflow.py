@@ -4,11 +4,11 @@ import-hf -> a new run initialised from the import."""
 
 import json
 import random
-import subprocess
-import sys
 
 import pytest
 import torch
+
+from conftest import run_cli
 
 from trinity_train.checkpoint import load_model_checkpoint
 from trinity_train.files import read_jsonl
@@ -53,11 +53,8 @@ dir = "run"
 
 
 def cli(*args, cwd, ok=True):
-    result = subprocess.run([sys.executable, "-m", "trinity_train.cli", *args], cwd=cwd, capture_output=True,
-                            text=True, timeout=600)
-    if ok:
-        assert result.returncode == 0, result.stderr
-    return result
+    """The console script, expected to succeed unless told otherwise."""
+    return run_cli(*args, cwd=cwd, ok=ok)
 
 
 @pytest.fixture(scope="module")

@@ -5,12 +5,11 @@ import http.client
 import json
 import os
 import random
-import subprocess
-import sys
 import time
 
 import pytest
 
+from conftest import run_python
 from synthetic_run import append_jsonl, train_record, write_rollback_run
 from trinity_train.dashboard.server import DashboardServer
 from trinity_train.records import IncidentAction
@@ -215,7 +214,6 @@ def test_a_foreign_host_name_is_refused_on_loopback(tmp_path, serve):
 
 
 def test_the_server_module_does_not_load_torch():
-    result = subprocess.run([sys.executable, "-c", "import sys, trinity_train.dashboard.server, "
-                             "trinity_train.dashboard.report; print('torch' in sys.modules)"],
-                            capture_output=True, text=True, timeout=120)
+    result = run_python("-c", "import sys, trinity_train.dashboard.server, trinity_train.dashboard.report; "
+                        "print('torch' in sys.modules)", timeout=120)
     assert result.stdout.strip() == "False", result.stderr

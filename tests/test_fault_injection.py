@@ -6,16 +6,14 @@ checkpoint before it, again bit-identical."""
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import run_config
+from conftest import ONE_THREAD_ENV, run_config, run_python
 from trinity_train.checkpoint import load_model_checkpoint
 from trinity_train.config import save_config
 from trinity_train.rundir import RunDir
@@ -24,13 +22,13 @@ from trinity_train.records import EventName, RecordKind
 pytestmark = pytest.mark.slow
 
 HERE = Path(__file__).parent
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE"}  # the same math in every process
 
 
 def trinity(*args, killed_at: tuple[str, int] | None = None) -> subprocess.CompletedProcess:
-    prefix = [str(HERE / "kill_at.py"), killed_at[0], str(killed_at[1])] if killed_at else ["-m", "trinity_train.cli"]
-    return subprocess.run([sys.executable, *prefix, *map(str, args)], capture_output=True, text=True, timeout=600,
-                          env=ENV, cwd=HERE.parent)
+    """The console script (or kill_at.py's, which dies at a moment of a save), with one thread: the
+    same math in every process."""
+    prefix = [HERE / "kill_at.py", *killed_at] if killed_at else ["-m", "trinity_train.cli"]
+    return run_python(*prefix, *args, env=ONE_THREAD_ENV)
 
 
 @pytest.fixture(scope="module")

@@ -4,14 +4,12 @@ run resumed on another number of ranks trains on the same batches with the same 
 
 import functools
 import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from conftest import run_config
+from conftest import run_config, run_python
 from ranks import init_gloo
 from trinity_train.config import grad_accum_for, load_config
 from trinity_train.errors import ConfigError
@@ -38,9 +36,8 @@ def test_a_layout_the_global_batch_cannot_split_over_is_one_config_error(tmp_pat
     with pytest.raises(ConfigError, match="train.grad_accum: is derived from train.global_batch_size"):
         load_config(None, ["--train.global_batch_size=8", "--train.grad_accum=2"])
     # The launchers' preflight says so before torchrun starts anything.
-    done = subprocess.run([sys.executable, "-m", "trinity_train.parallel.preflight", "4",
-                           "--train.global_batch_size=12", "--train.micro_batch_size=2"],
-                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    done = run_python("-m", "trinity_train.parallel.preflight", "4", "--train.global_batch_size=12",
+                      "--train.micro_batch_size=2", timeout=120, cwd=tmp_path)
     assert done.returncode == 2 and done.stderr.count("\n") == 1
     assert done.stderr.startswith("error: train.global_batch_size: 12 sequences cannot be split")
 

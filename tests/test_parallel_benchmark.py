@@ -4,13 +4,11 @@ theoretical count, and FSDP=2 holding at most 0.55x of FSDP=1's parameter + opti
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).parents[1]
+from conftest import ROOT, run_python
+
 pytestmark = pytest.mark.slow  # runs a benchmark script on gloo ranks in a subprocess
 TINY = ["--model.vocab_size=256", "--model.hidden_size=64", "--model.num_layers=2",
         "--model.intermediate_size=128", "--model.moe_intermediate_size=32", "--data.seq_len=32",
@@ -18,11 +16,8 @@ TINY = ["--model.vocab_size=256", "--model.hidden_size=64", "--model.num_layers=
 
 
 def test_benchmark_reports_all_to_all_bytes_and_fsdp_memory():
-    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "parallel_comm.py"), "--ep", "2",
-                           "--fsdp", "1", "2", *TINY], capture_output=True, text=True, cwd=ROOT,
-                          timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    out = done.stdout
+    out = run_python(ROOT / "benchmarks" / "parallel_comm.py", "--ep", "2", "--fsdp", "1", "2", *TINY,
+                     timeout=300, ok=True).stdout
     # 64 tokens per rank x top-2 x hidden 64 x 4 bytes x 1/2
     assert "= 16,384 B" in out
     ratios = [float(r) for r in re.findall(r"mean [\d,]+ B per all-to-all = ([\d.]+) x theory", out)]

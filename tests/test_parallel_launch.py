@@ -6,24 +6,20 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from conftest import layout_config
+from conftest import ROOT, SUBPROCESS_ENV, layout_config
 from trinity_train.config import save_config
 from trinity_train.files import read_jsonl
 from ranks import free_port
 from trinity_train.records import RecordKind
 
-ROOT = Path(__file__).parents[1]
-# torchrun from the environment the tests run in
-ENV = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
 
 
 def launch(*args, **env: str) -> subprocess.Popen:
-    return subprocess.Popen([str(a) for a in args], cwd=ROOT, env={**ENV, **env},
+    return subprocess.Popen([str(a) for a in args], cwd=ROOT, env={**SUBPROCESS_ENV, **env},
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -76,7 +72,7 @@ def test_impossible_layout_is_refused_before_anything_starts(ep2_config, tmp_pat
 
 
 def test_multinode_script_explains_a_missing_head_address(tmp_path):
-    env = {k: v for k, v in ENV.items() if k not in ("MASTER_ADDR", "NNODES", "NODE_RANK")}
+    env = {k: v for k, v in SUBPROCESS_ENV.items() if k not in ("MASTER_ADDR", "NNODES", "NODE_RANK")}
     done = subprocess.run(["launch/multinode.sh", "2", "0"], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=60)
     assert done.returncode == 2

@@ -6,30 +6,24 @@ speed: the figures come from benchmarks/README.md runs."""
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).parents[1]
+from conftest import ONE_THREAD_ENV, ROOT, run_python
+
 pytestmark = pytest.mark.slow  # each runs a benchmark script in a subprocess
 TINY = ["--model.vocab_size=256", "--model.hidden_size=32", "--model.num_layers=3",
         "--model.num_heads=4", "--model.num_kv_heads=2", "--model.head_dim=8",
         "--model.intermediate_size=64", "--model.num_experts=4", "--model.num_experts_per_tok=2",
         "--model.moe_intermediate_size=16", "--model.sliding_window=8", "--data.seq_len=32",
         "--train.micro_batch_size=2", "--model.loss_chunk_tokens=16", "--train.compile=false"]
-# One thread and passive waits: a shared CPU would otherwise stall tiny ops at OpenMP barriers.
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE"}
+# One thread and passive waits (ONE_THREAD_ENV): a shared CPU would otherwise stall tiny ops at
+# OpenMP barriers.
 
 
 def run(script: str, *args: str) -> str:
-    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), *args], cwd=ROOT,
-                          capture_output=True, text=True, timeout=600, env=ENV)
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
-    return done.stdout
+    return run_python(ROOT / "benchmarks" / script, *args, env=ONE_THREAD_ENV, ok=True).stdout
 
 
 def test_train_step_benchmark_compares_with_transformers_on_the_same_weights_and_batches():

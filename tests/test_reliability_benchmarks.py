@@ -4,23 +4,15 @@ with a fresh rendezvous store (the launchers' setting). Nothing here asserts a s
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
-ROOT = Path(__file__).parents[1]
+from conftest import ONE_THREAD_ENV, run_python
+
 pytestmark = pytest.mark.slow
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE",
-       "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
 
 
 def run(*args: str) -> str:
-    done = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=600, env=ENV)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return done.stdout
+    return run_python(*args, env=ONE_THREAD_ENV, ok=True).stdout
 
 
 def test_checkpoint_hash_compares_the_candidates_with_the_save():

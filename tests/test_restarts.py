@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -16,14 +15,12 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from conftest import run_config
+from conftest import ONE_THREAD_ENV, ROOT, SUBPROCESS_ENV, run_config, run_python
 from ranks import free_port
 from trinity_train.config import load_config
 from trinity_train.parallel.process_group import init_distributed
 from trinity_train.train import Trainer
 
-ROOT = Path(__file__).parents[1]
-ENV = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
 
 
 def absent_peer(rank: int, port: int, out: str) -> None:
@@ -82,8 +79,8 @@ def test_a_restarted_job_resumes_from_its_newest_sound_checkpoint(corpus, tmp_pa
 
 def test_the_launchers_check_their_restart_count(tmp_path):
     for launcher in (["launch/local.sh", "2"], ["launch/multinode.sh", "1", "0", "127.0.0.1", "1", "--"]):
-        done = subprocess.run([*launcher, "--max-restarts=x"], cwd=ROOT, env=ENV, capture_output=True, text=True,
-                              timeout=60)
+        done = subprocess.run([*launcher, "--max-restarts=x"], cwd=ROOT, env=SUBPROCESS_ENV, capture_output=True,
+                              text=True, timeout=60)
         assert done.returncode == 2 and "--max-restarts must be a number >= 0, got 'x'" in done.stderr
 
 
@@ -91,8 +88,6 @@ def test_the_launchers_check_their_restart_count(tmp_path):
 def test_the_local_launcher_restarts_a_job_whose_worker_was_killed():
     # benchmarks/restart_recovery.py --trainer: launch/local.sh 2, SIGKILL of rank 1 after the first
     # checkpoint; recovered means torchrun restarted both, they resumed, and the run finished.
-    done = subprocess.run([sys.executable, "benchmarks/restart_recovery.py", "--trainer", "--trials", "1",
-                           "--variants", "c10d-fresh-store", "--timeout-s", "400"],
-                          cwd=ROOT, env={**ENV, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
+    done = run_python("benchmarks/restart_recovery.py", "--trainer", "--trials", "1", "--variants",
+                      "c10d-fresh-store", "--timeout-s", "400", env=ONE_THREAD_ENV, ok=True)
     assert "| c10d-fresh-store | 1 / 1 |" in done.stdout, done.stdout

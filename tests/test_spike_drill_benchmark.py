@@ -3,15 +3,12 @@ clean run without false positives, every drill detected, the guard's cost per st
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).parents[1]
+from conftest import ONE_THREAD_ENV, ROOT, run_python
+
 TINY = ["--model.vocab_size=320", "--model.hidden_size=32", "--model.num_heads=2", "--model.num_kv_heads=1",
         "--model.head_dim=16", "--model.intermediate_size=64", "--model.num_experts=4",
         "--model.moe_intermediate_size=16", "--model.sliding_window=8", "--data.seq_len=16",
@@ -21,12 +18,9 @@ TINY = ["--model.vocab_size=320", "--model.hidden_size=32", "--model.num_heads=2
 
 @pytest.mark.slow
 def test_spike_drill_benchmark_prints_its_table(corpus):
-    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "spike_drill.py"), "--steps", "50",
-                           "--drill-from", "30", "--checkpoint-every", "5", f"--data.path={corpus}", *TINY],
-                          capture_output=True, text=True, cwd=ROOT, timeout=900,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert done.returncode == 0, done.stderr[-3000:]
-    out = done.stdout
+    out = run_python(ROOT / "benchmarks" / "spike_drill.py", "--steps", "50", "--drill-from", "30",
+                     "--checkpoint-every", "5", f"--data.path={corpus}", *TINY, timeout=900, env=ONE_THREAD_ENV,
+                     ok=True).stdout
     assert re.search(r"^clean \(false positives\) +- +0 +0 +0 ", out, re.M), out
     for scenario in ("NaN loss", "gradient x1000", "loss x10", r"poisoned range \(random tokens\)",
                      r"poisoned range \(one token\)"):

@@ -6,23 +6,16 @@ on, and a second invocation runs nothing again."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 from PIL import Image
 
-from study_files import DIVERGING, STEPS, write_base, write_study
+from study_files import DIVERGING, STEPS, ablate, write_base, write_study
 from trinity_train.rundir import RunDir
 from trinity_train.stability import HALT_EXIT_CODE
 from trinity_train.study import runner
 from trinity_train.study.table import PLOTS
 from trinity_train.records import EventName, RecordKind
-
-
-def ablate(*args, cwd):
-    return subprocess.run([sys.executable, "-m", "trinity_train.cli", "ablate", *map(str, args)], cwd=cwd,
-                          capture_output=True, text=True, timeout=600)
 
 
 def run_starts(out) -> dict[str, int]:

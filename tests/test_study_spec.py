@@ -4,14 +4,12 @@ one line `error: ...` with exit code 2 before anything runs."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from filelock import FileLock
 
-from study_files import DIVERGING, TOKENS, write_base, write_study
+from study_files import DIVERGING, TOKENS, ablate, write_base, write_study
 from trinity_train.config import BLOCK_VARIANTS, config_differences, config_to_dict, load_config
 from trinity_train.study.cells import global_batch, study_cells, study_hash
 from trinity_train.study.layout import StudyDir
@@ -85,11 +83,6 @@ def test_more_ranks_split_each_batch_so_the_cells_see_the_same_tokens(corpus, tm
     assert two[0].config.train == one[0].config.train and global_batch(two[0].config, 2) == 2
     with pytest.raises(StudyError, match="--nproc 4: train.global_batch_size: 2 sequences cannot be split"):
         study_cells(study, StudyDir(tmp_path), nproc=4)
-
-
-def ablate(*args, cwd):
-    return subprocess.run([sys.executable, "-m", "trinity_train.cli", "ablate", *map(str, args)], cwd=cwd,
-                          capture_output=True, text=True, timeout=300)
 
 
 BAD_STUDIES = [
