@@ -13,7 +13,8 @@ dtype), and `/proc/loadavg` before and after. Our variants are named like `fp32`
 `fp32+compile`, `bf16+ac` (activation checkpointing); a variant adds its flags to the config's, and
 every row is labelled by what its config resolved to: `bf16` under a config with
 train.compile=true (configs/bench_cpu.toml) runs and is labelled as bf16+compile, with a note
-(pass --train.compile=false to let the variants decide).
+(pass --train.compile=false to let the variants decide). Ratios: each bf16 variant against the
+fp32 one of the same flags where both ran, the others against the first fp32 variant.
 
     python benchmarks/train_step_vs_hf.py [--config configs/bench_cpu.toml] [--steps 3]
         [--variants fp32,bf16] [--hf-experts eager] [--no-hf] [--data corpus|random]
@@ -310,8 +311,12 @@ def report_throughput(args: argparse.Namespace, overrides: list[str]) -> int:
               f"relative difference {diff:.1e} {'(agree)' if agree else 'DISAGREE'}")
     if fp32 is not None:
         for run in ours:
-            if run is not fp32:
-                print(f"throughput {run.name} / {fp32.name}: {fp32.timings.best / run.timings.best:.2f}x")
+            # bf16 against fp32 of the same flags where that ran too, else against the first fp32
+            twin = next((r for r in ours if r.name == run.name.replace("bf16", "fp32", 1)), fp32)
+            reference = fp32 if twin is run else twin
+            if run is not reference:
+                print(f"throughput {run.name} / {reference.name}: "
+                      f"{reference.timings.best / run.timings.best:.2f}x")
     print(f"# load after: {load_average()}")
     return 0 if ok else 1
 
