@@ -2,13 +2,19 @@
 
 Both models start from the same weights (ours exported through `trinity_train.interop.hf.save_hf`
 and loaded with `AfmoeForCausalLM.from_pretrained`), take the same batches and the same optimizer
-(`build_optimizer` from the config), and run forward + backward + clip + optimizer step in one
-process, step after step in turn, so that a shared machine slows each of them alike. For each it
+(`build_optimizer` from the config), and run forward + backward + clip + optimizer step. Each
+model lives in a fresh process of its own (this script with `--one-variant`), so no compilation,
+cache or allocator state of one variant reaches the next; the processes take their timed steps in
+turn, the order rotating every step, so that a shared machine slows each of them alike. For each it
 prints tokens/s (best of the timed steps, median alongside), model FLOP/s from the trainer's
 accounting (`training_flops_per_token`) and MFU against a matmul probe measured in the same run
 (best of many repetitions at the model's own GEMM shapes and at a large square, in the variant's
-dtype). Our variants are named like `fp32`, `bf16`, `fp32+compile`, `bf16+ac` (activation
-checkpointing).
+dtype), and `/proc/loadavg` before and after. Our variants are named like `fp32`, `bf16`,
+`fp32+compile`, `bf16+ac` (activation checkpointing); a variant adds its flags to the config's, and
+every row is labelled by what its config resolved to: `bf16` under a config with
+train.compile=true (configs/bench_cpu.toml) runs and is labelled as bf16+compile, with a note
+(pass --train.compile=false to let the variants decide). Ratios: each bf16 variant against the
+fp32 one of the same flags where both ran, the others against the first fp32 variant.
 
     python benchmarks/train_step_vs_hf.py [--config configs/bench_cpu.toml] [--steps 3]
         [--variants fp32,bf16] [--hf-experts eager] [--no-hf] [--data corpus|random]
@@ -54,6 +60,7 @@ DEFAULT_CONFIG = ROOT / "configs" / "bench_cpu.toml"
 REQUIRED_FIRST_LOSS_AGREEMENT = 1e-3  # relative, fp32 against fp32
 LOSS_AGREEMENT = 0.01  # relative, per step, of a variant's losses against the first variant's
 VARIANT_FLAGS = {"compile": "train.compile", "ac": "train.activation_checkpointing"}
+HF = "hf"  # --one-variant's name for the transformers model
 
 
 # ---------------------------------------------------------------------------- variants and data
@@ -119,7 +126,6 @@ class Trainee:
         self.name, self.model, self.cfg, self.loss_fn = name, model, cfg, loss_fn
         self.optimizer = build_optimizer(model, cfg.optim)
         self.params = [p for p in model.parameters() if p.requires_grad]
-        self.timings = Timings()
 
     def autocast(self):
         if self.cfg.train.dtype == "bf16":
@@ -143,11 +149,6 @@ class Trainee:
             self.model.update_expert_biases(counts)
         self.optimizer.zero_grad(set_to_none=True)
         return total / float(tokens)
-
-    def timed_step(self, batch: Batch) -> float:
-        seconds, loss = timed(lambda: self.step(batch), torch.device("cpu"))
-        self.timings.add(seconds)
-        return loss
 
 
 def ours_loss(model, input_ids, labels):
@@ -188,16 +189,84 @@ def build_hf(cfg: Config, experts: str) -> Trainee:
 # ---------------------------------------------------------------------------- reports
 
 
+def load_average() -> str:
+    return Path("/proc/loadavg").read_text().strip()
+
+
+def note_resolved_variants(variants: list[str], configs: list[Config]) -> None:
+    """Say where the config turned on more than a variant names (its label says what ran)."""
+    for variant, cfg in zip(variants, configs):
+        if set(variant.split("+")) != set(variant_name(cfg).split("+")):
+            print(f"note: variant {variant} runs as {variant_name(cfg)} (the config's train "
+                  f"settings; --train.compile=false --train.activation_checkpointing=false "
+                  f"leave them to the variants)")
+
+
+class StepProcess:
+    """One model in a fresh process of its own (`one_variant`): built and warmed up on start,
+    then `step(i)` times a step on batch i there. `name` is the label the process reports."""
+
+    def __init__(self, args: argparse.Namespace, overrides: list[str], variant: str, cfg: Config):
+        self.cfg, self.timings = cfg, Timings()
+        command = [sys.executable, __file__, "--config", str(args.config), "--data", args.data,
+                   "--variants", args.variants, "--hf-experts", args.hf_experts,
+                   "--warmup", str(args.warmup), "--steps", str(args.steps),
+                   "--one-variant", variant, *overrides]
+        self.process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.name = variant
+        ready = self._reply()
+        self.name, self.losses, self.pid = ready["name"], ready["warmup_losses"], ready["pid"]
+
+    def _reply(self) -> dict:
+        line = self.process.stdout.readline()
+        if not line:
+            raise SystemExit(f"error: the process of {self.name} exited ({self.process.wait()})")
+        return json.loads(line)
+
+    def step(self, i: int) -> float:
+        self.process.stdin.write(f"{i}\n")
+        self.process.stdin.flush()
+        reply = self._reply()
+        self.timings.add(reply["seconds"])
+        self.losses.append(reply["loss"])
+        return reply["loss"]
+
+    def close(self) -> None:
+        self.process.stdin.close()  # the process ends at the end of its input
+        self.process.wait()
+
+
+def one_variant(args: argparse.Namespace, overrides: list[str]) -> int:
+    """In a fresh process (`StepProcess`): build one model and take the warm-up steps, then time
+    a step for each batch index read from stdin. Replies are JSON lines on stdout."""
+    replies, sys.stdout = sys.stdout, sys.stderr  # what torch or we print must not mix with them
+    base = variant_config(args, overrides, args.variants.split(",")[0])
+    trainee = (build_hf(base, args.hf_experts) if args.one_variant == HF
+               else build_ours(variant_config(args, overrides, args.one_variant)))
+    data = batches(trainee.cfg, args.data, args.warmup + args.steps)
+
+    def reply(**fields) -> None:
+        print(json.dumps(fields), file=replies, flush=True)
+
+    # compilation, allocation, first-call overheads
+    reply(name=trainee.name, pid=os.getpid(), warmup_losses=[trainee.step(b) for b in data[:args.warmup]])
+    for line in sys.stdin:
+        seconds, loss = timed(lambda: trainee.step(data[int(line)]), torch.device("cpu"))
+        reply(seconds=seconds, loss=loss)
+    return 0
+
+
 def report_throughput(args: argparse.Namespace, overrides: list[str]) -> int:
     variants = args.variants.split(",")
     configs = [variant_config(args, overrides, v) for v in variants]
     base = configs[0]
     flops = step_flops(base)
     tokens = base.train.micro_batch_size * base.train.grad_accum * base.data.seq_len
-    data = batches(base, args.data, args.warmup + args.steps)
+    print(f"# load: {load_average()}")
     print(f"config {args.config}: {tokens} tokens/step, {flops / tokens / 1e6:.2f} MFLOP/token "
           f"(training_flops_per_token) = {flops / 1e9:.1f} GFLOP/step; {args.data} batches; "
-          f"{torch.get_num_threads()} threads")
+          f"{torch.get_num_threads()} threads; each model in its own process")
+    note_resolved_variants(variants, configs)
 
     shapes = model_gemm_shapes(base.model, base.train.micro_batch_size * base.data.seq_len,
                                base.model.loss_chunk_tokens)
@@ -208,49 +277,47 @@ def report_throughput(args: argparse.Namespace, overrides: list[str]) -> int:
     for probe in probes.values():
         print(probe.describe())
 
-    trainees = [build_ours(cfg) for cfg in configs]
-    if not args.no_hf:
-        trainees.insert(0, build_hf(base, args.hf_experts))
-    first_losses = {}
-    for i, batch in enumerate(data):
-        for t in trainees:
-            if i < args.warmup:
-                loss = t.step(batch)  # compilation, allocation, first-call overheads
-            else:
-                loss = t.timed_step(batch)
-            first_losses.setdefault(t.name, loss)
-            print(f"  step {i} {t.name}: loss {loss:.6f}"
-                  + (f", {t.timings.seconds[-1]:.2f} s" if i >= args.warmup else " (warm-up)"),
-                  flush=True)
+    # One at a time up to the end of the warm-up, so that compilations do not overlap.
+    runs = [] if args.no_hf else [StepProcess(args, overrides, HF, base)]
+    runs += [StepProcess(args, overrides, v, cfg) for v, cfg in zip(variants, configs)]
+    for run in runs:
+        print(f"  {run.name} (process {run.pid}): warm-up losses {' '.join(f'{x:.6f}' for x in run.losses) or 'none'}",
+              flush=True)
+    for i in range(args.warmup, args.warmup + args.steps):
+        turn = i % len(runs)
+        for run in runs[turn:] + runs[:turn]:
+            loss = run.step(i)
+            print(f"  step {i} {run.name}: loss {loss:.6f}, {run.timings.seconds[-1]:.2f} s", flush=True)
+    for run in runs:
+        run.close()
 
     print(f"\n{'':34s} {'tokens/s best (median)':>24s} {'GFLOP/s':>9s} {'MFU':>7s}  first loss")
-    rates = {}
-    for t in trainees:
-        dtype = torch.bfloat16 if t.cfg.train.dtype == "bf16" else torch.float32
-        rate = tokens / t.timings.best
-        rates[t.name] = rate
-        achieved = flops / t.timings.best
-        print(f"{t.name:34s} {rate:12,.0f} ({tokens / t.timings.median:8,.0f}) "
-              f"{achieved / 1e9:9.1f} {achieved / probes[dtype].peak:7.1%}  {first_losses[t.name]:.6f}")
+    for run in runs:
+        dtype = torch.bfloat16 if run.cfg.train.dtype == "bf16" else torch.float32
+        achieved = flops / run.timings.best
+        print(f"{run.name:34s} {tokens / run.timings.best:12,.0f} "
+              f"({tokens / run.timings.median:8,.0f}) {achieved / 1e9:9.1f} {achieved / probes[dtype].peak:7.1%}  {run.losses[0]:.6f}")
 
     ok = True
-    ours = [t for t in trainees if t.name.startswith("ours")]
-    fp32 = next((t for t in ours if t.cfg.train.dtype == "fp32"), None)
+    ours = runs if args.no_hf else runs[1:]
+    fp32 = next((run for run in ours if run.cfg.train.dtype == "fp32"), None)
     if not args.no_hf and fp32 is not None:
-        hf = trainees[0]
-        print(f"\nthroughput ours {variant_name(fp32.cfg)} / {hf.name}: "
-              f"{rates[fp32.name] / rates[hf.name]:.1f}x")
-        diff = abs(first_losses[fp32.name] - first_losses[hf.name]) / first_losses[hf.name]
+        hf = runs[0]
+        print(f"\nthroughput {fp32.name} / {hf.name}: {hf.timings.best / fp32.timings.best:.1f}x")
+        diff = abs(fp32.losses[0] - hf.losses[0]) / hf.losses[0]
         agree = diff <= REQUIRED_FIRST_LOSS_AGREEMENT
         ok &= agree
-        print(f"first-step loss, ours {first_losses[fp32.name]:.6f} vs transformers "
-              f"{first_losses[hf.name]:.6f}: relative difference {diff:.1e} "
-              f"{'(agree)' if agree else 'DISAGREE'}")
+        print(f"first-step loss, ours {fp32.losses[0]:.6f} vs transformers {hf.losses[0]:.6f}: "
+              f"relative difference {diff:.1e} {'(agree)' if agree else 'DISAGREE'}")
     if fp32 is not None:
-        for t in ours:
-            if t is not fp32:
-                print(f"throughput ours {variant_name(t.cfg)} / ours {variant_name(fp32.cfg)}: "
-                      f"{rates[t.name] / rates[fp32.name]:.2f}x")
+        for run in ours:
+            # bf16 against fp32 of the same flags where that ran too, else against the first fp32
+            twin = next((r for r in ours if r.name == run.name.replace("bf16", "fp32", 1)), fp32)
+            reference = fp32 if twin is run else twin
+            if run is not reference:
+                print(f"throughput {run.name} / {reference.name}: "
+                      f"{reference.timings.best / run.timings.best:.2f}x")
+    print(f"# load after: {load_average()}")
     return 0 if ok else 1
 
 
@@ -265,7 +332,7 @@ def report_profile(args: argparse.Namespace, overrides: list[str]) -> int:
         trainee.step(data[0])
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             trainee.step(data[1])
-        print(f"ours {variant}, one step:")
+        print(f"{trainee.name}, one step:")
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.profile,
                                         max_name_column_width=60))
     return 0
@@ -276,14 +343,13 @@ def report_loss_agreement(args: argparse.Namespace, overrides: list[str]) -> int
     variants = args.variants.split(",")
     configs = [variant_config(args, overrides, v) for v in variants]
     data = batches(configs[0], args.data, args.loss_steps)
-    losses = {}
+    losses = []
     for cfg in configs:
         trainee = build_ours(cfg)
-        losses[trainee.name] = [trainee.step(b) for b in data]
-        print(f"{trainee.name}: losses {losses[trainee.name][0]:.4f} -> {losses[trainee.name][-1]:.4f}",
-              flush=True)
-    reference_name, reference = next(iter(losses.items()))
-    for name, values in list(losses.items())[1:]:
+        losses.append((trainee.name, [trainee.step(b) for b in data]))
+        print(f"{trainee.name}: losses {losses[-1][1][0]:.4f} -> {losses[-1][1][-1]:.4f}", flush=True)
+    reference_name, reference = losses[0]
+    for name, values in losses[1:]:
         rel = [abs(a - b) / abs(b) for a, b in zip(values, reference)]
         worst = max(range(len(rel)), key=rel.__getitem__)
         print(f"{name} vs {reference_name} over {len(rel)} steps: max relative loss difference "
@@ -326,7 +392,7 @@ def memory_child(args: argparse.Namespace, overrides: list[str]) -> int:
     input_ids, labels = next(micro_batches(data[1], cfg.train.micro_batch_size))
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), trainee.autocast():
         ours_loss(trainee.model, input_ids, labels)
-    print(json.dumps({"variant": args.memory_child, "peak_mib": peak_kib / 1024,
+    print(json.dumps({"variant": variant_name(cfg), "peak_mib": peak_kib / 1024,
                       "step_mib": (peak_kib - before_kib) / 1024,
                       "saved_mib": sum(saved.values()) / 2**20}))
     return 0
@@ -345,7 +411,7 @@ def report_memory(args: argparse.Namespace, overrides: list[str]) -> int:
             print(done.stderr[-3000:], file=sys.stderr)
             return done.returncode
         r = json.loads(done.stdout.strip().splitlines()[-1])
-        print(f"{variant:18s} {r['peak_mib']:7.0f} MiB {r['step_mib']:19.0f} MiB {r['saved_mib']:17.0f} MiB")
+        print(f"{r['variant']:18s} {r['peak_mib']:7.0f} MiB {r['step_mib']:19.0f} MiB {r['saved_mib']:17.0f} MiB")
     return 0
 
 
@@ -368,7 +434,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profile", type=int, default=0, metavar="ROWS",
                         help="instead: the ROWS busiest operators of one step of each variant")
     parser.add_argument("--memory-child", help=argparse.SUPPRESS)
+    parser.add_argument("--one-variant", help=argparse.SUPPRESS)
     args, overrides = parser.parse_known_args(argv)
+    if args.one_variant:
+        return one_variant(args, overrides)
     if args.memory_child:
         return memory_child(args, overrides)
     if args.memory:

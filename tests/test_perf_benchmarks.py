@@ -36,6 +36,19 @@ def test_train_step_benchmark_compares_with_transformers_on_the_same_weights_and
         assert re.search(rf"^{re.escape(name)} +[\d,]+ \( *[\d,]+\) +[\d.]+ +[\d.]+%", out, re.M), out
     assert re.search(r"throughput ours fp32 / transformers \(eager experts\): [\d.]+x", out)
     assert re.search(r"throughput ours bf16 / ours fp32: [\d.]+x", out)
+    # Every model ran in a process of its own, labelled by what its config resolved to: TINY turns
+    # compilation off, so bf16 is plain bf16 and no variant needed a note.
+    assert len(set(re.findall(r"^  .+ \(process (\d+)\): warm-up", out, re.M))) == 3, out
+    assert "+compile" not in out and "note:" not in out, out
+    assert re.search(r"^# load: [\d.]+ [\d.]+ [\d.]+", out, re.M) and "# load after:" in out, out
+
+
+def test_train_step_benchmark_labels_a_variant_by_what_its_config_ran():
+    out = run("train_step_vs_hf.py", "--data", "random", "--steps", "1", "--warmup", "0", "--no-hf",
+              "--probe-repeats", "1", "--probe-seconds", "0.01", "--variants", "bf16", *TINY,
+              "--train.activation_checkpointing=true")
+    assert "note: variant bf16 runs as bf16+ac" in out, out
+    assert re.search(r"^ours bf16\+ac +[\d,]+ ", out, re.M), out
 
 
 def test_train_step_benchmark_compares_losses_of_variants_over_steps():
