@@ -65,6 +65,11 @@ def assert_one_line_error(code: int, stderr: str, expected_code: int, *fragments
         assert fragment in lines[0], lines[0]
 
 
+def assert_fails_in_one_line(result: subprocess.CompletedProcess, expected_code: int, *fragments: str) -> None:
+    """`assert_one_line_error` of a finished process (`run_cli`)."""
+    assert_one_line_error(result.returncode, result.stderr, expected_code, *fragments)
+
+
 def shipped_training_configs() -> list[Path]:
     """Every training config under configs/, the study's base included (a study file, which
     names variants, is not one)."""

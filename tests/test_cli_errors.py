@@ -5,12 +5,8 @@ import os
 
 import pytest
 
-from conftest import assert_one_line_error, run_cli
+from conftest import assert_fails_in_one_line, run_cli
 from trinity_train.config import load_config, save_config
-
-
-def assert_fails_in_one_line(result, code, *fragments):
-    assert_one_line_error(result.returncode, result.stderr, code, *fragments)
 
 
 @pytest.mark.parametrize("args, fragments", [

@@ -52,6 +52,8 @@ dir = "run"
 """
 
 
+pytestmark = pytest.mark.slow  # the whole workflow through fresh console-script processes
+
 def cli(*args, cwd, ok=True):
     """The console script, expected to succeed unless told otherwise."""
     return run_cli(*args, cwd=cwd, ok=ok)

@@ -5,13 +5,13 @@ import subprocess
 import sys
 
 from synthetic_run import write_rollback_run
-from test_cli_errors import assert_one_line_error, cli
+from conftest import assert_fails_in_one_line, run_cli
 
 
 def test_a_run_dir_that_is_a_file_exits_2(tmp_path):
     (tmp_path / "metrics.jsonl").write_text("{}\n")
     for command in (["dashboard", "metrics.jsonl", "--port", "0"], ["report", "metrics.jsonl", "--out", "r.html"]):
-        assert_one_line_error(cli(*command, cwd=tmp_path), 2, "RUN_DIR 'metrics.jsonl' is a file, not a run directory")
+        assert_fails_in_one_line(run_cli(*command, cwd=tmp_path), 2, "RUN_DIR 'metrics.jsonl' is a file, not a run directory")
     assert not (tmp_path / "r.html").exists()
 
 
@@ -20,9 +20,9 @@ def test_a_port_in_use_is_one_line_and_a_non_zero_exit(tmp_path):
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        result = cli("dashboard", "run", "--port", str(port), cwd=tmp_path)
-    assert_one_line_error(result, 1, f"cannot listen on 127.0.0.1:{port}", "choose another --port")
-    assert_one_line_error(cli("dashboard", "run", "--port", "70000", cwd=tmp_path), 1, "from 0 to 65535")
+        result = run_cli("dashboard", "run", "--port", str(port), cwd=tmp_path)
+    assert_fails_in_one_line(result, 1, f"cannot listen on 127.0.0.1:{port}", "choose another --port")
+    assert_fails_in_one_line(run_cli("dashboard", "run", "--port", "70000", cwd=tmp_path), 1, "from 0 to 65535")
 
 
 def test_another_host_warns_that_others_can_reach_it(tmp_path):
@@ -40,7 +40,7 @@ def test_another_host_warns_that_others_can_reach_it(tmp_path):
 
 def test_report_writes_one_self_contained_file(tmp_path):
     write_rollback_run(tmp_path / "a")
-    result = cli("report", "a", "not-started", "--out", "out/report.html", "--title", "drill <1>", cwd=tmp_path)
+    result = run_cli("report", "a", "not-started", "--out", "out/report.html", "--title", "drill <1>", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     html = (tmp_path / "out" / "report.html").read_text()
     assert "<title>drill &lt;1&gt;</title>" in html and "window.TRINITY_SNAPSHOT" in html

@@ -33,6 +33,7 @@ def study_run(corpus, tmp_path_factory):
     return folder, study, out, first
 
 
+@pytest.mark.slow  # the study end to end, cells in subprocesses
 def test_the_study_runs_every_cell_and_records_the_diverged_one(study_run):
     _, _, out, first = study_run
     assert first.returncode == 0, first.stdout + first.stderr
@@ -56,6 +57,7 @@ def test_the_study_runs_every_cell_and_records_the_diverged_one(study_run):
     assert "[1/2] sandwich-normal-s0: diverged" in first.stdout and "[2/2] prenorm-normal-s0: finished" in first.stdout
 
 
+@pytest.mark.slow  # the study end to end, cells in subprocesses
 def test_the_report_has_one_row_per_cell_the_plots_and_the_html(study_run):
     _, study, out, _ = study_run
     report = (out / "report.md").read_text()
@@ -78,6 +80,7 @@ def test_the_report_has_one_row_per_cell_the_plots_and_the_html(study_run):
     assert "TRINITY_SNAPSHOT" in html and "prenorm-normal-s0" in html
 
 
+@pytest.mark.slow  # the study end to end, cells in subprocesses
 def test_a_second_invocation_runs_nothing_again(study_run):
     folder, study, out, _ = study_run
     before = run_starts(out)
@@ -91,6 +94,7 @@ def test_a_second_invocation_runs_nothing_again(study_run):
     assert len(state["invocations"]) == 2
 
 
+@pytest.mark.slow  # the study end to end, cells in subprocesses
 def test_a_changed_study_is_refused_before_anything_runs(study_run, tmp_path):
     folder, _, out, _ = study_run
     before = run_starts(out)
@@ -126,6 +130,7 @@ def test_cells_as_torchrun_jobs_train_on_the_same_batches(corpus, tmp_path):
     assert "--nproc 2" in (tmp_path / "two" / "report.md").read_text()
 
 
+@pytest.mark.slow  # the study end to end, cells in subprocesses
 def test_a_failed_cell_is_reported_and_run_again_next_time(corpus, tmp_path):
     """A cell that crashes (here: its data is missing) is not a divergence: the report is written,
     the command exits 1 naming it, and the next invocation tries it again."""
