@@ -91,12 +91,19 @@ def _serve(rank: int, world: int, port: int, tasks, results) -> None:
             fn, args, out = job
             try:
                 torch.save(fn(*args), Path(out) / f"rank{rank}.pt")
-                results.put((rank, None))
+                results.put((rank, dist.distributed_c10d.get_pg_count()))
             except BaseException:  # reported in the caller, which ends the pool
                 results.put((rank, traceback.format_exc()))
         leave_together()
     finally:
         destroy_distributed()
+
+
+# Process groups a pool's ranks may hold before they are replaced by fresh ones: every DeviceMesh
+# dimension a job builds is one, each with a gloo thread that keeps polling after the job (a few
+# per cent of a core per rank once dozens have piled up), and torch offers no list of them to
+# destroy safely (code under test caches its own).
+MAX_GROUPS = 16
 
 
 class RankPool:
@@ -120,10 +127,10 @@ class RankPool:
         with tempfile.TemporaryDirectory() as out_dir:
             for queue in self._tasks:
                 queue.put((fn, args, out_dir))
-            deadline, done = time.monotonic() + timeout_s, 0
+            deadline, done, groups = time.monotonic() + timeout_s, 0, 0
             while done < self.world:
                 try:
-                    rank, failure = self._results.get(timeout=2)
+                    rank, reply = self._results.get(timeout=2)  # a traceback, or its process group count
                 except queue_module.Empty:
                     dead = [r for r, p in enumerate(self._procs) if not p.is_alive()]
                     if dead or time.monotonic() > deadline:
@@ -134,11 +141,14 @@ class RankPool:
                         raise RanksHung(f"{self.world} ranks of {fn.__name__} still running after "
                                         f"{timeout_s:.0f}s: a collective hung") from None
                     continue
-                if failure is not None:
+                if isinstance(reply, str):
                     self.close(kill=True)
-                    raise RuntimeError(f"rank {rank} of {fn.__name__} failed:\n{failure}")
-                done += 1
-            return [torch.load(Path(out_dir) / f"rank{r}.pt", weights_only=False) for r in range(self.world)]
+                    raise RuntimeError(f"rank {rank} of {fn.__name__} failed:\n{reply}")
+                groups, done = max(groups, reply), done + 1
+            results = [torch.load(Path(out_dir) / f"rank{r}.pt", weights_only=False) for r in range(self.world)]
+        if groups > MAX_GROUPS:
+            self.close()  # the next job starts fresh ranks
+        return results
 
     def close(self, kill: bool = False) -> None:
         """Stop the ranks: together (leaving the group cleanly) or, after a failure, at once."""
