@@ -18,7 +18,7 @@ LAYERS = [
     {"step"},
     {"parallel", "checkpoint", "stability", "observe", "interop", "dashboard", "study"},
     {"model", "optim", "data"},
-    {"config", "rundir", "columnar", "records"},
+    {"config", "rundir", "columnar", "records", "callbacks"},
     {"files"},
     {"errors", "__init__"},
 ]

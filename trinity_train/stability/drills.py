@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from trinity_train.callbacks import TrainerCallback
 from trinity_train.config import POISON_FAULTS, FaultConfig
 from trinity_train.records import EventName, event
 
@@ -96,3 +97,22 @@ class FaultInjector:
                 tokens = torch.full((rows, length + 1), fault.token, dtype=torch.long)
             batch.input_ids.copy_(tokens[:, :-1])
             batch.labels.copy_(tokens[:, 1:])
+
+
+class DrillCallback(TrainerCallback):
+    """The drills' part before a step: announce every fault acting in this iteration (a
+    `fault_injected` event and a console notice, on the main process whichever rank it acts on),
+    then poison this rank's rows of the batch where a poison fault covers it. The step's own
+    faults (loss and gradient factors) act inside `step.TrainingStep`."""
+
+    def __init__(self, faults: FaultInjector):
+        self.faults = faults
+
+    def before_step(self, trainer, batch) -> None:
+        iteration = trainer.state.iteration
+        drill = self.faults.events(iteration, batch.index)
+        trainer.recorder.events(drill)
+        for fault in drill:
+            where = "" if fault["rank"] is None else f" on rank {fault['rank']}"
+            trainer.recorder.notice(f"iteration {iteration}: drill: injected {fault['fault']}{where}")
+        self.faults.poison(batch)
