@@ -15,7 +15,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "trinity_train"
 LAYERS = [
     {"cli"},
     {"train"},
-    {"step"},
+    {"step", "run_config"},
     {"parallel", "checkpoint", "stability", "observe", "interop", "dashboard", "study"},
     {"model", "optim", "data"},
     {"config", "rundir", "columnar", "records", "callbacks"},

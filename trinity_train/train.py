@@ -1,10 +1,10 @@
 """The Trainer: composes model, data, optimizer, schedule, stability, checkpoints and metrics.
 
 Each iteration draws the next global batch, lets `step.TrainingStep` train on it (or skip it),
-records what happened, and validates and checkpoints when due (DESIGN §2). When the guard asks for
-a rollback, the Trainer restores a checkpoint from before the incident through the resume path,
-rules out the batches since it in the skip ledger and continues (DESIGN §7); every skip and every
-rollback leaves an incident report.
+tells the callbacks (`callbacks.TrainerCallback`: the records, the drills, whatever a caller
+attached) what happened, and validates and checkpoints when due (DESIGN §2). A skipped step goes
+to `stability.recovery.Recovery`, which keeps the ledger, rolls back through the trainer's resume
+path when the guard asks for it, and writes the incident reports (DESIGN §7).
 
 Model, optimizer and data come in through small builders (`build_model_for_training`,
 `build_optimizer`, `build_loaders`), so parallelism can be applied from outside without touching
@@ -50,6 +50,7 @@ from trinity_train.parallel.process_group import (destroy_distributed, init_dist
                                                   resolve_device, world_size_from_env)
 from trinity_train.records import EventName, event, train_record, val_record
 from trinity_train.rundir import RunDir
+from trinity_train.run_config import validate_rules
 from trinity_train.stability import StepGuard, TrainingDivergedError
 from trinity_train.stability.drills import DrillCallback, FaultInjector
 from trinity_train.stability.recovery import Recovery
@@ -179,10 +180,11 @@ class Trainer:
                  callbacks: list[TrainerCallback] | None = None):
         """One process by default; a rank of a distributed launch passes its `dims` (with the
         mesh built) and its device. `callbacks` run after the built-in ones, in order."""
+        # Everything that can be checked without work is checked first.
+        validate_rules(cfg)
         self.cfg = cfg
         self.run_dir = Path(cfg.run.dir)
         self.rundir = RunDir(self.run_dir)
-        # Everything that can be checked without work is checked first.
         self.config_changes = check_run_dir(cfg, self.run_dir)
         self.checkpoints = CheckpointManager(self.run_dir, cfg.checkpoint,
                                              protect_lookback=protected_lookback(cfg.stability))
