@@ -1,7 +1,7 @@
 """What the per-layer statistics (`metrics.layer_stats_every`) cost, as a fraction of the step.
 
 Side by side in one run: one Trainer on configs/debug.toml (the default model, corpus, Muon) runs
-whole training iterations (`Trainer._one_iteration`: the step, its metrics records, all of it),
+whole training iterations (`Trainer.train_one_iteration`: the step, its metrics records, all of it),
 each timed; validation, checkpoints and console lines are off (they are not part of a step).
 
 - interval 1 (statistics on every iteration): iterations with and without statistics alternate,
@@ -40,15 +40,15 @@ from pathlib import Path
 
 from measure import synchronize
 from trinity_train.config import load_config
-from trinity_train.observe import MetricsRecorder
-from trinity_train.train import Throughput, Trainer, TrainSummary
+from trinity_train.train import Trainer
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_CONFIG = ROOT / "configs" / "debug.toml"
 # Nothing but training steps: no validation, checkpoints or console lines; a given peak, so no
 # matmul probe at start.
 QUIET = ["--train.eval_every=0", "--checkpoint.every=0", "--metrics.progress_bar=false",
-         "--train.log_every=1000000000", "--metrics.peak_flops=1e12", "--train.steps=1000000000"]
+         "--train.log_every=1000000000", "--metrics.peak_flops=1e12", "--train.steps=1000000000",
+         "--stability.rollback_after=0"]  # no checkpoints to roll back to: say nothing of it
 
 
 def load_average() -> str:
@@ -132,9 +132,7 @@ def measure_layer_stats_overhead(config: Path = DEFAULT_CONFIG, overrides: list[
         if interval < 1:
             raise SystemExit("metrics.layer_stats_every must be >= 1 to measure its cost")
         trainer = Trainer(cfg)
-        recorder = MetricsRecorder(cfg, trainer.run_dir, start_step=0)
-        throughput = Throughput(cfg, trainer.device, 1)
-        summary = TrainSummary(trainer.run_dir, 0, 0, 0)
+        trainer.start()
         collector = trainer.step_fn.layer_stats
         clocks = CLOCKS if trainer.device.type == "cpu" else {"wall": CLOCKS["wall"]}
 
@@ -144,7 +142,7 @@ def measure_layer_stats_overhead(config: Path = DEFAULT_CONFIG, overrides: list[
             takes_stats = collector.due(trainer.state.iteration + 1)
             synchronize(trainer.device)
             start = {name: clock() for name, clock in clocks.items()}
-            trainer._one_iteration(recorder, throughput, summary)
+            trainer.train_one_iteration()
             synchronize(trainer.device)
             return takes_stats, {name: clock() - start[name] for name, clock in clocks.items()}
 
@@ -170,7 +168,7 @@ def measure_layer_stats_overhead(config: Path = DEFAULT_CONFIG, overrides: list[
                     samples.stats += took
                     samples.extra += [t - statistics.median(plain) for t in took]
             costs.append(every_k)
-        recorder.close()
+        trainer.finish()
     load.append(load_average())
     return LayerStatsOverhead(costs, load)
 

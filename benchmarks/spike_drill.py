@@ -29,6 +29,7 @@ from pathlib import Path
 
 from trinity_train.checkpoint.layout import step_dir_name
 from trinity_train.config import Config, FaultConfig, load_config, validate
+from trinity_train.run_config import validate_rules
 from trinity_train.data import SkipLedger
 from trinity_train.rundir import RunDir
 from trinity_train.stability import StepGuard, TrainingDivergedError
@@ -62,6 +63,7 @@ def config(run_dir: Path, steps: int, every: int, overrides: list[str], faults: 
     cfg.run.dir = str(run_dir)
     cfg.stability.inject = [FaultConfig(**f) for f in faults]
     validate(cfg)
+    validate_rules(cfg)
     return cfg
 
 

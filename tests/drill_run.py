@@ -24,6 +24,7 @@ from typing import Callable
 import pytest
 
 from conftest import run_config
+from helpers import StopWhen
 from trinity_train.config import Config
 from trinity_train.files import read_jsonl
 from trinity_train.rundir import RunDir
@@ -68,17 +69,8 @@ def train_killed_then_resumed(make_config: Callable[[], Config], killed_after: C
     """Train the run of `make_config()` in a trainer that dies (an exception, as a SIGKILL would
     leave its files) after the first iteration at which `killed_after(trainer)` holds, then resume
     it with `checkpoint.resume=auto`, as a restarted job would."""
-    original = Trainer._one_iteration
-
-    def one_iteration_then_maybe_die(self, *args):
-        original(self, *args)
-        if killed_after(self):
-            raise Killed()
-
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(Trainer, "_one_iteration", one_iteration_then_maybe_die)
-        with pytest.raises(Killed):
-            Trainer(make_config()).run()
+    with pytest.raises(Killed):
+        Trainer(make_config(), callbacks=[StopWhen(killed_after, Killed)]).run()
     cfg = make_config()
     cfg.checkpoint.resume = "auto"
     Trainer(cfg).run()

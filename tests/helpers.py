@@ -3,6 +3,7 @@
 import random
 from pathlib import Path
 
+from trinity_train.callbacks import TrainerCallback
 from trinity_train.data.prepare import PrepareOptions, prepare
 
 
@@ -18,24 +19,43 @@ def prepare_word_corpus(root: Path, words: list[str], *, seed: int, num_docs: in
                                   val_fraction=0.1, progress=False))
 
 
-def poison_batches(trainer, poisoned: set[int]) -> None:
-    """Make every step of `trainer` on one of the global batches `poisoned` produce a non-finite
+class StopWhen(TrainerCallback):
+    """Raise `error` at the end of the first iteration after which `condition(trainer)` holds,
+    as a process killed there would leave the run (files written, an async save in flight)."""
+
+    def __init__(self, condition, error: type[BaseException]):
+        self.condition, self.error = condition, error
+
+    def after_iteration(self, trainer):
+        if self.condition(trainer):
+            raise self.error()
+
+
+class PoisonBatches(TrainerCallback):
+    """Every step of the trainer on one of the global batches `poisoned` produces a non-finite
     loss, as a hardware fault or a bad batch would (the loss is NaN on this rank, so globally)."""
-    step, forward = trainer.step_fn, trainer.model.forward
-    current = {"index": -1}
 
-    def stepping(batch, *args):
-        current["index"] = batch.index
-        return step(batch, *args)
+    def __init__(self, poisoned: set[int]):
+        self.poisoned, self.index = poisoned, -1
 
-    def poisoned_forward(*args, **kwargs):
-        out = forward(*args, **kwargs)
-        if current["index"] in poisoned:
-            out.ce_sum = out.ce_sum * float("nan")
-        return out
+    def on_start(self, trainer):
+        forward = trainer.model.forward
 
-    trainer.step_fn = stepping
-    trainer.model.forward = poisoned_forward
+        def poisoned_forward(*args, **kwargs):
+            out = forward(*args, **kwargs)
+            if self.index in self.poisoned:
+                out.ce_sum = out.ce_sum * float("nan")
+            return out
+
+        trainer.model.forward = poisoned_forward
+
+    def before_step(self, trainer, batch):
+        self.index = batch.index
+
+
+def poison_batches(trainer, poisoned: set[int]) -> None:
+    """Attach `PoisonBatches(poisoned)` to `trainer`."""
+    trainer.add_callback(PoisonBatches(poisoned))
 
 
 def assert_values_close(got, want, rel: float, path: str = "record") -> None:

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from trinity_train.callbacks import TrainerCallback
 from trinity_train.files import read_jsonl
 from trinity_train.train import Trainer
 
@@ -33,14 +34,13 @@ def recorded(trainer: Trainer) -> dict:
     """Initial and final parameters (whole), expert biases, the losses / grad norms logged, and
     the `layer_stats` of every step as this rank computed them."""
     initial = whole_params(trainer.model)
-    step, layer_stats = trainer.step_fn, []
+    layer_stats = []
 
-    def recording_step(*args):
-        result = step(*args)
-        layer_stats.append(result.layer_stats)
-        return result
+    class KeepLayerStats(TrainerCallback):
+        def after_step(self, trainer, result, record):
+            layer_stats.append(result.layer_stats)
 
-    trainer.step_fn = recording_step
+    trainer.add_callback(KeepLayerStats())
     trainer.run()
     params = whole_params(trainer.model)
     if dist.is_initialized():

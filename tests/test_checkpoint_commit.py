@@ -7,6 +7,7 @@ from concurrent.futures import Future
 import pytest
 
 from conftest import run_config
+from trinity_train.callbacks import TrainerCallback
 from trinity_train.checkpoint import dcp_io
 from trinity_train.checkpoint.layout import list_checkpoints
 from trinity_train.rundir import RunDir
@@ -34,18 +35,18 @@ def written_at_once(state, path, *args, **kwargs) -> Future:
 def test_an_async_save_is_committed_at_the_first_step_after_its_write(corpus, tmp_path, monkeypatch):
     monkeypatch.setattr(dcp_io, "async_save", written_at_once)
     run = RunDir(tmp_path / "run")
-    trainer = Trainer(config(corpus, run.path))
-    one_iteration = trainer._one_iteration
     seen = {}  # step -> (complete checkpoints, checkpoint events) once that step was trained
 
-    def crash_in_step_4(*args):
-        if trainer.state.step == 3:
-            raise Crash()  # the process dies while training step 4
-        one_iteration(*args)
-        seen[trainer.state.step] = ([s for s, _ in list_checkpoints(run.checkpoints)],
-                                    [e["step"] for e in run.read_events(EventName.CHECKPOINT)])
+    class CrashInStep4(TrainerCallback):
+        def before_step(self, trainer, batch):
+            if trainer.state.step == 3:
+                raise Crash()  # the process dies while training step 4
 
-    trainer._one_iteration = crash_in_step_4
+        def after_iteration(self, trainer):
+            seen[trainer.state.step] = ([s for s, _ in list_checkpoints(run.checkpoints)],
+                                        [e["step"] for e in run.read_events(EventName.CHECKPOINT)])
+
+    trainer = Trainer(config(corpus, run.path), callbacks=[CrashInStep4()])
     with pytest.raises(Crash):
         trainer.run()
     # The step-2 save is complete and logged once step 3 has been trained (it used to be renamed

@@ -5,6 +5,7 @@ import pytest
 from conftest import CONFIGS, shipped_training_configs
 from trinity_train.config import Config, config_to_dict, load_config, parse_overrides, save_config
 from trinity_train.errors import ConfigError
+from trinity_train.run_config import load_run_config
 
 
 def test_debug_toml_equals_the_dataclass_defaults():
@@ -77,12 +78,16 @@ def test_override_values_read_as_toml_with_bare_strings():
     (["--stability.inject=[{fault='nan_loss', first=0}]"], "stability.inject[0].first: must be an iteration >= 1"),
     (["--stability.inject=[{fault='poison_random', first=5, last=4}]"], "stability.inject[0].last: must be -1 or >= first (5)"),
     (["--stability.inject=[{fault='poison_repeat', first=5, token=9000}]"], "stability.inject[0].token: must be a token id below model.vocab_size (8192)"),
+    (["--model.block=postnorm"], "model.block: must be one of 'trinity'"),
+    (["--parallel.tp=3"], "parallel.tp: tp=3 must divide model.num_heads=4"),
     (["--train.steps"], "override '--train.steps' has no value"),
     (["steps=5"], "unexpected argument 'steps=5'"),
 ])
 def test_bad_values_name_the_key(overrides, message):
+    # The field checks (load_config) and the rules of the packages that own a setting (the fault
+    # drills', the block variants', the layout's) are both part of loading a run's config.
     with pytest.raises(ConfigError) as info:
-        load_config(CONFIGS / "debug.toml", overrides)
+        load_run_config(CONFIGS / "debug.toml", overrides)
     assert message in str(info.value)
     assert "\n" not in str(info.value)
 

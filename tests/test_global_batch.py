@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from conftest import run_config, run_python
+from helpers import StopWhen
 from ranks import init_gloo
 from trinity_train.config import grad_accum_for, load_config
 from trinity_train.errors import ConfigError
@@ -76,15 +77,9 @@ def test_a_run_resumed_on_another_number_of_ranks_trains_on_the_same_batches(cor
     # Steps 3-4 in one process (4 micro-batches of 1) from the two-rank step-2 checkpoint ...
     (moved / "checkpoints").mkdir(parents=True)
     shutil.copytree(straight / "checkpoints" / "step_00000002", moved / "checkpoints" / "step_00000002")
-    single = Trainer(config(corpus, moved, resume="auto"))
-    one_iteration = single._one_iteration
-
-    def stop_after_step_4(*args):
-        one_iteration(*args)
-        if single.state.step == 4:
-            raise KeyboardInterrupt  # as if the one-process job were stopped here
-
-    single._one_iteration = stop_after_step_4
+    # Stopped after step 4, as if the one-process job were stopped there.
+    single = Trainer(config(corpus, moved, resume="auto"),
+                     callbacks=[StopWhen(lambda trainer: trainer.state.step == 4, KeyboardInterrupt)])
     with pytest.raises(KeyboardInterrupt):
         single.run()
     # ... and steps 5-6 on two ranks again, from the one-process step-4 checkpoint.

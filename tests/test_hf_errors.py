@@ -11,7 +11,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from conftest import tiny_model
-from trinity_train.config import BLOCK_VARIANTS, ModelConfig
+from trinity_train.config import ModelConfig
+from trinity_train.model.blocks import BLOCK_VARIANTS
 from trinity_train.errors import CheckpointError
 from trinity_train.interop import hf
 from trinity_train.model import build_model

@@ -15,10 +15,10 @@ PACKAGE = Path(__file__).resolve().parents[1] / "trinity_train"
 LAYERS = [
     {"cli"},
     {"train"},
-    {"step"},
+    {"step", "run_config"},
     {"parallel", "checkpoint", "stability", "observe", "interop", "dashboard", "study"},
     {"model", "optim", "data"},
-    {"config", "rundir", "columnar", "records"},
+    {"config", "rundir", "columnar", "records", "callbacks"},
     {"files"},
     {"errors", "__init__"},
 ]

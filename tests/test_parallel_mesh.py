@@ -9,7 +9,7 @@ import pytest
 import torch.distributed as dist
 
 from ranks import init_gloo
-from trinity_train.config import load_config
+from trinity_train.run_config import load_run_config
 from trinity_train.errors import ConfigError, UserError
 from trinity_train.parallel.mesh import ParallelDims
 from trinity_train.parallel.process_group import init_distributed
@@ -18,7 +18,7 @@ DEBUG = Path(__file__).parents[1] / "configs" / "debug.toml"
 
 
 def cfg_with(**parallel):
-    return load_config(DEBUG, {"parallel": parallel})
+    return load_run_config(DEBUG, {"parallel": parallel})
 
 
 def test_dp_shard_minus_one_takes_what_is_left():
@@ -55,14 +55,14 @@ def test_ep_must_divide_the_expert_data_parallel_size():
 ])
 def test_model_that_cannot_be_split_is_rejected_at_load(overrides, message):
     with pytest.raises(ConfigError, match=message) as err:
-        load_config(DEBUG, overrides)
+        load_run_config(DEBUG, overrides)
     assert isinstance(err.value, UserError)
     assert str(err.value).startswith("parallel.")
 
 
 def test_expert_width_shard_must_suit_the_grouped_gemm():
-    cfg = load_config(DEBUG, {"model": {"moe_intermediate_size": 48, "num_heads": 8,
-                                        "num_kv_heads": 4}, "parallel": {"tp": 4}})
+    cfg = load_run_config(DEBUG, {"model": {"moe_intermediate_size": 48, "num_heads": 8,
+                                            "num_kv_heads": 4}, "parallel": {"tp": 4}})
     with pytest.raises(ConfigError, match=r"moe_intermediate_size / tp = 12 must be a multiple of 8"):
         ParallelDims.from_config(cfg, world_size=4)
 

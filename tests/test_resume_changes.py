@@ -58,7 +58,7 @@ def test_other_optimizer_settings_come_from_the_config_at_a_resume(corpus, tmp_p
     run = tmp_path / "run"
     Trainer(config(corpus, run, steps=2)).run()
     trainer = Trainer(config(corpus, run, steps=4, resume="auto", weight_decay=0.0, beta2=0.9))
-    trainer._restore_or_init()
+    trainer.restore()
     assert trainer.scheduler.last_epoch == 2
     for group in trainer.optimizer.param_groups:
         assert group["weight_decay"] == 0.0 and group["betas"] == (0.9, 0.9)

@@ -13,6 +13,7 @@ import shutil
 import pytest
 
 from drill_run import GUARD, STEPS, drill_config, train_killed_then_resumed
+from trinity_train.callbacks import TrainerCallback
 from trinity_train.cli import main
 from trinity_train.config import save_config
 from trinity_train.data import SkipLedger
@@ -126,7 +127,7 @@ def test_a_kill_in_the_middle_of_an_incident_resumes_to_the_same_run(corpus, tmp
     interrupted = tmp_path / "interrupted"
     # dies with one poisoned batch skipped, the rollback not yet asked for
     train_killed_then_resumed(lambda: drill_config(corpus, interrupted, POISON),
-                              killed_after=lambda trainer: bool(trainer.skip_streak))
+                              killed_after=lambda trainer: bool(trainer.recovery.skip_streak))
 
     fields = ("iter", "step", "batch", "loss", "grad_norm", "skipped")
     assert [tuple(r[k] for k in fields) for r in train_records(interrupted)] == \
@@ -155,20 +156,26 @@ def test_repeated_incidents_back_off_then_halt_with_the_halt_exit_code(corpus, t
     assert read_incidents(RunDir(run_dir))[-1]["action"] == IncidentAction.HALT
 
 
-def test_a_damaged_checkpoint_is_passed_over_with_an_event(corpus, tmp_path, monkeypatch):
-    run_dir = tmp_path / "run"
-    trainer = Trainer(drill_config(corpus, run_dir, POISON))
-    original = Trainer._rollback_target
+class DamageTheFirstRollbackTarget(TrainerCallback):
+    """Truncates the checkpoint the first rollback would restore, just before it looks."""
 
-    def damage_then_look(self, max_step, recorder):
-        newest = [p for s, p in self.checkpoints.list() if s <= max_step][-1]
+    def __init__(self):
+        self.done = False
+
+    def on_skip(self, trainer, result, batch_index):
+        verdict = result.verdict
+        if self.done or not verdict.rollback:
+            return
+        self.done = True
+        max_step = verdict.onset_step - trainer.cfg.stability.rollback_lookback  # a first incident's target
+        newest = [p for s, p in trainer.checkpoints.list() if s <= max_step][-1]
         for shard in newest.glob("*.distcp"):
             shard.write_bytes(shard.read_bytes()[:100])  # truncated
-        monkeypatch.setattr(Trainer, "_rollback_target", original)  # only the first rollback
-        return original(self, max_step, recorder)
 
-    monkeypatch.setattr(Trainer, "_rollback_target", damage_then_look)
-    trainer.run()
+
+def test_a_damaged_checkpoint_is_passed_over_with_an_event(corpus, tmp_path):
+    run_dir = tmp_path / "run"
+    Trainer(drill_config(corpus, run_dir, POISON), callbacks=[DamageTheFirstRollbackTarget()]).run()
     passed = events(run_dir, EventName.CHECKPOINT_PASSED_OVER)
     first = events(run_dir, EventName.ROLLBACK)[0]
     assert passed and passed[0]["reason"]

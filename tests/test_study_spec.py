@@ -10,7 +10,8 @@ import pytest
 from filelock import FileLock
 
 from study_files import DIVERGING, TOKENS, ablate, write_base, write_study
-from trinity_train.config import BLOCK_VARIANTS, config_differences, config_to_dict, load_config
+from trinity_train.config import config_differences, config_to_dict, load_config
+from trinity_train.model.blocks import BLOCK_VARIANTS
 from trinity_train.study.cells import global_batch, study_cells, study_hash
 from trinity_train.study.layout import StudyDir
 from trinity_train.study.spec import StudyError, load_study

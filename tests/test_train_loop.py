@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from conftest import run_config
-from helpers import poison_batches
+from helpers import StopWhen, poison_batches
 from trinity_train.checkpoint import ModelState, save_model_checkpoint
 from trinity_train.checkpoint.layout import list_checkpoints
 from trinity_train.errors import ConfigError
@@ -40,30 +40,22 @@ class StopAfterStep(Exception):
     pass
 
 
-def stop_at(monkeypatch, step):
+def stop_after(step):
     """Make the trainer die right after it finishes `step` (and saves its checkpoint)."""
-    original = Trainer._one_iteration
-
-    def one_iteration(self, *args):
-        original(self, *args)
-        if self.state.step == step:
-            raise StopAfterStep()
-
-    monkeypatch.setattr(Trainer, "_one_iteration", one_iteration)
+    return StopWhen(lambda trainer: trainer.state.step == step, StopAfterStep)
 
 
 @pytest.mark.parametrize("async_save", [False, True])
-def test_resume_reproduces_an_uninterrupted_run_exactly(corpus, tmp_path, monkeypatch, async_save):
+def test_resume_reproduces_an_uninterrupted_run_exactly(corpus, tmp_path, async_save):
     straight = Trainer(tiny_config(corpus, tmp_path / "straight"))
     straight.run()
     expected = [(r["step"], r["loss"], r["grad_norm"]) for r in train_records(tmp_path / "straight")]
     assert [s for s, _, _ in expected] == [1, 2, 3, 4, 5, 6]
 
     interrupted = tmp_path / "interrupted"
-    with monkeypatch.context() as m:
-        stop_at(m, 4)
-        with pytest.raises(StopAfterStep):
-            train(tiny_config(corpus, interrupted, checkpoint={"async_save": async_save}))
+    with pytest.raises(StopAfterStep):
+        Trainer(tiny_config(corpus, interrupted, checkpoint={"async_save": async_save}),
+                callbacks=[stop_after(4)]).run()
     if async_save:  # the in-flight save of step 4 died with the process: resume from step 2
         assert [s for s, _ in list_checkpoints(interrupted / "checkpoints")] == [2]
     resumed = Trainer(tiny_config(corpus, interrupted, checkpoint={"resume": "auto", "async_save": async_save}))
@@ -230,7 +222,7 @@ def test_init_from_starts_from_the_given_weights(corpus, tmp_path):
     cfg.train.seed = 2  # a different init, so matching weights can only come from the donor
     cfg.checkpoint.init_from = str(tmp_path / "donor")
     trainer = Trainer(cfg)
-    trainer._restore_or_init()
+    trainer.restore()
     for (name, a), (_, b) in zip(ModelState(donor).state_dict().items(), ModelState(trainer.model).state_dict().items()):
         assert torch.equal(a, b), name
 

@@ -14,12 +14,13 @@ import os
 import sys
 from pathlib import Path
 
-from trinity_train.config import Config, default_config_path, load_config, validate
+from trinity_train.config import Config, default_config_path, validate
 from trinity_train.errors import DataError, UserError
+from trinity_train.run_config import load_run_config
 
 
 def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
-    cfg = load_config(args.config or default_config_path(), overrides)
+    cfg = load_run_config(args.config or default_config_path(), overrides)
     from trinity_train.train import train
 
     summary = train(cfg)

@@ -1,8 +1,11 @@
 """The config tree: typed dataclasses, TOML loading, dotted overrides, validation.
 
 Every user-facing setting lives here. `load_config` reads a TOML file, applies `--a.b=value`
-overrides, checks types and values, and raises `ConfigError` (one line naming the key) on any
-mistake, before any work starts. The CLI turns a ConfigError into exit code 2.
+overrides, checks types and each section's values (one `_validate_<section>` each), and raises
+`ConfigError` (one line naming the key) on any mistake, before any work starts. The rules a
+package holds about how it uses its settings (block variants, fault drills, the parallel layout)
+live in that package; `run_config.load_run_config` adds them. The CLI turns a ConfigError into
+exit code 2.
 """
 
 from __future__ import annotations
@@ -21,8 +24,6 @@ import tomli_w
 
 from trinity_train.errors import ConfigError
 from trinity_train.files import atomic_write_text
-
-BLOCK_VARIANTS = ("trinity", "sandwich", "prenorm", "gemma3", "normformer")
 
 # configs/debug.toml of the source tree; an installed copy without it uses the dataclass defaults,
 # which equal it (tests/test_config.py checks that).
@@ -55,7 +56,7 @@ class ModelConfig:
     rope_theta: float = 10000.0
     global_rope_theta: float = 1000000.0  # only the gemma3 block puts RoPE on global layers
     norm_eps: float = 0.0  # 0: the block's own (1e-5; gemma3: 1e-6)
-    block: str = "trinity"  # one of BLOCK_VARIANTS
+    block: str = "trinity"  # one of model.blocks.BLOCK_VARIANTS
     init_std: float = 0.0  # 0 means 0.5 / sqrt(hidden_size)
     expert_impl: str = "grouped"  # "grouped" (torch._grouped_mm) or "loop"
     router_fp32: bool = True  # router logits in fp32 even under bf16 autocast / mixed precision
@@ -159,15 +160,11 @@ class CheckpointConfig:
     async_save: bool = False
 
 
-FAULTS = ("nan_loss", "grad_scale", "loss_spike", "poison_random", "poison_repeat")
-POISON_FAULTS = ("poison_random", "poison_repeat")
-
-
 @dataclass
 class FaultConfig:
     """One fault drill (`stability.inject`): rehearse a spike without writing code."""
 
-    fault: str = ""  # one of FAULTS
+    fault: str = ""  # one of stability.drills.FAULTS
     first: int = 0  # nan_loss, grad_scale, loss_spike: the first iteration (1-based, as in metrics);
     #                 poison_*: the first global batch index (0-based) whose data is replaced
     last: int = -1  # the last one, inclusive; -1: only `first`
@@ -397,160 +394,148 @@ def describe_differences(diffs: list[tuple[str, Any, Any]], limit: int = 3) -> s
 # ---------------------------------------------------------------------------- validation
 
 
-def _require(cond: bool, key: str, msg: str) -> None:
+def require(cond: bool, key: str, msg: str) -> None:
     if not cond:
         raise ConfigError(f"{key}: {msg}")
 
 
-def _one_of(value: str, allowed: tuple, key: str) -> None:
-    _require(value in allowed, key, f"must be one of {', '.join(map(repr, allowed))}, got {value!r}")
+def one_of(value: str, allowed: tuple, key: str) -> None:
+    require(value in allowed, key, f"must be one of {', '.join(map(repr, allowed))}, got {value!r}")
 
 
 def validate(cfg: Config) -> None:
-    m = cfg.model
+    """The field checks of every section (types were checked while building): each value in its
+    range, consistent with the other fields of its section. The rules that belong to a package
+    that uses a setting (the block variants, the fault drills, the parallel layout) live in that
+    package and run through `run_config.validate_rules`."""
+    _validate_model(cfg.model)
+    _validate_data(cfg.data)
+    _validate_train(cfg.train)
+    _validate_optim(cfg.optim)
+    _validate_parallel(cfg.parallel)
+    _validate_checkpoint(cfg.checkpoint)
+    _validate_stability(cfg.stability)
+    _validate_metrics(cfg.metrics)
+    require(bool(cfg.run.dir), "run.dir", "must not be empty")
+
+
+def _validate_model(m: ModelConfig) -> None:
     for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
                  "intermediate_size", "num_experts", "num_experts_per_tok", "moe_intermediate_size",
                  "loss_chunk_tokens"):
-        _require(getattr(m, name) > 0, f"model.{name}", f"must be positive, got {getattr(m, name)}")
-    _require(m.sliding_window > 0, "model.sliding_window", f"must be positive, got {m.sliding_window}")
-    _require(0 <= m.num_dense_layers <= m.num_layers, "model.num_dense_layers",
-             f"must be between 0 and model.num_layers={m.num_layers}, got {m.num_dense_layers}")
-    _require(m.num_shared_experts >= 0, "model.num_shared_experts", "must be >= 0")
-    _require(m.num_heads % m.num_kv_heads == 0, "model.num_heads",
-             f"{m.num_heads} heads are not divisible by model.num_kv_heads={m.num_kv_heads}")
-    _require(m.num_experts_per_tok <= m.num_experts, "model.num_experts_per_tok",
-             f"top-k {m.num_experts_per_tok} exceeds model.num_experts={m.num_experts}")
-    _require(m.head_dim % 2 == 0, "model.head_dim", f"must be even for RoPE, got {m.head_dim}")
-    _require(m.global_every >= 0, "model.global_every", "must be >= 0 (0: the block's own pattern)")
-    _require(m.norm_eps >= 0, "model.norm_eps", "must be >= 0 (0: the block's own)")
-    _require(m.route_scale > 0, "model.route_scale", "must be positive")
-    _require(m.init_std >= 0, "model.init_std", "must be >= 0 (0 selects 0.5/sqrt(hidden_size))")
-    _require(m.aux_loss_alpha >= 0 and m.z_loss_weight >= 0, "model.aux_loss_alpha",
-             "loss weights must be >= 0")
-    _one_of(m.block, BLOCK_VARIANTS, "model.block")
-    _one_of(m.expert_impl, ("grouped", "loop"), "model.expert_impl")
-    _one_of(m.load_balance, ("sign", "smebu", "none"), "model.load_balance")
+        require(getattr(m, name) > 0, f"model.{name}", f"must be positive, got {getattr(m, name)}")
+    require(m.sliding_window > 0, "model.sliding_window", f"must be positive, got {m.sliding_window}")
+    require(0 <= m.num_dense_layers <= m.num_layers, "model.num_dense_layers",
+            f"must be between 0 and model.num_layers={m.num_layers}, got {m.num_dense_layers}")
+    require(m.num_shared_experts >= 0, "model.num_shared_experts", "must be >= 0")
+    require(m.num_heads % m.num_kv_heads == 0, "model.num_heads",
+            f"{m.num_heads} heads are not divisible by model.num_kv_heads={m.num_kv_heads}")
+    require(m.num_experts_per_tok <= m.num_experts, "model.num_experts_per_tok",
+            f"top-k {m.num_experts_per_tok} exceeds model.num_experts={m.num_experts}")
+    require(m.head_dim % 2 == 0, "model.head_dim", f"must be even for RoPE, got {m.head_dim}")
+    require(m.global_every >= 0, "model.global_every", "must be >= 0 (0: the block's own pattern)")
+    require(m.norm_eps >= 0, "model.norm_eps", "must be >= 0 (0: the block's own)")
+    require(m.route_scale > 0, "model.route_scale", "must be positive")
+    require(m.init_std >= 0, "model.init_std", "must be >= 0 (0 selects 0.5/sqrt(hidden_size))")
+    require(m.aux_loss_alpha >= 0 and m.z_loss_weight >= 0, "model.aux_loss_alpha",
+            "loss weights must be >= 0")
+    one_of(m.expert_impl, ("grouped", "loop"), "model.expert_impl")
+    one_of(m.load_balance, ("sign", "smebu", "none"), "model.load_balance")
 
-    d = cfg.data
-    _require(d.seq_len > 0, "data.seq_len", f"must be positive, got {d.seq_len}")
-    _require(0.0 < d.val_fraction < 0.5, "data.val_fraction", f"must be in (0, 0.5), got {d.val_fraction}")
-    _require(d.vocab_size >= 256 + 2, "data.vocab_size", "must be at least 258 (bytes plus specials)")
+
+def _validate_data(d: DataConfig) -> None:
+    require(d.seq_len > 0, "data.seq_len", f"must be positive, got {d.seq_len}")
+    require(0.0 < d.val_fraction < 0.5, "data.val_fraction", f"must be in (0, 0.5), got {d.val_fraction}")
+    require(d.vocab_size >= 256 + 2, "data.vocab_size", "must be at least 258 (bytes plus specials)")
     for i, src in enumerate(d.mix):
-        _require(bool(src.path), f"data.mix[{i}].path", "must name a prepared dataset directory")
-        _require(src.weight > 0, f"data.mix[{i}].weight", f"must be positive, got {src.weight}")
-    _require(not d.phases or bool(d.mix), "data.phases", "needs data.mix: phases re-weight its sources")
+        require(bool(src.path), f"data.mix[{i}].path", "must name a prepared dataset directory")
+        require(src.weight > 0, f"data.mix[{i}].weight", f"must be positive, got {src.weight}")
+    require(not d.phases or bool(d.mix), "data.phases", "needs data.mix: phases re-weight its sources")
     previous_start = 0
     for i, phase in enumerate(d.phases):
         key = f"data.phases[{i}]"
-        _require(phase.start_tokens > previous_start, f"{key}.start_tokens",
-                 f"must be positive and after the previous phase's, got {phase.start_tokens}")
+        require(phase.start_tokens > previous_start, f"{key}.start_tokens",
+                f"must be positive and after the previous phase's, got {phase.start_tokens}")
         previous_start = phase.start_tokens
-        _require(len(phase.weights) == len(d.mix), f"{key}.weights",
-                 f"needs one weight per data.mix source ({len(d.mix)}), got {len(phase.weights)}")
-        _require(all(w >= 0 for w in phase.weights) and sum(phase.weights) > 0, f"{key}.weights",
-                 f"must be >= 0 with a positive sum, got {phase.weights}")
+        require(len(phase.weights) == len(d.mix), f"{key}.weights",
+                f"needs one weight per data.mix source ({len(d.mix)}), got {len(phase.weights)}")
+        require(all(w >= 0 for w in phase.weights) and sum(phase.weights) > 0, f"{key}.weights",
+                f"must be >= 0 with a positive sum, got {phase.weights}")
     for i, r in enumerate(d.skip_ranges):
-        _require(len(r) == 2 and 0 <= r[0] < r[1], f"data.skip_ranges[{i}]",
-                 f"must be [start, end) with 0 <= start < end, got {r}")
+        require(len(r) == 2 and 0 <= r[0] < r[1], f"data.skip_ranges[{i}]",
+                f"must be [start, end) with 0 <= start < end, got {r}")
 
-    t = cfg.train
+
+def _validate_train(t: TrainConfig) -> None:
     for name in ("steps", "micro_batch_size", "grad_accum", "eval_batches", "log_every"):
-        _require(getattr(t, name) > 0, f"train.{name}", f"must be positive, got {getattr(t, name)}")
-    _require(t.eval_every >= 0, "train.eval_every", "must be >= 0 (0 disables validation)")
-    _require(t.global_batch_size >= 0, "train.global_batch_size", "must be >= 0 (0: micro_batch_size x grad_accum x dp)")
+        require(getattr(t, name) > 0, f"train.{name}", f"must be positive, got {getattr(t, name)}")
+    require(t.eval_every >= 0, "train.eval_every", "must be >= 0 (0 disables validation)")
+    require(t.global_batch_size >= 0, "train.global_batch_size", "must be >= 0 (0: micro_batch_size x grad_accum x dp)")
     if t.global_batch_size > 0:
-        _require(t.grad_accum == 1, "train.grad_accum",
-                 f"is derived from train.global_batch_size={t.global_batch_size}; leave it at 1")
+        require(t.grad_accum == 1, "train.grad_accum",
+                f"is derived from train.global_batch_size={t.global_batch_size}; leave it at 1")
         grad_accum_for(t, 1)
-    _require(t.grad_clip >= 0, "train.grad_clip", "must be >= 0 (0 disables clipping)")
-    _one_of(t.dtype, ("fp32", "bf16"), "train.dtype")
-    _one_of(t.device, ("auto", "cpu", "cuda"), "train.device")
+    require(t.grad_clip >= 0, "train.grad_clip", "must be >= 0 (0 disables clipping)")
+    one_of(t.dtype, ("fp32", "bf16"), "train.dtype")
+    one_of(t.device, ("auto", "cpu", "cuda"), "train.device")
 
-    o = cfg.optim
-    _one_of(o.name, ("adamw", "muon"), "optim.name")
-    _one_of(o.schedule, ("wsd", "cosine", "constant"), "optim.schedule")
-    _one_of(o.muon_scale, ("spectral", "rms_match"), "optim.muon_scale")
-    _require(all(v > 0 and math.isfinite(v) for v in (o.lr, o.muon_lr)), "optim.lr",
-             "learning rates must be positive finite numbers")
-    _require(0 <= o.beta1 < 1 and 0 <= o.beta2 < 1, "optim.beta1", "betas must be in [0, 1)")
-    _require(o.weight_decay >= 0, "optim.weight_decay", "must be >= 0")
-    _require(o.warmup_steps >= 0, "optim.warmup_steps", "must be >= 0")
-    _require(0 <= o.decay_fraction <= 1, "optim.decay_fraction", "must be in [0, 1]")
-    _require(0 <= o.min_lr_ratio <= 1, "optim.min_lr_ratio", "must be in [0, 1]")
-    _require(o.muon_ns_steps > 0, "optim.muon_ns_steps", "must be positive")
-    _require(0 <= o.muon_momentum < 1, "optim.muon_momentum", f"must be in [0, 1), got {o.muon_momentum}")
-    _one_of(o.muon_ns_dtype, ("auto", "bf16", "fp32"), "optim.muon_ns_dtype")
 
-    p = cfg.parallel
+def _validate_optim(o: OptimConfig) -> None:
+    one_of(o.name, ("adamw", "muon"), "optim.name")
+    one_of(o.schedule, ("wsd", "cosine", "constant"), "optim.schedule")
+    one_of(o.muon_scale, ("spectral", "rms_match"), "optim.muon_scale")
+    require(all(v > 0 and math.isfinite(v) for v in (o.lr, o.muon_lr)), "optim.lr",
+            "learning rates must be positive finite numbers")
+    require(0 <= o.beta1 < 1 and 0 <= o.beta2 < 1, "optim.beta1", "betas must be in [0, 1)")
+    require(o.weight_decay >= 0, "optim.weight_decay", "must be >= 0")
+    require(o.warmup_steps >= 0, "optim.warmup_steps", "must be >= 0")
+    require(0 <= o.decay_fraction <= 1, "optim.decay_fraction", "must be in [0, 1]")
+    require(0 <= o.min_lr_ratio <= 1, "optim.min_lr_ratio", "must be in [0, 1]")
+    require(o.muon_ns_steps > 0, "optim.muon_ns_steps", "must be positive")
+    require(0 <= o.muon_momentum < 1, "optim.muon_momentum", f"must be in [0, 1), got {o.muon_momentum}")
+    one_of(o.muon_ns_dtype, ("auto", "bf16", "fp32"), "optim.muon_ns_dtype")
+
+
+def _validate_parallel(p: ParallelConfig) -> None:
     for name in ("dp_replicate", "tp", "ep"):
-        _require(getattr(p, name) >= 1, f"parallel.{name}", f"must be >= 1, got {getattr(p, name)}")
-    _require(p.dp_shard == -1 or p.dp_shard >= 1, "parallel.dp_shard", "must be >= 1, or -1 for the rest")
+        require(getattr(p, name) >= 1, f"parallel.{name}", f"must be >= 1, got {getattr(p, name)}")
+    require(p.dp_shard == -1 or p.dp_shard >= 1, "parallel.dp_shard", "must be >= 1, or -1 for the rest")
     for name in ("init_timeout_s", "collective_timeout_s"):
-        _require(getattr(p, name) > 0, f"parallel.{name}", f"must be positive (seconds), got {getattr(p, name)}")
-    # Rules that need no world size; parallel/mesh.py checks the rest once the ranks are known.
-    _require(m.num_heads % p.tp == 0 and m.num_kv_heads % p.tp == 0, "parallel.tp",
-             f"tp={p.tp} must divide model.num_heads={m.num_heads} and model.num_kv_heads="
-             f"{m.num_kv_heads} (each rank holds whole heads)")
-    for key, width in (("intermediate_size", m.intermediate_size),
-                       ("moe_intermediate_size", m.moe_intermediate_size)):
-        _require(width % p.tp == 0, "parallel.tp",
-                 f"tp={p.tp} must divide model.{key}={width} (each rank holds 1/tp of the FFN width)")
-    _require(d.seq_len % p.tp == 0, "parallel.tp",
-             f"tp={p.tp} must divide data.seq_len={d.seq_len} (sequence parallelism splits the "
-             f"sequence over the tp ranks)")
-    _require(m.num_experts % p.ep == 0, "parallel.ep",
-             f"ep={p.ep} must divide model.num_experts={m.num_experts} (each rank holds whole experts)")
-    _require(p.dp_shard == -1 or p.dp_shard % p.ep == 0, "parallel.ep",
-             f"ep={p.ep} must divide the expert-data-parallel size parallel.dp_shard={p.dp_shard} "
-             f"(expert parallelism takes its ranks from dp_shard)")
-
-    c = cfg.checkpoint
-    _require(c.every >= 0, "checkpoint.every", "must be >= 0 (0 disables periodic checkpoints)")
-    _require(c.keep >= 1, "checkpoint.keep", "must be >= 1")
-
-    _validate_stability(cfg)
-
-    mc = cfg.metrics
-    _one_of(mc.wandb_mode, ("auto", "online", "offline"), "metrics.wandb_mode")
-    _require(mc.peak_flops >= 0, "metrics.peak_flops", "must be >= 0 (0 measures it)")
-    _require(mc.layer_stats_every >= 0, "metrics.layer_stats_every",
-             f"must be >= 0 (0 turns the layer statistics off), got {mc.layer_stats_every}")
-
-    _require(bool(cfg.run.dir), "run.dir", "must not be empty")
+        require(getattr(p, name) > 0, f"parallel.{name}", f"must be positive (seconds), got {getattr(p, name)}")
 
 
-def _validate_stability(cfg: Config) -> None:
-    s = cfg.stability
-    _require(s.spike_zscore >= 0, "stability.spike_zscore", "must be >= 0 (0 disables)")
-    _require(s.incident_zscore >= 0, "stability.incident_zscore", "must be >= 0 (0: only skips open incidents)")
-    _require(s.spike_zscore == 0 or s.incident_zscore <= s.spike_zscore, "stability.incident_zscore",
-             f"must not exceed stability.spike_zscore ({s.spike_zscore}): an incident opens before a skip")
-    _require(s.window >= 2 and 1 <= s.min_history <= s.window, "stability.min_history",
-             "needs window >= 2 and 1 <= min_history <= window")
-    _require(s.loss_sigma_floor > 0 and s.grad_norm_sigma_floor > 0, "stability.loss_sigma_floor",
-             "sigma floors must be positive (log units, e.g. 0.02)")
-    _require(s.calm_steps >= 1, "stability.calm_steps", "must be >= 1")
-    _require(s.max_consecutive_skips >= 1, "stability.max_consecutive_skips", "must be >= 1")
-    _require(s.rollback_after >= 0, "stability.rollback_after", "must be >= 0 (0 disables rollback)")
-    _require(s.max_rollbacks >= 0, "stability.max_rollbacks", "must be >= 0")
+def _validate_checkpoint(c: CheckpointConfig) -> None:
+    require(c.every >= 0, "checkpoint.every", "must be >= 0 (0 disables periodic checkpoints)")
+    require(c.keep >= 1, "checkpoint.keep", "must be >= 1")
+
+
+def _validate_stability(s: StabilityConfig) -> None:
+    require(s.spike_zscore >= 0, "stability.spike_zscore", "must be >= 0 (0 disables)")
+    require(s.incident_zscore >= 0, "stability.incident_zscore", "must be >= 0 (0: only skips open incidents)")
+    require(s.spike_zscore == 0 or s.incident_zscore <= s.spike_zscore, "stability.incident_zscore",
+            f"must not exceed stability.spike_zscore ({s.spike_zscore}): an incident opens before a skip")
+    require(s.window >= 2 and 1 <= s.min_history <= s.window, "stability.min_history",
+            "needs window >= 2 and 1 <= min_history <= window")
+    require(s.loss_sigma_floor > 0 and s.grad_norm_sigma_floor > 0, "stability.loss_sigma_floor",
+            "sigma floors must be positive (log units, e.g. 0.02)")
+    require(s.calm_steps >= 1, "stability.calm_steps", "must be >= 1")
+    require(s.max_consecutive_skips >= 1, "stability.max_consecutive_skips", "must be >= 1")
+    require(s.rollback_after >= 0, "stability.rollback_after", "must be >= 0 (0 disables rollback)")
+    require(s.max_rollbacks >= 0, "stability.max_rollbacks", "must be >= 0")
     for name in ("rollback_lookback", "skip_extra_batches", "repeat_window", "lr_backoff_steps"):
-        _require(getattr(s, name) >= 0, f"stability.{name}", f"must be >= 0, got {getattr(s, name)}")
-    _require(0 < s.lr_backoff <= 1, "stability.lr_backoff", f"must be in (0, 1] (1: off), got {s.lr_backoff}")
+        require(getattr(s, name) >= 0, f"stability.{name}", f"must be >= 0, got {getattr(s, name)}")
+    require(0 < s.lr_backoff <= 1, "stability.lr_backoff", f"must be in (0, 1] (1: off), got {s.lr_backoff}")
     if s.rollback_after > 0:
-        _require(s.rollback_after < s.max_consecutive_skips, "stability.rollback_after",
-                 f"must be below stability.max_consecutive_skips ({s.max_consecutive_skips}), which "
-                 "would stop the run first")
-    for i, f in enumerate(s.inject):
-        key = f"stability.inject[{i}]"
-        _one_of(f.fault, FAULTS, f"{key}.fault")
-        poison = f.fault in POISON_FAULTS
-        _require(f.first >= (0 if poison else 1), f"{key}.first",
-                 f"must be {'a global batch index >= 0' if poison else 'an iteration >= 1'}, got {f.first}")
-        _require(f.last == -1 or f.last >= f.first, f"{key}.last", f"must be -1 or >= first ({f.first})")
-        _require(f.rank >= -1, f"{key}.rank", "must be a rank >= 0, or -1 for every rank")
-        _require(f.factor >= 0, f"{key}.factor", "must be >= 0 (0: the fault's default)")
-        _require(0 <= f.token < cfg.model.vocab_size, f"{key}.token",
-                 f"must be a token id below model.vocab_size ({cfg.model.vocab_size})")
+        require(s.rollback_after < s.max_consecutive_skips, "stability.rollback_after",
+                f"must be below stability.max_consecutive_skips ({s.max_consecutive_skips}), which "
+                "would stop the run first")
+
+
+def _validate_metrics(mc: MetricsConfig) -> None:
+    one_of(mc.wandb_mode, ("auto", "online", "offline"), "metrics.wandb_mode")
+    require(mc.peak_flops >= 0, "metrics.peak_flops", "must be >= 0 (0 measures it)")
+    require(mc.layer_stats_every >= 0, "metrics.layer_stats_every",
+            f"must be >= 0 (0 turns the layer statistics off), got {mc.layer_stats_every}")
 
 
 def grad_accum_for(t: TrainConfig, dp: int) -> int:
@@ -574,16 +559,3 @@ def rows_per_rank(t: TrainConfig, dp: int) -> int:
 
 def init_std(m: ModelConfig) -> float:
     return m.init_std if m.init_std > 0 else 0.5 / math.sqrt(m.hidden_size)
-
-
-def global_every(m: ModelConfig) -> int:
-    """Every this-many-th layer is global (full causal attention)."""
-    return m.global_every if m.global_every > 0 else (6 if m.block == "gemma3" else 4)
-
-
-def norm_eps(m: ModelConfig) -> float:
-    return m.norm_eps if m.norm_eps > 0 else (1e-6 if m.block == "gemma3" else 1e-5)
-
-
-def is_global_layer(m: ModelConfig, i: int) -> bool:
-    return (i + 1) % global_every(m) == 0

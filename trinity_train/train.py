@@ -1,10 +1,10 @@
 """The Trainer: composes model, data, optimizer, schedule, stability, checkpoints and metrics.
 
 Each iteration draws the next global batch, lets `step.TrainingStep` train on it (or skip it),
-records what happened, and validates and checkpoints when due (DESIGN §2). When the guard asks for
-a rollback, the Trainer restores a checkpoint from before the incident through the resume path,
-rules out the batches since it in the skip ledger and continues (DESIGN §7); every skip and every
-rollback leaves an incident report.
+tells the callbacks (`callbacks.TrainerCallback`: the records, the drills, whatever a caller
+attached) what happened, and validates and checkpoints when due (DESIGN §2). A skipped step goes
+to `stability.recovery.Recovery`, which keeps the ledger, rolls back through the trainer's resume
+path when the guard asks for it, and writes the incident reports (DESIGN §7).
 
 Model, optimizer and data come in through small builders (`build_model_for_training`,
 `build_optimizer`, `build_loaders`), so parallelism can be applied from outside without touching
@@ -21,9 +21,7 @@ from __future__ import annotations
 import functools
 import math
 import random
-import sys
 import time
-from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -33,36 +31,31 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from trinity_train.callbacks import CallbackList, TrainerCallback
 from trinity_train.checkpoint import CheckpointManager, ModelState, OptimizerState, RNGState, load_checkpoint
 from trinity_train.checkpoint.compat import config_differences, describe_differences
-from trinity_train.checkpoint.integrity import find_sound_checkpoint
 from trinity_train.checkpoint.manager import read_compatible_meta
 from trinity_train.config import Config, config_to_dict, load_config, save_config
 from trinity_train.data import build_loaders
-from trinity_train.data.loader import dataset_dirs
-from trinity_train.data.provenance import batch_documents
-from trinity_train.data.ledger import LedgerKind, SkipLedger
+from trinity_train.data.ledger import SkipLedger
 from trinity_train.errors import ConfigError
 from trinity_train.model.counting import training_flops_per_token
 from trinity_train.observe import MetricsRecorder, expert_load_stats, measure_peak_flops, mfu, supersede_records_after
+from trinity_train.observe.recorder import RecordingCallback
 from trinity_train.optim.groups import build_optimizer
 from trinity_train.optim.schedule import build_scheduler
 from trinity_train.parallel.mesh import ParallelDims
 from trinity_train.parallel.parallelize import build_parallel_model
 from trinity_train.parallel.process_group import (destroy_distributed, init_distributed, leave_together,
                                                   resolve_device, world_size_from_env)
-from trinity_train.records import EventName, IncidentAction, event, fields_of, incident_report, layers_record, \
-    train_record, val_record
+from trinity_train.records import EventName, event, train_record, val_record
 from trinity_train.rundir import RunDir
+from trinity_train.run_config import validate_rules
 from trinity_train.stability import StepGuard, TrainingDivergedError
-from trinity_train.stability.drills import FaultInjector
-from trinity_train.stability.incidents import signal_rows, write_incident
-from trinity_train.stability.rollback import LRBackoff, plan_rollback
+from trinity_train.stability.drills import DrillCallback, FaultInjector
+from trinity_train.stability.recovery import Recovery
+from trinity_train.stability.rollback import LRBackoff, protected_lookback
 from trinity_train.step import StepResult, TrainingStep, evaluate
-
-# Train records kept for the incident reports (the signals before a skip).
-INCIDENT_CONTEXT = 24
-
 
 # ---------------------------------------------------------------------------- small seams
 
@@ -172,17 +165,29 @@ ModelBuilder = Callable[[Config, torch.device], nn.Module]
 
 
 class Trainer:
+    """One run: `run()` restores (or starts fresh), then trains one iteration at a time until
+    `train.steps` optimizer steps are applied, validating and checkpointing when due.
+
+    The loop itself only draws batches, runs the step, advances the counters and tells the
+    callbacks (`callbacks.TrainerCallback`): writing the records (`observe.RecordingCallback`)
+    and the fault drills (`stability.drills.DrillCallback`) attach there first, then whatever
+    the caller attached. What to do about a refused step (skip, rollback, halt, incident reports)
+    is `stability.recovery.Recovery`'s; the trainer hands it the parts it acts on.
+    """
+
     def __init__(self, cfg: Config, dims: ParallelDims | None = None, device: torch.device | None = None,
-                 model_builder: ModelBuilder = build_model_for_training):
+                 model_builder: ModelBuilder = build_model_for_training,
+                 callbacks: list[TrainerCallback] | None = None):
         """One process by default; a rank of a distributed launch passes its `dims` (with the
-        mesh built) and its device."""
+        mesh built) and its device. `callbacks` run after the built-in ones, in order."""
+        # Everything that can be checked without work is checked first.
+        validate_rules(cfg)
         self.cfg = cfg
         self.run_dir = Path(cfg.run.dir)
         self.rundir = RunDir(self.run_dir)
-        # Everything that can be checked without work is checked first.
         self.config_changes = check_run_dir(cfg, self.run_dir)
         self.checkpoints = CheckpointManager(self.run_dir, cfg.checkpoint,
-                                             protect_lookback=_protected_lookback(cfg))
+                                             protect_lookback=protected_lookback(cfg.stability))
         self.resume_from = self.checkpoints.resume_path()
         if self.resume_from is not None:
             read_compatible_meta(self.resume_from, cfg)
@@ -208,30 +213,47 @@ class Trainer:
                                                            dp_size=self.dims.dp, ledger=self.ledger)
         self.step_fn = TrainingStep(self.model, self.optimizer, self.scheduler, self.guard, cfg, self.device,
                                     self.dims, lr_backoff=self.lr_backoff, faults=self.faults)
-        self.recent: deque[dict] = deque(maxlen=INCIDENT_CONTEXT)  # the last train records
-        self.skip_streak: list[int] = []  # batch indices of the skips in a row so far
-        self.dataset_dirs = dataset_dirs(cfg.data)
+        self.recovery = Recovery(cfg, self.rundir, self.ledger, state=self.state, loader=self.train_loader,
+                                 checkpoints=self.checkpoints, guard=self.guard, lr_backoff=self.lr_backoff,
+                                 faults=self.faults, restore=self._load, apply_lr=self._apply_lr,
+                                 is_main=self.is_main)
+        self.callbacks = CallbackList([RecordingCallback(), DrillCallback(self.faults), *(callbacks or [])])
+        # The run's sinks and tallies, from `start()` on.
+        self.recorder: MetricsRecorder | None = None
+        self.throughput: Throughput | None = None
+        self.summary: TrainSummary | None = None
+        self._started = 0.0
+
+    def add_callback(self, callback: TrainerCallback) -> None:
+        """Attach `callback` after those already attached."""
+        self.callbacks.add(callback)
 
     @property
     def rollbacks(self) -> int:
-        """Rollbacks of this run so far, resumes included (counted from the ledger)."""
-        return len(self.ledger.rollbacks())
+        """Rollbacks of this run so far, resumes included."""
+        return self.recovery.rollbacks
 
     def checkpoint_state(self) -> dict[str, Any]:
         return {"model": ModelState(self.model), "optim": OptimizerState(self.model, self.optimizer),
                 "scheduler": self.scheduler, "loader": self.train_loader, "guard": self.guard,
                 "lr_backoff": self.lr_backoff, "trainer": self.state, "rng": RNGState()}
 
-    def _restore_or_init(self) -> list[dict]:
+    def _load(self, path: Path) -> None:
+        """Load every stateful component from the checkpoint `path` (a resume, a rollback)."""
+        load_checkpoint(path, self.checkpoint_state(), self.cfg)
+        self._apply_lr()
+
+    def _apply_lr(self) -> None:
+        # The schedule set the configured rates for the current step; a back-off scales them.
+        self.lr_backoff.apply(self.optimizer, self.scheduler.get_last_lr(), self.state.step)
+
+    def restore(self) -> list[dict]:
         """Load the resume checkpoint if there is one, else the init_from weights if asked;
         returns the events to record."""
         self.checkpoints.remove_interrupted_saves()
         if self.resume_from is not None:
-            load_checkpoint(self.resume_from, self.checkpoint_state(), self.cfg)
-            # The schedule set the configured rates for the resumed step; a back-off scales them.
-            self.lr_backoff.apply(self.optimizer, self.scheduler.get_last_lr(), self.state.step)
-            # Skips after the checkpoint are judged again, as the uninterrupted run judged them.
-            self.ledger.forget_skips_after(self.state.iteration)
+            self._load(self.resume_from)
+            self.recovery.resumed()
             return [event(EventName.RESUME, checkpoint=str(self.resume_from), step=self.state.step,
                           iter=self.state.iteration)]
         if self.cfg.checkpoint.init_from:
@@ -251,117 +273,6 @@ class Trainer:
         moved = supersede_records_after(self.rundir, self.state.iteration)
         return [event(EventName.SUPERSEDED, from_iter=self.state.iteration, records=moved)] if moved else []
 
-    def _save(self, recorder: MetricsRecorder) -> None:
-        step, iteration = self.state.step, self.state.iteration
-
-        def committed(path: Path) -> None:  # when the checkpoint is complete (an async one: later)
-            recorder.event(event(EventName.CHECKPOINT, step=step, iter=iteration, path=str(path),
-                                 async_save=self.cfg.checkpoint.async_save))
-
-        self.checkpoints.save(step, self.checkpoint_state(), self.cfg, on_commit=committed, iteration=iteration)
-
-    def _validate(self, recorder: MetricsRecorder, summary: TrainSummary) -> None:
-        val_loss, val_tokens = evaluate(self.model, self.val_loader, self.cfg, self.device, self.dims)
-        recorder.validation(val_record(iter=self.state.iteration, step=self.state.step, val_loss=val_loss,
-                                       val_ppl=math.exp(min(val_loss, 50.0)), val_tokens=val_tokens))
-        if summary.first_val_loss is None:
-            summary.first_val_loss = val_loss
-        summary.last_val_loss = val_loss
-
-    def _save_ledger(self) -> None:
-        if self.is_main:
-            self.ledger.save()
-
-    def _record_skip(self, result: StepResult, batch_index: int, recorder: MetricsRecorder) -> None:
-        verdict = result.verdict
-        self.ledger.add(batch_index, batch_index + 1, reason=f"skipped step: {verdict.reason}", kind=LedgerKind.SKIP,
-                        iteration=self.state.iteration)
-        self._save_ledger()
-        report = self.rundir.incident(self.state.iteration)
-        recorder.event(event(EventName.SKIP, iter=self.state.iteration, step=self.state.step, batch=batch_index,
-                             reason=verdict.reason, loss=result.loss, grad_norm=result.grad_norm,
-                             loss_z=verdict.loss_z, grad_norm_z=verdict.grad_norm_z,
-                             incident=str(report.relative_to(self.rundir.path))))
-        z = max((v for v in (verdict.loss_z, verdict.grad_norm_z) if v is not None), default=None)
-        recorder.notice(f"iteration {self.state.iteration}: step skipped ({verdict.reason}"
-                        f"{f', z {z:.1f}' if z is not None else ''}; loss {result.loss:.4f}, grad norm "
-                        f"{result.grad_norm:.3g}); report {report}")
-
-    def _report_incident(self, result: StepResult, step: int, action: IncidentAction, batches: list[int],
-                         drill: list[dict], rollback: dict | None = None) -> None:
-        """Write the incident report of this iteration, which found `step` optimizer steps applied
-        (main process only)."""
-        if not self.is_main:
-            return
-        report = incident_report(
-            iter=self.state.iteration, step=step, action=action, reason=result.verdict.reason,
-            onset_iter=result.verdict.onset_iter, signals=signal_rows(list(self.recent)),
-            layer_grad_norms=result.layer_grad_norms,
-            batches=[{"index": b, "documents": batch_documents(self.train_loader, self.dataset_dirs, b)}
-                     for b in batches],
-            drill=drill, lr=result.lrs, rollback=rollback and fields_of(rollback))
-        write_incident(self.rundir, report)
-
-    def _rollback_target(self, max_step: int, recorder: MetricsRecorder) -> Path | None:
-        """The newest checkpoint at or before `max_step` that passes its integrity check (sizes and
-        checksums); damaged ones are reported and passed over, never loaded. Rank 0 decides for
-        every rank."""
-        return find_sound_checkpoint(self.checkpoints.checkpoints_dir, max_step, on_passed_over=lambda path, why:
-                                     recorder.event(event(EventName.CHECKPOINT_PASSED_OVER, path=str(path),
-                                                          reason=why)))
-
-    def _roll_back(self, result: StepResult, last_bad_batch: int, recorder: MetricsRecorder) -> dict | None:
-        """Restore a checkpoint from before the incident's onset and never train on the batches
-        drawn since it (nor on `skip_extra_batches` after the trigger); returns the rollback event,
-        or None when there is no checkpoint to go back to.
-
-        Everything stateful comes back (weights, optimizer, schedule, loader position, guard,
-        RNG), as on a resume; the iteration counter alone keeps counting, so log lines stay unique.
-        The result is the run that would have been trained with those batches in the ledger from
-        the start (with the LR back-off, if one is configured, on top).
-        """
-        cfg, verdict = self.cfg.stability, result.verdict
-        iteration, from_step = self.state.iteration, self.state.step
-        if self.cfg.checkpoint.every <= 0:
-            recorder.event(event(EventName.ROLLBACK_UNAVAILABLE, iter=iteration, step=from_step,
-                                 reason="checkpoint.every = 0"))
-            return None
-        plan = plan_rollback(cfg, self.ledger.rollbacks(), verdict.onset_iter, verdict.onset_step, iteration)
-        self.checkpoints.wait()  # an in-flight save may be the target
-        target = self._rollback_target(plan.max_target_step, recorder)
-        if target is None:
-            recorder.event(event(EventName.ROLLBACK_UNAVAILABLE, iter=iteration, step=from_step,
-                                 reason=f"no sound checkpoint at or before step {plan.max_target_step}"))
-            return None
-        windows = self.guard.windows()
-        load_checkpoint(target, self.checkpoint_state(), self.cfg)
-        self.guard.keep_windows(windows)
-        restored_iter, first_bad = self.state.iteration, self.train_loader.position
-        skipped = [first_bad, last_bad_batch + 1 + plan.extra_batches]
-        self.ledger.add(*skipped, reason=f"rollback to step {self.state.step}", kind=LedgerKind.ROLLBACK,
-                        iteration=iteration,
-                        target_step=self.state.step, extra_batches=plan.extra_batches, repeat=plan.repeat,
-                        onset_iter=verdict.onset_iter)
-        self._save_ledger()
-        # Checkpoints after the target hold the timeline that was just undone: never resume from them.
-        discarded = self.checkpoints.discard_after(self.state.step)
-        self.lr_backoff.start(self.state.step, plan.lr_scale, cfg.lr_backoff_steps)
-        self.lr_backoff.apply(self.optimizer, self.scheduler.get_last_lr(), self.state.step)
-        self.state.iteration = iteration
-        rolled_back = event(EventName.ROLLBACK, iter=iteration, from_step=from_step, to_step=self.state.step,
-                            to_iter=restored_iter, checkpoint=str(target), skipped_batches=skipped,
-                            rollbacks=self.rollbacks, onset_iter=verdict.onset_iter, repeat=plan.repeat,
-                            lr_scale=plan.lr_scale, discarded_checkpoints=[str(p) for p in discarded],
-                            incident=str(self.rundir.incident(iteration).relative_to(self.rundir.path)))
-        recorder.event(rolled_back)
-        recorder.notice(f"iteration {iteration}: rolled back from step {from_step} to step {self.state.step} "
-                        f"({target.name}); batches {skipped[0]}-{skipped[1] - 1} will not be trained on"
-                        + (f"; learning rate x{plan.lr_scale:g}" if plan.lr_scale < 1.0 else ""))
-        if plan.lr_scale < 1.0:
-            recorder.event(event(EventName.LR_BACKOFF, iter=iteration, scale=plan.lr_scale,
-                                 ramp_steps=cfg.lr_backoff_steps))
-        return rolled_back
-
     def _start_events(self, events: list[dict]) -> list[dict]:
         events = [event(EventName.RUN_START, step=self.state.step, iter=self.state.iteration,
                         device=str(self.device), devices=self.dims.world_size,
@@ -370,99 +281,101 @@ class Trainer:
             events.insert(1, event(EventName.CONFIG_CHANGED, changes=[[k, a, b] for k, a, b in self.config_changes]))
         events[1:1] = [event(EventName.CHECKPOINT_PASSED_OVER, path=str(path), reason=reason)
                        for path, reason in self.checkpoints.passed_over]
-        if self.cfg.stability.rollback_after > 0 and self.cfg.checkpoint.every <= 0:
-            if self.is_main:
-                print("warning: stability.rollback_after is set but checkpoint.every = 0: with no checkpoints "
-                      "to go back to, spikes are only skipped", file=sys.stderr)
-            events.append(event(EventName.ROLLBACK_UNAVAILABLE, iter=self.state.iteration, step=self.state.step,
-                                reason="checkpoint.every = 0"))
-        return events
+        return events + self.recovery.start_events()
+
+    def start(self) -> None:
+        """Restore, write the run directory, open the recorder and record the start; `run()`
+        does this first (call it yourself only to drive `train_one_iteration`, then `finish`)."""
+        self._started = time.perf_counter()
+        events = self.restore()
+        events += self._prepare_run_dir()
+        self.recorder = MetricsRecorder(self.cfg, self.run_dir, start_step=self.state.step, is_main=self.is_main)
+        self.recorder.events(self._start_events(events))
+        self.throughput = Throughput(self.cfg, self.device, self.dims.world_size)
+        self.summary = TrainSummary(self.run_dir, start_step=self.state.step, step=self.state.step,
+                                    iteration=self.state.iteration)
+        self.callbacks.on_start(self)
+
+    def finish(self) -> TrainSummary:
+        """Complete the summary, tell the callbacks the run ended, close the recorder."""
+        summary = self.summary
+        summary.wall_s = time.perf_counter() - self._started
+        summary.step, summary.iteration = self.state.step, self.state.iteration
+        try:
+            self.callbacks.on_end(self, summary)
+        finally:
+            self.recorder.close()
+        return summary
 
     def run(self) -> TrainSummary:
         cfg = self.cfg
-        started = time.perf_counter()
-        events = self._restore_or_init()
-        events += self._prepare_run_dir()
-        recorder = MetricsRecorder(cfg, self.run_dir, start_step=self.state.step, is_main=self.is_main)
-        recorder.events(self._start_events(events))
-
-        throughput = Throughput(cfg, self.device, self.dims.world_size)
-        summary = TrainSummary(self.run_dir, start_step=self.state.step, step=self.state.step,
-                               iteration=self.state.iteration)
+        self.start()
         try:
             if cfg.train.eval_every > 0 and self.resume_from is None and self.state.step < cfg.train.steps:
-                self._validate(recorder, summary)  # the starting point: about ln(vocab)
+                self._validate()  # the starting point: about ln(vocab)
             while self.state.step < cfg.train.steps:
-                self._one_iteration(recorder, throughput, summary)
+                self.train_one_iteration()
             self.checkpoints.wait()
         except TrainingDivergedError as e:
-            recorder.event(event(EventName.HALT, iter=self.state.iteration, step=self.state.step,
-                                 reason=" ".join(str(e).split()), exit_code=e.exit_code))
+            self.callbacks.on_halt(self, e)
             raise
         finally:
-            summary.wall_s = time.perf_counter() - started
-            summary.step, summary.iteration = self.state.step, self.state.iteration
-            recorder.event(event(EventName.RUN_END, step=self.state.step, iter=self.state.iteration,
-                                 wall_s=summary.wall_s))
-            recorder.close()
-        return summary
+            self.finish()
+        return self.summary
 
-    def _one_iteration(self, recorder: MetricsRecorder, throughput: "Throughput", summary: TrainSummary) -> None:
+    def train_one_iteration(self) -> None:
+        """Draw the next global batch and train on it (or skip it, or roll back), then validate
+        and checkpoint when due. Between `start()` and `finish()`."""
         self.checkpoints.poll()  # commits an asynchronous save whose write has finished
         started = time.perf_counter()
         batch = self.train_loader.next_batch()
         self.state.iteration += 1
-        drill = self.faults.events(self.state.iteration, batch.index)
-        recorder.events(drill)
-        for fault in drill:
-            where = "" if fault["rank"] is None else f" on rank {fault['rank']}"
-            recorder.notice(f"iteration {self.state.iteration}: drill: injected {fault['fault']}{where}")
-        self.faults.poison(batch)
+        self.callbacks.before_step(self, batch)
         result = self.step_fn(batch, self.state.iteration, self.state.step)
         elapsed = time.perf_counter() - started
-        recorder.events(result.verdict.events)
-        verdict = result.verdict
-        if verdict.apply:
+        self.recorder.events(result.verdict.events)
+        applied = result.verdict.apply
+        if applied:
             self.state.step += 1
             self.state.tokens_seen += result.tokens
-            self.skip_streak.clear()
         else:
-            summary.skipped_steps += 1
-            self.skip_streak.append(batch.index)
-            self._record_skip(result, batch.index, recorder)
-        record = step_record(result, self.state, batch.index, throughput.of(result.tokens, elapsed))
-        recorder.train(record)
-        if result.layer_stats is not None:
-            recorder.layers(layers_record(iter=self.state.iteration, step=self.state.step, **result.layer_stats))
-        self.recent.append(record)
-        summary.last_loss = result.loss
-        if verdict.apply:
-            self._after_applied_step(recorder, summary)
-            return
-        rollback, streak, step = None, list(self.skip_streak), self.state.step
-        if verdict.rollback:
-            try:
-                rollback = self._roll_back(result, batch.index, recorder)
-            except TrainingDivergedError:
-                self._report_incident(result, step, IncidentAction.HALT, streak, drill)
-                raise
-        if rollback is not None:
-            summary.rollbacks += 1
-            self.skip_streak.clear()
-        self._report_incident(result, step, IncidentAction.ROLLBACK if rollback else IncidentAction.SKIP,
-                              streak if rollback else [batch.index], drill, rollback)
+            self.summary.skipped_steps += 1
+        record = step_record(result, self.state, batch.index, self.throughput.of(result.tokens, elapsed))
+        self.recovery.after_step(result, record, batch.index, self.recorder)
+        self.callbacks.after_step(self, result, record)
+        self.summary.last_loss = result.loss
+        if applied:
+            self._after_applied_step()
+        else:
+            self._after_skipped_step(result, batch.index)
+        self.callbacks.after_iteration(self)
 
-    def _after_applied_step(self, recorder: MetricsRecorder, summary: TrainSummary) -> None:
+    def _after_skipped_step(self, result: StepResult, batch_index: int) -> None:
+        self.callbacks.on_skip(self, result, batch_index)
+        rollback = self.recovery.respond(result, batch_index, self.recorder)
+        if rollback is not None:
+            self.summary.rollbacks += 1
+            self.callbacks.on_rollback(self, rollback)
+
+    def _after_applied_step(self) -> None:
         cfg, step = self.cfg, self.state.step
         if cfg.train.eval_every > 0 and (step % cfg.train.eval_every == 0 or step == cfg.train.steps):
-            self._validate(recorder, summary)
+            self._validate()
         if self.checkpoints.is_due(step) or (step == cfg.train.steps and cfg.checkpoint.every > 0):
-            self._save(recorder)
+            self._save()
 
+    def _save(self) -> None:
+        step, iteration = self.state.step, self.state.iteration
+        self.checkpoints.save(step, self.checkpoint_state(), self.cfg, iteration=iteration,
+                              on_commit=lambda path: self.callbacks.after_checkpoint(self, step, iteration, path))
 
-def _protected_lookback(cfg: Config) -> int | None:
-    """How far back retention must keep a checkpoint for a rollback (None: rollbacks are off)."""
-    return cfg.stability.rollback_lookback if cfg.stability.rollback_after > 0 else None
+    def _validate(self) -> None:
+        val_loss, val_tokens = evaluate(self.model, self.val_loader, self.cfg, self.device, self.dims)
+        self.recorder.validation(val_record(iter=self.state.iteration, step=self.state.step, val_loss=val_loss,
+                                            val_ppl=math.exp(min(val_loss, 50.0)), val_tokens=val_tokens))
+        if self.summary.first_val_loss is None:
+            self.summary.first_val_loss = val_loss
+        self.summary.last_val_loss = val_loss
 
 
 class Throughput:

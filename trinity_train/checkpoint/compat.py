@@ -6,9 +6,9 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
-from trinity_train.config import (Config, ModelConfig, config_differences, config_from_dict, describe_differences,
-                                  global_every, norm_eps)
+from trinity_train.config import Config, ModelConfig, config_differences, config_from_dict, describe_differences
 from trinity_train.errors import CheckpointError, ConfigError
+from trinity_train.model.blocks import global_every, norm_eps
 
 # Model settings that change how a model is trained or computed, not what its weights mean: a
 # checkpoint loads under other values of these.

@@ -29,7 +29,7 @@ from typing import Any, Callable
 from trinity_train.checkpoint import dcp_io
 from trinity_train.checkpoint.compat import check_model_compatible, config_from_meta
 from trinity_train.checkpoint.integrity import (candidate_checkpoints, check_integrity, digest_files,
-                                                newest_sound_checkpoint)
+                                                find_sound_checkpoint, newest_sound_checkpoint)
 from trinity_train.checkpoint.layout import (
     apply_retention,
     barrier,
@@ -280,6 +280,13 @@ class CheckpointManager:
         _commit_everywhere(pending.tmp_dir, pending.final_dir, pending.meta, digests, self._timeout_s)
         self._after_commit(pending.meta["step"], pending.final_dir, pending.on_commit)
         return pending.final_dir
+
+    def rollback_target(self, max_step: int, on_passed_over: Callable[[Path, str], None]) -> Path | None:
+        """The newest checkpoint at or before `max_step` that passes its integrity check (sizes and
+        checksums), once an in-flight save (which may be it) is committed; damaged ones are passed
+        to `on_passed_over(path, reason)` and never loaded. Collective: rank 0 decides for every rank."""
+        self.wait()
+        return find_sound_checkpoint(self.checkpoints_dir, max_step, on_passed_over=on_passed_over)
 
     def _rollback_candidates(self, step: int) -> frozenset[Path]:
         """What a rollback may need from now on: the newest checkpoint at least `protect_lookback`

@@ -21,11 +21,11 @@ from huggingface_hub import save_torch_state_dict
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from trinity_train.config import (Config, ModelConfig, global_every, init_std, is_global_layer,
-                                  norm_eps, validate)
+from trinity_train.config import Config, ModelConfig, init_std, validate
 from trinity_train.errors import CheckpointError, ConfigError
 from trinity_train.files import read_json_object, temp_sibling
 from trinity_train.interop.tokenizer import write_hf_tokenizer
+from trinity_train.model.blocks import global_every, is_global_layer, norm_eps
 from trinity_train.model.moe import expert_alignment_problem
 from trinity_train.model.transformer import build_model
 

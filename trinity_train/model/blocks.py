@@ -20,10 +20,33 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from trinity_train.config import ModelConfig, is_global_layer, norm_eps
+from trinity_train.config import ModelConfig, one_of
 from trinity_train.model.attention import Attention
 from trinity_train.model.moe import MoE, MoEAux, FeedForward
 from trinity_train.model.norms import LayerNorm, RMSNorm
+
+
+BLOCK_VARIANTS = ("trinity", "sandwich", "prenorm", "gemma3", "normformer")
+
+
+def check_block_config(m: ModelConfig) -> None:
+    """`model.block` names a variant of the table above (ConfigError otherwise);
+    `run_config.validate_rules` runs this at load."""
+    one_of(m.block, BLOCK_VARIANTS, "model.block")
+
+
+# The defaults that depend on the variant (0 in the config selects them).
+def global_every(m: ModelConfig) -> int:
+    """Every this-many-th layer is global (full causal attention)."""
+    return m.global_every if m.global_every > 0 else (6 if m.block == "gemma3" else 4)
+
+
+def norm_eps(m: ModelConfig) -> float:
+    return m.norm_eps if m.norm_eps > 0 else (1e-6 if m.block == "gemma3" else 1e-5)
+
+
+def is_global_layer(m: ModelConfig, i: int) -> bool:
+    return (i + 1) % global_every(m) == 0
 
 
 @dataclass(frozen=True)

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from trinity_train.config import ModelConfig, is_global_layer
-from trinity_train.model.blocks import block_style
+from trinity_train.config import ModelConfig
+from trinity_train.model.blocks import block_style, is_global_layer
 
 
 @dataclass(frozen=True)

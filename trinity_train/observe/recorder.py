@@ -13,11 +13,12 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+from trinity_train.callbacks import TrainerCallback
 from trinity_train.columnar import MirrorWriter
 from trinity_train.config import Config
 from trinity_train.observe.jsonl import JsonlWriter, move_records
 from trinity_train.observe.progress import ProgressDisplay
-from trinity_train.records import RecordKind
+from trinity_train.records import EventName, RecordKind, event, layers_record
 from trinity_train.rundir import RunDir
 
 
@@ -82,15 +83,15 @@ class MetricsRecorder:
         if self.is_main:
             self.progress.message(text)
 
-    def event(self, event: dict) -> None:
+    def event(self, built: dict) -> None:
         """Record one event (built by `records.event`), stamped with the time after its name."""
         if self.is_main:
-            self.event_log.write({"event": event["event"], "time": time.time(),
-                                  **{k: v for k, v in event.items() if k != "event"}})
+            self.event_log.write({"event": built["event"], "time": time.time(),
+                                  **{k: v for k, v in built.items() if k != "event"}})
 
     def events(self, events) -> None:
-        for event in events:
-            self.event(event)
+        for built in events:
+            self.event(built)
 
     def close(self) -> None:
         if not self.is_main:
@@ -103,3 +104,27 @@ class MetricsRecorder:
         for writer in (self.metrics, self.event_log):
             if writer is not None:
                 writer.close()
+
+
+class RecordingCallback(TrainerCallback):
+    """Writes what the loop reports to the trainer's recorder: each step's `train` record (and
+    its `layers` record on statistics iterations), each committed checkpoint, the halt and the
+    end. The trainer closes the recorder after every `on_end`."""
+
+    def after_step(self, trainer, result, record) -> None:
+        trainer.recorder.train(record)
+        if result.layer_stats is not None:
+            trainer.recorder.layers(layers_record(iter=trainer.state.iteration, step=trainer.state.step,
+                                                  **result.layer_stats))
+
+    def after_checkpoint(self, trainer, step, iteration, path) -> None:
+        trainer.recorder.event(event(EventName.CHECKPOINT, step=step, iter=iteration, path=str(path),
+                                     async_save=trainer.cfg.checkpoint.async_save))
+
+    def on_halt(self, trainer, error) -> None:
+        trainer.recorder.event(event(EventName.HALT, iter=trainer.state.iteration, step=trainer.state.step,
+                                     reason=" ".join(str(error).split()), exit_code=error.exit_code))
+
+    def on_end(self, trainer, summary) -> None:
+        trainer.recorder.event(event(EventName.RUN_END, step=summary.step, iter=summary.iteration,
+                                     wall_s=summary.wall_s))

@@ -23,9 +23,32 @@ from dataclasses import dataclass, field
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from trinity_train.config import Config, grad_accum_for
+from trinity_train.config import Config, grad_accum_for, require
 from trinity_train.errors import ConfigError
 from trinity_train.model.moe import GROUPED_MM_ALIGNMENT
+
+
+def check_layout_config(cfg: Config) -> None:
+    """The layout rules that need no world size (ConfigError naming the key): tp divides the heads,
+    the FFN widths and the sequence (each rank holds whole heads, 1/tp of each FFN, 1/tp of the
+    sequence); ep divides the experts and a fixed dp_shard. `from_config` checks the rest once the
+    ranks are known; `run_config.validate_rules` runs this at load."""
+    m, d, p = cfg.model, cfg.data, cfg.parallel
+    require(m.num_heads % p.tp == 0 and m.num_kv_heads % p.tp == 0, "parallel.tp",
+            f"tp={p.tp} must divide model.num_heads={m.num_heads} and model.num_kv_heads="
+            f"{m.num_kv_heads} (each rank holds whole heads)")
+    for key, width in (("intermediate_size", m.intermediate_size),
+                       ("moe_intermediate_size", m.moe_intermediate_size)):
+        require(width % p.tp == 0, "parallel.tp",
+                f"tp={p.tp} must divide model.{key}={width} (each rank holds 1/tp of the FFN width)")
+    require(d.seq_len % p.tp == 0, "parallel.tp",
+            f"tp={p.tp} must divide data.seq_len={d.seq_len} (sequence parallelism splits the "
+            f"sequence over the tp ranks)")
+    require(m.num_experts % p.ep == 0, "parallel.ep",
+            f"ep={p.ep} must divide model.num_experts={m.num_experts} (each rank holds whole experts)")
+    require(p.dp_shard == -1 or p.dp_shard % p.ep == 0, "parallel.ep",
+            f"ep={p.ep} must divide the expert-data-parallel size parallel.dp_shard={p.dp_shard} "
+            f"(expert parallelism takes its ranks from dp_shard)")
 
 
 @dataclass
@@ -44,10 +67,9 @@ class ParallelDims:
 
     @classmethod
     def from_config(cls, cfg: Config, world_size: int) -> ParallelDims:
-        """Resolve `dp_shard = -1` and reject a layout that cannot run on `world_size` ranks.
-
-        `cfg` is validated (`config.validate` holds the rules that need no world size: tp divides
-        heads, FFN widths and seq_len; ep divides the experts)."""
+        """Resolve `dp_shard = -1` and reject a layout that cannot run on `world_size` ranks
+        (`check_layout_config` first: the rules that need no world size)."""
+        check_layout_config(cfg)
         p = cfg.parallel
         fixed = p.dp_replicate * p.tp
         if p.dp_shard == -1:

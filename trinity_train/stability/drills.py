@@ -22,10 +22,30 @@ from dataclasses import dataclass
 
 import torch
 
-from trinity_train.config import POISON_FAULTS, FaultConfig
+from trinity_train.callbacks import TrainerCallback
+from trinity_train.config import Config, FaultConfig, one_of, require
 from trinity_train.records import EventName, event
 
+FAULTS = ("nan_loss", "grad_scale", "loss_spike", "poison_random", "poison_repeat")
+POISON_FAULTS = ("poison_random", "poison_repeat")  # act on global batches, not iterations
 DEFAULT_FACTORS = {"loss_spike": 10.0, "grad_scale": 1000.0}
+
+
+def check_fault_config(cfg: Config) -> None:
+    """Each drill of `stability.inject` names a known fault, where it acts (an iteration >= 1, or
+    a global batch index >= 0 for poison), on which rank, and a token the vocabulary has
+    (ConfigError naming the key); `run_config.validate_rules` runs this at load."""
+    for i, f in enumerate(cfg.stability.inject):
+        key = f"stability.inject[{i}]"
+        one_of(f.fault, FAULTS, f"{key}.fault")
+        poison = f.fault in POISON_FAULTS
+        require(f.first >= (0 if poison else 1), f"{key}.first",
+                f"must be {'a global batch index >= 0' if poison else 'an iteration >= 1'}, got {f.first}")
+        require(f.last == -1 or f.last >= f.first, f"{key}.last", f"must be -1 or >= first ({f.first})")
+        require(f.rank >= -1, f"{key}.rank", "must be a rank >= 0, or -1 for every rank")
+        require(f.factor >= 0, f"{key}.factor", "must be >= 0 (0: the fault's default)")
+        require(0 <= f.token < cfg.model.vocab_size, f"{key}.token",
+                f"must be a token id below model.vocab_size ({cfg.model.vocab_size})")
 
 
 @dataclass(frozen=True)
@@ -96,3 +116,22 @@ class FaultInjector:
                 tokens = torch.full((rows, length + 1), fault.token, dtype=torch.long)
             batch.input_ids.copy_(tokens[:, :-1])
             batch.labels.copy_(tokens[:, 1:])
+
+
+class DrillCallback(TrainerCallback):
+    """The drills' part before a step: announce every fault acting in this iteration (a
+    `fault_injected` event and a console notice, on the main process whichever rank it acts on),
+    then poison this rank's rows of the batch where a poison fault covers it. The step's own
+    faults (loss and gradient factors) act inside `step.TrainingStep`."""
+
+    def __init__(self, faults: FaultInjector):
+        self.faults = faults
+
+    def before_step(self, trainer, batch) -> None:
+        iteration = trainer.state.iteration
+        drill = self.faults.events(iteration, batch.index)
+        trainer.recorder.events(drill)
+        for fault in drill:
+            where = "" if fault["rank"] is None else f" on rank {fault['rank']}"
+            trainer.recorder.notice(f"iteration {iteration}: drill: injected {fault['fault']}{where}")
+        self.faults.poison(batch)

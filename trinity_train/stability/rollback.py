@@ -55,6 +55,12 @@ def plan_rollback(cfg: StabilityConfig, history: list[SkipRange], onset_iter: in
                         extra_batches=cfg.skip_extra_batches, lr_scale=cfg.lr_backoff, repeat=0)
 
 
+def protected_lookback(cfg: StabilityConfig) -> int | None:
+    """How far back checkpoint retention must keep a checkpoint for a rollback (None: rollbacks
+    are off)."""
+    return cfg.rollback_lookback if cfg.rollback_after > 0 else None
+
+
 class LRBackoff:
     """A factor on every group's learning rate after a rollback: `scale` at the restored step,
     rising linearly back to 1 over `ramp_steps` optimizer steps. Checkpointed with the run."""

@@ -18,7 +18,7 @@ matplotlib.use("Agg")  # before pyplot: files only, never a window
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.ticker import EngFormatter, FuncFormatter, MaxNLocator  # noqa: E402
 
-from trinity_train.config import BLOCK_VARIANTS  # noqa: E402
+from trinity_train.model.blocks import BLOCK_VARIANTS  # noqa: E402
 from trinity_train.files import atomic_open  # noqa: E402
 
 COLORS = dict(zip(BLOCK_VARIANTS, plt.get_cmap("tab10").colors))

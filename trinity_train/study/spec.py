@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from trinity_train.config import BLOCK_VARIANTS
+from trinity_train.model.blocks import BLOCK_VARIANTS
 from trinity_train.errors import ConfigError
 
 
