@@ -14,16 +14,15 @@ PACKAGE = Path(__file__).resolve().parents[1] / "trinity_train"
 # Top to bottom. A package may import its own layer's packages only where listed in SIDEWAYS.
 LAYERS = [
     {"cli"},
-    {"train"},
+    {"train", "study"},
     {"step", "run_config"},
-    {"parallel", "checkpoint", "stability", "observe", "interop", "dashboard", "study"},
+    {"parallel", "checkpoint", "stability", "observe", "interop", "dashboard"},
     {"model", "optim", "data"},
     {"config", "rundir", "columnar", "records", "callbacks"},
     {"files"},
     {"errors", "__init__"},
 ]
 SIDEWAYS = {
-    ("study", "dashboard"),  # the study's report is the dashboard's offline report
     ("observe", "parallel"),  # layer statistics are global values: they reduce through parallel.reductions
 }
 

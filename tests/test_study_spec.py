@@ -101,6 +101,9 @@ BAD_STUDIES = [
                         f"tokens = {TOKENS}"]),
     ({"drills": [{"variant": "gemma3", "stability": DIVERGING}]}, ["drills[0].variant: 'gemma3' is not one of the study's"]),
     ({"drills": [{"stability": {"injct": []}}]}, ["cell sandwich-normal-s0: unknown config key 'stability.injct'"]),
+    # A rule of the package that owns it (stability.drills), checked for every cell before any runs.
+    ({"drills": [{"stability": {"inject": [{"fault": "nan_lss", "first": 2}]}}]},
+     ["cell sandwich-normal-s0: stability.inject[0].fault", "nan_lss"]),
     ({"lrs": [{"name": "normal", "lr": 3e-3}, {"name": "high", "lr": 1e-2, "variants": ["prenorm"]}],
       "drills": [{"variant": "sandwich", "lr": "high", "stability": DIVERGING}]}, ["drills[0]: selects no cell"]),
 ]

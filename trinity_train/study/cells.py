@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from trinity_train.config import (Config, config_differences, config_to_dict, describe_differences,
                                   grad_accum_for, load_config, rows_per_rank)
 from trinity_train.errors import ConfigError
+from trinity_train.run_config import load_run_config
 from trinity_train.study.layout import StudyDir
 from trinity_train.study.spec import LRSetting, Study, StudyError
 
@@ -108,7 +109,7 @@ def study_cells(study: Study, out: StudyDir, nproc: int = 1) -> list[Cell]:
                 if drills:
                     table["stability"] = _merged_drills(drills)
                 try:
-                    cfg = load_config(study.base, table)
+                    cfg = load_run_config(study.base, table)  # every package's rules, before any cell runs
                 except ConfigError as e:
                     raise StudyError(f"{study.path}: cell {name}: {e}") from None
                 _check_budget(study, cfg, nproc)
