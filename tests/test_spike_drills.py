@@ -120,6 +120,7 @@ def test_poisoned_data_rolls_back_to_before_the_onset_and_never_trains_again(cor
     assert "rollback->" in table and "poison_random" in table
 
 
+@pytest.mark.slow  # three runs: straight, killed mid-incident, resumed
 def test_a_kill_in_the_middle_of_an_incident_resumes_to_the_same_run(corpus, tmp_path):
     straight = tmp_path / "straight"
     Trainer(drill_config(corpus, straight, POISON)).run()
@@ -212,7 +213,7 @@ def test_incidents_command_prints_the_table_and_json(corpus, tmp_path, capsys):
     assert main(["incidents", str(run_dir)]) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[0].split()[:4] == ["iter", "step", "action", "reason"]
-    assert out[1].split()[:4] == ["20", "19", "skip", "nonfinite"] and "nan_loss" in out[1]
+    assert out[1].split()[:4] == ["20", "19", IncidentAction.SKIP, "nonfinite"] and "nan_loss" in out[1]
     assert main(["incidents", str(run_dir), "--json"]) == 0
     (report,) = json.loads(capsys.readouterr().out)
     assert report["iter"] == 20 and math.isfinite(report["signals"][0]["loss"])
@@ -247,6 +248,7 @@ def fsdp_drill_runs(corpus, root):
     Trainer(cfg, dims, torch.device("cpu"), model_builder=functools.partial(build_model_for_training, dims=dims)).run()
 
 
+@pytest.mark.slow  # every drill again, on two ranks
 def test_every_drill_on_one_fsdp_rank_is_handled_on_both_like_one_process(corpus, tmp_path, clean, rank_pool):
     rank_pool(2).run(fsdp_drill_runs, corpus, tmp_path)
     Trainer(drill_config(corpus, tmp_path / "one", *[{k: v for k, v in f.items() if k != "rank"}
