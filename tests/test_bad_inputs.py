@@ -122,6 +122,14 @@ def test_the_largest_id_is_recorded_by_prepare_data_or_read_once_and_cached(data
     assert_one_line_error(code, err, 1, "holds token id 350")
 
 
+def test_a_manifest_that_under_reports_its_largest_id_fails_at_the_batch(dataset, capsys, tmp_path):
+    put_token_id(dataset, 310)  # the manifest still records ids below 300; checksums are off
+    code, err, _ = train_on(dataset, capsys, tmp_path, data={"verify_checksums": False},
+                            model={"vocab_size": 300})
+    assert_one_line_error(code, err, 1, "training batch 0 holds token id 310", "vocabulary of 300",
+                          "prepare the dataset again")
+
+
 def deny_writes_under(monkeypatch, root):
     """As a read-only mount would (root bypasses permission bits, not a read-only file system)."""
     access = os.access
