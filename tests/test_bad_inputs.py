@@ -273,3 +273,21 @@ def test_incidents_says_what_a_path_is_when_it_is_not_a_run(capsys, tmp_path):
 
 def test_a_port_out_of_range_is_a_usage_mistake(capsys, tmp_path):
     assert_one_line_error(*main(capsys, "dashboard", tmp_path, "--port", 99999), 2, "--port 99999", "0 to 65535")
+
+
+def test_a_bad_muon_lr_is_named_as_itself(capsys, tmp_path):
+    code, err = main(capsys, "train", "--optim.muon_lr=nan", f"--run.dir={tmp_path / 'run'}")
+    assert_one_line_error(code, err, 2, "optim.muon_lr: a learning rate must be a positive finite number, got nan")
+
+
+def test_paths_of_the_wrong_kind_say_what_they_are(corpus, capsys, tmp_path):
+    (tmp_path / "afile").write_text("x")
+    run_dir = tmp_path / "run"
+    for data_path, fragments in (("nowhere", ["nowhere' does not exist", f"--out {tmp_path / 'nowhere'}`"]),
+                                 ("afile", ["afile' is a file, not a prepared dataset directory"])):
+        code, err = main(capsys, "train", "--config", config_file(corpus, tmp_path, run_dir),
+                         f"--data.path={tmp_path / data_path}")
+        assert_one_line_error(code, err, 1, *fragments)
+        assert "{path}" not in err and not run_dir.exists()
+    code, err = main(capsys, "train", "--config", tmp_path)
+    assert_one_line_error(code, err, 2, f"config file '{tmp_path}' is a directory, not a TOML file")
