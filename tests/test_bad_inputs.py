@@ -291,3 +291,16 @@ def test_paths_of_the_wrong_kind_say_what_they_are(corpus, capsys, tmp_path):
         assert "{path}" not in err and not run_dir.exists()
     code, err = main(capsys, "train", "--config", tmp_path)
     assert_one_line_error(code, err, 2, f"config file '{tmp_path}' is a directory, not a TOML file")
+
+
+def test_a_directory_that_is_no_checkpoint_is_not_called_an_interrupted_save(capsys, tmp_path):
+    plain, torn = tmp_path / "plain", tmp_path / "torn"
+    plain.mkdir()
+    torn.mkdir()
+    (torn / "__0_0.distcp").write_bytes(b"tensors")  # a save that stopped before its meta.json
+    for command in (["ckpt", "verify"], ["ckpt", "inspect"], ["export-hf"]):
+        out = [tmp_path / "hf"] if command == ["export-hf"] else []
+        assert_one_line_error(*main(capsys, *command, plain, *out), 1, "plain' is not a checkpoint directory",
+                              "pass a checkpoint")
+        assert_one_line_error(*main(capsys, *command, torn, *out), 1, "is incomplete", "the save was interrupted")
+    assert not (tmp_path / "hf").exists()
