@@ -34,7 +34,7 @@ import torch.distributed as dist
 from torch import nn
 
 from trinity_train.checkpoint import CheckpointManager, ModelState, OptimizerState, RNGState, load_checkpoint
-from trinity_train.checkpoint.compat import config_differences, describe_differences
+from trinity_train.checkpoint.compat import config_differences, config_from_meta, describe_differences
 from trinity_train.checkpoint.integrity import find_sound_checkpoint
 from trinity_train.checkpoint.manager import read_compatible_meta
 from trinity_train.config import Config, config_to_dict, load_config, save_config
@@ -46,7 +46,7 @@ from trinity_train.errors import ConfigError
 from trinity_train.model.counting import training_flops_per_token
 from trinity_train.observe import MetricsRecorder, expert_load_stats, measure_peak_flops, mfu, supersede_records_after
 from trinity_train.optim.groups import build_optimizer
-from trinity_train.optim.schedule import build_scheduler
+from trinity_train.optim.schedule import build_scheduler, describe_replanned, replanned
 from trinity_train.parallel.mesh import ParallelDims
 from trinity_train.parallel.parallelize import build_parallel_model
 from trinity_train.parallel.process_group import (destroy_distributed, init_distributed, leave_together,
@@ -227,13 +227,17 @@ class Trainer:
         returns the events to record."""
         self.checkpoints.remove_interrupted_saves()
         if self.resume_from is not None:
-            load_checkpoint(self.resume_from, self.checkpoint_state(), self.cfg)
+            meta = load_checkpoint(self.resume_from, self.checkpoint_state(), self.cfg)
             # The schedule set the configured rates for the resumed step; a back-off scales them.
             self.lr_backoff.apply(self.optimizer, self.scheduler.get_last_lr(), self.state.step)
             # Skips after the checkpoint are judged again, as the uninterrupted run judged them.
             self.ledger.forget_skips_after(self.state.iteration)
-            return [event(EventName.RESUME, checkpoint=str(self.resume_from), step=self.state.step,
-                          iter=self.state.iteration)]
+            resumed = [event(EventName.RESUME, checkpoint=str(self.resume_from), step=self.state.step,
+                             iter=self.state.iteration)]
+            replan = replanned(config_from_meta(meta, self.resume_from), self.cfg, self.state.step)
+            if replan is not None and self.is_main:
+                print(describe_replanned(replan), file=sys.stderr)
+            return resumed + ([replan] if replan is not None else [])
         if self.cfg.checkpoint.init_from:
             load_checkpoint(Path(self.cfg.checkpoint.init_from), {"model": ModelState(self.model)}, self.cfg)
             return [event(EventName.INIT_FROM, checkpoint=self.cfg.checkpoint.init_from)]
@@ -370,6 +374,10 @@ class Trainer:
             events.insert(1, event(EventName.CONFIG_CHANGED, changes=[[k, a, b] for k, a, b in self.config_changes]))
         events[1:1] = [event(EventName.CHECKPOINT_PASSED_OVER, path=str(path), reason=reason)
                        for path, reason in self.checkpoints.passed_over]
+        if self.is_main:  # the run goes on from an older checkpoint: say so where it is watched
+            for path, reason in self.checkpoints.passed_over:
+                print(f"warning: passed over the damaged checkpoint '{path}' ({reason}); resuming from "
+                      f"'{self.resume_from}'", file=sys.stderr)
         if self.cfg.stability.rollback_after > 0 and self.cfg.checkpoint.every <= 0:
             if self.is_main:
                 print("warning: stability.rollback_after is set but checkpoint.every = 0: with no checkpoints "
