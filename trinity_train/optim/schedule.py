@@ -99,4 +99,4 @@ def describe_replanned(replan: dict) -> str:
     ratio = f" ({replan['lr_to'] / replan['lr_from']:.1f}x)" if replan["lr_from"] > 0 else ""
     return (f"notice: train.steps {replan['from_steps']} -> {replan['to_steps']} re-plans the {replan['schedule']} "
             f"schedule at step {replan['step']}: optim.lr's rate jumps from {replan['lr_from']:.3g} to "
-            f"{replan['lr_to']:.3g}{ratio} (resume from an earlier checkpoint to extend it before its decay)")
+            f"{replan['lr_to']:.3g}{ratio}; to keep the old curve, resume from a checkpoint before its decay")
