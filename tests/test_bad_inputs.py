@@ -122,6 +122,14 @@ def test_the_largest_id_is_recorded_by_prepare_data_or_read_once_and_cached(data
     assert_one_line_error(code, err, 1, "holds token id 350")
 
 
+def test_a_manifest_that_under_reports_its_largest_id_fails_at_the_batch(dataset, capsys, tmp_path):
+    put_token_id(dataset, 310)  # the manifest still records ids below 300; checksums are off
+    code, err, _ = train_on(dataset, capsys, tmp_path, data={"verify_checksums": False},
+                            model={"vocab_size": 300})
+    assert_one_line_error(code, err, 1, "training batch 0 holds token id 310", "vocabulary of 300",
+                          "prepare the dataset again")
+
+
 def deny_writes_under(monkeypatch, root):
     """As a read-only mount would (root bypasses permission bits, not a read-only file system)."""
     access = os.access
@@ -211,7 +219,7 @@ def test_prepare_data_with_a_vocabulary_too_small_says_so(capsys, tmp_path):
     docs.write_text("some words")
     for vocab in (0, 100):
         code, err = prepare(capsys, tmp_path, "--input", docs, "--train-tokenizer", vocab)
-        assert_one_line_error(code, err, 1, f"--train-tokenizer must be a vocabulary size of at least 258, got {vocab}")
+        assert_one_line_error(code, err, 2, f"--train-tokenizer must be a vocabulary size of at least 258, got {vocab}")
 
 
 def test_the_console_script_prints_no_traceback(dataset, tmp_path):
@@ -220,3 +228,79 @@ def test_the_console_script_prints_no_traceback(dataset, tmp_path):
     done = run_cli("train", "--config", config_file(dataset, tmp_path, run_dir), timeout=300)
     assert_one_line_error(done.returncode, done.stderr, 1, "it has no 'tokenizer' object")
     assert not run_dir.exists()
+
+
+@pytest.fixture
+def run(tmp_path):
+    from synthetic_run import write_rollback_run
+
+    write_rollback_run(tmp_path / "run")
+    return tmp_path / "run"
+
+
+def test_report_refuses_runs_that_are_not_there_and_outs_that_are_not_files(run, capsys, tmp_path):
+    out = tmp_path / "r.html"
+    (tmp_path / "plain").mkdir()
+    (tmp_path / "afile").write_text("x")
+    for runs, fragments in (([tmp_path / "nowhere"], ["nowhere' does not exist"]),
+                            ([run, tmp_path / "plain"], ["plain' is not a run directory", "events.jsonl"])):
+        assert_one_line_error(*main(capsys, "report", *runs, "--out", out), 2, *fragments, "pass the run's directory")
+    assert_one_line_error(*main(capsys, "report", run, "--out", tmp_path), 2, "is a directory",
+                          f"--out {tmp_path / 'report.html'}")
+    assert_one_line_error(*main(capsys, "report", run, "--out", tmp_path / "afile" / "r.html"), 2,
+                          "afile' is a file", "choose another --out")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile", "plain", "run"]
+
+
+def test_report_to_a_read_only_place_advises_another_out(run, capsys, tmp_path, monkeypatch):
+    from trinity_train.dashboard import report
+
+    def read_only(path, text):
+        raise OSError(errno.EROFS, "Read-only file system", str(path))
+
+    monkeypatch.setattr(report, "atomic_write_text", read_only)
+    code, err = main(capsys, "report", run, "--out", tmp_path / "r.html")
+    assert_one_line_error(code, err, 1, "could not write the report", "cannot be written", "choose another --out")
+
+
+def test_incidents_says_what_a_path_is_when_it_is_not_a_run(capsys, tmp_path):
+    (tmp_path / "plain").mkdir()
+    (tmp_path / "afile").write_text("x")
+    for path, fragment in (("plain", "plain' is not a run directory"), ("afile", "afile' is a file, not a run"),
+                           ("nowhere", "nowhere' does not exist")):
+        assert_one_line_error(*main(capsys, "incidents", tmp_path / path), 1, fragment, "pass the run's run.dir")
+
+
+def test_a_port_out_of_range_is_a_usage_mistake(capsys, tmp_path):
+    assert_one_line_error(*main(capsys, "dashboard", tmp_path, "--port", 99999), 2, "--port 99999", "0 to 65535")
+
+
+def test_a_bad_muon_lr_is_named_as_itself(capsys, tmp_path):
+    code, err = main(capsys, "train", "--optim.muon_lr=nan", f"--run.dir={tmp_path / 'run'}")
+    assert_one_line_error(code, err, 2, "optim.muon_lr: a learning rate must be a positive finite number, got nan")
+
+
+def test_paths_of_the_wrong_kind_say_what_they_are(corpus, capsys, tmp_path):
+    (tmp_path / "afile").write_text("x")
+    run_dir = tmp_path / "run"
+    for data_path, fragments in (("nowhere", ["nowhere' does not exist", f"--out {tmp_path / 'nowhere'}`"]),
+                                 ("afile", ["afile' is a file, not a prepared dataset directory"])):
+        code, err = main(capsys, "train", "--config", config_file(corpus, tmp_path, run_dir),
+                         f"--data.path={tmp_path / data_path}")
+        assert_one_line_error(code, err, 1, *fragments)
+        assert "{path}" not in err and not run_dir.exists()
+    code, err = main(capsys, "train", "--config", tmp_path)
+    assert_one_line_error(code, err, 2, f"config file '{tmp_path}' is a directory, not a TOML file")
+
+
+def test_a_directory_that_is_no_checkpoint_is_not_called_an_interrupted_save(capsys, tmp_path):
+    plain, torn = tmp_path / "plain", tmp_path / "torn"
+    plain.mkdir()
+    torn.mkdir()
+    (torn / "__0_0.distcp").write_bytes(b"tensors")  # a save that stopped before its meta.json
+    for command in (["ckpt", "verify"], ["ckpt", "inspect"], ["export-hf"]):
+        out = [tmp_path / "hf"] if command == ["export-hf"] else []
+        assert_one_line_error(*main(capsys, *command, plain, *out), 1, "plain' is not a checkpoint directory",
+                              "pass a checkpoint")
+        assert_one_line_error(*main(capsys, *command, torn, *out), 1, "is incomplete", "the save was interrupted")
+    assert not (tmp_path / "hf").exists()

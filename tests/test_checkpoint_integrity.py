@@ -117,13 +117,15 @@ def drop_config(path):
 
 @pytest.mark.parametrize("damage, reason", [(truncate_shard, "truncated"), (garble_metadata, "'.metadata'"),
                                             (drop_config, "has no config")])
-def test_resume_auto_passes_over_a_damaged_newest_checkpoint(corpus, run, damage, reason):
+def test_resume_auto_passes_over_a_damaged_newest_checkpoint(corpus, run, damage, reason, capsys):
     damage(ckpt(run, 6))
     trainer = Trainer(config(corpus, run, steps=8, resume="auto"))
     assert trainer.resume_from == ckpt(run, 4)
     trainer.run()
     passed = RunDir(run).read_events(EventName.CHECKPOINT_PASSED_OVER)
     assert [e["path"] for e in passed] == [str(ckpt(run, 6))] and reason in passed[0]["reason"]
+    warned = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning: passed over")]
+    assert len(warned) == 1 and str(ckpt(run, 6)) in warned[0] and reason in warned[0] and str(ckpt(run, 4)) in warned[0]
     assert RunDir(run).read_events(EventName.RESUME)[-1]["checkpoint"] == str(ckpt(run, 4))
     assert [r["step"] for r in RunDir(run).read_metrics(RecordKind.TRAIN)][-4:] == [5, 6, 7, 8]
 

@@ -34,6 +34,8 @@ def test_a_run_directory_holding_another_run_is_refused(tmp_path):
 def test_missing_or_broken_checkpoints_exit_1(tmp_path):
     assert_fails_in_one_line(run_cli("ckpt", "verify", "nowhere", cwd=tmp_path), 1, "checkpoint 'nowhere' does not exist")
     (tmp_path / "half").mkdir()
+    assert_fails_in_one_line(run_cli("export-hf", "half", "out", cwd=tmp_path), 1, "not a checkpoint directory")
+    (tmp_path / "half" / "__0_0.distcp").write_bytes(b"")  # a save that stopped before its meta.json
     assert_fails_in_one_line(run_cli("export-hf", "half", "out", cwd=tmp_path), 1, "incomplete", "meta.json")
     assert_fails_in_one_line(run_cli("import-hf", "nothing-here", cwd=tmp_path), 1, "does not exist")
 

@@ -109,8 +109,8 @@ def cmd_incidents(args: argparse.Namespace) -> int:
     from trinity_train.stability.incidents import format_table, read_incidents
 
     run = RunDir(args.run_dir)
-    if not run.path.is_dir():
-        raise DataError(f"run directory '{run.path}' does not exist")
+    if (problem := run.not_a_run()) is not None:
+        raise DataError(f"RUN_DIR {problem}: pass the run's run.dir")
     reports = read_incidents(run)
     print(json.dumps(reports, indent=2) if args.json else format_table(reports))
     return 0

@@ -341,7 +341,8 @@ def _read_toml(path: Path, seen: tuple[Path, ...] = ()) -> dict:
     """Read a config file; a top-level `base = "other.toml"` (relative to this file) is read first
     and this file's tables are merged over it, so an ablation is its base plus what differs."""
     if not path.is_file():
-        raise ConfigError(f"config file '{path}' does not exist")
+        what = "is a directory, not a TOML file" if path.is_dir() else "does not exist"
+        raise ConfigError(f"config file '{path}' {what}; pass a .toml file (e.g. configs/debug.toml)")
     try:
         table = tomllib.loads(path.read_text())
     except tomllib.TOMLDecodeError as e:
@@ -484,8 +485,10 @@ def _validate_optim(o: OptimConfig) -> None:
     one_of(o.name, ("adamw", "muon"), "optim.name")
     one_of(o.schedule, ("wsd", "cosine", "constant"), "optim.schedule")
     one_of(o.muon_scale, ("spectral", "rms_match"), "optim.muon_scale")
-    require(all(v > 0 and math.isfinite(v) for v in (o.lr, o.muon_lr)), "optim.lr",
-            "learning rates must be positive finite numbers")
+    for key in ("lr", "muon_lr"):
+        value = getattr(o, key)
+        require(value > 0 and math.isfinite(value), f"optim.{key}",
+                f"a learning rate must be a positive finite number, got {value}")
     require(0 <= o.beta1 < 1 and 0 <= o.beta2 < 1, "optim.beta1", "betas must be in [0, 1)")
     require(o.weight_decay >= 0, "optim.weight_decay", "must be >= 0")
     require(o.warmup_steps >= 0, "optim.warmup_steps", "must be >= 0")

@@ -113,21 +113,24 @@ def free_bytes(path: str | Path) -> int | None:
     return None
 
 
-def disk_problem(codes: set[int], path: str | Path, almost_full_counts: bool = False) -> str | None:
+def disk_problem(codes: set[int], path: str | Path, almost_full_counts: bool = False,
+                 elsewhere: str = "--run.dir") -> str | None:
     """What the disk holding `path` did wrong, given the errno codes of a failed write to it:
     'no space left on ...' (with the free space and what to do) or 'cannot be written ...', or
     None when the codes say neither. `almost_full_counts`: a failure on a disk with (next to) no
     free space is a full disk whatever the codes say (torch's serializer reports ENOSPC as
-    "unexpected pos")."""
+    "unexpected pos"). `elsewhere` is the option that puts the file on another disk."""
     path = Path(path)
     where = f"the disk holding '{path.parent if path.suffix or not path.is_dir() else path}'"
     free = free_bytes(path)
     if codes & NO_SPACE or (almost_full_counts and free is not None and free < _ALMOST_FULL):
         left = f" ({free / 2**20:.1f} MiB free)" if free is not None else ""
+        if elsewhere != "--run.dir":
+            return f"no space left on {where}{left}; free some space or choose another {elsewhere}"
         return (f"no space left on {where}{left}; free some space (or lower checkpoint.keep, or put run.dir "
                 "on a larger disk) and continue with --checkpoint.resume=auto")
     if codes & NOT_WRITABLE:
-        return f"{where} cannot be written (a read-only file system or no permission); choose another --run.dir"
+        return f"{where} cannot be written (a read-only file system or no permission); choose another {elsewhere}"
     return None
 
 

@@ -25,6 +25,7 @@ class EventName(StrEnum):
     RESUME = "resume"
     INIT_FROM = "init_from"
     CONFIG_CHANGED = "config_changed"
+    SCHEDULE_REPLANNED = "schedule_replanned"
     SUPERSEDED = "superseded"
     CHECKPOINT = "checkpoint"
     CHECKPOINT_PASSED_OVER = "checkpoint_passed_over"
@@ -84,6 +85,7 @@ EVENTS: dict[EventName, Shape] = {
     EventName.RESUME: _shape("checkpoint step iter"),
     EventName.INIT_FROM: _shape("checkpoint"),
     EventName.CONFIG_CHANGED: _shape("changes"),
+    EventName.SCHEDULE_REPLANNED: _shape("step schedule from_steps to_steps lr_from lr_to"),
     EventName.SUPERSEDED: _shape("from_iter records"),
     EventName.CHECKPOINT: _shape("step iter path async_save"),
     EventName.CHECKPOINT_PASSED_OVER: _shape("path reason"),

@@ -108,6 +108,18 @@ class RunDir:
     def wandb(self) -> Path:
         return self.path / WANDB_DIR
 
+    def not_a_run(self) -> str | None:
+        """Why the path is not a run directory to read ('does not exist', 'is a file', a plain
+        directory), or None when it is one: it holds what a run's start writes."""
+        if not self.path.exists():
+            return f"'{self.path}' does not exist"
+        if not self.path.is_dir():
+            return f"'{self.path}' is a file, not a run directory"
+        if not any(p.is_file() for p in (self.config, self.events, self.metrics)):
+            return (f"'{self.path}' is not a run directory (it holds none of {CONFIG_FILE}, {EVENTS_FILE}, "
+                    f"{METRICS_FILE})")
+        return None
+
     def require_writable(self) -> None:
         """ConfigError (naming run.dir and what to do) unless the run directory is, or can be
         created as, a directory this process can write; checked before any work so that a run

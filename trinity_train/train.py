@@ -21,6 +21,7 @@ from __future__ import annotations
 import functools
 import math
 import random
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,7 +34,7 @@ from torch import nn
 
 from trinity_train.callbacks import CallbackList, TrainerCallback
 from trinity_train.checkpoint import CheckpointManager, ModelState, OptimizerState, RNGState, load_checkpoint
-from trinity_train.checkpoint.compat import config_differences, describe_differences
+from trinity_train.checkpoint.compat import config_differences, config_from_meta, describe_differences
 from trinity_train.checkpoint.manager import read_compatible_meta
 from trinity_train.config import Config, config_to_dict, load_config, save_config
 from trinity_train.data import build_loaders
@@ -43,7 +44,7 @@ from trinity_train.model.counting import training_flops_per_token
 from trinity_train.observe import MetricsRecorder, expert_load_stats, measure_peak_flops, mfu, supersede_records_after
 from trinity_train.observe.recorder import RecordingCallback
 from trinity_train.optim.groups import build_optimizer
-from trinity_train.optim.schedule import build_scheduler
+from trinity_train.optim.schedule import build_scheduler, describe_replanned, replanned
 from trinity_train.parallel.mesh import ParallelDims
 from trinity_train.parallel.parallelize import build_parallel_model
 from trinity_train.parallel.process_group import (destroy_distributed, init_distributed, leave_together,
@@ -238,10 +239,12 @@ class Trainer:
                 "scheduler": self.scheduler, "loader": self.train_loader, "guard": self.guard,
                 "lr_backoff": self.lr_backoff, "trainer": self.state, "rng": RNGState()}
 
-    def _load(self, path: Path) -> None:
-        """Load every stateful component from the checkpoint `path` (a resume, a rollback)."""
-        load_checkpoint(path, self.checkpoint_state(), self.cfg)
+    def _load(self, path: Path) -> dict:
+        """Load every stateful component from the checkpoint `path` (a resume, a rollback);
+        returns its meta.json."""
+        meta = load_checkpoint(path, self.checkpoint_state(), self.cfg)
         self._apply_lr()
+        return meta
 
     def _apply_lr(self) -> None:
         # The schedule set the configured rates for the current step; a back-off scales them.
@@ -252,10 +255,14 @@ class Trainer:
         returns the events to record."""
         self.checkpoints.remove_interrupted_saves()
         if self.resume_from is not None:
-            self._load(self.resume_from)
+            meta = self._load(self.resume_from)
             self.recovery.resumed()
-            return [event(EventName.RESUME, checkpoint=str(self.resume_from), step=self.state.step,
-                          iter=self.state.iteration)]
+            resumed = [event(EventName.RESUME, checkpoint=str(self.resume_from), step=self.state.step,
+                             iter=self.state.iteration)]
+            replan = replanned(config_from_meta(meta, self.resume_from), self.cfg, self.state.step)
+            if replan is not None and self.is_main:
+                print(describe_replanned(replan), file=sys.stderr)
+            return resumed + ([replan] if replan is not None else [])
         if self.cfg.checkpoint.init_from:
             load_checkpoint(Path(self.cfg.checkpoint.init_from), {"model": ModelState(self.model)}, self.cfg)
             return [event(EventName.INIT_FROM, checkpoint=self.cfg.checkpoint.init_from)]
@@ -281,6 +288,10 @@ class Trainer:
             events.insert(1, event(EventName.CONFIG_CHANGED, changes=[[k, a, b] for k, a, b in self.config_changes]))
         events[1:1] = [event(EventName.CHECKPOINT_PASSED_OVER, path=str(path), reason=reason)
                        for path, reason in self.checkpoints.passed_over]
+        if self.is_main:  # the run goes on from an older checkpoint: say so where it is watched
+            for path, reason in self.checkpoints.passed_over:
+                print(f"warning: passed over the damaged checkpoint '{path}' ({reason}); resuming from "
+                      f"'{self.resume_from}'", file=sys.stderr)
         return events + self.recovery.start_events()
 
     def start(self) -> None:

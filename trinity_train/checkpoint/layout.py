@@ -20,6 +20,7 @@ from trinity_train.files import atomic_write_json, read_json_object
 
 META_FILE = "meta.json"
 DCP_METADATA_FILE = ".metadata"  # written by torch.distributed.checkpoint once all ranks finished
+DCP_DATA_SUFFIX = ".distcp"  # each rank's tensors, written before .metadata
 FORMAT = "trinity-train-checkpoint"
 FORMAT_VERSION = 3  # 2: the guard's windows on loss and gradient norm, the LR back-off;
 #                    3: meta.json lists every file's size and checksum (checkpoint/integrity.py)
@@ -131,17 +132,27 @@ def apply_retention(checkpoints_dir: Path, keep: int, protect: frozenset[Path] =
     return doomed
 
 
+def _holds_dcp_files(path: Path) -> bool:
+    """Whether a directory holds what a save writes before meta.json (so lacking meta.json, it is
+    an interrupted save rather than some other directory)."""
+    return (path / DCP_METADATA_FILE).is_file() or any(path.glob(f"*{DCP_DATA_SUFFIX}"))
+
+
 def read_meta(path: Path) -> dict[str, Any]:
     """The checkpoint's `meta.json`, or a CheckpointError saying why it is not a checkpoint."""
     path = Path(path)
     if not path.exists():
         raise CheckpointError(f"checkpoint '{path}' does not exist")
     if not path.is_dir():
-        raise CheckpointError(f"checkpoint '{path}' is not a directory")
+        raise CheckpointError(f"checkpoint '{path}' is a file, not a checkpoint directory")
     if path.suffix == ".tmp":
         raise CheckpointError(f"checkpoint '{path}' is an unfinished save (its name ends in .tmp); "
                               "use a complete checkpoint")
     meta_file = path / META_FILE
+    if not meta_file.is_file() and not _holds_dcp_files(path):
+        raise CheckpointError(f"'{path}' is not a checkpoint directory: it holds no {META_FILE}, "
+                              f"{DCP_METADATA_FILE} or {DCP_DATA_SUFFIX} files; pass a checkpoint "
+                              "(RUN_DIR/checkpoints/step_XXXXXXXX, or one import-hf wrote)")
     if not meta_file.is_file():
         raise CheckpointError(f"checkpoint '{path}' is incomplete: it has no {META_FILE} "
                               "(the save was interrupted); use another checkpoint")

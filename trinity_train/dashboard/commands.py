@@ -7,12 +7,15 @@ import sys
 from pathlib import Path
 
 from trinity_train.errors import UserError
+from trinity_train.files import disk_problem
+from trinity_train.rundir import RunDir
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
-class RunDirArgumentError(UserError):
-    """A RUN_DIR argument that cannot be a run directory."""
+class ArgumentError(UserError):
+    """An argument no run can make right (a RUN_DIR that is a file, an --out that is a directory,
+    a port out of range): a usage mistake."""
 
     exit_code = 2
 
@@ -22,9 +25,27 @@ def check_run_dirs(paths: list[str]) -> list[Path]:
     started: the page waits for it); a regular file is not."""
     for path in paths:
         if Path(path).exists() and not Path(path).is_dir():
-            raise RunDirArgumentError(f"RUN_DIR '{path}' is a file, not a run directory: pass the run's directory "
+            raise ArgumentError(f"RUN_DIR '{path}' is a file, not a run directory: pass the run's directory "
                                       f"(its run.dir, which holds metrics.jsonl)")
     return [Path(p) for p in paths]
+
+
+def check_report_paths(run_dirs: list[str], out: str) -> tuple[list[Path], Path]:
+    """A report is of runs that exist (a live dashboard may wait for one; a file cannot), and its
+    --out names a file whose directory can be made."""
+    paths = [Path(p) for p in run_dirs]
+    for path in paths:
+        if (problem := RunDir(path).not_a_run()) is not None:
+            raise ArgumentError(f"RUN_DIR {problem}: pass the run's directory (its run.dir)")
+    out_path = Path(out)
+    if out_path.is_dir():
+        raise ArgumentError(f"--out '{out_path}' is a directory: pass the HTML file to write, "
+                                  f"e.g. --out {out_path / 'report.html'}")
+    blocking = next((p for p in out_path.parents if p.exists()), None)
+    if blocking is not None and not blocking.is_dir():
+        raise ArgumentError(f"--out '{out_path}' cannot be created: '{blocking}' is a file; "
+                                  "choose another --out")
+    return paths, out_path
 
 
 def host_warning(host: str) -> str | None:
@@ -37,6 +58,8 @@ def host_warning(host: str) -> str | None:
 
 def run_dashboard(run_dirs: list[str], host: str, port: int) -> int:
     paths = check_run_dirs(run_dirs)
+    if not 0 <= port <= 65535:
+        raise ArgumentError(f"--port {port}: a port is a number from 0 to 65535 (0 = any free port)")
     from trinity_train.dashboard.server import DashboardServer
 
     if (warning := host_warning(host)) is not None:
@@ -48,9 +71,15 @@ def run_dashboard(run_dirs: list[str], host: str, port: int) -> int:
 
 
 def run_report(run_dirs: list[str], out: str, title: str | None) -> int:
-    paths = check_run_dirs(run_dirs)
+    paths, out_path = check_report_paths(run_dirs, out)
     from trinity_train.dashboard.report import write_report
 
-    written = write_report(paths, out, title=title)
+    try:
+        written = write_report(paths, out_path, title=title)
+    except OSError as e:
+        problem = disk_problem({e.errno} if e.errno is not None else set(), out_path, elsewhere="--out")
+        if problem is None:
+            raise
+        raise UserError(f"could not write the report '{out_path}': {problem}") from None
     print(f"wrote {written} ({written.stat().st_size / 2**20:.1f} MiB; opens offline in a browser)")
     return 0

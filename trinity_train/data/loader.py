@@ -82,8 +82,10 @@ def _to_batch(arrays: dict[str, np.ndarray], index: int) -> Batch:
 class _MixedRows:
     """Reads stream samples -> rows, for a set of sources and their schedule."""
 
-    def __init__(self, readers: list[SequenceReader], schedule: MixSchedule, orders: list[EpochOrder] | None):
-        self.readers, self.schedule, self.orders = readers, schedule, orders
+    def __init__(self, readers: list[SequenceReader], schedule: MixSchedule, orders: list[EpochOrder] | None,
+                 datasets: list[PreparedDataset]):
+        self.readers, self.schedule, self.orders, self.datasets = readers, schedule, orders, datasets
+        self.vocab_size = min(ds.vocab_size for ds in datasets)
 
     def locate(self, samples: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         return self.schedule.locate(samples)
@@ -97,14 +99,30 @@ class _MixedRows:
             starts[rows] = (self.orders[k].sequences(index[rows]) if self.orders else index[rows]) * seq_len
         return list(zip(source.tolist(), starts.tolist()))
 
-    def read(self, samples: np.ndarray, seq_len: int) -> dict[str, np.ndarray]:
+    def read(self, samples: np.ndarray, seq_len: int, batch: str) -> dict[str, np.ndarray]:
         source, index = self.locate(samples)
         out = _empty_rows(len(samples), seq_len)
         for k in np.unique(source).tolist():
             rows = np.flatnonzero(source == k)
             seqs = self.orders[k].sequences(index[rows]) if self.orders else index[rows]
             self.readers[k].rows(seqs, out, rows)
+        self._check_ids(out, source, batch)
         return out
+
+    def _check_ids(self, out: dict[str, np.ndarray], source: np.ndarray, batch: str) -> None:
+        """The start-up check trusts a manifest's recorded largest id when checksums are off; a
+        shard changed since would fail inside the embedding (an IndexError, or a device-side
+        assert on a GPU). Two max() over the batch's ids cost microseconds next to a step."""
+        if max(out["input_ids"].max(), out["labels"].max()) < self.vocab_size:
+            return
+        bad = (out["input_ids"] >= self.vocab_size) | (out["labels"] >= self.vocab_size)
+        row = int(np.flatnonzero(bad.any(axis=1))[0])
+        token = int(max(out["input_ids"][row].max(), out["labels"][row].max()))
+        ds = self.datasets[int(source[row])]
+        raise DataError(f"{batch} holds token id {token} (row {row}, from dataset '{ds.path}'), outside its "
+                        f"tokenizer's vocabulary of {self.vocab_size}, though the manifest records no id that "
+                        "large: the shards changed after they were prepared or are damaged; prepare the dataset "
+                        "again (data.verify_checksums=true finds a changed shard before training)")
 
 
 class TrainLoader:
@@ -144,7 +162,7 @@ class TrainLoader:
         """This rank's rows of global batch `index` (ignores skips and does not move)."""
         first = self._first_sample(index) + self.dp_rank * self.rows_per_rank
         samples = np.arange(first, first + self.rows_per_rank, dtype=np.int64)
-        return _to_batch(self._mixed.read(samples, self.seq_len), index)
+        return _to_batch(self._mixed.read(samples, self.seq_len, f"training batch {index}"), index)
 
     def row_origins(self, index: int) -> list[tuple[int, int]]:
         """Where every row of global batch `index` (all ranks' rows) starts: (source, token offset
@@ -216,7 +234,7 @@ class ValidationLoader:
         for j in range(self.num_batches(n)):
             first = j * self.global_batch_size + self.dp_rank * self.rows_per_rank
             samples = np.arange(first, first + self.rows_per_rank, dtype=np.int64)
-            yield _to_batch(self._mixed.read(samples, self.seq_len), j)
+            yield _to_batch(self._mixed.read(samples, self.seq_len, f"validation batch {j}"), j)
 
 
 # ---------------------------------------------------------------------------- building
@@ -300,7 +318,7 @@ def build_loaders(cfg: Config, dp_rank: int = 0, dp_size: int = 1,
                         f"{dp_size} ranks); "
                         "add data or lower the batch size or seq_len")
     orders = [EpochOrder(r.num_sequences, d.seed, k) for k, r in enumerate(train_readers)]
-    train_mixed = _MixedRows(train_readers, MixSchedule(phases, d.seed), orders)
+    train_mixed = _MixedRows(train_readers, MixSchedule(phases, d.seed), orders, datasets)
 
     ledger = ledger if ledger is not None else SkipLedger.load(RunDir(cfg.run.dir).ledger)
     skips = [ledger, SkipLedger.from_ranges(d.skip_ranges, reason="data.skip_ranges")]
@@ -308,7 +326,7 @@ def build_loaders(cfg: Config, dp_rank: int = 0, dp_size: int = 1,
                         _fingerprint(datasets, phases, d.seq_len), skips)
 
     val_readers = [SequenceReader(ds.splits["val"], d.seq_len, doc_positions) for ds in datasets]
-    val_mixed = _MixedRows(val_readers, MixSchedule(phases[:1], d.seed), orders=None)
+    val_mixed = _MixedRows(val_readers, MixSchedule(phases[:1], d.seed), orders=None, datasets=datasets)
     val = ValidationLoader(val_mixed, d.seq_len, rows, dp_rank, dp_size)
     if cfg.train.eval_every > 0 and val.num_batches(1) == 0:
         raise DataError(f"the validation split{'s' if len(datasets) > 1 else ''} of "

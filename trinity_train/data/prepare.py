@@ -39,7 +39,7 @@ from trinity_train.data.shards import (FORMAT_VERSION, MANIFEST, SPLITS, TOKENIZ
                                        shard_paths, split_summary, token_dtype_for, write_manifest)
 from trinity_train.data.tokenizer import (MIN_BPE_VOCAB, find_eos_id, load_tokenizer, tokenizer_sha256,
                                           train_byte_level_bpe, vocab_size_of)
-from trinity_train.errors import DataError
+from trinity_train.errors import ConfigError, DataError
 
 _TRAINED_TOKENIZER_RECORD = "tokenizer.build.json"  # which build trained tokenizer.json
 _LOCK = ".prepare.lock"
@@ -157,25 +157,26 @@ def _build(opts: PrepareOptions, out: Path, inputs: Inputs, build_key: str, work
 
 
 def _check_options(opts: PrepareOptions) -> None:
+    """Option values no input can make right are usage mistakes (ConfigError: exit 2)."""
     if opts.train_tokenizer and opts.train_tokenizer < MIN_BPE_VOCAB or opts.train_tokenizer < 0:
         raise _vocabulary_too_small(opts.train_tokenizer)
     if bool(opts.tokenizer) == bool(opts.train_tokenizer):
-        raise DataError("give exactly one of --tokenizer PATH and --train-tokenizer VOCAB")
+        raise ConfigError("give exactly one of --tokenizer PATH and --train-tokenizer VOCAB")
     if not 0.0 <= opts.val_fraction < 1.0:
-        raise DataError(f"--val-fraction must be in [0, 1), got {opts.val_fraction}")
+        raise ConfigError(f"--val-fraction must be in [0, 1), got {opts.val_fraction}")
     if opts.num_proc < 1 or opts.shard_documents < 1:
-        raise DataError("--num-proc and --shard-documents must be positive")
+        raise ConfigError("--num-proc and --shard-documents must be positive")
     for name, value, allowed in (("--format", opts.format, ("auto", *FORMATS)),
                                  ("--dtype", opts.dtype, ("auto", "uint16", "uint32")),
                                  ("--sample-by", opts.sample_by, ("document", "paragraph", "line")),
                                  ("--encoding-errors", opts.encoding_errors, ("strict", "replace", "ignore"))):
         if value not in allowed:
-            raise DataError(f"{name} must be one of {', '.join(allowed)}, got '{value}'")
+            raise ConfigError(f"{name} must be one of {', '.join(allowed)}, got '{value}'")
 
 
-def _vocabulary_too_small(vocab: int) -> DataError:
-    return DataError(f"--train-tokenizer must be a vocabulary size of at least {MIN_BPE_VOCAB}, got {vocab} "
-                     "(a byte-level BPE holds every byte plus the end-of-document and padding tokens)")
+def _vocabulary_too_small(vocab: int) -> ConfigError:
+    return ConfigError(f"--train-tokenizer must be a vocabulary size of at least {MIN_BPE_VOCAB}, got {vocab} "
+                       "(a byte-level BPE holds every byte plus the end-of-document and padding tokens)")
 
 
 def _existing(path: str) -> Path:
@@ -336,7 +337,7 @@ def add_prepare_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_prepare(args: argparse.Namespace) -> int:
-    """Run `prepare-data` from parsed arguments; a DataError propagates for the CLI to print."""
+    """Run `prepare-data` from parsed arguments; a UserError propagates for the CLI to print."""
     if args.train_tokenizer is not None and args.train_tokenizer <= 0:  # 0 would read as "not given"
         raise _vocabulary_too_small(args.train_tokenizer)
     names = set(PrepareOptions.__dataclass_fields__) - {"stats"}

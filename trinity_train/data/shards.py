@@ -178,8 +178,9 @@ def read_manifest(path: Path) -> dict:
     every key the loader uses, of the right type, and sizes that agree with each other."""
     manifest_path = path / MANIFEST
     if not path.is_dir():
-        raise DataError(f"dataset directory '{path}' does not exist; create it with "
-                        "`trinity-train prepare-data --input ... --out {path}`")
+        what = "is a file, not a prepared dataset directory" if path.exists() else "does not exist"
+        raise DataError(f"dataset directory '{path}' {what}; create one with "
+                        f"`trinity-train prepare-data --input ... --out {path}` and pass that directory")
     if not manifest_path.is_file():
         raise DataError(f"'{path}' is not a complete prepared dataset (no {MANIFEST}); "
                         "run `trinity-train prepare-data` to finish it")

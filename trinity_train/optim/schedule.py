@@ -13,7 +13,8 @@ effect from the resumed step on (a plain LambdaLR would restore the old peaks). 
 resume runs at `peak * lr_multiplier(step, new length)`. Extending a finished WSD run therefore
 goes back to the stable phase (no warmup again) and decays over the new last
 `decay_fraction` of steps; it never trains at the old schedule's final rate of 0. To extend a WSD
-run the usual way, resume from a checkpoint taken before its decay began.
+run the usual way, resume from a checkpoint taken before its decay began. `replanned` says what
+such a resume chose (the run records it and prints it).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import torch
 from torch.optim.lr_scheduler import LambdaLR
 
 from trinity_train.config import Config, OptimConfig
+from trinity_train.records import EventName, event
 
 
 def lr_multiplier(step: int, optim_cfg: OptimConfig, total_steps: int) -> float:
@@ -78,3 +80,23 @@ def build_scheduler(optimizer: torch.optim.Optimizer, cfg: Config) -> Configured
     # functools.partial rather than a lambda keeps the scheduler's state_dict picklable.
     multiplier = functools.partial(lr_multiplier, optim_cfg=cfg.optim, total_steps=cfg.train.steps)
     return ConfiguredSchedule(optimizer, lr_lambda=multiplier)
+
+
+def replanned(previous: Config, cfg: Config, step: int) -> dict | None:
+    """The `schedule_replanned` event of a resume at `step` whose `train.steps` differs from the
+    checkpoint's run on a schedule that decays (a constant one does not depend on the length), or
+    None: the `optim.lr` rate of the last step trained and of the next one."""
+    if previous.train.steps == cfg.train.steps or cfg.optim.schedule == "constant":
+        return None
+    before = previous.optim.lr * lr_multiplier(max(0, step - 1), previous.optim, previous.train.steps)
+    after = cfg.optim.lr * lr_multiplier(step, cfg.optim, cfg.train.steps)
+    return event(EventName.SCHEDULE_REPLANNED, step=step, schedule=cfg.optim.schedule,
+                 from_steps=previous.train.steps, to_steps=cfg.train.steps, lr_from=before, lr_to=after)
+
+
+def describe_replanned(replan: dict) -> str:
+    """The console line of a `schedule_replanned` event."""
+    ratio = f" ({replan['lr_to'] / replan['lr_from']:.1f}x)" if replan["lr_from"] > 0 else ""
+    return (f"notice: train.steps {replan['from_steps']} -> {replan['to_steps']} re-plans the {replan['schedule']} "
+            f"schedule at step {replan['step']}: optim.lr's rate jumps from {replan['lr_from']:.3g} to "
+            f"{replan['lr_to']:.3g}{ratio}; to keep the old curve, resume from a checkpoint before its decay")
