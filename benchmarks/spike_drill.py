@@ -93,7 +93,7 @@ def run_drill(clean_dir: Path, run_dir: Path, start: int, steps: int, every: int
 
 def guard_cost(cfg: Config, signals: list[tuple[float, float, int]]) -> float:
     """Seconds per call of the guard's verdict on the clean run's own signals."""
-    guard = StepGuard(cfg.stability, warmup_steps=cfg.optim.warmup_steps)
+    guard = StepGuard.for_config(cfg)
     started = time.perf_counter()
     for i, (loss, grad_norm, step) in enumerate(signals, start=1):
         guard.judge(loss, grad_norm, i, step - 1)

@@ -34,8 +34,11 @@ from trinity_train.records import EventName, RecordKind
 STEPS = 40
 KILL_AT_STEP = 33
 # The guard of every drill test: verdicts from step 10 on (warm-up 2, then 8 steps of history).
+# No LR back-off (the default halves it): these drills' faults are in the data or the step, not the
+# learning rate, and a 40-step run would end inside the ramp, not where the clean run ends.
 GUARD = {"window": 32, "min_history": 8, "rollback_after": 2, "max_consecutive_skips": 6,
-         "rollback_lookback": 2, "skip_extra_batches": 2, "repeat_window": 10, "calm_steps": 5}
+         "rollback_lookback": 2, "skip_extra_batches": 2, "repeat_window": 10, "calm_steps": 5,
+         "lr_backoff": 1.0}
 DRILLS = [{"fault": "loss_spike", "first": 12}, {"fault": "poison_random", "first": 18, "last": 23}]
 
 

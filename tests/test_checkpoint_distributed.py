@@ -91,7 +91,8 @@ def two_rank_rollback(corpus, root):
     the second skip rolls both back to the (asynchronously saved) step-2 checkpoint. Then the
     same layout told to skip batches 2-4 from the start."""
     init_gloo()
-    stability = {"rollback_after": 2, "max_consecutive_skips": 4, "rollback_lookback": 0, "skip_extra_batches": 0}
+    stability = {"rollback_after": 2, "max_consecutive_skips": 4, "rollback_lookback": 0, "skip_extra_batches": 0,
+                 "lr_backoff": 1.0}  # no back-off: the two runs must be bit-identical
     rolled = fsdp_trainer(config(corpus, root / "rolled", dp=2, async_save=True, steps=6, stability=stability))
     if dist.get_rank() == 1:
         poison_batches(rolled, {3, 4})

@@ -1,8 +1,9 @@
-"""Spike guard v2 end to end, rehearsed with the fault drills of `stability.inject` on the tiny
+"""Spike guard v3 end to end, rehearsed with the fault drills of `stability.inject` on the tiny
 model: every drill is skipped or rolled back, a rollback goes to a checkpoint from before the
 onset and its batches never train again (also across a kill and a resume in the middle of the
 incident), the run ends where a clean run ends, repeated incidents back off and then halt with
-the halt exit code, a damaged checkpoint is passed over, and every incident leaves a report."""
+the halt exit code, a learning rate far too high is caught in the warm-up, a damaged checkpoint
+is passed over, and every incident leaves a report."""
 
 from __future__ import annotations
 
@@ -47,6 +48,7 @@ def test_the_clean_run_has_no_false_positive(clean):
     assert len(records) == STEPS and not any(r["skipped"] for r in records)
     assert sum(r["loss_z"] is not None for r in records) >= STEPS - 10  # the guard did judge
     assert events(clean, EventName.SKIP) == [] and events(clean, EventName.ROLLBACK) == []
+    assert events(clean, EventName.ROUTING_COLLAPSE) == [] and read_incidents(RunDir(clean)) == []
 
 
 @pytest.mark.parametrize("fault, reason", [
@@ -155,6 +157,30 @@ def test_repeated_incidents_back_off_then_halt_with_the_halt_exit_code(corpus, t
     lr_scales = [r.get("lr_scale", 1.0) for r in train_records(run_dir)]
     assert min(lr_scales) == 0.25
     assert read_incidents(RunDir(run_dir))[-1]["action"] == IncidentAction.HALT
+
+
+def test_a_huge_learning_rate_from_step_0_is_caught_in_the_warmup_then_halts(corpus, tmp_path, capsys):
+    # Learning rates x3000 of the drills' (the tiny model trains through x100) and a 10-step warm-up:
+    # from the second step on the loss is above ln V + margin, worse than the untrained model's,
+    # long before a z-score could judge. No checkpoint predates the onset, so the rollbacks the
+    # skips ask for are unavailable, and the run halts with the halt exit code and advice.
+    run_dir, config_file = tmp_path / "run", tmp_path / "huge_lr.toml"
+    cfg = drill_config(corpus, run_dir)
+    cfg.optim.lr, cfg.optim.muon_lr, cfg.optim.warmup_steps = cfg.optim.lr * 3000, cfg.optim.muon_lr * 3000, 10
+    save_config(cfg, config_file)
+    assert main(["train", "--config", str(config_file)]) == HALT_EXIT_CODE
+    assert "lower optim.lr" in capsys.readouterr().err
+    skips = events(run_dir, EventName.SKIP)
+    assert len(skips) == GUARD["max_consecutive_skips"] - 1 and skips[0]["step"] < cfg.optim.warmup_steps
+    assert {e["reason"] for e in skips} == {"loss_ceiling"}
+    (opened,) = events(run_dir, EventName.INCIDENT_OPEN)
+    assert (opened["iter"], opened["signal"]) == (skips[0]["iter"], "loss")
+    assert len(events(run_dir, EventName.ROLLBACK_UNAVAILABLE)) == len(skips) - GUARD["rollback_after"] + 1
+    (halt,) = events(run_dir, EventName.HALT)
+    assert halt["exit_code"] == HALT_EXIT_CODE and "stability.max_consecutive_skips" in halt["reason"]
+    assert main(["incidents", str(run_dir)]) == 0
+    table = capsys.readouterr().out.splitlines()[1:]
+    assert len(table) == len(skips) and all("loss_ceiling" in line for line in table)
 
 
 class DamageTheFirstRollbackTarget(TrainerCallback):

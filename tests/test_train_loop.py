@@ -137,10 +137,10 @@ def test_non_finite_step_is_skipped_and_recorded(corpus, tmp_path, monkeypatch):
     assert trainer.scheduler.last_epoch == 4  # the skipped step did not advance the schedule
 
 
-# Back to the newest checkpoint at or before the onset, nothing skipped beyond the trigger, and
-# every incident treated as a first one.
+# Back to the newest checkpoint at or before the onset, nothing skipped beyond the trigger, every
+# incident treated as a first one, and no LR back-off (the default's would make the runs differ).
 ROLLBACK = {"rollback_after": 2, "max_consecutive_skips": 4, "rollback_lookback": 0, "skip_extra_batches": 0,
-            "repeat_window": 0}
+            "repeat_window": 0, "lr_backoff": 1.0}
 
 
 def test_rollback_equals_a_run_that_skipped_those_batches_from_the_start(corpus, tmp_path):

@@ -5,6 +5,7 @@ import math
 import random
 
 import pytest
+import torch
 
 from trinity_train.config import StabilityConfig
 from trinity_train.data.ledger import LedgerKind, SkipRange
@@ -182,3 +183,92 @@ def test_lr_backoff_ramps_back_to_one():
     restored = LRBackoff()
     restored.load_state_dict(backoff.state_dict())
     assert restored.factor(105) == 0.625
+
+
+# Guard v3: the warm-up and the router are judged too.
+
+VOCAB = 8192  # the untrained model's loss: ln 8192 = 9.01
+
+
+def v3_guard(**changes) -> StepGuard:
+    return StepGuard(StabilityConfig(**changes), warmup_steps=WARMUP, vocab_size=VOCAB, first_moe_layer=1)
+
+
+def test_a_warmup_loss_above_the_untrained_models_is_skipped_and_opens_an_incident():
+    losses = [9.1, 9.0, 8.8, 9.8, 8.7]  # iteration 4: above ln V + 0.5, in the warm-up (no z-score)
+    verdicts = feed(v3_guard(), losses, [1.0] * 5)
+    assert [v.reason for v in verdicts] == ["", "", "", "loss_ceiling", ""]
+    assert all(v.loss_z is None for v in verdicts)
+    (opened,) = events(verdicts, EventName.INCIDENT_OPEN)
+    assert (opened["iter"], opened["signal"], opened["z"]) == (4, "loss", None)
+    assert all(v.apply for v in feed(v3_guard(loss_ceiling_margin=0), losses, [1.0] * 5))  # 0: off
+
+
+def test_a_warmup_gradient_norm_jump_against_its_own_median_is_skipped():
+    norms = [5.0, 3.0, 2.5, 2.0, 2.2, 30.0, 2.1]  # 30 is 12x the median (2.5) of the norms before it
+    verdicts = feed(v3_guard(), [8.0] * len(norms), norms)
+    assert [v.reason for v in verdicts] == [""] * 5 + ["grad_jump", ""]
+    assert events(verdicts, EventName.INCIDENT_OPEN)[0]["signal"] == "grad_norm"
+    # The first steps' norms are not judged (fewer than three before them), nor with the ratio 0.
+    assert all(v.apply for v in feed(v3_guard(), [8.0] * 3, [1.0, 50.0, 60.0]))
+    assert all(v.apply for v in feed(v3_guard(warmup_grad_ratio=0), [8.0] * len(norms), norms))
+
+
+def judge_routing(g, rows_per_step):
+    """Judge balanced loss and norm with the given tokens per expert, one [MoE layers, E] per step."""
+    return [g.judge(3.0, 1.0, i + 1, i, torch.tensor(rows, dtype=torch.float64))
+            for i, rows in enumerate(rows_per_step)]
+
+
+def test_routing_collapse_over_m_steps_in_a_row_is_an_event_naming_the_layer():
+    balanced = [[16, 16, 16, 16], [16, 16, 16, 16]]
+    collapsed = [[16, 16, 16, 16], [58, 4, 2, 0]]  # MoE layer 1 = model layer 2: load 3.6, one dead
+    g = v3_guard(routing_steps=3, calm_steps=2)
+    steps = [collapsed] * 2 + [balanced] + [collapsed] * 5 + [balanced] * 2
+    verdicts = judge_routing(g, steps)
+    assert all(v.apply for v in verdicts)  # skipping does not mend a router
+    (collapse,) = events(verdicts, EventName.ROUTING_COLLAPSE)  # once per episode, at its third step
+    assert (collapse["iter"], collapse["layer"], collapse["dead_experts"]) == (6, 2, 1)
+    assert collapse["max_load"] == pytest.approx(58 * 4 / 64)
+    (opened,) = events(verdicts, EventName.INCIDENT_OPEN)
+    assert (opened["iter"], opened["signal"]) == (6, "routing")
+    (closed,) = events(verdicts, EventName.INCIDENT_CLOSE)  # open while it lasts, then calm_steps
+    assert closed["iter"] == 10
+    # Either threshold alone: a busy expert without a dead one, or a dead one without a busy one.
+    assert events(judge_routing(v3_guard(routing_steps=1), [[[52, 4, 4, 4]]]), EventName.ROUTING_COLLAPSE)
+    assert not events(judge_routing(v3_guard(routing_steps=1, routing_dead_experts=0, routing_max_load=0),
+                                    [[[64, 0, 0, 0]]]), EventName.ROUTING_COLLAPSE)
+
+
+def test_skips_that_do_not_end_the_incident_ask_for_a_rollback_even_between_applied_steps():
+    # A spike comes from an update already applied: skips with normal steps between them (too few
+    # to close the incident) did not bring the loss back.
+    verdicts = feed(v3_guard(rollback_after=3), [9.0, 9.0, 10.0, 9.0, 10.0, 9.0, 10.0], [1.0] * 7)
+    assert [v.reason for v in verdicts] == ["", "", "loss_ceiling", "", "loss_ceiling", "", "loss_ceiling"]
+    assert [v.rollback for v in verdicts] == [False] * 6 + [True]
+    assert verdicts[-1].onset_iter == 3
+
+
+def test_a_divergence_from_step_0_asks_for_rollbacks_before_it_halts():
+    # x100 learning rates: the loss is worse than the untrained model's from the second step on.
+    g = v3_guard(rollback_after=3, max_consecutive_skips=10)
+    losses = [9.1] + [11.0 + 0.05 * i for i in range(20)]
+    verdicts = []
+    with pytest.raises(TrainingDivergedError, match="10 steps in a row.*loss_ceiling") as info:
+        for i, loss in enumerate(losses):
+            verdicts.append(g.judge(loss, 1.0, i + 1, min(i, 1)))
+    assert info.value.exit_code == HALT_EXIT_CODE
+    assert [v.rollback for v in verdicts[1:]] == [False, False] + [True] * 7  # skips 3-9 ask first
+    assert {v.onset_iter for v in verdicts[1:]} == {2}
+
+
+def test_v3_state_round_trip_continues_identically():
+    g = v3_guard(routing_steps=3)
+    feed(g, [9.0] * 5, [3.0, 2.0, 2.5, 2.0, 2.2])
+    judge_routing(g, [[[16, 16, 16, 16], [58, 4, 2, 0]]] * 2)
+    restored = v3_guard(routing_steps=3)
+    restored.load_state_dict(g.state_dict())
+    assert list(restored.early.grad_norms) == list(g.early.grad_norms) and restored.routing.streaks == [0, 2]
+    step = [[[16, 16, 16, 16], [58, 4, 2, 0]]]
+    assert events(judge_routing(restored, step), EventName.ROUTING_COLLAPSE) == \
+        events(judge_routing(g, step), EventName.ROUTING_COLLAPSE) != []

@@ -184,6 +184,17 @@ class StabilityConfig:
     loss_sigma_floor: float = 0.02  # smallest sigma of log(loss): a 6-sigma spike is at least +13 %
     grad_norm_sigma_floor: float = 0.2  # smallest sigma of log(grad norm): 6 sigma is at least 3.3x; at 0.1
     #                                     a clean 1,000-step default run skipped two natural 1.8-2.5x swings
+    loss_ceiling_margin: float = 0.5  # >0: skip a step whose loss exceeds ln(model.vocab_size) + this,
+    #                                   the untrained model's (worse than guessing); every step,
+    #                                   the warm-up included; 0 disables
+    warmup_grad_ratio: float = 10.0  # >0: while the gradient norm has no z verdict (LR warm-up, then
+    #                                  min_history steps), skip a step whose norm is this many times
+    #                                  the median of the normal norms before it; 0 disables
+    routing_max_load: float = 3.0  # >0: a MoE layer whose busiest expert gets this many times the
+    #                                mean tokens per expert is collapsed; 0 disables (at most E/top-k)
+    routing_dead_experts: int = 1  # >0: so is a MoE layer with at least this many experts given no
+    #                                token of the global batch; 0 disables
+    routing_steps: int = 5  # a layer collapsed this many steps in a row opens an incident (an event)
     calm_steps: int = 20  # this many normal steps in a row close an incident
     max_consecutive_skips: int = 10  # this many skipped steps in a row halt the run
     rollback_after: int = 3  # >0: this many skipped steps in a row roll back to a checkpoint
@@ -192,7 +203,8 @@ class StabilityConfig:
     skip_extra_batches: int = 10  # batches skipped beyond the one that triggered the rollback
     repeat_window: int = 100  # an incident this many iterations or fewer after a rollback is a repeat:
     #                           it goes one checkpoint further back and doubles the extra skip
-    lr_backoff: float = 1.0  # learning-rate factor after a rollback (a repeat: its square, ...); 1: off
+    lr_backoff: float = 0.5  # learning-rate factor after a rollback (a repeat: its square, ...); 1: off.
+    #                          Below 1, so a learning-rate divergence is not replayed after it
     lr_backoff_steps: int = 100  # optimizer steps over which the factor ramps back to 1
     max_rollbacks: int = 3  # rollbacks in one run (resumes included) before it halts as diverged
     inject: list[FaultConfig] = field(default_factory=list)  # fault drills
@@ -521,6 +533,13 @@ def _validate_stability(s: StabilityConfig) -> None:
             "needs window >= 2 and 1 <= min_history <= window")
     require(s.loss_sigma_floor > 0 and s.grad_norm_sigma_floor > 0, "stability.loss_sigma_floor",
             "sigma floors must be positive (log units, e.g. 0.02)")
+    for name in ("loss_ceiling_margin", "warmup_grad_ratio", "routing_max_load", "routing_dead_experts"):
+        require(getattr(s, name) >= 0, f"stability.{name}", f"must be >= 0 (0 disables), got {getattr(s, name)}")
+    require(s.warmup_grad_ratio == 0 or s.warmup_grad_ratio > 1, "stability.warmup_grad_ratio",
+            f"must be above 1 (or 0 to disable), got {s.warmup_grad_ratio}: it is a jump over the median")
+    require(s.routing_max_load == 0 or s.routing_max_load > 1, "stability.routing_max_load",
+            f"must be above 1 (or 0 to disable), got {s.routing_max_load}: 1 is a perfectly balanced layer")
+    require(s.routing_steps >= 1, "stability.routing_steps", "must be >= 1")
     require(s.calm_steps >= 1, "stability.calm_steps", "must be >= 1")
     require(s.max_consecutive_skips >= 1, "stability.max_consecutive_skips", "must be >= 1")
     require(s.rollback_after >= 0, "stability.rollback_after", "must be >= 0 (0 disables rollback)")

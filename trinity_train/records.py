@@ -32,6 +32,7 @@ class EventName(StrEnum):
     FAULT_INJECTED = "fault_injected"
     INCIDENT_OPEN = "incident_open"
     INCIDENT_CLOSE = "incident_close"
+    ROUTING_COLLAPSE = "routing_collapse"
     SKIP = "skip"
     ROLLBACK = "rollback"
     ROLLBACK_UNAVAILABLE = "rollback_unavailable"
@@ -92,6 +93,7 @@ EVENTS: dict[EventName, Shape] = {
     EventName.FAULT_INJECTED: _shape("iter batch fault rank factor token", optional="factor token"),
     EventName.INCIDENT_OPEN: _shape("iter step signal z"),
     EventName.INCIDENT_CLOSE: _shape("iter onset_iter calm_steps"),
+    EventName.ROUTING_COLLAPSE: _shape("iter step layer max_load dead_experts"),
     EventName.SKIP: _shape("iter step batch reason loss grad_norm loss_z grad_norm_z incident"),
     EventName.ROLLBACK: _shape("iter from_step to_step to_iter checkpoint skipped_batches rollbacks onset_iter "
                                "repeat lr_scale discarded_checkpoints incident"),

@@ -2,7 +2,7 @@
 
 `TrainingStep`: forward + backward over the micro-batches, each scaled so the summed gradient is
 that of the token-weighted mean cross entropy of the whole global batch (plus aux and z losses) ->
-global loss and pre-clip gradient norm -> `StepGuard` verdict (apply or skip) -> clip, optimizer
+global loss, pre-clip gradient norm and tokens per expert -> `StepGuard` verdict (apply or skip) -> clip, optimizer
 step, expert-bias update from the step's tokens per expert, scheduler step (and the LR back-off
 after a rollback). Fault drills act here too (`stability.drills`).
 
@@ -127,7 +127,7 @@ class TrainingStep:
         layer_stats = self.layer_stats.collect(counts) if stats_due else None  # pre-clip gradients
 
         lrs = self.learning_rates()
-        verdict = self.guard.judge(mean_loss, grad_norm_value, iteration, steps_applied)
+        verdict = self.guard.judge(mean_loss, grad_norm_value, iteration, steps_applied, counts)
         layer_grad_norms = None  # a skipped step's, for its incident report
         if not verdict.apply and layer_stats is not None:
             layer_grad_norms = {"attn": layer_stats["grad_norm_attn"], "ffn": layer_stats["grad_norm_ffn"]}

@@ -203,7 +203,7 @@ class Trainer:
         self.model = model_builder(cfg, self.device)
         self.optimizer = build_optimizer(self.model, cfg.optim)
         self.scheduler = build_scheduler(self.optimizer, cfg)
-        self.guard = StepGuard(cfg.stability, warmup_steps=cfg.optim.warmup_steps)
+        self.guard = StepGuard.for_config(cfg)
         self.lr_backoff = LRBackoff()
         self.faults = FaultInjector(cfg.stability.inject, rank=self.dims.rank, vocab_size=cfg.model.vocab_size)
         self.state = TrainerState()

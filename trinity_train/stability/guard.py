@@ -1,10 +1,15 @@
 """Decide whether an optimizer step is applied, skipped, or ends in a rollback (DESIGN §7).
 
-The verdict depends only on the step's global loss and global pre-clip gradient norm (reduced over
-all ranks before this is called) and on the guard's own history, which is identical on every rank,
-so every rank takes the same branch without further communication.
+The verdict depends only on the step's global loss, global pre-clip gradient norm and global
+tokens per expert (reduced over all ranks before this is called) and on the guard's own history,
+which is identical on every rank, so every rank takes the same branch without further
+communication.
 
 - A step whose loss or gradient norm is not finite is skipped (`skip_nonfinite`).
+- The steps the z-scores cannot judge are judged without a course (`early.EarlyChecks`): a loss
+  above the untrained model's, ln(vocab) + `loss_ceiling_margin`, is skipped at any step
+  (`loss_ceiling`); while the gradient norm has no z verdict, a norm `warmup_grad_ratio` times
+  the median of the normal norms so far is skipped (`grad_jump`).
 - Loss and gradient norm are each judged by a robust one-sided z-score on log values against the
   course (a robust line) of the last `window` normal steps (`detector.RollingSignal`); a z of at
   least `spike_zscore` on either skips the step. No z-based verdict during the learning-rate warm-up (`optim.warmup_steps`): the
@@ -13,9 +18,17 @@ so every rank takes the same branch without further communication.
   `calm_steps` normal steps in a row close it. While a signal is at incident level its values stay
   out of its window, so a slow divergence cannot drag the window up after it: it keeps rising
   against the calm baseline until it crosses `spike_zscore` and is skipped.
-- `rollback_after` skips in a row ask the trainer to roll back to a checkpoint from before the
-  incident's onset (it restores this guard with everything else, but keeps the windows it had
-  built up to the incident); `max_consecutive_skips` in a row halt the run.
+- A MoE layer collapsed (`routing.RoutingWatch`: one expert takes `routing_max_load` times the
+  mean, or `routing_dead_experts` get no token) for `routing_steps` steps in a row is a
+  `routing_collapse` event naming the layer, and opens an incident that stays open while it lasts.
+  It never skips: skipping does not mend a router.
+- A spike seen at step t was caused by an update already applied, so skipping t cannot undo it.
+  When skips do not bring the signal back (`rollback_after` skips in a row, or that many in one
+  open incident), the trainer is asked to roll back to a checkpoint from before the incident's
+  onset (it restores this guard with everything else, but keeps the windows it had built up to the
+  incident); `max_consecutive_skips` in a row halt the run. Since `rollback_after` is below
+  `max_consecutive_skips` (config validation), every halt for skips is preceded by rollback
+  requests, which the trainer answers whenever a checkpoint from before the onset exists.
 """
 
 from __future__ import annotations
@@ -27,6 +40,8 @@ from trinity_train.config import StabilityConfig
 from trinity_train.errors import UserError
 from trinity_train.records import EventName, event
 from trinity_train.stability.detector import RollingSignal
+from trinity_train.stability.early import EarlyChecks
+from trinity_train.stability.routing import RoutingWatch
 
 HALT_EXIT_CODE = 3  # the run stopped itself as diverged; distinct from bad input (1) and config (2)
 
@@ -43,38 +58,84 @@ class Incident:
 
     onset_iter: int
     onset_step: int  # optimizer steps applied before the onset step
-    signal: str  # "nonfinite", "loss" or "grad_norm": what first looked wrong
-    z: float | None
+    signal: str  # "nonfinite", "loss", "grad_norm" or "routing": what first looked wrong
+    z: float | None  # None where no z-score judged it (non-finite, ceiling, warm-up, routing)
     calm: int = 0  # normal steps in a row since the last abnormal one
+    skips: int = 0  # skipped steps since the onset: skips that do not end it ask for a rollback
 
 
 @dataclass(frozen=True)
 class Verdict:
     apply: bool
-    reason: str = ""  # why a step is skipped: "nonfinite", "loss_spike" or "grad_spike"
+    reason: str = ""  # why a step is skipped: "nonfinite", "loss_spike", "grad_spike", "loss_ceiling"
+    #                   or "grad_jump"
     loss_z: float | None = None
     grad_norm_z: float | None = None
     rollback: bool = False  # skipped, and the streak of skips asks for a rollback
     onset_iter: int | None = None  # the open incident's onset, if any
     onset_step: int | None = None
-    events: tuple[dict, ...] = field(default=(), compare=False)  # incident_open / incident_close
+    events: tuple[dict, ...] = field(default=(), compare=False)  # incident_open/close, routing_collapse
 
 
 def _at_least(z: float | None, threshold: float) -> bool:
     return threshold > 0 and z is not None and z >= threshold
 
 
+def _first_signal(finite: bool, reason: str, z_odd: bool, loss_z: float | None,
+                  grad_z: float | None) -> tuple[str, float | None]:
+    """(signal, z) of an incident's onset: what looked wrong first, and its z if one judged it
+    (`z_odd`: a z-score is at incident level, or skipped the step)."""
+    if not finite:
+        return "nonfinite", None
+    if reason == "loss_ceiling":
+        return "loss", None
+    if reason == "grad_jump":
+        return "grad_norm", None
+    if not (reason or z_odd):
+        return "routing", None  # nothing else is abnormal
+    return ("loss", loss_z) if (loss_z or 0) >= (grad_z or 0) else ("grad_norm", grad_z)
+
+
 class StepGuard:
-    def __init__(self, cfg: StabilityConfig, warmup_steps: int = 0):
+    def __init__(self, cfg: StabilityConfig, warmup_steps: int = 0, vocab_size: int = 0,
+                 first_moe_layer: int = 0):
+        """`vocab_size` sets the loss ceiling (0: none); `first_moe_layer` is the model layer of
+        the first row of the tokens per expert, so routing events name model layers."""
         self.cfg = cfg
         self.warmup_steps = warmup_steps
         self.loss = RollingSignal(cfg.window, cfg.min_history, cfg.loss_sigma_floor)
         self.grad_norm = RollingSignal(cfg.window, cfg.min_history, cfg.grad_norm_sigma_floor)
+        self.early = EarlyChecks(cfg, vocab_size)
+        self.routing = RoutingWatch(cfg, first_moe_layer)
         self.consecutive_skips = 0
         self.incident: Incident | None = None
 
-    def judge(self, loss: float, grad_norm: float, iteration: int, steps_applied: int) -> Verdict:
-        """The verdict for one step (`steps_applied` optimizer steps came before it); raises
+    @classmethod
+    def for_config(cls, cfg) -> "StepGuard":
+        """The guard of a run of `cfg` (a whole `Config`)."""
+        return cls(cfg.stability, warmup_steps=cfg.optim.warmup_steps, vocab_size=cfg.model.vocab_size,
+                   first_moe_layer=cfg.model.num_dense_layers)
+
+    def _reason(self, finite: bool, loss: float, grad_norm: float, loss_z: float | None,
+                grad_z: float | None) -> str:
+        """Why the step is skipped, or "": z-verdicts first, then the checks that need no course."""
+        cfg = self.cfg
+        if cfg.skip_nonfinite and not finite:
+            return "nonfinite"
+        if _at_least(loss_z, cfg.spike_zscore):
+            return "loss_spike"
+        if _at_least(grad_z, cfg.spike_zscore):
+            return "grad_spike"
+        if finite and self.early.above_ceiling(loss):
+            return "loss_ceiling"
+        if finite and grad_z is None and self.early.grad_jump(grad_norm) is not None:
+            return "grad_jump"
+        return ""
+
+    def judge(self, loss: float, grad_norm: float, iteration: int, steps_applied: int,
+              tokens_per_expert=None) -> Verdict:
+        """The verdict for one step (`steps_applied` optimizer steps came before it;
+        `tokens_per_expert` [MoE layers, experts], global, or None to not judge routing); raises
         TrainingDivergedError after `max_consecutive_skips` skips in a row."""
         cfg = self.cfg
         finite = math.isfinite(loss) and math.isfinite(grad_norm)
@@ -82,21 +143,21 @@ class StepGuard:
         loss_z = self.loss.zscore(loss, steps_applied) if judging else None
         grad_z = self.grad_norm.zscore(grad_norm, steps_applied) if judging else None
 
-        if cfg.skip_nonfinite and not finite:
-            reason = "nonfinite"
-        elif _at_least(loss_z, cfg.spike_zscore):
-            reason = "loss_spike"
-        elif _at_least(grad_z, cfg.spike_zscore):
-            reason = "grad_spike"
-        else:
-            reason = ""
+        reason = self._reason(finite, loss, grad_norm, loss_z, grad_z)
         apply = not reason
         loss_odd, grad_odd = _at_least(loss_z, cfg.incident_zscore), _at_least(grad_z, cfg.incident_zscore)
-        events = self._follow_incident(iteration, steps_applied, finite, loss_z, grad_z,
-                                       abnormal=not finite or not apply or loss_odd or grad_odd)
+        collapses = self.routing.observe(tokens_per_expert) if tokens_per_expert is not None else []
+        signal = _first_signal(finite, reason, loss_odd or grad_odd, loss_z, grad_z)
+        events = self._follow_incident(iteration, steps_applied, signal, skipped=not apply,
+                                       abnormal=not finite or not apply or loss_odd or grad_odd
+                                       or self.routing.collapsed)
+        events += [event(EventName.ROUTING_COLLAPSE, iter=iteration, step=steps_applied, layer=c.layer,
+                         max_load=c.max_load, dead_experts=c.dead_experts) for c in collapses]
 
         if apply:
             self.consecutive_skips = 0
+            if grad_z is None:  # the course that judges gradient jumps until the z-score can
+                self.early.add(grad_norm)
             if judging:  # only normal values of steps after warm-up judge later steps
                 if not loss_odd:
                     self.loss.add(loss, steps_applied)
@@ -111,21 +172,23 @@ class StepGuard:
                     "optim.lr or train.grad_clip and resume with --checkpoint.resume=auto, or resume from "
                     "an earlier checkpoint with --checkpoint.resume=PATH")
         incident = self.incident
+        unrecovered = max(self.consecutive_skips, incident.skips if incident else 0)
         return Verdict(apply, reason, loss_z, grad_z,
-                       rollback=not apply and 0 < cfg.rollback_after <= self.consecutive_skips,
+                       rollback=not apply and 0 < cfg.rollback_after <= unrecovered,
                        onset_iter=incident.onset_iter if incident else None,
                        onset_step=incident.onset_step if incident else None, events=tuple(events))
 
-    def _follow_incident(self, iteration: int, steps_applied: int, finite: bool, loss_z: float | None,
-                         grad_z: float | None, abnormal: bool) -> list[dict]:
+    def _follow_incident(self, iteration: int, steps_applied: int, signal: tuple[str, float | None],
+                         skipped: bool, abnormal: bool) -> list[dict]:
         if abnormal:
+            opened = []
             if self.incident is None:
-                signal, z = (("nonfinite", None) if not finite else
-                             ("loss", loss_z) if (loss_z or 0) >= (grad_z or 0) else ("grad_norm", grad_z))
-                self.incident = Incident(iteration, steps_applied, signal, z)
-                return [event(EventName.INCIDENT_OPEN, iter=iteration, step=steps_applied, signal=signal, z=z)]
+                name, z = signal
+                self.incident = Incident(iteration, steps_applied, name, z)
+                opened = [event(EventName.INCIDENT_OPEN, iter=iteration, step=steps_applied, signal=name, z=z)]
             self.incident.calm = 0
-            return []
+            self.incident.skips += skipped
+            return opened
         if self.incident is not None:
             self.incident.calm += 1
             if self.incident.calm >= self.cfg.calm_steps:
@@ -136,7 +199,8 @@ class StepGuard:
 
     def windows(self) -> dict:
         """The normal history of both signals (to carry across a rollback)."""
-        return {"loss": self.loss.state_dict(), "grad_norm": self.grad_norm.state_dict()}
+        return {"loss": self.loss.state_dict(), "grad_norm": self.grad_norm.state_dict(),
+                "early": self.early.state_dict()}
 
     def keep_windows(self, windows: dict) -> None:
         """Judge on from `windows` rather than the restored ones: after a rollback the history
@@ -144,16 +208,17 @@ class StepGuard:
         checkpoint from early in the run may hold too little history to judge at all."""
         self.loss.load_state_dict(windows["loss"])
         self.grad_norm.load_state_dict(windows["grad_norm"])
+        self.early.load_state_dict(windows["early"])
 
     def state_dict(self) -> dict:
         # The same keys whether or not an incident is open (DCP loads into the current keys), so
         # the incident is one list value: empty, or its fields in order.
         incident = [] if self.incident is None else list(vars(self.incident).values())
-        return {"loss": self.loss.state_dict(), "grad_norm": self.grad_norm.state_dict(),
+        return {**self.windows(), "routing": self.routing.state_dict(),
                 "consecutive_skips": self.consecutive_skips, "incident": incident}
 
     def load_state_dict(self, state: dict) -> None:
-        self.loss.load_state_dict(state["loss"])
-        self.grad_norm.load_state_dict(state["grad_norm"])
+        self.keep_windows(state)
+        self.routing.load_state_dict(state["routing"])
         self.consecutive_skips = state["consecutive_skips"]
         self.incident = Incident(*state["incident"]) if state["incident"] else None

@@ -62,7 +62,7 @@ def format_table(reports: list[dict]) -> str:
     """One line per incident: iteration, step, action, reason, signals, z-scores, drill, data."""
     if not reports:
         return "no incidents"
-    header = f"{'iter':>7} {'step':>6}  {'action':<14} {'reason':<11} {'loss':>9} {'loss z':>7} " \
+    header = f"{'iter':>7} {'step':>6}  {'action':<14} {'reason':<12} {'loss':>9} {'loss z':>7} " \
              f"{'grad norm':>10} {'grad z':>7}  {'drill':<14} data"
     lines = [header]
     for r in reports:
@@ -71,7 +71,7 @@ def format_table(reports: list[dict]) -> str:
         action = r["action"]
         if action == IncidentAction.ROLLBACK and r.get(ROLLBACK_OF):
             action = f"{action}->{r[ROLLBACK_OF]['to_step']}"
-        lines.append(f"{r['iter']:>7} {r['step']:>6}  {action:<14} {r.get('reason') or '-':<11} "
+        lines.append(f"{r['iter']:>7} {r['step']:>6}  {action:<14} {r.get('reason') or '-':<12} "
                      f"{_number(current.get('loss'), '9.4f')} {_number(current.get('loss_z'), '7.1f')} "
                      f"{_number(current.get('grad_norm'), '10.3g')} {_number(current.get('grad_norm_z'), '7.1f')}  "
                      f"{drill:<14} {_data(r)}")
