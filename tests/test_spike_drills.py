@@ -283,7 +283,8 @@ def test_every_drill_on_one_fsdp_rank_is_handled_on_both_like_one_process(corpus
                            [(e["iter"], e["to_step"], e["skipped_batches"]) for e in events(run, EventName.ROLLBACK)])
     skips, rollbacks = outcome(tmp_path / "fsdp")
     assert outcome(tmp_path / "fsdp") == outcome(tmp_path / "one")
-    assert [reason for it, reason in skips if it < 24] == ["nonfinite", "grad_spike", "loss_spike"]
+    # The three step drills, in order (the second skip within their incident already rolls back).
+    assert [reason for _, reason in skips][:3] == ["nonfinite", "grad_spike", "loss_spike"]
     assert rollbacks and rollbacks[0][1] <= 23 - GUARD["rollback_lookback"]
     assert {e["rank"] for e in events(tmp_path / "fsdp", EventName.FAULT_INJECTED)} == {1}
     assert_poison_never_trained(tmp_path / "fsdp", 24, 27)
