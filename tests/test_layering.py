@@ -16,10 +16,10 @@ LAYERS = [
     {"cli"},
     {"train"},
     {"step"},
-    {"parallel", "checkpoint", "stability", "observe", "interop", "dashboard", "study"},
+    {"parallel", "checkpoint", "stability", "observe", "interop", "dashboard", "study", "runlock"},
     {"model", "optim", "data"},
     {"config", "rundir", "columnar", "records"},
-    {"files"},
+    {"files", "rank_zero"},
     {"errors", "__init__"},
 ]
 SIDEWAYS = {

@@ -31,8 +31,9 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 
 from trinity_train.checkpoint import dcp_io
 from trinity_train.checkpoint.compat import config_from_meta
-from trinity_train.checkpoint.layout import META_FILE, decided_by_rank_zero, read_meta, step_of
+from trinity_train.checkpoint.layout import META_FILE, read_meta, step_of
 from trinity_train.errors import CheckpointError
+from trinity_train.rank_zero import decided_by_rank_zero
 
 CHECKSUM = "xxh3_128"  # the key of each file's digest in meta.json's "files"
 _CHUNK = 1 << 22

@@ -3,7 +3,7 @@
 A checkpoint is a directory `step_00000100/` holding the DCP files and, written last, `meta.json`.
 It is written as `step_00000100.tmp/` and renamed, so a checkpoint directory with its final name
 is complete; anything else (`*.tmp`, `*.old`, a directory without `meta.json`) is ignored and
-cleaned up. Filesystem changes are made by one process (the coordinator, rank 0).
+cleaned up. Filesystem changes are made by one process (the coordinator, rank 0; rank_zero.py).
 """
 
 from __future__ import annotations
@@ -11,9 +11,7 @@ from __future__ import annotations
 import re
 import shutil
 from pathlib import Path
-from typing import Any, Callable
-
-import torch.distributed as dist
+from typing import Any
 
 from trinity_train.errors import CheckpointError
 from trinity_train.files import atomic_write_json, read_json_object
@@ -35,33 +33,6 @@ def step_of(path: Path) -> int | None:
     """The step of a directory named like a checkpoint (`step_00000100`), else None."""
     match = _STEP_DIR.match(Path(path).name)
     return int(match.group(1)) if match else None
-
-
-def is_coordinator() -> bool:
-    return not dist.is_initialized() or dist.get_rank() == 0
-
-
-def barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
-
-
-def decided_by_rank_zero(decide: Callable[[], Any]) -> Any:
-    """`decide()` on rank 0, its result on every rank (one process: just `decide()`). A
-    CheckpointError on rank 0 is raised on every rank, so none of them waits for the others."""
-    if not dist.is_initialized():
-        return decide()
-    box: list[Any] = [None]
-    if dist.get_rank() == 0:
-        try:
-            box[0] = ("ok", decide())
-        except CheckpointError as e:
-            box[0] = ("error", str(e))
-    dist.broadcast_object_list(box, src=0)
-    outcome, value = box[0]
-    if outcome == "error":
-        raise CheckpointError(value)
-    return value
 
 
 def is_complete(path: Path) -> bool:

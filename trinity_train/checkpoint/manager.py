@@ -32,11 +32,8 @@ from trinity_train.checkpoint.integrity import (candidate_checkpoints, check_int
                                                 newest_sound_checkpoint)
 from trinity_train.checkpoint.layout import (
     apply_retention,
-    barrier,
     commit,
-    decided_by_rank_zero,
     delete_checkpoint,
-    is_coordinator,
     list_checkpoints,
     read_meta,
     remove_incomplete,
@@ -44,6 +41,7 @@ from trinity_train.checkpoint.layout import (
 )
 from trinity_train.config import CheckpointConfig, Config, config_to_dict
 from trinity_train.errors import CheckpointError
+from trinity_train.rank_zero import barrier, decided_by_rank_zero, is_coordinator
 from trinity_train.rundir import RunDir
 
 OnCommit = Callable[[Path], None]
