@@ -14,6 +14,7 @@ Everything about a run lives under its directory; the trainer writes it, and the
 | `checkpoints/step_XXXXXXXX/`| DCP checkpoints                                                   |
 | `incidents/XXXXXXXX.json`   | one report per skipped step or rollback, named by its iteration   |
 | `tb/`, `wandb/`             | TensorBoard and W&B files                                         |
+| `.lock`                     | held (flock) by the live run; names its host, pid and start time  |
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ CHECKPOINTS_DIR = "checkpoints"
 INCIDENTS_DIR = "incidents"
 TENSORBOARD_DIR = "tb"
 WANDB_DIR = "wandb"
+LOCK_FILE = ".lock"
 
 _INCIDENT_NAME = re.compile(r"([0-9]{1,12})(?:\.json)?")
 
@@ -107,6 +109,11 @@ class RunDir:
     @property
     def wandb(self) -> Path:
         return self.path / WANDB_DIR
+
+    @property
+    def lock(self) -> Path:
+        """Locked by the run that owns the directory (runlock.py)."""
+        return self.path / LOCK_FILE
 
     def require_writable(self) -> None:
         """ConfigError (naming run.dir and what to do) unless the run directory is, or can be

@@ -54,6 +54,7 @@ from trinity_train.parallel.process_group import (destroy_distributed, init_dist
 from trinity_train.records import EventName, IncidentAction, event, fields_of, incident_report, layers_record, \
     train_record, val_record
 from trinity_train.rundir import RunDir
+from trinity_train.runlock import run_dir_owned
 from trinity_train.stability import StepGuard, TrainingDivergedError
 from trinity_train.stability.drills import FaultInjector
 from trinity_train.stability.incidents import signal_rows, write_incident
@@ -495,12 +496,14 @@ def train(cfg: Config) -> TrainSummary:
     """Run (or resume) the training job `cfg` describes in this process; returns what it did.
     Under torchrun (see launch/) this process is one rank of the job."""
     if world_size_from_env() == 1:
-        return Trainer(cfg).run()
+        with run_dir_owned(cfg.run.dir):  # before anything reads or writes the run directory
+            return Trainer(cfg).run()
     dims, device = init_distributed(cfg)  # rejects an impossible layout before joining
     try:
-        builder = functools.partial(build_model_for_training, dims=dims)
-        summary = Trainer(cfg, dims, device, model_builder=builder).run()
-        leave_together()
+        with run_dir_owned(cfg.run.dir):  # rank 0 holds it for the job
+            builder = functools.partial(build_model_for_training, dims=dims)
+            summary = Trainer(cfg, dims, device, model_builder=builder).run()
+            leave_together()
         return summary
     finally:
         destroy_distributed()

@@ -72,8 +72,13 @@ def commit(tmp_dir: Path, final_dir: Path, meta: dict) -> None:
 
     A directory of the same name from an earlier run is moved aside first (POSIX rename does not
     replace a non-empty directory), so at every instant `final_dir` is either the old or the new
-    complete checkpoint.
+    complete checkpoint. A `tmp_dir` without DCP's `.metadata` is refused (CheckpointError), never
+    given the final name: its save did not finish, or something else removed its files.
     """
+    if not (tmp_dir / DCP_METADATA_FILE).is_file():
+        raise CheckpointError(f"checkpoint '{final_dir}' could not be committed: its temporary directory "
+                              f"'{tmp_dir}' has no DCP {DCP_METADATA_FILE} (the save did not finish, or another "
+                              "process removed it)")
     atomic_write_json(tmp_dir / META_FILE, {"format": FORMAT, "format_version": FORMAT_VERSION, **meta})
     old = final_dir.with_name(final_dir.name + ".old")
     if final_dir.exists():

@@ -114,7 +114,8 @@ def _own_digests(tmp_dir: Path) -> dict:
 def _commit_everywhere(tmp_dir: Path, final_dir: Path, meta: dict, digests: dict | CheckpointError,
                        timeout_s: float | None) -> None:
     """Gather every rank's checksums (or failure), then the coordinator writes meta.json and
-    renames; a failure anywhere removes the temporary directory and raises on every rank."""
+    renames; a failure anywhere (the commit's included) removes the temporary directory and raises
+    on every rank."""
     gathered = dcp_io.gather_from_everyone(digests if isinstance(digests, dict) else str(digests), timeout_s)
     failures = [g for g in gathered if not isinstance(g, dict)]
     if failures:
@@ -122,14 +123,16 @@ def _commit_everywhere(tmp_dir: Path, final_dir: Path, meta: dict, digests: dict
             shutil.rmtree(tmp_dir, ignore_errors=True)
         barrier()
         raise CheckpointError(failures[0])
-    if is_coordinator():
-        files = {name: record for part in gathered for name, record in part.items()}
-        try:
-            commit(tmp_dir, final_dir, {**meta, "files": files})
-        except OSError as e:
-            shutil.rmtree(tmp_dir, ignore_errors=True)
-            raise dcp_io.save_failure(e, final_dir) from None
-    barrier()
+    files = {name: record for part in gathered for name, record in part.items()}
+    decided_by_rank_zero(lambda: _commit_or_clean_up(tmp_dir, final_dir, {**meta, "files": files}))
+
+
+def _commit_or_clean_up(tmp_dir: Path, final_dir: Path, meta: dict) -> None:
+    try:
+        commit(tmp_dir, final_dir, meta)
+    except (OSError, CheckpointError) as e:
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+        raise dcp_io.save_failure(e, final_dir) from None
 
 
 def read_compatible_meta(path: Path, cfg: Config) -> dict:
