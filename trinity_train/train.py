@@ -383,6 +383,10 @@ class Trainer:
         cfg = self.cfg
         started = time.perf_counter()
         events = self._restore_or_init()
+        # Checkpoints of steps after the start are a future this start abandons: never resumed.
+        if moved := self.checkpoints.abandon_after(self.state.step, self.resume_from):
+            events.append(event(EventName.CHECKPOINTS_ABANDONED, step=self.state.step,
+                                checkpoints=[str(a) for a, _ in moved], moved_to=[str(b) for _, b in moved]))
         events += self._prepare_run_dir()
         recorder = MetricsRecorder(cfg, self.run_dir, start_step=self.state.step, is_main=self.is_main)
         recorder.events(self._start_events(events))

@@ -19,6 +19,7 @@ the coordinator also hashes the rest (`.metadata`), and the coordinator writes t
 
 from __future__ import annotations
 
+import contextlib
 import re
 from collections import defaultdict
 from pathlib import Path
@@ -192,3 +193,32 @@ def find_sound_checkpoint(checkpoints_dir: str | Path, max_step: int | None = No
         for path, reason in passed_over:
             on_passed_over(path, reason)
     return found
+
+
+class SoundnessCache:
+    """The fast `check_integrity` verdict of each checkpoint, remembered while its meta.json is
+    unchanged: retention asks about the same few checkpoints at every save, and hashing them each
+    time would cost as much as the save."""
+
+    def __init__(self):
+        self._verdicts: dict[Path, tuple[int, bool]] = {}
+
+    def is_sound(self, path: Path) -> bool:
+        try:
+            version = (path / META_FILE).stat().st_mtime_ns
+        except OSError:
+            return False
+        known = self._verdicts.get(path)
+        if known is None or known[0] != version:
+            try:
+                check_integrity(path)
+                known = (version, True)
+            except CheckpointError:
+                known = (version, False)
+            self._verdicts[path] = known
+        return known[1]
+
+    def vouch(self, path: Path) -> None:
+        """`path` is sound without a check: this process has just written it and its checksums."""
+        with contextlib.suppress(OSError):
+            self._verdicts[path] = ((path / META_FILE).stat().st_mtime_ns, True)

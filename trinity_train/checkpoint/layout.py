@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from trinity_train.errors import CheckpointError
 from trinity_train.files import atomic_write_json, read_json_object
@@ -23,6 +23,9 @@ FORMAT_VERSION = 3  # 2: the guard's windows on loss and gradient norm, the LR b
 #                    3: meta.json lists every file's size and checksum (checkpoint/integrity.py)
 READABLE_VERSIONS = (2, 3)  # 2: the same state, without checksums
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
+# checkpoints/abandoned/: the checkpoints of a future a resume from an earlier step left behind,
+# kept for a person to look at; one level down, nothing that lists checkpoints ever sees them.
+ABANDONED_DIR = "abandoned"
 
 
 def step_dir_name(step: int) -> str:
@@ -97,11 +100,27 @@ def delete_checkpoint(path: Path) -> None:
     shutil.rmtree(trash, ignore_errors=True)
 
 
-def apply_retention(checkpoints_dir: Path, keep: int, protect: frozenset[Path] = frozenset()) -> list[Path]:
-    """Delete all but the newest `keep` complete checkpoints, and never those in `protect` (the
-    ones a rollback may need); returns the deleted ones."""
-    found = list_checkpoints(checkpoints_dir)
-    doomed = [path for _, path in found[:-keep] if path not in protect] if keep > 0 else []
+def move_aside(path: Path) -> Path:
+    """Move the checkpoint directory `path` into `abandoned/` next to it (a name taken by an
+    earlier one gets `.2`, `.3`, ...); returns where it went."""
+    into = path.parent / ABANDONED_DIR
+    into.mkdir(exist_ok=True)
+    target, n = into / path.name, 1
+    while target.exists():
+        n += 1
+        target = into / f"{path.name}.{n}"
+    path.rename(target)
+    return target
+
+
+def apply_retention(checkpoints_dir: Path, keep: int, protect: frozenset[Path] = frozenset(),
+                    is_sound: Callable[[Path], bool] = lambda path: True) -> list[Path]:
+    """Delete all but the newest `keep` sound complete checkpoints, and never those in `protect`
+    (the ones a rollback may need); returns the deleted ones. Damaged ones (`is_sound` false)
+    neither count towards `keep` nor are deleted: counting them could delete the newest checkpoint
+    a resume can load, and a person may want to look at them (`ckpt verify` names them)."""
+    sound = [path for _, path in list_checkpoints(checkpoints_dir) if is_sound(path)]
+    doomed = [path for path in sound[:-keep] if path not in protect] if keep > 0 else []
     for path in doomed:
         delete_checkpoint(path)
     return doomed

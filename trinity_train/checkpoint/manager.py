@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -28,13 +29,14 @@ from typing import Any, Callable
 
 from trinity_train.checkpoint import dcp_io
 from trinity_train.checkpoint.compat import check_model_compatible, config_from_meta
-from trinity_train.checkpoint.integrity import (candidate_checkpoints, check_integrity, digest_files,
-                                                newest_sound_checkpoint)
+from trinity_train.checkpoint.integrity import (SoundnessCache, candidate_checkpoints, check_integrity,
+                                                digest_files, newest_sound_checkpoint)
 from trinity_train.checkpoint.layout import (
     apply_retention,
     commit,
     delete_checkpoint,
     list_checkpoints,
+    move_aside,
     read_meta,
     remove_incomplete,
     step_dir_name,
@@ -183,6 +185,7 @@ class CheckpointManager:
         self._timeout_s: float | None = None
         # (path, reason) of each damaged checkpoint `resume_path` passed over, newest first.
         self.passed_over: list[tuple[Path, str]] = []
+        self._soundness = SoundnessCache()
 
     def list(self) -> list[tuple[int, Path]]:
         """(step, path) of every complete checkpoint, oldest first."""
@@ -196,6 +199,28 @@ class CheckpointManager:
                 delete_checkpoint(path)
         barrier()
         return doomed
+
+    def abandon_after(self, step: int, resumed: Path | None) -> list[tuple[Path, Path]]:
+        """Move aside (into `checkpoints/abandoned/`) every checkpoint of this run that a run
+        starting at `step` from `resumed` (None: from scratch) does not continue: those of later
+        steps, sound or damaged, and one of `step` that is not `resumed`. Otherwise the next
+        `resume = auto` (and every torchrun restart) would pick the future the user left behind,
+        and retention would count it. Collective: rank 0 moves, every rank gets the
+        (from, to) moves."""
+        return decided_by_rank_zero(lambda: self._move_aside_after(step, resumed))
+
+    def _move_aside_after(self, step: int, resumed: Path | None) -> list[tuple[Path, Path]]:
+        stale = [path for s, path in candidate_checkpoints(self.checkpoints_dir)
+                 if s > step or (s == step and (resumed is None or path.resolve() != resumed.resolve()))]
+        try:
+            moves = [(path, move_aside(path)) for path in stale]
+        except OSError as e:
+            raise CheckpointError(f"could not move the checkpoints after step {step} aside: {e}") from None
+        if moves:
+            print(f"warning: starting at step {step} abandons the run's later checkpoints "
+                  f"({', '.join(p.name for p, _ in moves)}): moved to {moves[0][1].parent}, where no resume "
+                  "picks them", file=sys.stderr)
+        return moves
 
     def remove_interrupted_saves(self) -> list[Path]:
         removed = remove_incomplete(self.checkpoints_dir) if is_coordinator() else []
@@ -294,7 +319,9 @@ class CheckpointManager:
 
     def _after_commit(self, step: int, final_dir: Path, on_commit: OnCommit | None) -> None:
         if is_coordinator():
-            apply_retention(self.checkpoints_dir, self.cfg.keep, protect=self._rollback_candidates(step))
+            self._soundness.vouch(final_dir)
+            apply_retention(self.checkpoints_dir, self.cfg.keep, protect=self._rollback_candidates(step),
+                            is_sound=self._soundness.is_sound)
         barrier()
         if on_commit is not None:
             on_commit(final_dir)
