@@ -4,6 +4,7 @@ import random
 from pathlib import Path
 
 from trinity_train.data.prepare import PrepareOptions, prepare
+from trinity_train.train import Trainer
 
 
 def prepare_word_corpus(root: Path, words: list[str], *, seed: int, num_docs: int,
@@ -53,3 +54,26 @@ def assert_values_close(got, want, rel: float, path: str = "record") -> None:
         assert isinstance(got, float) and abs(got - want) <= rel * abs(want), f"{path}: {got} vs {want}"
     else:
         assert got == want, f"{path}: {got} vs {want}"
+
+
+def flip_byte(file: Path, offset: int) -> None:
+    """Damage `file` as a bad disk would: one bit of the byte at `offset` flipped."""
+    data = bytearray(file.read_bytes())
+    data[offset] ^= 0x01
+    file.write_bytes(bytes(data))
+
+
+class StopAfterStep(Exception):
+    pass
+
+
+def stop_at(monkeypatch, step: int) -> None:
+    """Make the trainer die right after it finishes `step` (and saves its checkpoint)."""
+    original = Trainer._one_iteration
+
+    def one_iteration(self, *args):
+        original(self, *args)
+        if self.state.step == step:
+            raise StopAfterStep()
+
+    monkeypatch.setattr(Trainer, "_one_iteration", one_iteration)

@@ -19,7 +19,6 @@ the coordinator also hashes the rest (`.metadata`), and the coordinator writes t
 
 from __future__ import annotations
 
-import contextlib
 import re
 from collections import defaultdict
 from pathlib import Path
@@ -196,18 +195,16 @@ def find_sound_checkpoint(checkpoints_dir: str | Path, max_step: int | None = No
 
 
 class SoundnessCache:
-    """The fast `check_integrity` verdict of each checkpoint, remembered while its meta.json is
-    unchanged: retention asks about the same few checkpoints at every save, and hashing them each
-    time would cost as much as the save."""
+    """The fast `check_integrity` verdict of each checkpoint, remembered while none of its files
+    changed (name, size, modification time): retention asks about the same few checkpoints at every
+    save, and hashing them each time would cost as much as the save. A file rewritten or cut short
+    since is noticed; bits rotting in place are left to the check before a resume."""
 
     def __init__(self):
-        self._verdicts: dict[Path, tuple[int, bool]] = {}
+        self._verdicts: dict[Path, tuple[Any, bool]] = {}
 
     def is_sound(self, path: Path) -> bool:
-        try:
-            version = (path / META_FILE).stat().st_mtime_ns
-        except OSError:
-            return False
+        version = _files_version(path)
         known = self._verdicts.get(path)
         if known is None or known[0] != version:
             try:
@@ -220,5 +217,11 @@ class SoundnessCache:
 
     def vouch(self, path: Path) -> None:
         """`path` is sound without a check: this process has just written it and its checksums."""
-        with contextlib.suppress(OSError):
-            self._verdicts[path] = ((path / META_FILE).stat().st_mtime_ns, True)
+        self._verdicts[path] = (_files_version(path), True)
+
+
+def _files_version(path: Path) -> Any:
+    try:
+        return sorted((f.name, (st := f.stat()).st_size, st.st_mtime_ns) for f in path.iterdir())
+    except OSError:
+        return None
