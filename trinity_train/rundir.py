@@ -12,6 +12,7 @@ Everything about a run lives under its directory; the trainer writes it, and the
 | `events.jsonl`              | what happened: start, resume, checkpoint, skip, rollback, ...     |
 | `skip_ledger.json`          | global batches never to train on again                            |
 | `checkpoints/step_XXXXXXXX/`| DCP checkpoints                                                   |
+| `checkpoints/abandoned/`    | checkpoints of a future a resume left behind (checkpoint/layout)  |
 | `incidents/XXXXXXXX.json`   | one report per skipped step or rollback, named by its iteration   |
 | `tb/`, `wandb/`             | TensorBoard and W&B files                                         |
 | `.lock`                     | held (flock) by the live run; names its host, pid and start time  |
