@@ -3,12 +3,14 @@ moves the run's later checkpoints into `checkpoints/abandoned/`, so that `resume
 torchrun restart continue it, not the future it left behind; retention counts and deletes only
 sound checkpoints, so it never removes the newest one a resume can load."""
 
+import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import run_config
+from conftest import ONE_THREAD_ENV, run_config, run_python
 from helpers import StopAfterStep, flip_byte, stop_at
 from trinity_train.checkpoint import load_model_checkpoint
 from trinity_train.checkpoint.integrity import check_integrity
@@ -17,6 +19,7 @@ from trinity_train.records import EventName
 from trinity_train.rundir import RunDir
 from trinity_train.train import train
 
+HERE = Path(__file__).parent
 NEW_LR = 1e-3  # the resumed run's: its weights differ from the abandoned run's from the first step on
 
 
@@ -104,3 +107,25 @@ def test_a_fresh_start_abandons_every_checkpoint_of_the_run_before_it(corpus, ru
     assert names(checkpoints / "abandoned") == ["step_00000004", "step_00000008", "step_00000012"]
     (abandoned,) = RunDir(run_dir).read_events(EventName.CHECKPOINTS_ABANDONED)
     assert abandoned["step"] == 0 and len(abandoned["moved_to"]) == 3
+
+
+@pytest.mark.slow
+def test_a_torchrun_restart_after_a_resume_from_an_earlier_checkpoint_continues_it(corpus, run_dir, tmp_path):
+    # Two gloo ranks resume step 4 with another lr; rank 1 is killed after the step-8 checkpoint,
+    # torchrun restarts both, and the restart (which forces `auto`) must load that new step 8.
+    config_file = tmp_path / "two_ranks.toml"
+    save_config(config(corpus, run_dir, optim={"lr": NEW_LR}, parallel={"collective_timeout_s": 120},
+                       checkpoint={"resume": str(RunDir(run_dir).checkpoints / "step_00000004")}), config_file)
+    done = run_python("-m", "torch.distributed.run", "--standalone", "--nnodes=1", "--nproc-per-node=2",
+                      "--max-restarts=1", HERE / "rank_dies.py", 1, 8, "train", "--config", config_file,
+                      env={**ONE_THREAD_ENV, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}, timeout=900)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    run = RunDir(run_dir)
+    assert [Path(e["checkpoint"]).name for e in run.read_events(EventName.RESUME)][-2:] == \
+        ["step_00000004", "step_00000008"]
+    assert run.read_events(EventName.RUN_END)[-1]["step"] == 12
+    resumed_meta = json.loads((run.checkpoints / "step_00000008" / "meta.json").read_text())
+    assert resumed_meta["config"]["optim"]["lr"] == NEW_LR  # the chosen run's, not the abandoned one's
+    assert names(run.checkpoints / "abandoned") == ["step_00000008", "step_00000012"]
+    got, old = weights(run.checkpoints / "step_00000012"), weights(run.checkpoints / "abandoned" / "step_00000012")
+    assert not all(torch.equal(got[k], old[k]) for k in old)

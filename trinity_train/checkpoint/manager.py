@@ -13,7 +13,9 @@ saves can pass `on_commit(path)`, called once the checkpoint is complete under i
 Which checkpoint a resume loads is decided by rank 0 and given to every rank: the newest one
 that passes `check_integrity` (`resume = "auto"`, and after a torchrun restart; the damaged ones
 it passes over are kept in `passed_over` for the run to log), or the named one, refused with the
-newest sound alternative when it is damaged.
+newest sound alternative when it is damaged. The start then moves the run's checkpoints of later
+steps into `checkpoints/abandoned/` (`abandon_after`), so that only the timeline it continues is
+ever resumed; retention counts and deletes only sound checkpoints.
 """
 
 from __future__ import annotations
