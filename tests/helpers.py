@@ -73,3 +73,20 @@ def assert_values_close(got, want, rel: float, path: str = "record") -> None:
         assert isinstance(got, float) and abs(got - want) <= rel * abs(want), f"{path}: {got} vs {want}"
     else:
         assert got == want, f"{path}: {got} vs {want}"
+
+
+def flip_byte(file: Path, offset: int) -> None:
+    """Damage `file` as a bad disk would: one bit of the byte at `offset` flipped."""
+    data = bytearray(file.read_bytes())
+    data[offset] ^= 0x01
+    file.write_bytes(bytes(data))
+
+
+class StopAfterStep(Exception):
+    pass
+
+
+def stop_after(step: int) -> StopWhen:
+    """A callback that makes the trainer die right after it finishes `step` (and saves its
+    checkpoint)."""
+    return StopWhen(lambda trainer: trainer.state.step == step, StopAfterStep)

@@ -10,6 +10,7 @@ import pytest
 from torch.distributed.checkpoint import FileSystemReader
 
 from conftest import run_config
+from helpers import flip_byte
 from trinity_train.checkpoint import verify_checkpoint
 from trinity_train.checkpoint.integrity import CHECKSUM, check_integrity, find_sound_checkpoint
 from trinity_train.errors import CheckpointError
@@ -44,12 +45,6 @@ def ckpt(run, step):
 
 def shard(path):
     return next(path.glob("*.distcp"))
-
-
-def flip_byte(file, offset):
-    data = bytearray(file.read_bytes())
-    data[offset] ^= 0x01
-    file.write_bytes(bytes(data))
 
 
 def tensor_location(path, fqn):

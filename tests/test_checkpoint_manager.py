@@ -8,8 +8,10 @@ import pytest
 import torch
 from torch import nn
 
+from helpers import flip_byte
 from trinity_train.checkpoint import (CheckpointManager, ModelState, OptimizerState, RNGState, load_checkpoint,
                                       save_model_checkpoint)
+from trinity_train.checkpoint import dcp_io
 from trinity_train.checkpoint.layout import list_checkpoints
 from trinity_train.config import CheckpointConfig, Config
 from trinity_train.errors import CheckpointError
@@ -107,6 +109,32 @@ def test_retention_keeps_the_newest(tmp_path):
         mgr.save(step, components(model, opt, sched, Counter(step)), Config())
     assert [s for s, _ in list_checkpoints(mgr.checkpoints_dir)] == [30, 40]
     assert sorted(p.name for p in mgr.checkpoints_dir.iterdir()) == ["step_00000030", "step_00000040"]
+
+
+def test_retention_counts_only_sound_checkpoints_and_deletes_no_damaged_one(tmp_path):
+    model, opt, sched = trained_state()
+    mgr = manager(tmp_path, keep=1)
+    for step in (10, 30):
+        mgr.save(step, components(model, opt, sched, Counter(step)), Config())
+    flip_byte(next((mgr.checkpoints_dir / "step_00000030").glob("*.distcp")), 10)
+    mgr.save(27, components(model, opt, sched, Counter(27)), Config())  # a resume from before 30
+    assert [s for s, _ in list_checkpoints(mgr.checkpoints_dir)] == [27, 30]  # the damaged 30 did not count
+    mgr.save(40, components(model, opt, sched, Counter(40)), Config())
+    assert [s for s, _ in list_checkpoints(mgr.checkpoints_dir)] == [30, 40]
+
+
+def test_a_save_without_dcp_metadata_is_never_given_its_final_name(tmp_path, monkeypatch):
+    model, opt, sched = trained_state()
+    mgr, save = manager(tmp_path), dcp_io.save
+
+    def save_then_lose_metadata(state, path):  # as when another process cleaned up our directory
+        save(state, path)
+        (path / ".metadata").unlink()
+
+    monkeypatch.setattr(dcp_io, "save", save_then_lose_metadata)
+    with pytest.raises(CheckpointError, match="could not be committed: .* has no DCP .metadata"):
+        mgr.save(5, components(model, opt, sched, Counter(5)), Config())
+    assert list(mgr.checkpoints_dir.iterdir()) == []
 
 
 def test_saving_a_step_again_replaces_it(tmp_path):

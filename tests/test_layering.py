@@ -16,10 +16,10 @@ LAYERS = [
     {"cli"},
     {"train", "study"},
     {"step", "run_config"},
-    {"parallel", "checkpoint", "stability", "observe", "interop", "dashboard"},
+    {"parallel", "checkpoint", "stability", "observe", "interop", "dashboard", "runlock"},
     {"model", "optim", "data"},
     {"config", "rundir", "columnar", "records", "callbacks"},
-    {"files"},
+    {"files", "rank_zero"},
     {"errors", "__init__"},
 ]
 SIDEWAYS = {

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from conftest import run_config
-from helpers import StopWhen, poison_batches
+from helpers import StopAfterStep, poison_batches, stop_after
 from trinity_train.checkpoint import ModelState, save_model_checkpoint
 from trinity_train.checkpoint.layout import list_checkpoints
 from trinity_train.errors import ConfigError
@@ -34,15 +34,6 @@ def train_records(run_dir):
 
 def val_records(run_dir):
     return [r for r in read_jsonl(run_dir / "metrics.jsonl") if r["kind"] == RecordKind.VAL]
-
-
-class StopAfterStep(Exception):
-    pass
-
-
-def stop_after(step):
-    """Make the trainer die right after it finishes `step` (and saves its checkpoint)."""
-    return StopWhen(lambda trainer: trainer.state.step == step, StopAfterStep)
 
 
 @pytest.mark.parametrize("async_save", [False, True])

@@ -19,11 +19,11 @@ from trinity_train.errors import DataError, UserError
 from trinity_train.run_config import load_run_config
 
 
-def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
+def cmd_train(args: argparse.Namespace, overrides: list[str], callbacks: list | None = None) -> int:
     cfg = load_run_config(args.config or default_config_path(), overrides)
     from trinity_train.train import train
 
-    summary = train(cfg)
+    summary = train(cfg, callbacks)
     if os.environ.get("RANK", "0") == "0":  # under torchrun, one summary for the whole job
         print(summary.describe())
     return 0
@@ -218,11 +218,11 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     return parser
 
 
-def run(argv: list[str]) -> int:
+def run(argv: list[str], callbacks: list | None = None) -> int:
     parser = build_parser(argv)
     args, extra = parser.parse_known_args(argv)
     if args.command == "train":
-        return cmd_train(args, extra)
+        return cmd_train(args, extra, callbacks)
     if extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     handlers = {"prepare-data": cmd_prepare_data, "export-hf": cmd_export_hf,
@@ -239,11 +239,13 @@ def passive_openmp_waits() -> None:
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, callbacks: list | None = None) -> int:
+    """The console script. `callbacks` (`callbacks.TrainerCallback`s) attach to the training loop
+    of a `train` command: for programs that drive the CLI, such as the tests' fault scripts."""
     passive_openmp_waits()
     argv = sys.argv[1:] if argv is None else list(argv)
     try:
-        return run(argv)
+        return run(argv, callbacks)
     except UserError as e:
         message = " ".join(str(e).split())  # one line, whatever the message holds
         print(f"error: {message}", file=sys.stderr)

@@ -29,6 +29,7 @@ class EventName(StrEnum):
     SUPERSEDED = "superseded"
     CHECKPOINT = "checkpoint"
     CHECKPOINT_PASSED_OVER = "checkpoint_passed_over"
+    CHECKPOINTS_ABANDONED = "checkpoints_abandoned"
     FAULT_INJECTED = "fault_injected"
     INCIDENT_OPEN = "incident_open"
     INCIDENT_CLOSE = "incident_close"
@@ -90,6 +91,7 @@ EVENTS: dict[EventName, Shape] = {
     EventName.SUPERSEDED: _shape("from_iter records"),
     EventName.CHECKPOINT: _shape("step iter path async_save"),
     EventName.CHECKPOINT_PASSED_OVER: _shape("path reason"),
+    EventName.CHECKPOINTS_ABANDONED: _shape("step checkpoints moved_to"),
     EventName.FAULT_INJECTED: _shape("iter batch fault rank factor token", optional="factor token"),
     EventName.INCIDENT_OPEN: _shape("iter step signal z"),
     EventName.INCIDENT_CLOSE: _shape("iter onset_iter calm_steps"),

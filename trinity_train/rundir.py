@@ -12,8 +12,10 @@ Everything about a run lives under its directory; the trainer writes it, and the
 | `events.jsonl`              | what happened: start, resume, checkpoint, skip, rollback, ...     |
 | `skip_ledger.json`          | global batches never to train on again                            |
 | `checkpoints/step_XXXXXXXX/`| DCP checkpoints                                                   |
+| `checkpoints/abandoned/`    | checkpoints of a future a resume left behind (checkpoint/layout)  |
 | `incidents/XXXXXXXX.json`   | one report per skipped step or rollback, named by its iteration   |
 | `tb/`, `wandb/`             | TensorBoard and W&B files                                         |
+| `.lock`                     | held (flock) by the live run; names its host, pid and start time  |
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ CHECKPOINTS_DIR = "checkpoints"
 INCIDENTS_DIR = "incidents"
 TENSORBOARD_DIR = "tb"
 WANDB_DIR = "wandb"
+LOCK_FILE = ".lock"
 
 _INCIDENT_NAME = re.compile(r"([0-9]{1,12})(?:\.json)?")
 
@@ -119,6 +122,11 @@ class RunDir:
             return (f"'{self.path}' is not a run directory (it holds none of {CONFIG_FILE}, {EVENTS_FILE}, "
                     f"{METRICS_FILE})")
         return None
+
+    @property
+    def lock(self) -> Path:
+        """Locked by the run that owns the directory (runlock.py)."""
+        return self.path / LOCK_FILE
 
     def require_writable(self) -> None:
         """ConfigError (naming run.dir and what to do) unless the run directory is, or can be

@@ -52,6 +52,7 @@ from trinity_train.parallel.process_group import (destroy_distributed, init_dist
 from trinity_train.records import EventName, event, train_record, val_record
 from trinity_train.rundir import RunDir
 from trinity_train.run_config import validate_rules
+from trinity_train.runlock import run_dir_owned
 from trinity_train.stability import StepGuard, TrainingDivergedError
 from trinity_train.stability.drills import DrillCallback, FaultInjector
 from trinity_train.stability.recovery import Recovery
@@ -299,6 +300,10 @@ class Trainer:
         does this first (call it yourself only to drive `train_one_iteration`, then `finish`)."""
         self._started = time.perf_counter()
         events = self.restore()
+        # Checkpoints of steps after the start are a future this start abandons: never resumed.
+        if moved := self.checkpoints.abandon_after(self.state.step, self.resume_from):
+            events.append(event(EventName.CHECKPOINTS_ABANDONED, step=self.state.step,
+                                checkpoints=[str(a) for a, _ in moved], moved_to=[str(b) for _, b in moved]))
         events += self._prepare_run_dir()
         self.recorder = MetricsRecorder(self.cfg, self.run_dir, start_step=self.state.step, is_main=self.is_main)
         self.recorder.events(self._start_events(events))
@@ -415,16 +420,19 @@ def step_record(result: StepResult, state: TrainerState, batch_index: int, throu
         lr_scale=result.lr_scale if result.lr_scale != 1.0 else None, **expert_load_stats(result.tokens_per_expert))
 
 
-def train(cfg: Config) -> TrainSummary:
-    """Run (or resume) the training job `cfg` describes in this process; returns what it did.
-    Under torchrun (see launch/) this process is one rank of the job."""
+def train(cfg: Config, callbacks: list[TrainerCallback] | None = None) -> TrainSummary:
+    """Run (or resume) the training job `cfg` describes in this process, with `callbacks` attached
+    to its loop; returns what it did. Under torchrun (see launch/) this process is one rank of the
+    job."""
     if world_size_from_env() == 1:
-        return Trainer(cfg).run()
+        with run_dir_owned(cfg.run.dir):  # before anything reads or writes the run directory
+            return Trainer(cfg, callbacks=callbacks).run()
     dims, device = init_distributed(cfg)  # rejects an impossible layout before joining
     try:
-        builder = functools.partial(build_model_for_training, dims=dims)
-        summary = Trainer(cfg, dims, device, model_builder=builder).run()
-        leave_together()
+        with run_dir_owned(cfg.run.dir):  # rank 0 holds it for the job
+            builder = functools.partial(build_model_for_training, dims=dims)
+            summary = Trainer(cfg, dims, device, model_builder=builder, callbacks=callbacks).run()
+            leave_together()
         return summary
     finally:
         destroy_distributed()

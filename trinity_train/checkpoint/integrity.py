@@ -31,8 +31,9 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 
 from trinity_train.checkpoint import dcp_io
 from trinity_train.checkpoint.compat import config_from_meta
-from trinity_train.checkpoint.layout import META_FILE, decided_by_rank_zero, read_meta, step_of
+from trinity_train.checkpoint.layout import META_FILE, read_meta, step_of
 from trinity_train.errors import CheckpointError
+from trinity_train.rank_zero import decided_by_rank_zero
 
 CHECKSUM = "xxh3_128"  # the key of each file's digest in meta.json's "files"
 _CHUNK = 1 << 22
@@ -191,3 +192,36 @@ def find_sound_checkpoint(checkpoints_dir: str | Path, max_step: int | None = No
         for path, reason in passed_over:
             on_passed_over(path, reason)
     return found
+
+
+class SoundnessCache:
+    """The fast `check_integrity` verdict of each checkpoint, remembered while none of its files
+    changed (name, size, modification time): retention asks about the same few checkpoints at every
+    save, and hashing them each time would cost as much as the save. A file rewritten or cut short
+    since is noticed; bits rotting in place are left to the check before a resume."""
+
+    def __init__(self):
+        self._verdicts: dict[Path, tuple[Any, bool]] = {}
+
+    def is_sound(self, path: Path) -> bool:
+        version = _files_version(path)
+        known = self._verdicts.get(path)
+        if known is None or known[0] != version:
+            try:
+                check_integrity(path)
+                known = (version, True)
+            except CheckpointError:
+                known = (version, False)
+            self._verdicts[path] = known
+        return known[1]
+
+    def vouch(self, path: Path) -> None:
+        """`path` is sound without a check: this process has just written it and its checksums."""
+        self._verdicts[path] = (_files_version(path), True)
+
+
+def _files_version(path: Path) -> Any:
+    try:
+        return sorted((f.name, (st := f.stat()).st_size, st.st_mtime_ns) for f in path.iterdir())
+    except OSError:
+        return None

@@ -3,7 +3,7 @@
 A checkpoint is a directory `step_00000100/` holding the DCP files and, written last, `meta.json`.
 It is written as `step_00000100.tmp/` and renamed, so a checkpoint directory with its final name
 is complete; anything else (`*.tmp`, `*.old`, a directory without `meta.json`) is ignored and
-cleaned up. Filesystem changes are made by one process (the coordinator, rank 0).
+cleaned up. Filesystem changes are made by one process (the coordinator, rank 0; rank_zero.py).
 """
 
 from __future__ import annotations
@@ -12,8 +12,6 @@ import re
 import shutil
 from pathlib import Path
 from typing import Any, Callable
-
-import torch.distributed as dist
 
 from trinity_train.errors import CheckpointError
 from trinity_train.files import atomic_write_json, read_json_object
@@ -26,6 +24,9 @@ FORMAT_VERSION = 3  # 2: the guard's windows on loss and gradient norm, the LR b
 #                    3: meta.json lists every file's size and checksum (checkpoint/integrity.py)
 READABLE_VERSIONS = (2, 3)  # 2: the same state, without checksums
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
+# checkpoints/abandoned/: the checkpoints of a future a resume from an earlier step left behind,
+# kept for a person to look at; one level down, nothing that lists checkpoints ever sees them.
+ABANDONED_DIR = "abandoned"
 
 
 def step_dir_name(step: int) -> str:
@@ -36,33 +37,6 @@ def step_of(path: Path) -> int | None:
     """The step of a directory named like a checkpoint (`step_00000100`), else None."""
     match = _STEP_DIR.match(Path(path).name)
     return int(match.group(1)) if match else None
-
-
-def is_coordinator() -> bool:
-    return not dist.is_initialized() or dist.get_rank() == 0
-
-
-def barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
-
-
-def decided_by_rank_zero(decide: Callable[[], Any]) -> Any:
-    """`decide()` on rank 0, its result on every rank (one process: just `decide()`). A
-    CheckpointError on rank 0 is raised on every rank, so none of them waits for the others."""
-    if not dist.is_initialized():
-        return decide()
-    box: list[Any] = [None]
-    if dist.get_rank() == 0:
-        try:
-            box[0] = ("ok", decide())
-        except CheckpointError as e:
-            box[0] = ("error", str(e))
-    dist.broadcast_object_list(box, src=0)
-    outcome, value = box[0]
-    if outcome == "error":
-        raise CheckpointError(value)
-    return value
 
 
 def is_complete(path: Path) -> bool:
@@ -102,8 +76,13 @@ def commit(tmp_dir: Path, final_dir: Path, meta: dict) -> None:
 
     A directory of the same name from an earlier run is moved aside first (POSIX rename does not
     replace a non-empty directory), so at every instant `final_dir` is either the old or the new
-    complete checkpoint.
+    complete checkpoint. A `tmp_dir` without DCP's `.metadata` is refused (CheckpointError), never
+    given the final name: its save did not finish, or something else removed its files.
     """
+    if not (tmp_dir / DCP_METADATA_FILE).is_file():
+        raise CheckpointError(f"checkpoint '{final_dir}' could not be committed: its temporary directory "
+                              f"'{tmp_dir}' has no DCP {DCP_METADATA_FILE} (the save did not finish, or another "
+                              "process removed it)")
     atomic_write_json(tmp_dir / META_FILE, {"format": FORMAT, "format_version": FORMAT_VERSION, **meta})
     old = final_dir.with_name(final_dir.name + ".old")
     if final_dir.exists():
@@ -122,11 +101,27 @@ def delete_checkpoint(path: Path) -> None:
     shutil.rmtree(trash, ignore_errors=True)
 
 
-def apply_retention(checkpoints_dir: Path, keep: int, protect: frozenset[Path] = frozenset()) -> list[Path]:
-    """Delete all but the newest `keep` complete checkpoints, and never those in `protect` (the
-    ones a rollback may need); returns the deleted ones."""
-    found = list_checkpoints(checkpoints_dir)
-    doomed = [path for _, path in found[:-keep] if path not in protect] if keep > 0 else []
+def move_aside(path: Path) -> Path:
+    """Move the checkpoint directory `path` into `abandoned/` next to it (a name taken by an
+    earlier one gets `.2`, `.3`, ...); returns where it went."""
+    into = path.parent / ABANDONED_DIR
+    into.mkdir(exist_ok=True)
+    target, n = into / path.name, 1
+    while target.exists():
+        n += 1
+        target = into / f"{path.name}.{n}"
+    path.rename(target)
+    return target
+
+
+def apply_retention(checkpoints_dir: Path, keep: int, protect: frozenset[Path] = frozenset(),
+                    is_sound: Callable[[Path], bool] = lambda path: True) -> list[Path]:
+    """Delete all but the newest `keep` sound complete checkpoints, and never those in `protect`
+    (the ones a rollback may need); returns the deleted ones. Damaged ones (`is_sound` false)
+    neither count towards `keep` nor are deleted: counting them could delete the newest checkpoint
+    a resume can load, and a person may want to look at them (`ckpt verify` names them)."""
+    sound = [path for _, path in list_checkpoints(checkpoints_dir) if is_sound(path)]
+    doomed = [path for path in sound[:-keep] if path not in protect] if keep > 0 else []
     for path in doomed:
         delete_checkpoint(path)
     return doomed

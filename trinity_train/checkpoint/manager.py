@@ -13,13 +13,16 @@ saves can pass `on_commit(path)`, called once the checkpoint is complete under i
 Which checkpoint a resume loads is decided by rank 0 and given to every rank: the newest one
 that passes `check_integrity` (`resume = "auto"`, and after a torchrun restart; the damaged ones
 it passes over are kept in `passed_over` for the run to log), or the named one, refused with the
-newest sound alternative when it is damaged.
+newest sound alternative when it is damaged. The start then moves the run's checkpoints of later
+steps into `checkpoints/abandoned/` (`abandon_after`), so that only the timeline it continues is
+ever resumed; retention counts and deletes only sound checkpoints.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+import sys
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -28,22 +31,21 @@ from typing import Any, Callable
 
 from trinity_train.checkpoint import dcp_io
 from trinity_train.checkpoint.compat import check_model_compatible, config_from_meta
-from trinity_train.checkpoint.integrity import (candidate_checkpoints, check_integrity, digest_files,
-                                                find_sound_checkpoint, newest_sound_checkpoint)
+from trinity_train.checkpoint.integrity import (SoundnessCache, candidate_checkpoints, check_integrity,
+                                                digest_files, find_sound_checkpoint, newest_sound_checkpoint)
 from trinity_train.checkpoint.layout import (
     apply_retention,
-    barrier,
     commit,
-    decided_by_rank_zero,
     delete_checkpoint,
-    is_coordinator,
     list_checkpoints,
+    move_aside,
     read_meta,
     remove_incomplete,
     step_dir_name,
 )
 from trinity_train.config import CheckpointConfig, Config, config_to_dict
 from trinity_train.errors import CheckpointError
+from trinity_train.rank_zero import barrier, decided_by_rank_zero, is_coordinator
 from trinity_train.rundir import RunDir
 
 OnCommit = Callable[[Path], None]
@@ -116,7 +118,8 @@ def _own_digests(tmp_dir: Path) -> dict:
 def _commit_everywhere(tmp_dir: Path, final_dir: Path, meta: dict, digests: dict | CheckpointError,
                        timeout_s: float | None) -> None:
     """Gather every rank's checksums (or failure), then the coordinator writes meta.json and
-    renames; a failure anywhere removes the temporary directory and raises on every rank."""
+    renames; a failure anywhere (the commit's included) removes the temporary directory and raises
+    on every rank."""
     gathered = dcp_io.gather_from_everyone(digests if isinstance(digests, dict) else str(digests), timeout_s)
     failures = [g for g in gathered if not isinstance(g, dict)]
     if failures:
@@ -124,14 +127,16 @@ def _commit_everywhere(tmp_dir: Path, final_dir: Path, meta: dict, digests: dict
             shutil.rmtree(tmp_dir, ignore_errors=True)
         barrier()
         raise CheckpointError(failures[0])
-    if is_coordinator():
-        files = {name: record for part in gathered for name, record in part.items()}
-        try:
-            commit(tmp_dir, final_dir, {**meta, "files": files})
-        except OSError as e:
-            shutil.rmtree(tmp_dir, ignore_errors=True)
-            raise dcp_io.save_failure(e, final_dir) from None
-    barrier()
+    files = {name: record for part in gathered for name, record in part.items()}
+    decided_by_rank_zero(lambda: _commit_or_clean_up(tmp_dir, final_dir, {**meta, "files": files}))
+
+
+def _commit_or_clean_up(tmp_dir: Path, final_dir: Path, meta: dict) -> None:
+    try:
+        commit(tmp_dir, final_dir, meta)
+    except (OSError, CheckpointError) as e:
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+        raise dcp_io.save_failure(e, final_dir) from None
 
 
 def read_compatible_meta(path: Path, cfg: Config) -> dict:
@@ -182,6 +187,7 @@ class CheckpointManager:
         self._timeout_s: float | None = None
         # (path, reason) of each damaged checkpoint `resume_path` passed over, newest first.
         self.passed_over: list[tuple[Path, str]] = []
+        self._soundness = SoundnessCache()
 
     def list(self) -> list[tuple[int, Path]]:
         """(step, path) of every complete checkpoint, oldest first."""
@@ -195,6 +201,28 @@ class CheckpointManager:
                 delete_checkpoint(path)
         barrier()
         return doomed
+
+    def abandon_after(self, step: int, resumed: Path | None) -> list[tuple[Path, Path]]:
+        """Move aside (into `checkpoints/abandoned/`) every checkpoint of this run that a run
+        starting at `step` from `resumed` (None: from scratch) does not continue: those of later
+        steps, sound or damaged, and one of `step` that is not `resumed`. Otherwise the next
+        `resume = auto` (and every torchrun restart) would pick the future the user left behind,
+        and retention would count it. Collective: rank 0 moves, every rank gets the
+        (from, to) moves."""
+        return decided_by_rank_zero(lambda: self._move_aside_after(step, resumed))
+
+    def _move_aside_after(self, step: int, resumed: Path | None) -> list[tuple[Path, Path]]:
+        stale = [path for s, path in candidate_checkpoints(self.checkpoints_dir)
+                 if s > step or (s == step and (resumed is None or path.resolve() != resumed.resolve()))]
+        try:
+            moves = [(path, move_aside(path)) for path in stale]
+        except OSError as e:
+            raise CheckpointError(f"could not move the checkpoints after step {step} aside: {e}") from None
+        if moves:
+            print(f"warning: starting at step {step} abandons the run's later checkpoints "
+                  f"({', '.join(p.name for p, _ in moves)}): moved to {moves[0][1].parent}, where no resume "
+                  "picks them", file=sys.stderr)
+        return moves
 
     def remove_interrupted_saves(self) -> list[Path]:
         removed = remove_incomplete(self.checkpoints_dir) if is_coordinator() else []
@@ -300,7 +328,9 @@ class CheckpointManager:
 
     def _after_commit(self, step: int, final_dir: Path, on_commit: OnCommit | None) -> None:
         if is_coordinator():
-            apply_retention(self.checkpoints_dir, self.cfg.keep, protect=self._rollback_candidates(step))
+            self._soundness.vouch(final_dir)
+            apply_retention(self.checkpoints_dir, self.cfg.keep, protect=self._rollback_candidates(step),
+                            is_sound=self._soundness.is_sound)
         barrier()
         if on_commit is not None:
             on_commit(final_dir)
