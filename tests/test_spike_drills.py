@@ -171,16 +171,21 @@ def test_a_huge_learning_rate_from_step_0_is_caught_in_the_warmup_then_halts(cor
     assert main(["train", "--config", str(config_file)]) == HALT_EXIT_CODE
     assert "lower optim.lr" in capsys.readouterr().err
     skips = events(run_dir, EventName.SKIP)
-    assert len(skips) == GUARD["max_consecutive_skips"] - 1 and skips[0]["step"] < cfg.optim.warmup_steps
+    # every skip recorded, the halting one included (its record, event, ledger entry and report)
+    assert len(skips) == GUARD["max_consecutive_skips"] and skips[0]["step"] < cfg.optim.warmup_steps
     assert {e["reason"] for e in skips} == {"loss_ceiling"}
     (opened,) = events(run_dir, EventName.INCIDENT_OPEN)
     assert (opened["iter"], opened["signal"]) == (skips[0]["iter"], "loss")
-    assert len(events(run_dir, EventName.ROLLBACK_UNAVAILABLE)) == len(skips) - GUARD["rollback_after"] + 1
+    assert len(events(run_dir, EventName.ROLLBACK_UNAVAILABLE)) == len(skips) - GUARD["rollback_after"]
     (halt,) = events(run_dir, EventName.HALT)
     assert halt["exit_code"] == HALT_EXIT_CODE and "stability.max_consecutive_skips" in halt["reason"]
     assert main(["incidents", str(run_dir)]) == 0
     table = capsys.readouterr().out.splitlines()[1:]
     assert len(table) == len(skips) and all("loss_ceiling" in line for line in table)
+    assert table[-1].split()[2] == IncidentAction.HALT  # the halting step's own row
+    assert train_records(run_dir)[-1]["skipped"] and train_records(run_dir)[-1]["iter"] == skips[-1]["iter"]
+    halting = [r for r in SkipLedger.load(RunDir(run_dir).ledger).ranges if r.iteration == skips[-1]["iter"]]
+    assert halting, "the halting step is in the skip ledger"
 
 
 class DamageTheFirstRollbackTarget(TrainerCallback):
@@ -245,8 +250,12 @@ def test_incidents_command_prints_the_table_and_json(corpus, tmp_path, capsys):
     assert report["iter"] == 20 and math.isfinite(report["signals"][0]["loss"])
     assert main(["incidents", str(tmp_path / "missing")]) == 1
     assert "does not exist" in capsys.readouterr().err
+    assert main(["incidents", str(tmp_path / "missing")]) == 1 and capsys.readouterr()
+    # Without its report the incident is still known from its events: a watched row, not "no incidents".
     shutil.rmtree(RunDir(run_dir).incidents)
-    assert main(["incidents", str(run_dir)]) == 0 and "no incidents" in capsys.readouterr().out
+    assert main(["incidents", str(run_dir)]) == 0
+    (row,) = capsys.readouterr().out.splitlines()[1:]
+    assert row.split()[:4] == ["20", "19", "watched", "nonfinite"] and "no step refused" in row
 
 
 # Every drill in one run, each fault on rank 1 only under FSDP: the global loss and gradient norm

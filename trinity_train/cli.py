@@ -106,13 +106,13 @@ def cmd_ckpt(args: argparse.Namespace) -> int:
 
 def cmd_incidents(args: argparse.Namespace) -> int:
     from trinity_train.rundir import RunDir
-    from trinity_train.stability.incidents import format_table, read_incidents
+    from trinity_train.stability.incidents import format_table, incident_rows
 
     run = RunDir(args.run_dir)
     if (problem := run.not_a_run()) is not None:
         raise DataError(f"RUN_DIR {problem}: pass the run's run.dir")
-    reports = read_incidents(run)
-    print(json.dumps(reports, indent=2) if args.json else format_table(reports))
+    rows = incident_rows(run)
+    print(json.dumps(rows, indent=2) if args.json else format_table(rows))
     return 0
 
 

@@ -75,6 +75,7 @@ class Verdict:
     onset_iter: int | None = None  # the open incident's onset, if any
     onset_step: int | None = None
     events: tuple[dict, ...] = field(default=(), compare=False)  # incident_open/close, routing_collapse
+    halt: str = ""  # why this skip ends the run (`max_consecutive_skips`), once it is recorded
 
 
 def _at_least(z: float | None, threshold: float) -> bool:
@@ -135,8 +136,10 @@ class StepGuard:
     def judge(self, loss: float, grad_norm: float, iteration: int, steps_applied: int,
               tokens_per_expert=None) -> Verdict:
         """The verdict for one step (`steps_applied` optimizer steps came before it;
-        `tokens_per_expert` [MoE layers, experts], global, or None to not judge routing); raises
-        TrainingDivergedError after `max_consecutive_skips` skips in a row."""
+        `tokens_per_expert` [MoE layers, experts], global, or None to not judge routing). The
+        `max_consecutive_skips`-th skip in a row carries `halt`, the reason the run stops: the
+        step is recorded like any skip (record, event, ledger, incident report), then the run
+        raises TrainingDivergedError with it."""
         cfg = self.cfg
         finite = math.isfinite(loss) and math.isfinite(grad_norm)
         judging = steps_applied >= self.warmup_steps
@@ -163,20 +166,20 @@ class StepGuard:
                     self.loss.add(loss, steps_applied)
                 if not grad_odd:
                     self.grad_norm.add(grad_norm, steps_applied)
-        else:
+        halt = ""
+        if not apply:
             self.consecutive_skips += 1
             if self.consecutive_skips >= cfg.max_consecutive_skips:
-                raise TrainingDivergedError(
-                    f"training diverged: {self.consecutive_skips} steps in a row were skipped (last at "
-                    f"iteration {iteration}, reason: {reason}; stability.max_consecutive_skips); lower "
-                    "optim.lr or train.grad_clip and resume with --checkpoint.resume=auto, or resume from "
-                    "an earlier checkpoint with --checkpoint.resume=PATH")
+                halt = (f"training diverged: {self.consecutive_skips} steps in a row were skipped (last at "
+                        f"iteration {iteration}, reason: {reason}; stability.max_consecutive_skips); lower "
+                        "optim.lr or train.grad_clip and resume with --checkpoint.resume=auto, or resume from "
+                        "an earlier checkpoint with --checkpoint.resume=PATH")
         incident = self.incident
         unrecovered = max(self.consecutive_skips, incident.skips if incident else 0)
         return Verdict(apply, reason, loss_z, grad_z,
-                       rollback=not apply and 0 < cfg.rollback_after <= unrecovered,
+                       rollback=not apply and not halt and 0 < cfg.rollback_after <= unrecovered,
                        onset_iter=incident.onset_iter if incident else None,
-                       onset_step=incident.onset_step if incident else None, events=tuple(events))
+                       onset_step=incident.onset_step if incident else None, events=tuple(events), halt=halt)
 
     def _follow_incident(self, iteration: int, steps_applied: int, signal: tuple[str, float | None],
                          skipped: bool, abnormal: bool) -> list[dict]:

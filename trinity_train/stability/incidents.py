@@ -4,7 +4,9 @@ A report (`<run.dir>/incidents/XXXXXXXX.json`, named by its iteration; the forma
 docs/CONTRACT.md) says what the guard saw (the signals and z-scores of the steps before it), where
 in the model the gradient was (per-layer norms of the offending step), which data it came from
 (global batch indices, datasets, shards, documents, first tokens), whether a fault drill caused
-it, and what the guard did. `trinity-train incidents RUN_DIR` prints them as a table.
+it, and what the guard did. `trinity-train incidents RUN_DIR` prints them as a table, with a
+`watched` row for each incident the guard opened without refusing a step (a z-score above
+`incident_zscore`, a routing collapse), which has no report: it is known from its events.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from pathlib import Path
 
 from trinity_train.errors import UserError
 from trinity_train.files import atomic_write_json, json_safe, read_json_object
-from trinity_train.records import ROLLBACK_OF, IncidentAction
+from trinity_train.records import ROLLBACK_OF, EventName, IncidentAction
 from trinity_train.rundir import RunDir
 
 SIGNAL_FIELDS = ("iter", "step", "loss", "grad_norm", "loss_z", "grad_norm_z", "skipped")
@@ -34,6 +36,26 @@ def write_incident(run: RunDir, report: dict) -> Path:
 def read_incidents(run: RunDir) -> list[dict]:
     """Every incident report of the run, in iteration order."""
     return [read_json_object(path, UserError, "incident report") for _, path in run.incident_files()]
+
+
+WATCHED = "watched"  # the table's action for an incident no step of which was refused
+
+
+def watched_incidents(events: list[dict], reports: list[dict]) -> list[dict]:
+    """The incidents the guard opened (`incident_open` events) that no report belongs to, as
+    rows for the table: onset iteration and step, the signal as the reason, its z, and the
+    iteration that closed it (None: still open)."""
+    reported = {r.get("onset_iter") for r in reports} | {r["iter"] for r in reports}
+    closed = {e.get("onset_iter"): e.get("iter") for e in events if e.get("event") == EventName.INCIDENT_CLOSE}
+    return [{"iter": e["iter"], "step": e.get("step"), "action": WATCHED, "reason": e.get("signal"), "z": e.get("z"),
+             "closed_iter": closed.get(e["iter"])}
+            for e in events if e.get("event") == EventName.INCIDENT_OPEN and e.get("iter") not in reported]
+
+
+def incident_rows(run: RunDir) -> list[dict]:
+    """Every incident of the run in iteration order: its reports and its watched incidents."""
+    reports = read_incidents(run)
+    return sorted(reports + watched_incidents(run.read_events(), reports), key=lambda r: r["iter"])
 
 
 def _number(value, fmt: str) -> str:
@@ -59,13 +81,20 @@ def _data(report: dict) -> str:
 
 
 def format_table(reports: list[dict]) -> str:
-    """One line per incident: iteration, step, action, reason, signals, z-scores, drill, data."""
+    """One line per incident (`incident_rows`): iteration, step, action, reason, signals, z-scores,
+    drill, data."""
     if not reports:
         return "no incidents"
     header = f"{'iter':>7} {'step':>6}  {'action':<14} {'reason':<12} {'loss':>9} {'loss z':>7} " \
              f"{'grad norm':>10} {'grad z':>7}  {'drill':<14} data"
     lines = [header]
     for r in reports:
+        if r["action"] == WATCHED:
+            z = "" if r.get("z") is None else f"z {r['z']:.1f}, "
+            until = "still open" if r.get("closed_iter") is None else f"closed at iteration {r['closed_iter']}"
+            lines.append(f"{r['iter']:>7} {_number(r.get('step'), '6')}  {WATCHED:<14} {r.get('reason') or '-':<12} "
+                         f"{'-':>9} {'-':>7} {'-':>10} {'-':>7}  {'-':<14} {z}{until}, no step refused")
+            continue
         current = next((s for s in reversed(r.get("signals") or []) if s.get("iter") == r["iter"]), {})
         drill = ",".join(f["fault"] for f in r.get("drill") or []) or "-"
         action = r["action"]

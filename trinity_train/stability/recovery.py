@@ -99,8 +99,12 @@ class Recovery:
     def respond(self, result: Any, batch_index: int, recorder: Recorder) -> dict | None:
         """After a skipped step: roll back if the guard asks for it, and write the iteration's
         incident report; returns the rollback event, or None when the step was only skipped.
-        Raises TrainingDivergedError (after writing a `halt` report) when rollbacks are spent."""
+        Raises TrainingDivergedError (after writing a `halt` report) when the guard halts the run
+        (too many skips in a row) or the rollbacks are spent."""
         rollback, streak, step = None, list(self.skip_streak), self.state.step
+        if result.verdict.halt:
+            self._report_incident(result, batch_index, step, IncidentAction.HALT, streak)
+            raise TrainingDivergedError(result.verdict.halt)
         if result.verdict.rollback:
             try:
                 rollback = self._roll_back(result, batch_index, recorder)
