@@ -81,6 +81,7 @@ def shipped_training_configs() -> list[Path]:
 SHARED_SESSION_GROUPS = {"test_parallel_equivalence": "layouts", "test_layer_stats_parallel": "layouts"}
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the groups into the node ids
 def pytest_collection_modifyitems(config, items):
     """Under pytest-xdist (`scripts/test.sh` runs two workers, `--dist loadgroup`), every test file
     is one unit of work, so that its module fixtures are built once, in one worker; the files
