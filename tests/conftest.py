@@ -76,27 +76,13 @@ def shipped_training_configs() -> list[Path]:
     return sorted(p for p in CONFIGS.rglob("*.toml") if "variants" not in tomllib.loads(p.read_text()))
 
 
-# Test files that share a session fixture, which must therefore run in one xdist worker (each
-# worker has its own session): the layout matrix trained once for both (`layout_runs`).
-SHARED_SESSION_GROUPS = {"test_parallel_equivalence": "layouts", "test_layer_stats_parallel": "layouts"}
-
-
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the groups into the node ids
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
-    """Under pytest-xdist (`scripts/test.sh` runs two workers, `--dist loadgroup`), every test file
-    is one unit of work, so that its module fixtures are built once, in one worker; the files
-    holding slow tests and the layout matrix go first, so that the last unit to finish is a
-    short one."""
-    def weight(item) -> int:
-        group = SHARED_SESSION_GROUPS.get(item.module.__name__)
-        return 0 if group else 1 if item.get_closest_marker("slow") else 2
-
-    heaviest = {}
-    for item in items:
-        heaviest[item.module.__name__] = min(heaviest.get(item.module.__name__, 2), weight(item))
-        item.add_marker(pytest.mark.xdist_group(SHARED_SESSION_GROUPS.get(item.module.__name__,
-                                                                          item.module.__name__)))
-    items.sort(key=lambda item: heaviest[item.module.__name__])  # stable: file order kept within
+    """Files holding slow tests go first: under pytest-xdist (`scripts/test.sh` runs two workers,
+    `--dist loadfile`, so that a file's module fixtures are built once, in one worker) the last
+    file to finish is then a short one."""
+    slow = {item.module.__name__ for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.module.__name__ not in slow)  # stable: file order kept within
 
 
 @pytest.fixture(scope="session")
@@ -213,20 +199,3 @@ def rank_pool():
     yield get
     for pool in pools.values():
         pool.close()
-
-
-@pytest.fixture(scope="session")
-def layout_runs(corpus, tmp_path_factory, rank_pool) -> dict:
-    """Every layout of the matrix and its single-process references, trained once
-    (`tests/layout_runs.py`): {"references": {block: run}, 2: [rank results], 4: [...]}, each rank's
-    result being {layout: run}."""
-    from layout_runs import COMMON, recorded
-    from trinity_train.train import Trainer
-
-    root = tmp_path_factory.mktemp("layouts")
-    references = {block: recorded(Trainer(layout_config(corpus, root / block,
-                                                        merge_sections(COMMON, {"model": {"block": block}}), 1)))
-                  for block in LAYOUT_BLOCKS}
-    return {"references": references,
-            2: rank_pool(2).run(run_layouts, corpus, root / "two", TWO_RANK_LAYOUTS, recorded, COMMON),
-            4: rank_pool(4).run(run_layouts, corpus, root / "four", FOUR_RANK_LAYOUTS, recorded, COMMON)}

@@ -1,11 +1,11 @@
-"""The parallel-layout matrix, trained once per test session for every test that compares it.
+"""The parallel-layout matrix, trained once for every check that compares it.
 
-`tests/test_parallel_equivalence.py` (losses, gradient norms, parameters, expert biases) and
-`tests/test_layer_stats_parallel.py` (the `"layers"` records) assert on the same runs: each
-layout of conftest's TWO_RANK_LAYOUTS / FOUR_RANK_LAYOUTS and a single-process reference per block
-variant, three AdamW steps (`layout_config`) with layer statistics on every step. Training them
-once for both halves the suite's largest cost. `recorded(trainer)` is what every rank keeps of
-its run.
+`tests/test_parallel_equivalence.py` asserts on the losses, gradient norms, parameters, expert
+biases and `"layers"` records of the same runs: each layout of conftest's TWO_RANK_LAYOUTS /
+FOUR_RANK_LAYOUTS and a single-process reference per block variant, three AdamW steps
+(`layout_config`) with layer statistics on every step. Training them once for all of it (they
+were trained twice, in two files) halves the suite's largest cost. `recorded(trainer)` is what
+every rank keeps of its run.
 """
 
 from __future__ import annotations

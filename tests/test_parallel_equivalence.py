@@ -1,14 +1,22 @@
 """Every parallel layout trains like one process does, through the real Trainer (the issue's
-acceptance): three AdamW steps (trained once per session for this file and the layer-statistics
-tests: `tests/layout_runs.py`) on the same global batches give the same losses and gradient norms
-(rel <= 1e-5), the same parameters (<= 1e-4) and the same, rank-identical expert biases.
+acceptance): three AdamW steps on the same global batches give the same losses and gradient norms
+(rel <= 1e-5), the same parameters (<= 1e-4), the same, rank-identical expert biases, and the
+same layer statistics. Each layout is trained once for all of these checks (`tests/layout_runs.py`).
 
 Layouts (conftest.py): FSDP 2, TP 2, EP 2 on two gloo ranks; HSDP 2x2, TP 2 x FSDP 2, EP 2 x FSDP 2
 (ep taken from dp_shard=4) and TP 2 x EP 2 (with activation checkpointing) on four; and TP 2 for
 the block variants whose norms TP treats specially (NormFormer's width and head norms, Gemma 3's
 (1 + g) norms). The global batch is 4 sequences everywhere (grad_accum makes up for fewer
-data-parallel ranks), so every run reads exactly the same tokens. The sharded initialisation is checked too:
-bit-identical to the single process's.
+data-parallel ranks), so every run reads exactly the same tokens. The sharded initialisation is
+checked too: bit-identical to the single process's.
+
+Layer statistics are global: under every layout the Trainer's `"layers"` records (on each of the
+three steps) equal those of one process, and every rank computes the same record. Tolerance:
+relative 1e-5 on every float. The first step starts from bit-identical weights, so only the
+summation order differs (float32 noise, ~1e-7); the later ones start from weights AdamW steps apart
+by about as much. Token counts per expert, experts without tokens and the MoE layer list are
+compared exactly (the excess kurtosis as the kurtosis, since it lies near 0), and the ranks of one
+run must agree bit for bit (every value comes out of the same all-reduces).
 """
 
 from __future__ import annotations
@@ -16,8 +24,27 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import FOUR_RANK_LAYOUTS, LAYOUT_BLOCKS, TWO_RANK_LAYOUTS, layout_block
-from layout_runs import STEPS
+from conftest import (FOUR_RANK_LAYOUTS, LAYOUT_BLOCKS, TWO_RANK_LAYOUTS, layout_block, layout_config,
+                      merge_sections, run_layouts)
+from helpers import assert_values_close
+from layout_runs import COMMON, STEPS, recorded
+from trinity_train.train import Trainer
+
+pytestmark = pytest.mark.slow  # every layout on 2 and 4 gloo ranks: the suite's largest fixture
+
+
+@pytest.fixture(scope="module")
+def layout_runs(corpus, tmp_path_factory, rank_pool) -> dict:
+    """Every layout of the matrix and its single-process references, trained once
+    (`tests/layout_runs.py`): {"references": {block: run}, 2: [rank results], 4: [...]}, each rank's
+    result being {layout: run}."""
+    root = tmp_path_factory.mktemp("layouts")
+    references = {block: recorded(Trainer(layout_config(corpus, root / block,
+                                                        merge_sections(COMMON, {"model": {"block": block}}), 1)))
+                  for block in LAYOUT_BLOCKS}
+    return {"references": references,
+            2: rank_pool(2).run(run_layouts, corpus, root / "two", TWO_RANK_LAYOUTS, recorded, COMMON),
+            4: rank_pool(4).run(run_layouts, corpus, root / "four", FOUR_RANK_LAYOUTS, recorded, COMMON)}
 
 
 def assert_matches_reference(ranks: list[dict], layout: str, references: dict) -> None:
@@ -54,3 +81,41 @@ def test_two_rank_layout_matches_one_process(layout_runs, layout):
 @pytest.mark.parametrize("layout", list(FOUR_RANK_LAYOUTS))
 def test_four_rank_layout_matches_one_process(layout_runs, layout):
     assert_matches_reference(layout_runs[4], layout, layout_runs["references"])
+
+
+# ---------------------------------------------------------------------------- layer statistics
+
+TOLERANCE = 1e-5
+
+
+def with_kurtosis(record: dict) -> dict:
+    """The excess kurtosis as the kurtosis (+3): a relative tolerance on a value near 0 would ask
+    for more digits than float32 activations carry."""
+    return {**record, "act_kurtosis": [k + 3.0 for k in record["act_kurtosis"]]}
+
+
+def assert_like_one_process(ranks: list[dict], layout: str, references: dict) -> None:
+    ours = ranks[0][layout]["layer_stats"]
+    assert len(ours) == STEPS and all(r is not None for r in ours)
+    for rank, results in enumerate(ranks[1:], start=1):
+        assert results[layout]["layer_stats"] == ours, f"{layout}: rank {rank} computed another record"
+    want_records = references[layout_block(layout)]["layer_stats"]
+    for step, (got, want) in enumerate(zip(ours, want_records), start=1):
+        for key in ("moe_layers", "tokens_per_expert", "experts_without_tokens"):
+            assert got[key] == want[key], f"{layout} step {step}: {key}"
+        assert_values_close(with_kurtosis(got), with_kurtosis(want), TOLERANCE, path=f"{layout} step {step}")
+
+
+def test_reference_records_are_complete(layout_runs):
+    for block, run in layout_runs["references"].items():
+        first = run["layer_stats"][0]
+        assert None not in first["attn_post_rms"]  # every block of LAYOUT_BLOCKS has one
+        assert (None in first["ffn_post_rms"]) == (block == "normformer")
+        assert all(v > 0 for v in first["grad_norm_attn"] + first["grad_norm_ffn"] + first["residual_rms"])
+        assert sum(map(sum, first["tokens_per_expert"])) > 0
+
+
+@pytest.mark.parametrize("layout", [*TWO_RANK_LAYOUTS, *FOUR_RANK_LAYOUTS])
+def test_layout_gives_the_single_process_statistics(layout_runs, layout):
+    world = 2 if layout in TWO_RANK_LAYOUTS else 4
+    assert_like_one_process(layout_runs[world], layout, layout_runs["references"])
