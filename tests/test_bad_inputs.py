@@ -183,6 +183,7 @@ def test_a_full_disk_under_the_metrics_is_one_line(corpus, capsys, tmp_path, mon
     assert_one_line_error(code, err, 1, "could not write", "events.jsonl': no space left on the disk holding")
 
 
+@pytest.mark.slow  # a run, then two console-script resumes
 def test_a_corrupt_dcp_metadata_is_one_line(corpus, capsys, tmp_path):
     run_dir = tmp_path / "run"
     config = config_file(corpus, tmp_path, run_dir)

@@ -31,6 +31,7 @@ def test_a_run_directory_holding_another_run_is_refused(tmp_path):
                           "train.steps: 10 -> 20", "--checkpoint.resume=auto")
 
 
+@pytest.mark.slow  # three console-script processes
 def test_missing_or_broken_checkpoints_exit_1(tmp_path):
     assert_fails_in_one_line(run_cli("ckpt", "verify", "nowhere", cwd=tmp_path), 1, "checkpoint 'nowhere' does not exist")
     (tmp_path / "half").mkdir()

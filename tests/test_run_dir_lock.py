@@ -80,6 +80,7 @@ def assert_whole(run_dir):
         check_integrity(path)
 
 
+@pytest.mark.slow  # two console-script runs on one directory
 def test_two_runs_started_together_on_one_directory(config_file, tmp_path):
     gate = tmp_path / "gate"
     with ThreadPoolExecutor(2) as pool:
@@ -92,6 +93,7 @@ def test_two_runs_started_together_on_one_directory(config_file, tmp_path):
     assert_whole(tmp_path / "run")
 
 
+@pytest.mark.slow  # two console-script runs on one directory
 def test_a_run_started_on_the_directory_of_a_running_one(config_file, tmp_path):
     gate, run = tmp_path / "gate", RunDir(tmp_path / "run")
     with ThreadPoolExecutor(1) as pool:

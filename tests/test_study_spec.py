@@ -122,6 +122,7 @@ def test_a_bad_study_file_is_one_line_before_anything_runs(corpus, tmp_path, key
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow  # several ablate processes
 def test_a_bad_base_config_or_study_path_is_one_line(corpus, tmp_path):
     write_base(corpus, tmp_path, train={"stepz": 3})
     result = ablate("--study", write_study(tmp_path), "--out", tmp_path / "out", cwd=tmp_path)
