@@ -237,7 +237,8 @@ def test_routing_collapse_over_m_steps_in_a_row_is_an_event_naming_the_layer():
     (closed,) = events(verdicts, EventName.INCIDENT_CLOSE)  # open while it lasts, then calm_steps
     assert closed["iter"] == 10
     # Either threshold alone: a busy expert without a dead one, or a dead one without a busy one.
-    assert events(judge_routing(v3_guard(routing_steps=1), [[[52, 4, 4, 4]]]), EventName.ROUTING_COLLAPSE)
+    assert events(judge_routing(v3_guard(routing_steps=1, routing_max_load=3.0), [[[52, 4, 4, 4]]]),
+                  EventName.ROUTING_COLLAPSE)
     assert not events(judge_routing(v3_guard(routing_steps=1, routing_dead_experts=0, routing_max_load=0),
                                     [[[64, 0, 0, 0]]]), EventName.ROUTING_COLLAPSE)
 
