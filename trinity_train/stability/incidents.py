@@ -15,7 +15,7 @@ from pathlib import Path
 
 from trinity_train.errors import UserError
 from trinity_train.files import atomic_write_json, json_safe, read_json_object
-from trinity_train.records import ROLLBACK_OF, EventName, IncidentAction
+from trinity_train.records import ROLLBACK_OF, EventName, IncidentAction, named
 from trinity_train.rundir import RunDir
 
 SIGNAL_FIELDS = ("iter", "step", "loss", "grad_norm", "loss_z", "grad_norm_z", "skipped")
@@ -46,10 +46,10 @@ def watched_incidents(events: list[dict], reports: list[dict]) -> list[dict]:
     rows for the table: onset iteration and step, the signal as the reason, its z, and the
     iteration that closed it (None: still open)."""
     reported = {r.get("onset_iter") for r in reports} | {r["iter"] for r in reports}
-    closed = {e.get("onset_iter"): e.get("iter") for e in events if e.get("event") == EventName.INCIDENT_CLOSE}
+    closed = {e.get("onset_iter"): e.get("iter") for e in named(events, EventName.INCIDENT_CLOSE)}
     return [{"iter": e["iter"], "step": e.get("step"), "action": WATCHED, "reason": e.get("signal"), "z": e.get("z"),
              "closed_iter": closed.get(e["iter"])}
-            for e in events if e.get("event") == EventName.INCIDENT_OPEN and e.get("iter") not in reported]
+            for e in named(events, EventName.INCIDENT_OPEN) if e.get("iter") not in reported]
 
 
 def incident_rows(run: RunDir) -> list[dict]:
