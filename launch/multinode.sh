@@ -47,13 +47,49 @@ done
 
 source "$(dirname "$0")/restarts.sh"
 
-# An impossible layout for the whole job fails here, with one line, before anything starts.
-python -m trinity_train.parallel.preflight "$((nnodes * nproc))" ${train_args[@]+"${train_args[@]}"}
+# This node's side of the network: the address it advertises to the other nodes and the interface
+# gloo / NCCL bind to. torchrun otherwise advertises the machine's hostname, which another node may
+# not resolve or may resolve to an interface it cannot reach (pytorch#107021, #69197): the
+# rendezvous then completes and the workers hang connecting to each other. Both come from the
+# route to the head (the source address and device the kernel picks), unless NODE_ADDR,
+# GLOO_SOCKET_IFNAME or NCCL_SOCKET_IFNAME are set.
+head_ip="$head"
+if [[ ! "$head" =~ ^[0-9]+\.[0-9]+\.[0-9]+\.[0-9]+$ ]]; then
+    head_ip="$(getent ahostsv4 "$head" | awk 'NR == 1 {print $1}' || true)"
+    [[ -n "$head_ip" ]] || { echo "launch/multinode.sh: the head '$head' does not resolve to an address on this node ($(hostname)); give its IP address" >&2; exit 1; }
+fi
+route="$(ip -o route get "$head_ip" 2>&1)" || { echo "launch/multinode.sh: no route from this node ($(hostname)) to the head $head_ip:$port: ${route//$'\n'/ }" >&2; exit 1; }
+route_src="$(awk '{for (i = 1; i < NF; i++) if ($i == "src") print $(i + 1)}' <<<"$route" | head -n 1)"
+route_dev="$(awk '{for (i = 1; i < NF; i++) if ($i == "dev") print $(i + 1)}' <<<"$route" | head -n 1)"
+if [[ "$route_dev" == lo && "$head_ip" != 127.* ]]; then
+    # The head is this node: the interface is the one that holds the address, not loopback.
+    route_dev="$(ip -o addr show to "$head_ip" | awk 'NR == 1 {print $2}')"
+fi
+node_addr="${NODE_ADDR:-$route_src}"
+export GLOO_SOCKET_IFNAME="${GLOO_SOCKET_IFNAME:-$route_dev}" NCCL_SOCKET_IFNAME="${NCCL_SOCKET_IFNAME:-$route_dev}"
+
+# An impossible layout for the whole job fails here, with one line, before anything starts; it
+# also says how long joining may take (parallel.init_timeout_s).
+init_timeout="$(python -m trinity_train.parallel.preflight --print-init-timeout "$((nnodes * nproc))" ${train_args[@]+"${train_args[@]}"})"
+
+# A node other than the head waits for the head's rendezvous port, bounded by the init timeout,
+# and fails in one line when it never opens, instead of torchrun's long retries and traceback.
+if [[ "$node_rank" != 0 ]]; then
+    deadline=$(( SECONDS + ${init_timeout%.*} ))
+    until timeout 2 bash -c ": >/dev/tcp/$head_ip/$port" 2>/dev/null; do
+        if (( SECONDS >= deadline )); then
+            echo "launch/multinode.sh: the head $head_ip:$port did not answer from this node ($(hostname), $node_addr) within ${init_timeout%.*} s (parallel.init_timeout_s); is node 0 started, and are the address and port right?" >&2
+            exit 1
+        fi
+        sleep 1
+    done
+fi
+
 # Node 0 hosts the rendezvous store; saying so explicitly also works when several "nodes" share
 # one machine (tests, or a quick check on a workstation).
 is_host=$([[ "$node_rank" == 0 ]] && echo true || echo false)
 # A failed worker on any node restarts every node's workers (torchrun's re-rendezvous).
-exec torchrun --nnodes="$nnodes" --nproc-per-node="$nproc" --max-restarts="$max_restarts" \
-    --rdzv-backend=c10d --rdzv-endpoint="$head:$port" --rdzv-id="${RDZV_ID:-trinity-train}" \
-    --rdzv-conf="is_host=$is_host" \
+run_torchrun --nnodes="$nnodes" --nproc-per-node="$nproc" --max-restarts="$max_restarts" \
+    --rdzv-backend=c10d --rdzv-endpoint="$head_ip:$port" --rdzv-id="${RDZV_ID:-trinity-train}" \
+    --rdzv-conf="is_host=$is_host" --local-addr="$node_addr" \
     -m trinity_train.cli train ${train_args[@]+"${train_args[@]}"}

@@ -1,5 +1,6 @@
-# Sourced by the launchers: how torchrun restarts a failed job. Defines `max_restarts` and
-# `train_args` (the arguments with a launcher-level --max-restarts N / --max-restarts=N taken out).
+# Sourced by the launchers: how torchrun restarts a failed job. Defines `max_restarts`,
+# `train_args` (the arguments with a launcher-level --max-restarts N / --max-restarts=N taken out)
+# and `run_torchrun ARGS...`, which runs torchrun and ends the launcher with its outcome.
 #
 # When a worker dies (a crash, SIGKILL, a collective that times out), torchrun stops every worker
 # and starts them all again, up to max_restarts times (the MAX_RESTARTS environment variable, or
@@ -23,3 +24,31 @@ while [[ $# -gt 0 ]]; do
 done
 [[ "$max_restarts" =~ ^[0-9]+$ ]] || { echo "launcher: --max-restarts must be a number >= 0, got '$max_restarts'" >&2; exit 2; }
 export TORCH_DISABLE_SHARE_RDZV_TCP_STORE="${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}"
+
+# run_torchrun ARGS...: torchrun with ARGS, then exit with its status, except that a user mistake is
+# not restarted: a worker that meets one (a config the nodes disagree on, a checkpoint that does
+# not fit) leaves its exit code and one-line message in $TRINITY_LAUNCHER_VERDICT and exits 0
+# (trinity_train/launcher_verdict.py); the launcher prints the lowest rank's line and exits with its
+# code (2 configuration, 1 otherwise). Signals reach torchrun, which stops its workers.
+run_torchrun() {
+    local verdict status=0 pid
+    verdict="$(mktemp -d -t trinity-verdict.XXXXXX)"
+    trap 'rm -rf "$verdict"' EXIT
+    TRINITY_LAUNCHER_VERDICT="$verdict" torchrun "$@" &
+    pid=$!
+    trap 'kill -TERM "$pid" 2>/dev/null || true' TERM INT HUP
+    # `wait` returns early when a trapped signal arrives; wait again until torchrun has exited.
+    while true; do
+        wait "$pid" && status=0 || status=$?
+        kill -0 "$pid" 2>/dev/null || break
+    done
+    local first
+    first="$(find "$verdict" -name 'rank*' ! -name '*.tmp' | sort | head -n 1)"
+    if [[ -n "$first" ]]; then
+        local code message
+        IFS=$'\t' read -r code message <"$first"
+        echo "error: $message" >&2
+        exit "$code"
+    fi
+    exit "$status"
+}

@@ -19,7 +19,7 @@ LAYERS = [
     {"parallel", "checkpoint", "stability", "observe", "interop", "dashboard", "runlock"},
     {"model", "optim", "data"},
     {"config", "rundir", "columnar", "records", "callbacks"},
-    {"files", "rank_zero"},
+    {"files", "rank_zero", "launcher_verdict"},
     {"errors", "__init__"},
 ]
 SIDEWAYS = {

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from trinity_train.config import Config, default_config_path, validate
 from trinity_train.errors import DataError, UserError
+from trinity_train.launcher_verdict import hand_to_launcher
 from trinity_train.run_config import load_run_config
 
 
@@ -248,6 +249,8 @@ def main(argv: list[str] | None = None, callbacks: list | None = None) -> int:
         return run(argv, callbacks)
     except UserError as e:
         message = " ".join(str(e).split())  # one line, whatever the message holds
+        if hand_to_launcher(e.exit_code, message):  # under launch/: the launcher prints it once
+            return 0
         print(f"error: {message}", file=sys.stderr)
         return e.exit_code
     except OSError as e:  # a full or read-only disk under any write (metrics, events, configs)

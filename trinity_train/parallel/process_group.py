@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from trinity_train.config import Config
 from trinity_train.errors import ConfigError
+from trinity_train.parallel.config_agreement import require_same_config
 from trinity_train.parallel.mesh import ParallelDims
 
 
@@ -42,7 +43,8 @@ def init_distributed(cfg: Config) -> tuple[ParallelDims, torch.device]:
     """Check the layout against the world size, join the process group and build the mesh.
 
     The layout is checked before the process group starts, so a wrong one fails in every rank at
-    once with the same message instead of hanging in a collective.
+    once with the same message instead of hanging in a collective; right after joining, the
+    ranks check that they all run the same config.
     """
     dims = ParallelDims.from_config(cfg, world_size_from_env())
     device = resolve_device(cfg)
@@ -54,6 +56,7 @@ def init_distributed(cfg: Config) -> tuple[ParallelDims, torch.device]:
         backend = "nccl" if device.type == "cuda" else "gloo"
         dist.init_process_group(backend, device_id=device if device.type == "cuda" else None,
                                 timeout=datetime.timedelta(seconds=cfg.parallel.init_timeout_s))
+    require_same_config(cfg)  # before anything is built: every rank refuses a mismatch together
     dims.build_mesh(device.type)
     apply_collective_timeout(cfg.parallel.collective_timeout_s)
     return dims, device
