@@ -11,6 +11,7 @@
 #   launch/cluster.sh partition HOST       cut HOST's link (packets dropped, its sockets time out)
 #   launch/cluster.sh heal HOST            reconnect it
 #   launch/cluster.sh hosts                print "NAME ADDRESS" per host
+#   launch/cluster.sh slurm up|down        SLURM on the hosts (launch/cluster_slurm.sh)
 #   launch/cluster.sh down                 remove everything `up` made (idempotent; also after a crash)
 #
 # Network rule: every address is one the bed assigns inside namespaces it creates. The hosts have
@@ -159,6 +160,9 @@ cmd_heal() {
 
 cmd_down() {
     local name
+    # SLURM started on the bed (launch/cluster_slurm.sh) first: its jobs ended, its daemons stopped.
+    [[ ! -d "$state/slurm" ]] || TRINITY_CLUSTER_PREFIX="$prefix" TRINITY_CLUSTER_STATE="$state" \
+        "$(dirname "$0")/cluster_slurm.sh" down 2>/dev/null || true
     # Hosts of the state file and any namespace with the bed's names (a crash before the state
     # was written): processes first, then the namespace (which removes its links), hostname, files.
     local names
@@ -189,5 +193,6 @@ case "$command" in
     heal) cmd_heal "$@" ;;
     hosts) cmd_hosts ;;
     down) cmd_down ;;
-    *) code=2 die "usage: $me up N | exec HOST CMD ... | shape HOST [delay=D] [rate=R] [loss=P]|off | partition HOST | heal HOST | hosts | down" ;;
+    slurm) TRINITY_CLUSTER_PREFIX="$prefix" TRINITY_CLUSTER_STATE="$state" exec "$(dirname "$0")/cluster_slurm.sh" "$@" ;;
+    *) code=2 die "usage: $me up N | exec HOST CMD ... | shape HOST [delay=D] [rate=R] [loss=P]|off | partition HOST | heal HOST | hosts | slurm up|down | down" ;;
 esac
