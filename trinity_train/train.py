@@ -189,7 +189,8 @@ class Trainer:
         self.rundir = RunDir(self.run_dir)
         self.config_changes = check_run_dir(cfg, self.run_dir)
         self.checkpoints = CheckpointManager(self.run_dir, cfg.checkpoint,
-                                             protect_lookback=protected_lookback(cfg.stability))
+                                             protect_lookback=protected_lookback(cfg.stability),
+                                             collective_timeout_s=cfg.parallel.collective_timeout_s)
         self.resume_from = self.checkpoints.resume_path()
         if self.resume_from is not None:
             read_compatible_meta(self.resume_from, cfg)

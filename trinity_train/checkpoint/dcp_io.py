@@ -80,9 +80,11 @@ def save_failure(error: BaseException, path: Path) -> CheckpointError:
 _groups: dict[str, tuple[Any, Any]] = {}  # name -> (the world group it belongs to, the group)
 
 
-def side_group(name: str, timeout_s: float | None = None):
+def side_group(name: str, timeout_s: float | None):
     """The gloo group `name` ("async" or "commit") of the current process group, created on first
-    use (every rank reaches that together); None in one process."""
+    use (every rank reaches that together); None in one process. `timeout_s` is the job's
+    collective timeout (None: torch's 30 minutes): required, because the first caller fixes it for
+    the group's life, and a group made without it lets a frozen rank hang the others for 30 min."""
     if not dist.is_initialized():
         return None
     world = dist.group.WORLD
@@ -99,7 +101,7 @@ def save(state: dict[str, Any], path: Path) -> None:
         raise save_failure(e, path) from None
 
 
-def async_save(state: dict[str, Any], path: Path, timeout_s: float | None = None) -> Future:
+def async_save(state: dict[str, Any], path: Path, timeout_s: float | None) -> Future:
     """Starts writing after staging a copy of `state`, so training may change it right away."""
     try:
         return dcp.async_save(state, checkpoint_id=str(path), no_dist=_no_dist(),
@@ -108,7 +110,7 @@ def async_save(state: dict[str, Any], path: Path, timeout_s: float | None = None
         raise save_failure(e, path) from None
 
 
-def everyone(flag: bool, timeout_s: float | None = None) -> bool:
+def everyone(flag: bool, timeout_s: float | None) -> bool:
     """Whether `flag` holds on every rank (a collective on the commit group)."""
     group = side_group("commit", timeout_s)
     if group is None:
@@ -118,7 +120,7 @@ def everyone(flag: bool, timeout_s: float | None = None) -> bool:
     return bool(value.item())
 
 
-def gather_from_everyone(value: Any, timeout_s: float | None = None) -> list[Any]:
+def gather_from_everyone(value: Any, timeout_s: float | None) -> list[Any]:
     """Every rank's `value`, in rank order, on every rank."""
     group = side_group("commit", timeout_s)
     if group is None:

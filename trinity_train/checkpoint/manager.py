@@ -176,15 +176,17 @@ def _digests_when_written(written: Future, tmp_dir: Path) -> Future:
 
 
 class CheckpointManager:
-    def __init__(self, run_dir: Path, ckpt_cfg: CheckpointConfig, protect_lookback: int | None = None):
+    def __init__(self, run_dir: Path, ckpt_cfg: CheckpointConfig, protect_lookback: int | None = None,
+                 collective_timeout_s: float | None = None):
         """`protect_lookback`: retention keeps, besides the newest `keep`, the newest checkpoint at
         least this many steps older than the latest save (the one a rollback would restore) and
-        the ones younger than that (the targets of later rollbacks)."""
+        the ones younger than that (the targets of later rollbacks). `collective_timeout_s`
+        (parallel.collective_timeout_s) bounds every collective of the checkpoint's side groups."""
         self.checkpoints_dir = RunDir(run_dir).checkpoints
         self.cfg = ckpt_cfg
         self.protect_lookback = protect_lookback
         self._pending: _PendingSave | None = None
-        self._timeout_s: float | None = None
+        self._timeout_s = collective_timeout_s
         # (path, reason) of each damaged checkpoint `resume_path` passed over, newest first.
         self.passed_over: list[tuple[Path, str]] = []
         self._soundness = SoundnessCache()
@@ -237,7 +239,7 @@ class CheckpointManager:
         decides). After a torchrun restart (TORCHELASTIC_RESTART_COUNT > 0 on any rank; torchrun
         counts per node) the newest sound checkpoint of the run wins over `checkpoint.resume`, so
         a restarted job continues where it got to instead of starting over."""
-        restarted = max(dcp_io.gather_from_everyone(torchrun_restart_count())) > 0
+        restarted = max(dcp_io.gather_from_everyone(torchrun_restart_count(), self._timeout_s)) > 0
         path, self.passed_over = decided_by_rank_zero(lambda: self._select(restarted))
         return path
 
