@@ -7,7 +7,9 @@
 # Positional values win; missing ones come from the environment: NNODES, NODE_RANK,
 # MASTER_ADDR, MASTER_PORT (default 29500), NPROC_PER_NODE (default: the visible GPUs, else 1),
 # RDZV_ID (default "trinity-train"; give each concurrent job its own), MAX_RESTARTS (default 3,
-# see launch/restarts.sh). Under SLURM, NNODES and NODE_RANK default to SLURM_JOB_NUM_NODES and
+# see launch/restarts.sh), NODE_ADDR (the address this node advertises; default: the source address
+# of its route to the head), RDZV_LAST_CALL_S (elastic NNODES=MIN:MAX: how long a rendezvous that
+# has MIN nodes waits for more, default 30). Under SLURM, NNODES and NODE_RANK default to SLURM_JOB_NUM_NODES and
 # SLURM_NODEID.
 #
 # The nodes meet at a c10d rendezvous on HEAD_ADDR:PORT, hosted by node 0 (its torchrun serves
@@ -39,11 +41,17 @@ else
     port="${MASTER_PORT:-29500}"
 fi
 
-for pair in "NNODES:$nnodes" "NODE_RANK:$node_rank" "NPROC_PER_NODE:$nproc" "PORT:$port"; do
+# NNODES may be a range MIN:MAX (elastic): the job runs on as many nodes as are up, at least MIN;
+# a lost node's share is taken over by the rest and a node that comes back joins at the next
+# rendezvous. The ranks keep train.global_batch_size's batches (set it for elastic jobs).
+min_nodes="${nnodes%%:*}"
+max_nodes="${nnodes##*:}"
+for pair in "NNODES:$min_nodes" "NNODES:$max_nodes" "NODE_RANK:$node_rank" "NPROC_PER_NODE:$nproc" "PORT:$port"; do
     [[ "${pair#*:}" =~ ^[0-9]+$ ]] || { echo "launch/multinode.sh: ${pair%%:*} is missing or not a number" >&2; echo "$usage" >&2; exit 2; }
 done
 [[ -n "$head" ]] || { echo "launch/multinode.sh: the head address is missing (HEAD_ADDR or MASTER_ADDR)" >&2; echo "$usage" >&2; exit 2; }
-(( node_rank < nnodes )) || { echo "launch/multinode.sh: NODE_RANK=$node_rank must be below NNODES=$nnodes" >&2; exit 2; }
+(( min_nodes >= 1 && min_nodes <= max_nodes )) || { echo "launch/multinode.sh: NNODES=$nnodes: a range must be MIN:MAX with 1 <= MIN <= MAX" >&2; exit 2; }
+(( node_rank < max_nodes )) || { echo "launch/multinode.sh: NODE_RANK=$node_rank must be below NNODES=$max_nodes" >&2; exit 2; }
 
 source "$(dirname "$0")/restarts.sh"
 
@@ -70,7 +78,10 @@ export GLOO_SOCKET_IFNAME="${GLOO_SOCKET_IFNAME:-$route_dev}" NCCL_SOCKET_IFNAME
 
 # An impossible layout for the whole job fails here, with one line, before anything starts; it
 # also says how long joining may take (parallel.init_timeout_s).
-init_timeout="$(python -m trinity_train.parallel.preflight --print-init-timeout "$((nnodes * nproc))" ${train_args[@]+"${train_args[@]}"})"
+init_timeout="$(python -m trinity_train.parallel.preflight --print-init-timeout "$((max_nodes * nproc))" ${train_args[@]+"${train_args[@]}"})"
+if (( min_nodes < max_nodes )); then
+    python -m trinity_train.parallel.preflight "$((min_nodes * nproc))" ${train_args[@]+"${train_args[@]}"}
+fi
 
 # A node other than the head waits for the head's rendezvous port, bounded by the init timeout,
 # and fails in one line when it never opens, instead of torchrun's long retries and traceback.
@@ -91,5 +102,5 @@ is_host=$([[ "$node_rank" == 0 ]] && echo true || echo false)
 # A failed worker on any node restarts every node's workers (torchrun's re-rendezvous).
 run_torchrun --nnodes="$nnodes" --nproc-per-node="$nproc" --max-restarts="$max_restarts" \
     --rdzv-backend=c10d --rdzv-endpoint="$head_ip:$port" --rdzv-id="${RDZV_ID:-trinity-train}" \
-    --rdzv-conf="is_host=$is_host" --local-addr="$node_addr" \
+    --rdzv-conf="is_host=$is_host,last_call_timeout=${RDZV_LAST_CALL_S:-30}" --local-addr="$node_addr" \
     -m trinity_train.cli train ${train_args[@]+"${train_args[@]}"}

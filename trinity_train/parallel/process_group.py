@@ -56,9 +56,13 @@ def init_distributed(cfg: Config) -> tuple[ParallelDims, torch.device]:
         backend = "nccl" if device.type == "cuda" else "gloo"
         dist.init_process_group(backend, device_id=device if device.type == "cuda" else None,
                                 timeout=datetime.timedelta(seconds=cfg.parallel.init_timeout_s))
-    require_same_config(cfg)  # before anything is built: every rank refuses a mismatch together
-    dims.build_mesh(device.type)
-    apply_collective_timeout(cfg.parallel.collective_timeout_s)
+    try:
+        require_same_config(cfg)  # before anything is built: every rank refuses a mismatch together
+        dims.build_mesh(device.type)
+        apply_collective_timeout(cfg.parallel.collective_timeout_s)
+    except BaseException:
+        destroy_distributed()  # a process leaving with gloo's threads alive aborts (see there)
+        raise
     return dims, device
 
 

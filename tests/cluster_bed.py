@@ -1,0 +1,140 @@
+"""The cluster bed (`launch/cluster.sh`) from Python, for the multi-node tests and benchmark.
+
+`ClusterBed` makes N namespace hosts, starts launchers on them, cuts and shapes their links, and
+always takes everything down (`with ClusterBed(...)`, or `down()` in a `finally`). Each bed has its
+own name prefix and /24 so that beds of several test files or a user's rehearsal never meet.
+`bed_unavailable()` says why a bed cannot be made here (not root, no iproute2); CI must have one.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "launch" / "cluster.sh"
+
+
+def bed_unavailable() -> str | None:
+    """Why no bed can be made on this machine, or None."""
+    if os.geteuid() != 0:
+        return "the cluster bed needs root (network namespaces)"
+    missing = [tool for tool in ("ip", "tc", "nsenter", "unshare") if shutil.which(tool) is None]
+    if missing:
+        return f"the cluster bed needs {', '.join(missing)} (apt-get install -y iproute2 util-linux)"
+    return None
+
+
+class ClusterBed:
+    """N hosts `<prefix>node0..` at `<subnet>.1..`; see launch/cluster.sh."""
+
+    def __init__(self, hosts: int, prefix: str, subnet: str, env: dict | None = None):
+        self.count = hosts
+        self.prefix = prefix
+        self.subnet = subnet
+        self.env = {**(env or os.environ), "TRINITY_CLUSTER_PREFIX": prefix,
+                    "TRINITY_CLUSTER_SUBNET": subnet}
+        self.procs: list[subprocess.Popen] = []
+
+    def host(self, index: int) -> str:
+        return f"{self.prefix}node{index}"
+
+    def addr(self, index: int) -> str:
+        return f"{self.subnet}.{index + 1}"
+
+    def _script(self, *args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+        return subprocess.run([str(SCRIPT), *args], env=self.env, capture_output=True, text=True,
+                              timeout=timeout)
+
+    def up(self) -> "ClusterBed":
+        self.down()  # a bed a crashed run left behind
+        done = self._script("up", str(self.count))
+        if done.returncode != 0:
+            raise RuntimeError(f"cluster.sh up failed: {done.stderr.strip()}")
+        return self
+
+    def down(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                pass
+        self.procs.clear()
+        self._script("down")
+
+    def __enter__(self) -> "ClusterBed":
+        return self.up()
+
+    def __exit__(self, *exc) -> None:
+        self.down()
+
+    def run(self, index: int, *cmd: str, timeout: float = 60, env: dict | None = None) -> subprocess.CompletedProcess:
+        return subprocess.run([str(SCRIPT), "exec", self.host(index), *cmd], env={**self.env, **(env or {})},
+                              cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+
+    def start(self, index: int, *cmd: str, log: Path, env: dict | None = None) -> subprocess.Popen:
+        """CMD on host `index` in the background (its own process group), output to `log`."""
+        with open(log, "w") as out:
+            proc = subprocess.Popen([str(SCRIPT), "exec", self.host(index), *cmd], env={**self.env, **(env or {})},
+                                    cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        self.procs.append(proc)
+        return proc
+
+    def pids(self, index: int) -> list[int]:
+        """Every process in host `index`'s network namespace."""
+        done = subprocess.run(["ip", "netns", "pids", self.host(index)], capture_output=True, text=True)
+        return [int(p) for p in done.stdout.split()]
+
+    def kill_host(self, index: int) -> None:
+        """A node lost: every process of host `index` SIGKILLed at once."""
+        for pid in self.pids(index):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    def partition(self, index: int) -> None:
+        self._check(self._script("partition", self.host(index)))
+
+    def heal(self, index: int) -> None:
+        self._check(self._script("heal", self.host(index)))
+
+    def shape(self, index: int, *settings: str) -> subprocess.CompletedProcess:
+        return self._script("shape", self.host(index), *settings)
+
+    @staticmethod
+    def _check(done: subprocess.CompletedProcess) -> None:
+        if done.returncode != 0:
+            raise RuntimeError(done.stderr.strip())
+
+
+def leftovers(prefix: str) -> list[str]:
+    """What a bed with `prefix` left behind: namespaces, hosts files, its state directory."""
+    found = []
+    names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split("\n")
+    found += [f"netns {n.split()[0]}" for n in names if n.strip() and n.split()[0].startswith(prefix)]
+    netns_etc = Path("/etc/netns")
+    if netns_etc.is_dir():
+        found += [f"/etc/netns/{p.name}" for p in netns_etc.iterdir() if p.name.startswith(prefix)]
+    state = Path(f"/run/trinity-cluster-{prefix}")
+    if state.exists():
+        found.append(str(state))
+    return found
+
+
+def wait_for(predicate, timeout: float, interval: float = 0.5, what: str = "condition"):
+    """Poll `predicate` until it returns something truthy, at most `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise TimeoutError(f"{what} not reached within {timeout:.0f} s")

@@ -1,0 +1,305 @@
+"""Multi-node across real network stacks: two hosts of the cluster bed (`launch/cluster.sh`,
+namespaces joined by a bridge, each with its own hostname and address), each running
+`launch/multinode.sh` as a user would on a node, gloo ranks training the default model.
+
+Traffic goes only to the bed's own addresses (10.216.0.0/24 inside namespaces that have no route
+out). Every wait is bounded; the bed is taken down after the module, whatever happened. Without
+root or iproute2 the tests skip with the reason, except in CI, where they must run.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from cluster_bed import ClusterBed, bed_unavailable, leftovers, wait_for
+from conftest import SUBPROCESS_ENV, assert_one_line_error, run_cli
+from trinity_train.files import read_jsonl
+from trinity_train.records import EventName, RecordKind
+
+pytestmark = pytest.mark.slow
+
+PREFIX, SUBNET = "tm", "10.216.0"
+JOB_TIMEOUT = 240  # seconds any one job may take before the test fails
+# The default model and corpus; 8-sequence global batches on any number of ranks (2 per rank on
+# 4 ranks, gradient accumulation on fewer), a constant learning rate so that a longer run's first
+# steps are a shorter run's steps.
+STEPS = 6
+COMMON = (f"--train.steps={STEPS}", "--train.global_batch_size=8", "--train.micro_batch_size=2",
+          "--checkpoint.every=2", "--train.eval_every=0", "--metrics.progress_bar=false",
+          "--optim.schedule=constant")
+FSDP_EP = ("--parallel.ep=2",)          # dp_shard 4 (FSDP over both hosts), experts over 2 ranks
+TP_EP = ("--parallel.tp=2", "--parallel.ep=2")  # tp within a host, dp_shard 2 across hosts, ep 2
+
+
+def require_bed() -> None:
+    reason = bed_unavailable()
+    if reason is not None:
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"CI must run the multi-node tests: {reason}")
+        pytest.skip(reason)
+
+
+@pytest.fixture(scope="module")
+def bed():
+    require_bed()
+    cluster = ClusterBed(2, PREFIX, SUBNET, env=SUBPROCESS_ENV)
+    try:
+        cluster.up()
+        yield cluster
+    finally:
+        cluster.down()
+
+
+_ports = iter(range(29610, 29700))
+
+
+class Job:
+    """One multi-node job on the bed: a launcher per host, all meeting at host 0."""
+
+    def __init__(self, bed: ClusterBed, run_dir: Path, *args: str, nnodes: str = "2", nproc: int = 2,
+                 env: dict | None = None):
+        self.bed, self.run_dir, self.args = bed, run_dir, args
+        self.nnodes, self.nproc = nnodes, nproc
+        self.head = f"{bed.addr(0)}:{next(_ports)}"
+        self.env = {"RDZV_ID": f"{run_dir.name}-{os.getpid()}", **(env or {})}
+        self.nodes: dict[int, object] = {}
+        self.logs: list[Path] = []
+
+    def start(self, index: int):
+        log = self.run_dir.parent / f"{self.run_dir.name}.node{index}.{len(self.logs)}.log"
+        self.logs.append(log)
+        self.nodes[index] = self.bed.start(
+            index, "launch/multinode.sh", self.nnodes, str(index), self.head, str(self.nproc), "--",
+            *COMMON, f"--run.dir={self.run_dir}", *self.args, log=log, env=self.env)
+        return self.nodes[index]
+
+    def start_all(self) -> "Job":
+        for index in range(self.bed.count):
+            self.start(index)
+        return self
+
+    def finish(self) -> None:
+        """Every node's launcher exits 0 within the job timeout."""
+        deadline = time.monotonic() + JOB_TIMEOUT
+        for index, proc in self.nodes.items():
+            try:
+                code = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+            except Exception:
+                code = None
+            assert code == 0, f"node {index} exited {code}:\n{self.tail()}"
+
+    def tail(self) -> str:
+        return "\n".join(f"--- {log.name}\n{log.read_text()[-2500:]}" for log in self.logs if log.exists())
+
+    def events(self) -> list[dict]:
+        path = self.run_dir / "events.jsonl"
+        return read_jsonl(path) if path.exists() else []
+
+    def checkpointed(self, step: int) -> bool:
+        return any(e["event"] == EventName.CHECKPOINT and e["step"] >= step for e in self.events())
+
+
+def final_train_records(run_dir: Path) -> list[dict]:
+    """The training record that survived for each step (a step re-done after a restart from an
+    older checkpoint appears twice; the later one is the run's)."""
+    by_step: dict[int, dict] = {}
+    for record in read_jsonl(run_dir / "metrics.jsonl"):
+        if record["kind"] == RecordKind.TRAIN:
+            by_step[record["step"]] = record
+    return [by_step[s] for s in sorted(by_step)]
+
+
+def losses(run_dir: Path) -> list[float]:
+    return [r["loss"] for r in final_train_records(run_dir)]
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory) -> list[float]:
+    """The same job in one process (also builds the default corpus before any host needs it)."""
+    run_dir = tmp_path_factory.mktemp("multinode") / "one"
+    run_cli("train", *COMMON, f"--run.dir={run_dir}", ok=True, timeout=JOB_TIMEOUT)
+    return losses(run_dir)
+
+
+@pytest.fixture(scope="module")
+def fsdp_ep_across_hosts(bed, one_process, tmp_path_factory) -> list[float]:
+    """FSDP x EP, 2 hosts x 2 ranks, over a link shaped to 200 Mbit/s: the uninterrupted run that
+    the fault tests compare with."""
+    run_dir = tmp_path_factory.mktemp("multinode") / "fsdp_ep"
+    shaped = bed.shape(1, "rate=200mbit")
+    assert shaped.returncode == 0, shaped.stderr
+    try:
+        Job(bed, run_dir, *FSDP_EP).start_all().finish()
+    finally:
+        bed.shape(1, "off")
+    return losses(run_dir)
+
+
+def test_bed_hosts_are_separate_machines_with_no_route_out(bed):
+    for index in range(2):
+        assert bed.run(index, "hostname").stdout.strip() == bed.host(index)
+        other = bed.host(1 - index)
+        assert bed.run(index, "getent", "hosts", other).stdout.split()[0] == bed.addr(1 - index)
+        routes = bed.run(index, "ip", "-o", "route").stdout.strip().splitlines()
+        assert [r.strip() for r in routes] == [f"{SUBNET}.0/24 dev eth0 proto kernel scope link src {bed.addr(index)}"]
+        # A route lookup (no packet is sent): nothing outside the bed is reachable.
+        lookup = bed.run(index, "ip", "route", "get", "10.1.2.3")
+        assert lookup.returncode != 0 and "unreachable" in lookup.stderr
+    bed.partition(1)
+    try:
+        assert "NO-CARRIER" in bed.run(1, "ip", "-o", "link", "show", "eth0").stdout
+    finally:
+        bed.heal(1)
+    assert "NO-CARRIER" not in bed.run(1, "ip", "-o", "link", "show", "eth0").stdout
+
+
+def test_bed_down_leaves_nothing_behind():
+    require_bed()
+    prefix = "tl"
+    cluster = ClusterBed(2, prefix, "10.217.0", env=SUBPROCESS_ENV)
+    try:
+        cluster.up()
+        sleeper = cluster.start(1, "sleep", "300", log=Path("/dev/null"))
+        assert leftovers(prefix)
+    finally:
+        cluster.down()
+    assert sleeper.poll() is not None
+    assert leftovers(prefix) == []
+    cluster.down()  # idempotent: nothing to do, no error
+    assert leftovers(prefix) == []
+
+
+def test_launcher_fails_in_one_line_when_the_head_cannot_be_reached(bed, tmp_path):
+    # An address inside the bed's subnet that no host has: the launcher waits for it, bounded by
+    # parallel.init_timeout_s (5 s here), and says so.
+    started = time.monotonic()
+    done = bed.run(1, "launch/multinode.sh", "2", "1", f"{SUBNET}.9:29599", "1", "--", *COMMON,
+                   f"--run.dir={tmp_path / 'never'}", "--parallel.init_timeout_s=5", timeout=60)
+    waited = time.monotonic() - started
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 1 and len(lines) == 1, done.stderr
+    assert f"the head {SUBNET}.9:29599 did not answer" in lines[0] and "within 5 s" in lines[0]
+    assert waited < 30
+    # No route at all (a lookup only: the bed has no route out, so no packet leaves).
+    done = bed.run(1, "launch/multinode.sh", "2", "1", "10.99.0.1:29599", "1", "--", *COMMON, timeout=60)
+    assert done.returncode == 1 and done.stderr.count("\n") == 1, done.stderr
+    assert "no route from this node" in done.stderr and "10.99.0.1:29599" in done.stderr
+    assert not (tmp_path / "never").exists()
+
+
+def test_nodes_started_with_different_configs_are_refused_on_every_node(bed, tmp_path, one_process):
+    run_dir = tmp_path / "mismatch"
+    job = Job(bed, run_dir, nproc=1)
+    job.start(0)
+    job.args = ("--optim.lr=0.01",)  # host 1 is started with one more override
+    job.start(1)
+    for index, proc in job.nodes.items():
+        assert proc.wait(timeout=JOB_TIMEOUT) == 2, job.tail()
+    for log in job.logs:
+        lines = [line for line in log.read_text().splitlines() if line.strip()]
+        assert_one_line_error(2, "\n".join(lines[-1:]), 2, "different configs", "optim.lr", "host tmnode1")
+        assert len(lines) == 1, log.read_text()
+    assert not any(e["event"] == EventName.RUN_START for e in job.events())
+
+
+def test_fsdp_ep_across_hosts_over_a_shaped_link_equals_one_process(fsdp_ep_across_hosts, one_process):
+    assert len(fsdp_ep_across_hosts) == STEPS
+    assert fsdp_ep_across_hosts == pytest.approx(one_process, rel=1e-5)
+
+
+def test_tp_ep_across_hosts_equals_one_process(bed, one_process, tmp_path):
+    run_dir = tmp_path / "tp_ep"
+    Job(bed, run_dir, *TP_EP).start_all().finish()
+    assert losses(run_dir) == pytest.approx(one_process, rel=1e-5)
+
+
+def test_lost_node_restarted_by_a_scheduler_resumes_identically(bed, fsdp_ep_across_hosts, tmp_path):
+    """Every process of host 1 SIGKILLed after the first checkpoint; its launcher started again (as
+    a scheduler would): the job resumes from the newest sound checkpoint, bit for bit."""
+    run_dir = tmp_path / "node_loss"
+    job = Job(bed, run_dir, *FSDP_EP).start_all()
+    wait_for(lambda: job.checkpointed(2), JOB_TIMEOUT, what="the first checkpoint")
+    bed.kill_host(1)
+    job.start(1)
+    job.finish()
+    starts = [e for e in job.events() if e["event"] == EventName.RUN_START]
+    assert len(starts) >= 2 and starts[-1]["resumed_from"], starts
+    assert losses(run_dir) == fsdp_ep_across_hosts
+
+
+def test_elastic_job_carries_on_without_a_lost_node_and_takes_it_back(bed, one_process, tmp_path):
+    """--nnodes=1:2: host 1 lost after a checkpoint, host 0 carries on alone on the same global
+    batches in the same order; host 1, started again, rejoins at the next rendezvous."""
+    run_dir = tmp_path / "elastic"
+    steps = 12  # host 0 alone must still be training when host 1 is back
+    job = Job(bed, run_dir, *FSDP_EP, "--checkpoint.every=1", f"--train.steps={steps}", nnodes="1:2",
+              env={"RDZV_LAST_CALL_S": "3"}).start_all()
+    wait_for(lambda: job.checkpointed(1), JOB_TIMEOUT, what="the first checkpoint")
+    bed.kill_host(1)
+
+    def trained_alone() -> bool:
+        alone = [e for e in job.events() if e["event"] == EventName.RUN_START and e["devices"] == 2]
+        return bool(alone) and job.checkpointed(alone[0]["step"] + 1)
+    wait_for(trained_alone, JOB_TIMEOUT, what="host 0 training alone")
+    job.start(1)
+    job.finish()
+    sizes = [e["devices"] for e in job.events() if e["event"] == EventName.RUN_START]
+    assert sizes[0] == 4 and 2 in sizes and sizes[-1] == 4, sizes
+    records = final_train_records(run_dir)
+    assert [r["batch"] for r in records] == list(range(steps))  # no batch twice, none skipped
+    assert [r["tokens"] for r in records] == [8 * 256] * steps
+    # A constant learning rate: the first steps are the 6-step reference's, on 4 ranks or 2.
+    assert losses(run_dir)[:STEPS] == pytest.approx(one_process, rel=1e-4)
+
+
+def seconds_to_next_step(job: Job, fault_time: float) -> float:
+    """Seconds from the fault to the first step trained after it (observed every 0.5 s): the
+    restarted attempt's start moves the records past its checkpoint out of metrics.jsonl before
+    it writes its run_start event, so any later training record is the restarted job's."""
+    def restart() -> dict | None:
+        return next((e for e in job.events() if e["event"] == EventName.RUN_START and e["time"] > fault_time), None)
+    resumed_iter = wait_for(restart, JOB_TIMEOUT, what="a restart after the fault")["iter"]
+
+    def trained() -> bool:
+        return any(r["kind"] == RecordKind.TRAIN and r["iter"] > resumed_iter
+                   for r in read_jsonl(job.run_dir / "metrics.jsonl"))
+    wait_for(trained, JOB_TIMEOUT, what="a step after the restart")
+    return time.time() - fault_time
+
+
+def is_worker(cmdline: bytes) -> bool:
+    """A training rank (`python -m trinity_train.cli train`), not its torchrun agent, whose
+    command line names the module too."""
+    return b"trinity_train.cli" in cmdline and b"torchrun" not in cmdline
+
+
+def test_partition_and_frozen_rank_are_detected_and_recovered(bed, one_process, tmp_path):
+    """Host 1's link down for longer than the collective timeout, then up; later one of its ranks
+    SIGSTOPped: each time the ranks that wait time out, torchrun restarts the job from its newest
+    checkpoint, and it finishes with the uninterrupted run's losses. 2 hosts x 1 rank."""
+    run_dir = tmp_path / "partition"
+    timeout_s = 8
+    job = Job(bed, run_dir, *FSDP_EP, "--checkpoint.every=1", f"--parallel.collective_timeout_s={timeout_s}",
+              nproc=1).start_all()
+    wait_for(lambda: job.checkpointed(1), JOB_TIMEOUT, what="the first checkpoint")
+    fault_time = time.time()
+    bed.partition(1)
+    time.sleep(timeout_s * 2)
+    bed.heal(1)
+    partition_s = seconds_to_next_step(job, fault_time)
+
+    fault_time = time.time()
+    workers = [p for p in bed.pids(1) if is_worker(Path(f"/proc/{p}/cmdline").read_bytes())]
+    assert workers
+    os.kill(workers[0], signal.SIGSTOP)  # torchrun ends it with SIGKILL when it restarts the job
+    frozen_s = seconds_to_next_step(job, fault_time)
+    job.finish()
+    print(f"fault to next trained step: partition {partition_s:.1f} s, frozen rank {frozen_s:.1f} s")
+    restarts = [e for e in job.events() if e["event"] == EventName.RUN_START]
+    assert len(restarts) == 3, restarts
+    assert losses(run_dir) == pytest.approx(one_process, rel=1e-5)
