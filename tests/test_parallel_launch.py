@@ -77,3 +77,18 @@ def test_multinode_script_explains_a_missing_head_address(tmp_path):
                           text=True, timeout=60)
     assert done.returncode == 2
     assert "head address is missing" in done.stderr
+
+
+def test_a_mistake_inside_the_workers_is_not_restarted(ep2_config, tmp_path):
+    """A UserError every rank meets after torchrun started them (here a checkpoint to resume that
+    does not exist) ends the job once, with the one line and its exit code, instead of being
+    restarted --max-restarts times (launcher_verdict)."""
+    run_dir = tmp_path / "never"
+    proc = subprocess.Popen(["launch/local.sh", "2", "--max-restarts=3", "--config", str(ep2_config),
+                             f"--run.dir={run_dir}", f"--checkpoint.resume={tmp_path / 'no_such_checkpoint'}"],
+                            cwd=ROOT, env={**SUBPROCESS_ENV, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    out, err = proc.communicate(timeout=300)
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert proc.returncode == 1, err
+    assert lines == [lines[-1]] and lines[-1].startswith("error: ") and "no_such_checkpoint" in lines[-1], err
