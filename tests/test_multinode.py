@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import time
 from pathlib import Path
 
@@ -158,18 +159,26 @@ def test_bed_hosts_are_separate_machines_with_no_route_out(bed):
     assert "NO-CARRIER" not in bed.run(1, "ip", "-o", "link", "show", "eth0").stdout
 
 
+def machine_links() -> list[str]:
+    done = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True, check=True)
+    return sorted(line.split(":")[1].strip() for line in done.stdout.splitlines())
+
+
 def test_bed_down_leaves_nothing_behind():
     require_bed()
     prefix = "tl"
     cluster = ClusterBed(2, prefix, "10.217.0", env=SUBPROCESS_ENV)
+    links_before = machine_links()
     try:
         cluster.up()
+        assert machine_links() == links_before  # the bed's links never sit in the machine's namespace
         sleeper = cluster.start(1, "sleep", "300", log=Path("/dev/null"))
         assert leftovers(prefix)
     finally:
         cluster.down()
     assert sleeper.poll() is not None
     assert leftovers(prefix) == []
+    assert machine_links() == links_before
     cluster.down()  # idempotent: nothing to do, no error
     assert leftovers(prefix) == []
 
