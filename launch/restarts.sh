@@ -29,7 +29,8 @@ export TORCH_DISABLE_SHARE_RDZV_TCP_STORE="${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:
 # not restarted: a worker that meets one (a config the nodes disagree on, a checkpoint that does
 # not fit) leaves its exit code and one-line message in $TRINITY_LAUNCHER_VERDICT and exits 0
 # (trinity_train/launcher_verdict.py); the launcher prints the lowest rank's line and exits with its
-# code (2 configuration, 1 otherwise). Signals reach torchrun, which stops its workers.
+# code (2 configuration, 3 diverged, 1 otherwise). Signals reach torchrun, which stops its workers
+# (a background job of a script ignores SIGINT, hence the trap).
 run_torchrun() {
     local verdict status=0 pid
     verdict="$(mktemp -d -t trinity-verdict.XXXXXX)"
