@@ -1,0 +1,770 @@
+"""Two hosts of the cluster bed against one host: throughput over a shaped link, the bytes each
+step moves per collective, and how long each fault takes to recover.
+
+    python benchmarks/multinode.py [--rounds 2] [--steps 16] [--skip-throughput] [--skip-recovery]
+                                   [--count-steps 10] [--recovery-steps 24] [--json PATH]
+
+The default model (configs/debug.toml), FSDP x EP on 2 gloo ranks (`--parallel.ep=2`: the dense
+weights sharded over both ranks, the routed experts split between them), global batch 8 x 256
+tokens (micro-batch 4, no accumulation), constant learning rate, no validation, checkpoints or
+layer statistics. Every rank runs one OpenMP thread (`OMP_NUM_THREADS=1`, passive waits), so all
+conditions use the same two cores:
+
+1. Throughput, in rounds of (a) 1 host x 2 ranks (`launch/local.sh 2`, loopback: the reference),
+   (b) 2 bed hosts x 1 rank (`launch/multinode.sh` on each), link unshaped, (c) link shaped to
+   1 Gbit/s (+ 1 ms delay each way where the kernel has netem), (d) 200 Mbit/s (+ 5 ms). The
+   shaping is on host 1's link, both directions (`launch/cluster.sh shape`); with 2 hosts every
+   byte between them crosses it. tokens/s is the median over the steps after the first
+   `WARMUP_ITERS` of tokens / step_time_s; the ratio is to the same round's (a). The bytes on the
+   wire are host 1's eth0 counters (`ip -n HOST -s -j link show eth0`) over those steps.
+2. Bytes per step per collective: one more bed job (unshaped) whose ranks count every collective
+   they issue (a TorchDispatchMode over the whole process, installed through a sitecustomize on
+   PYTHONPATH, so the job is the same `launch/multinode.sh` command): the payload each rank sends
+   to the other (all-gather: its shard x (n-1); reduce-scatter and all-reduce: (n-1)/n and
+   2(n-1)/n of the tensor; all-to-all: the rows for other ranks), by kind, next to the theory
+   from the model's sizes (`theory`). A calibration on the bed measures what gloo puts on the
+   wire per credited byte of each kind (a 16 MiB tensor); payload x that factor must match the
+   same steps' wire bytes within 5 %.
+3. Recovery on the bed, 2 hosts x 1 rank, `--checkpoint.every=1 --parallel.collective_timeout_s=8`,
+   one job with three faults in turn: node loss (every process of host 1 SIGKILLed, its launcher
+   started again), partition (host 1's link down for 2 x the timeout, then up), frozen rank
+   (SIGSTOP of host 1's worker). Each: seconds from the fault to the first step trained after it.
+
+Needs root and iproute2 (network namespaces). The bed is "tb" hosts at 10.218.0.x; traffic goes
+only to loopback and the bed's own addresses. The bed is taken down on exit, Ctrl-C included.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCH_DIR = Path(__file__).resolve().parent
+PREFIX, SUBNET = "tb", "10.218.0"
+WARMUP_ITERS = 3
+JOB_TIMEOUT_S = 600      # any throughput job
+RECOVERY_TIMEOUT_S = 900  # the recovery job
+COLLECTIVE_TIMEOUT_S = 8
+COMMON = ("--parallel.ep=2", "--train.global_batch_size=8", "--train.micro_batch_size=4",
+          "--train.eval_every=0", "--checkpoint.every=0", "--metrics.progress_bar=false",
+          "--metrics.layer_stats_every=0", "--optim.schedule=constant")
+# (name, shape settings; None: one host, loopback). Delays only where the kernel has netem.
+CONDITIONS = (
+    ("a: 1 host x 2 ranks", None),
+    ("b: 2 hosts, unshaped", ()),
+    ("c: 2 hosts, 1 Gbit/1 ms", ("rate=1gbit", "delay=1ms")),
+    ("d: 2 hosts, 200 Mbit/5 ms", ("rate=200mbit", "delay=5ms")),
+)
+COUNTER_ENV = "TRINITY_BENCH_COLLECTIVES"
+
+
+# --------------------------------------------------------------------------------------------
+# The collective counter, run inside each training rank (see `sitecustomize_text`).
+
+def _category(op: str, frames: list[str]) -> str:
+    if op.startswith("uncounted"):
+        return op
+    if any("/torch/distributed/fsdp/" in f for f in frames):
+        if "gather" in op:
+            return "FSDP all-gather"
+        if "reduce_scatter" in op:
+            return "FSDP reduce-scatter"
+        return f"FSDP {op}"
+    if "all_to_all" in op or "alltoall" in op:
+        return "EP all-to-all"
+    if any(f.endswith("optim/muon.py") for f in frames):
+        return "Muon redistribute"
+    where = next((Path(f).name for f in frames if "/trinity_train/" in f), "torch")
+    return f"other: {op} ({where})"
+
+
+def install_collective_counter(out_dir: str) -> None:
+    """Count the bytes this rank sends in every collective, per training iteration, into
+    OUT_DIR/rank{RANK}.json (rewritten after every iteration)."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _resolve_process_group
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    rank = os.environ.get("RANK", "0")
+    path = Path(out_dir) / f"rank{rank}.json"
+    state = {"iter": "setup"}
+    counts: dict = defaultdict(lambda: defaultdict(lambda: [0, 0]))
+
+    def nbytes(t) -> int:
+        if isinstance(t, torch.Tensor):
+            return t.numel() * t.element_size()
+        if isinstance(t, (list, tuple)):
+            return sum(nbytes(x) for x in t)
+        return 0
+
+    def group_of(value) -> tuple[int, int]:
+        """(size, this rank's index) of a process group or a group name."""
+        if isinstance(value, str):
+            value = _resolve_process_group(value)
+        elif isinstance(value, torch.ScriptObject):  # what the c10d ops receive
+            value = dist.ProcessGroup.unbox(value)
+        return value.size(), value.rank()
+
+    def sent_bytes(name: str, a: dict) -> tuple[str, float] | None:
+        """(kind, bytes this rank sends) of one collective."""
+        pg = a.get("process_group", a.get("group_name"))
+        if pg is None:
+            return None
+        n, me = group_of(pg)
+        if n <= 1:
+            return None
+        if name in ("_allgather_base_", "allgather_", "allgather_into_tensor_coalesced_"):
+            return "all_gather", nbytes(a.get("input_tensor", a.get("input_tensors", a.get("inputs")))) * (n - 1)
+        if name in ("all_gather_into_tensor", "all_gather_into_tensor_coalesced"):
+            return "all_gather", nbytes(a.get("input", a.get("inputs"))) * (n - 1)
+        if name in ("_reduce_scatter_base_", "reduce_scatter_", "reduce_scatter_tensor_coalesced_"):
+            return "reduce_scatter", nbytes(a.get("input_tensor", a.get("input_tensors", a.get("inputs")))) * (n - 1) / n
+        if name in ("reduce_scatter_tensor", "reduce_scatter_tensor_coalesced"):
+            return "reduce_scatter", nbytes(a.get("input", a.get("inputs"))) * (n - 1) / n
+        if name in ("allreduce_", "allreduce_coalesced_", "all_reduce", "all_reduce_", "all_reduce_coalesced"):
+            return "all_reduce", nbytes(a.get("tensors", a.get("input", a.get("inputs")))) * 2 * (n - 1) / n
+        if name in ("alltoall_base_", "all_to_all_single"):
+            tensor = a.get("input")
+            splits = a.get("input_split_sizes") or [tensor.shape[0] // n] * n
+            row = tensor.element_size() * (tensor[0].numel() if tensor.shape[0] else 0)
+            return "all_to_all", sum(int(s) for r, s in enumerate(splits) if r != me) * row
+        if name in ("broadcast_", "broadcast"):
+            src = a.get("root_rank", a.get("src"))
+            return "broadcast", nbytes(a.get("tensors", a.get("input"))) * (n - 1) if src == me else 0
+        if name in ("send",):
+            return "send", nbytes(a.get("tensors"))
+        return None
+
+    class CollectiveBytes(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if func.namespace in ("c10d", "_c10d_functional"):
+                try:
+                    names = [arg.name for arg in func._schema.arguments]
+                    found = sent_bytes(func._schema.name.split("::")[1], {**dict(zip(names, args)), **kwargs})
+                except Exception as e:  # noqa: BLE001 (never break the training for a count)
+                    found = (f"uncounted {func} ({type(e).__name__}: {e})", 0)
+                if found is not None:
+                    kind, sent = found
+                    frames, frame = [], sys._getframe(1)
+                    while frame is not None:
+                        frames.append(frame.f_code.co_filename)
+                        frame = frame.f_back
+                    entry = counts[state["iter"]][_category(kind, frames)]
+                    entry[0] += 1
+                    entry[1] += sent
+            return func(*args, **kwargs)
+
+    def dump() -> None:
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({str(k): dict(v) for k, v in counts.items()}))
+        tmp.replace(path)
+
+    import trinity_train.train as trainer_module
+
+    original = trainer_module.Trainer.train_one_iteration
+
+    def counted_iteration(self):
+        state["iter"] = self.state.iteration + 1
+        try:
+            return original(self)
+        finally:
+            state["iter"] = "between"
+            dump()
+
+    trainer_module.Trainer.train_one_iteration = counted_iteration
+    CollectiveBytes().__enter__()  # for the rest of the process (its main thread)
+
+
+def sitecustomize_text() -> str:
+    return (
+        "import os\n"
+        f"if os.environ.get('RANK') is not None and os.environ.get({COUNTER_ENV!r}):\n"
+        "    import sys\n"
+        f"    sys.path.append({str(BENCH_DIR)!r})\n"
+        "    import multinode\n"
+        f"    multinode.install_collective_counter(os.environ[{COUNTER_ENV!r}])\n"
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# The driver.
+
+def loadavg() -> str:
+    return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+
+
+def read_records(path: Path) -> list[dict]:
+    """Complete JSON lines of a file another process is appending to."""
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            pass  # a line being written
+    return out
+
+
+def train_records(run_dir: Path) -> list[dict]:
+    return [r for r in read_records(run_dir / "metrics.jsonl") if r.get("kind") == "train"]
+
+
+def wire_bytes(host: str | None) -> tuple[int, int]:
+    """(rx, tx) bytes of HOST's eth0 (None: the eth0 of this process's own network namespace)."""
+    netns = ["-n", host] if host else []
+    done = subprocess.run(["ip", *netns, "-s", "-j", "link", "show", "eth0"], capture_output=True,
+                          text=True, timeout=10, check=True)
+    stats = json.loads(done.stdout)[0]["stats64"]
+    return stats["rx"]["bytes"], stats["tx"]["bytes"]
+
+
+def median_tokens_per_s(records: list[dict]) -> float:
+    rates = [r["tokens"] / r["step_time_s"] for r in records if r["iter"] > WARMUP_ITERS]
+    return statistics.median(rates)
+
+
+def median_step_s(records: list[dict]) -> float:
+    return statistics.median(r["step_time_s"] for r in records if r["iter"] > WARMUP_ITERS)
+
+
+class Bench:
+    def __init__(self, bed, work: Path, env: dict):
+        self.bed, self.work, self.env = bed, work, env
+        self.local_procs: list[subprocess.Popen] = []
+        self.port = 29810
+        self.jobs = 0
+        self.netem: bool | None = None
+        self.shape_note = ""
+
+    def next_job(self, name: str) -> tuple[Path, str, dict]:
+        self.jobs += 1
+        self.port += 1
+        run_dir = self.work / f"{self.jobs:02d}-{name}"
+        env = {"RDZV_ID": f"bench-{os.getpid()}-{self.jobs}", "MAX_RESTARTS": "0"}
+        return run_dir, f"{self.bed.addr(0)}:{self.port}", env
+
+    def start_bed_job(self, run_dir: Path, head: str, env: dict, args: tuple[str, ...], index: int | None = None):
+        procs, logs = {}, []
+        for i in ([0, 1] if index is None else [index]):
+            log = run_dir.parent / f"{run_dir.name}.node{i}.{time.monotonic_ns()}.log"
+            logs.append(log)
+            procs[i] = self.bed.start(i, "launch/multinode.sh", "2", str(i), head, "1", "--", *COMMON,
+                                      f"--run.dir={run_dir}", *args, log=log, env=env)
+        return procs, logs
+
+    def shape(self, settings: tuple[str, ...]) -> str:
+        """Shape host 1's link; drop the delays where the kernel has no netem. Returns what was set."""
+        if not settings:
+            return "none"
+        done = self.bed.shape(1, *settings)
+        if done.returncode != 0 and "netem" in done.stderr:
+            self.netem = False
+            self.shape_note = done.stderr.strip().splitlines()[-1]
+            settings = tuple(s for s in settings if s.startswith("rate="))
+            done = self.bed.shape(1, *settings)
+        elif done.returncode == 0 and any(s.startswith("delay=") for s in settings):
+            self.netem = True
+        if done.returncode != 0:
+            raise RuntimeError(f"shape {settings}: {done.stderr.strip()}")
+        return " ".join(settings)
+
+    def throughput_job(self, name: str, settings: tuple[str, ...] | None, steps: int,
+                       extra_env: dict | None = None) -> dict:
+        run_dir, head, env = self.next_job(name.split(":")[0])
+        env = {**env, **(extra_env or {})}
+        args = (f"--train.steps={steps}",)
+        load_start = loadavg()
+        shaped = "loopback"
+        logs: list[Path] = []
+        try:
+            if settings is None:
+                log = run_dir.parent / f"{run_dir.name}.log"
+                logs.append(log)
+                with open(log, "w") as out:
+                    proc = subprocess.Popen(["launch/local.sh", "2", *COMMON, f"--run.dir={run_dir}", *args],
+                                            cwd=ROOT, env={**self.env, **env}, stdout=out,
+                                            stderr=subprocess.STDOUT, start_new_session=True)
+                self.local_procs.append(proc)
+                procs = {0: proc}
+            else:
+                shaped = self.shape(settings)
+                procs, logs = self.start_bed_job(run_dir, head, env, args)
+            # Host 1's counters at the end of the warm-up and one step before the last.
+            marks: dict[int, tuple[float, tuple[int, int]]] = {}
+            deadline = time.monotonic() + JOB_TIMEOUT_S
+            size = -1
+            while any(p.poll() is None for p in procs.values()):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{name}: not finished within {JOB_TIMEOUT_S} s")
+                if settings is not None and len(marks) < 2:
+                    metrics = run_dir / "metrics.jsonl"
+                    now = metrics.stat().st_size if metrics.exists() else 0
+                    if now != size:
+                        size = now
+                        done_iters = len(train_records(run_dir))
+                        for mark in (WARMUP_ITERS, steps - 1):
+                            if done_iters >= mark and mark not in marks:
+                                marks[mark] = (done_iters, wire_bytes(self.bed.host(1)))
+                time.sleep(0.05)
+            for i, p in procs.items():
+                if p.returncode != 0:
+                    raise RuntimeError(f"{name}: node {i} exited {p.returncode}\n" + tail(logs))
+        finally:
+            if settings:
+                self.bed.shape(1, "off")
+        records = train_records(run_dir)
+        result = {"condition": name, "shaping": shaped, "tokens_per_s": median_tokens_per_s(records),
+                  "step_s": median_step_s(records), "steps": len(records),
+                  "load_start": load_start, "load_end": loadavg()}
+        if len(marks) == 2:
+            (i0, (rx0, tx0)), (i1, (rx1, tx1)) = marks[WARMUP_ITERS], marks[steps - 1]
+            result["wire_rx_per_step"] = (rx1 - rx0) / (i1 - i0)
+            result["wire_tx_per_step"] = (tx1 - tx0) / (i1 - i0)
+            result["wire_iters"] = (i0, i1)
+        return result
+
+    def recovery(self, steps: int) -> dict:
+        run_dir, head, env = self.next_job("recovery")
+        env = {**env, "MAX_RESTARTS": "5"}
+        args = (f"--train.steps={steps}", "--checkpoint.every=1",
+                f"--parallel.collective_timeout_s={COLLECTIVE_TIMEOUT_S}")
+        procs, logs = self.start_bed_job(run_dir, head, env, args)
+        deadline = time.monotonic() + RECOVERY_TIMEOUT_S
+        job = RecoveryJob(run_dir, deadline)
+        result: dict = {"load_start": loadavg(), "steps": steps}
+        try:
+            job.wait(lambda: job.checkpointed(1), "the first checkpoint")
+
+            fault = time.time()
+            self.bed.kill_host(1)
+            more, more_logs = self.start_bed_job(run_dir, head, env, args, index=1)
+            procs.update(more)
+            logs += more_logs
+            result["node loss"] = job.recovered(fault, "node loss")
+            job.wait(lambda: job.trained_after(fault, 2), "two steps after the node loss")
+
+            fault = time.time()
+            self.bed.partition(1)
+            time.sleep(2 * COLLECTIVE_TIMEOUT_S)
+            self.bed.heal(1)
+            result["partition"] = job.recovered(fault, "partition")
+            job.wait(lambda: job.trained_after(fault, 2), "two steps after the partition")
+
+            fault = time.time()
+            workers = [p for p in self.bed.pids(1) if is_worker(p)]
+            if not workers:
+                raise RuntimeError("no worker process on host 1 to freeze")
+            os.kill(workers[0], signal.SIGSTOP)  # torchrun SIGKILLs it after its SIGTERM grace
+            result["frozen rank"] = job.recovered(fault, "frozen rank")
+
+            for p in procs.values():
+                p.wait(timeout=max(1.0, deadline - time.monotonic()))
+            codes = {i: p.returncode for i, p in procs.items()}
+            result["exit codes"] = codes
+            records = final_records(run_dir)
+            result["finished_steps"] = len(records)
+            result["step_s"] = median_step_s(records)
+            result["restarts"] = sum(1 for e in job.events() if e.get("event") == "run_start") - 1
+        except Exception as e:
+            raise RuntimeError(f"recovery: {e}\n{tail(logs)}") from e
+        result["load_end"] = loadavg()
+        return result
+
+    def kill_local(self) -> None:
+        for proc in self.local_procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                try:
+                    proc.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    pass
+
+
+def tail(logs: list[Path]) -> str:
+    return "\n".join(f"--- {log.name}\n{log.read_text()[-2000:]}" for log in logs if log.exists())
+
+
+def is_worker(pid: int) -> bool:
+    """A training rank (`python -m trinity_train.cli train`), not its torchrun agent."""
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+    return b"trinity_train.cli" in cmdline and b"torchrun" not in cmdline
+
+
+def final_records(run_dir: Path) -> list[dict]:
+    by_step = {r["step"]: r for r in train_records(run_dir)}
+    return [by_step[s] for s in sorted(by_step)]
+
+
+class RecoveryJob:
+    def __init__(self, run_dir: Path, deadline: float):
+        self.run_dir, self.deadline = run_dir, deadline
+
+    def events(self) -> list[dict]:
+        return read_records(self.run_dir / "events.jsonl")
+
+    def wait(self, predicate, what: str, interval: float = 0.25):
+        while time.monotonic() < self.deadline:
+            value = predicate()
+            if value:
+                return value
+            time.sleep(interval)
+        raise TimeoutError(f"{what} not reached before the recovery job's deadline")
+
+    def checkpointed(self, step: int) -> bool:
+        return any(e.get("event") == "checkpoint" and e["step"] >= step for e in self.events())
+
+    def restart_after(self, fault: float) -> dict | None:
+        return next((e for e in self.events() if e.get("event") == "run_start" and e["time"] > fault), None)
+
+    def trained_after(self, fault: float, count: int) -> bool:
+        start = self.restart_after(fault)
+        return start is not None and sum(1 for r in train_records(self.run_dir) if r["iter"] > start["iter"]) >= count
+
+    def recovered(self, fault: float, what: str) -> dict:
+        """Seconds from the fault to the restarted attempt's run_start and to its first trained
+        step (polled every 0.25 s; the restarted attempt moves the records past its checkpoint
+        out of metrics.jsonl before its run_start, so a later record is the restarted job's)."""
+        start = self.wait(lambda: self.restart_after(fault), f"a restart after the {what}")
+        self.wait(lambda: self.trained_after(fault, 1), f"a step after the {what}")
+        return {"to_step_s": time.time() - fault, "to_run_start_s": start["time"] - fault,
+                "resumed_from_step": start.get("step")}
+
+
+# --------------------------------------------------------------------------------------------
+# Bytes per step: counted on the ranks, on the wire, and from the parameter count.
+
+CALIBRATION_MB = 16  # the tensor of each collective in the gloo calibration
+
+
+def gloo_wire_rank(rank: int, head: str, out: str) -> None:
+    """One rank of the calibration (run on a bed host): what gloo puts on this host's eth0 per
+    collective, against the payload the counter credits it with."""
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://{head}", rank=rank, world_size=2)
+    n = CALIBRATION_MB * 2**20 // 4
+    full, half = torch.ones(n), torch.ones(n // 2)
+    out_full, out_half = torch.empty(n), torch.empty(n // 2)
+    size = full.numel() * 4
+    ops = {  # kind: (the collective, the bytes the counter credits this rank with)
+        "all_gather": (lambda: dist.all_gather_single(out_full, half), size / 2),
+        "reduce_scatter": (lambda: dist.reduce_scatter_single(out_half, full), size / 2),
+        "all_reduce": (lambda: dist.all_reduce(full), size),
+        "all_to_all": (lambda: dist.all_to_all_single(out_full, full), size / 2),
+    }
+    factors = {}
+    for kind, (op, credited) in ops.items():
+        op()
+        dist.barrier()
+        rx0, tx0 = wire_bytes(None)
+        for _ in range(4):
+            op()
+        dist.barrier()
+        rx1, tx1 = wire_bytes(None)
+        factors[kind] = {"tx": (tx1 - tx0) / 4 / credited, "rx": (rx1 - rx0) / 4 / credited}
+    dist.destroy_process_group()
+    if rank == 1:
+        Path(out).write_text(json.dumps(factors))
+
+
+def calibrate(bench: Bench) -> dict:
+    run_dir, head, _ = bench.next_job("calibration")
+    run_dir.mkdir(parents=True)
+    out = run_dir / "factors.json"
+    logs, procs = [], []
+    for i in (0, 1):
+        logs.append(run_dir / f"node{i}.log")
+        procs.append(bench.bed.start(i, sys.executable, str(Path(__file__).resolve()), "--gloo-wire-rank", str(i),
+                                     "--gloo-wire-head", head, "--gloo-wire-out", str(out), log=logs[-1],
+                                     env={"GLOO_SOCKET_IFNAME": "eth0"}))
+    deadline = time.monotonic() + 180
+    for proc in procs:
+        try:
+            proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            raise RuntimeError("the gloo calibration did not finish within 180 s\n" + tail(logs)) from None
+        if proc.returncode != 0:
+            raise RuntimeError(f"the gloo calibration failed ({proc.returncode})\n" + tail(logs))
+    return json.loads(out.read_text())
+
+
+def kind_of(category: str) -> str:
+    """The collective behind a counter category (for the calibration's wire factor)."""
+    if category in ("FSDP all-gather", "Muon redistribute"):
+        return "all_gather"
+    if category == "FSDP reduce-scatter":
+        return "reduce_scatter"
+    if category == "EP all-to-all":
+        return "all_to_all"
+    return category.removeprefix("other: ").split(" ")[0]
+
+def theory(overrides: tuple[str, ...], world: int) -> dict:
+    """Bytes each rank sends per step, from the model's sizes (fp32, 2 ranks: every collective's
+    group is both ranks or, for the experts' FSDP, one rank):
+
+    - FSDP: every unit is all-gathered in the forward and again in the backward (the root unit,
+      final norm + head, once: it stays gathered after the forward), and its gradient
+      reduce-scattered once; a rank sends (world-1)/world of the unit each time. Routed experts are
+      their own unit over dp_shard / ep ranks (1 here: no FSDP traffic).
+    - EP: 4 token all-to-alls per MoE layer (dispatch and combine, forward and backward), each
+      sending tokens x top_k x hidden x 4 B x (ep-1)/ep under uniform routing.
+    - Muon: each FSDP-sharded matrix is assembled on one rank and its result sent back; DTensor on
+      CPU does both with an all-gather (no gloo all-to-all), so a rank sends about each matrix once
+      (a floor: rounds padded with zeros where a shape has an odd count on a rank send more).
+    """
+    import torch
+
+    from trinity_train.config import default_config_path, load_config
+    from trinity_train.model.transformer import TrinityModel
+    from trinity_train.optim.groups import is_muon_param
+
+    cfg = load_config(default_config_path(), list(overrides))
+    with torch.device("meta"):
+        model = TrinityModel(cfg.model)
+    m, ep = cfg.model, cfg.parallel.ep
+    efsdp = world // ep
+    expert_ids = {id(p) for block in model.layers if ep > 1 and block.is_moe for p in block.mlp.experts.parameters()}
+
+    def count(module, skip=()) -> int:
+        skipped = {id(p) for sub in skip for p in sub.parameters()}
+        return sum(p.numel() for p in module.parameters() if id(p) not in skipped and id(p) not in expert_ids)
+
+    units = [(count(model.embed), 2)]
+    units += [(count(block), 2) for block in model.layers]
+    units.append((count(model, [model.embed, *model.layers]), 1))
+    share = (world - 1) / world
+    gather = sum(p * 4 * share * times for p, times in units)
+    scatter = sum(p * 4 * share for p, _ in units)
+    expert_params = sum(p.numel() for p in model.parameters() if id(p) in expert_ids)
+    if efsdp > 1:
+        gather += expert_params * 4 * (efsdp - 1) / efsdp * 2
+        scatter += expert_params * 4 * (efsdp - 1) / efsdp
+    tokens = cfg.train.micro_batch_size * cfg.data.seq_len
+    moe_layers = m.num_layers - m.num_dense_layers
+    all_to_all = 4 * moe_layers * tokens * m.num_experts_per_tok * m.hidden_size * 4 * (ep - 1) / ep
+    muon = sum(p.numel() * 4 for name, p in model.named_parameters()
+               if is_muon_param(name, cfg.optim.muon_router) and id(p) not in expert_ids) * 2 * share
+    return {"FSDP all-gather": gather, "FSDP reduce-scatter": scatter, "EP all-to-all": all_to_all,
+            "Muon redistribute": muon, "params": sum(p.numel() for p in model.parameters()),
+            "sharded_params": sum(p for p, _ in units), "expert_params": expert_params, "tokens_per_rank": tokens}
+
+
+def count_job(bench: Bench, steps: int) -> dict:
+    counter_dir = bench.work / "collectives"
+    counter_dir.mkdir()
+    site = bench.work / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(sitecustomize_text())
+    pythonpath = os.pathsep.join(p for p in (str(site), os.environ.get("PYTHONPATH", "")) if p)
+    result = bench.throughput_job("count: 2 hosts, unshaped, counting", (), steps,
+                                  extra_env={COUNTER_ENV: str(counter_dir), "PYTHONPATH": pythonpath})
+    i0, i1 = result["wire_iters"]
+    per_rank = []
+    for rank in (0, 1):
+        data = json.loads((counter_dir / f"rank{rank}.json").read_text())
+        window = [data[str(i)] for i in range(i0 + 1, i1 + 1)]
+        kinds = sorted({k for it in window for k in it})
+        per_rank.append({k: {"calls": sum(it.get(k, [0, 0])[0] for it in window) / len(window),
+                             "bytes": sum(it.get(k, [0, 0])[1] for it in window) / len(window)} for k in kinds})
+    result["per_rank"] = per_rank
+    return result
+
+
+def mb(x: float) -> str:
+    return f"{x / 1e6:,.2f}"
+
+
+def report_bytes(counted: dict, sizes: dict, factors: dict, step_s: float, wire_rows: list[dict]) -> list[str]:
+    lines = [("gloo on the bed, bytes on host 1's eth0 per byte the counter credits (a "
+              f"{CALIBRATION_MB} MiB tensor, 4 calls each; ideal algorithms would give 1.00):")]
+    lines.append("  " + ", ".join(f"{kind} {f['tx']:.2f}" for kind, f in factors.items()))
+    i0, i1 = counted["wire_iters"]
+    lines.append(f"bytes per step, iterations {i0 + 1}-{i1} of the counting job (2 hosts x 1 rank, unshaped; "
+                 "MB = 1e6 B): each rank's payload to the other, counted in the ranks; x the gloo factor = the "
+                 "wire it should take")
+    kinds = sorted({k for r in counted["per_rank"] for k in r},
+                   key=lambda k: (not k.startswith("FSDP"), not k.startswith("EP"), not k.startswith("Muon"), k))
+    lines.append(f"  {'collective':<36} {'calls':>5} {'theory':>8} {'rank 0':>8} {'rank 1':>8} {'x gloo':>6} "
+                 f"{'wire':>8}")
+    counted_sum, expected = [0.0, 0.0], [0.0, 0.0]
+    for kind in kinds:
+        calls = max(r.get(kind, {"calls": 0})["calls"] for r in counted["per_rank"])
+        sent = [r.get(kind, {"bytes": 0})["bytes"] for r in counted["per_rank"]]
+        factor = factors.get(kind_of(kind), {"tx": 1.0})["tx"]
+        counted_sum = [t + x for t, x in zip(counted_sum, sent)]
+        expected = [t + x * factor for t, x in zip(expected, sent)]
+        th = sizes.get(kind)
+        floor = ">=" if kind == "Muon redistribute" else ""
+        lines.append(f"  {kind:<36} {calls:>5.0f} {floor + mb(th) if th is not None else '':>8} {mb(sent[0]):>8} "
+                     f"{mb(sent[1]):>8} {factor:>6.2f} {mb(max(sent) * factor):>8}")
+    lines.append(f"  {'all collectives':<36} {'':>5} {'':>8} {mb(counted_sum[0]):>8} {mb(counted_sum[1]):>8} "
+                 f"{'':>6} {mb(max(expected)):>8}")
+    rx, tx = counted["wire_rx_per_step"], counted["wire_tx_per_step"]
+    ok = all(abs(w / e - 1) <= 0.05 for w, e in ((rx, expected[0]), (tx, expected[1])))
+    lines.append(f"  measured on host 1's eth0: rx {mb(rx)} (from rank 0), tx {mb(tx)} (from rank 1) = "
+                 f"{rx / expected[0]:.3f} and {tx / expected[1]:.3f} x the expected wire bytes "
+                 f"({'within' if ok else 'OUTSIDE'} the 5 % margin); {rx / counted_sum[0]:.2f} x the payload")
+    if wire_rows:
+        per_step = [r["wire_tx_per_step"] for r in wire_rows] + [r["wire_rx_per_step"] for r in wire_rows]
+        lines.append(f"  the throughput jobs on the bed: {mb(min(per_step))}-{mb(max(per_step))} MB per step "
+                     "and direction (rx and tx, every shaping)")
+    wire = max(rx, tx)
+    for rate, label in ((125e6, "1 Gbit/s"), (25e6, "200 Mbit/s")):
+        lines.append(f"  at {label} ({rate / 1e6:.0f} MB/s): {mb(wire)} MB / step = {wire / rate:.2f} s on the wire per "
+                     f"direction, against a {step_s:.2f} s single-host step: ratio {step_s / (step_s + wire / rate):.2f} "
+                     f"if nothing overlaps, 1.00 if all of it does")
+    return lines
+
+
+# --------------------------------------------------------------------------------------------
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=2, help="rounds of the four throughput conditions")
+    parser.add_argument("--steps", type=int, default=16, help="steps per throughput job")
+    parser.add_argument("--count-steps", type=int, default=10, help="steps of the collective-counting job")
+    parser.add_argument("--recovery-steps", type=int, default=24, help="steps of the recovery job")
+    parser.add_argument("--skip-throughput", action="store_true", help="no throughput or bytes-per-step jobs")
+    parser.add_argument("--skip-recovery", action="store_true")
+    parser.add_argument("--json", help="write every figure to this file")
+    for hidden in ("--gloo-wire-rank", "--gloo-wire-head", "--gloo-wire-out"):  # one rank of the calibration
+        parser.add_argument(hidden, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.gloo_wire_rank is not None:
+        gloo_wire_rank(int(args.gloo_wire_rank), args.gloo_wire_head, args.gloo_wire_out)
+        return 0
+    if args.steps <= WARMUP_ITERS + 2 or args.count_steps <= WARMUP_ITERS + 2:
+        parser.error(f"--steps and --count-steps must be above {WARMUP_ITERS + 2} (the first {WARMUP_ITERS} are warm-up)")
+
+    sys.path.insert(0, str(ROOT / "tests"))  # the cluster bed's Python wrapper
+    from cluster_bed import ClusterBed, bed_unavailable
+
+    reason = bed_unavailable()
+    if reason is not None:
+        print(f"benchmarks/multinode.py: {reason}", file=sys.stderr)
+        return 2
+
+    def stop(signum, frame):
+        raise KeyboardInterrupt(signal.Signals(signum).name)
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # also where a shell left SIGINT ignored
+        signal.signal(signum, stop)
+
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+           "OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
+    print(f"# load: {Path('/proc/loadavg').read_text().strip()}", flush=True)
+    print(f"# train args: {' '.join(COMMON)} (default model, configs/debug.toml; OMP_NUM_THREADS=1 per rank)")
+    out: dict = {"load_start": Path("/proc/loadavg").read_text().strip(), "args": vars(args), "common": COMMON}
+    work = Path(tempfile.mkdtemp(prefix="trinity-multinode-bench-"))
+    bed = ClusterBed(2, PREFIX, SUBNET, env=env)
+    bench = Bench(bed, work, env)
+    try:
+        bed.up()
+        print(f"# bed: {bed.host(0)} {bed.addr(0)}, {bed.host(1)} {bed.addr(1)} (namespaces joined by a bridge)",
+              flush=True)
+        if not args.skip_throughput:
+            rows = []
+            for rnd in range(1, args.rounds + 1):
+                for name, settings in CONDITIONS:
+                    row = bench.throughput_job(name, settings, args.steps)
+                    row["round"] = rnd
+                    rows.append(row)
+                    ref = next(r for r in rows if r["round"] == rnd and r["shaping"] == "loopback")
+                    row["ratio"] = row["tokens_per_s"] / ref["tokens_per_s"]
+                    wire = (f"  wire/step rx {mb(row['wire_rx_per_step'])} MB tx {mb(row['wire_tx_per_step'])} MB"
+                            if "wire_rx_per_step" in row else "")
+                    print(f"round {rnd} {name:<27} shaping {row['shaping']:<12} {row['tokens_per_s']:>7,.0f} tokens/s "
+                          f"step {row['step_s']:.2f} s  ratio {row['ratio']:.2f}  load {row['load_start']} -> "
+                          f"{row['load_end']}{wire}", flush=True)
+            if bench.netem is False:
+                print(f"# note: delays not shaped: {bench.shape_note}")
+            print()
+            print("| round | condition | link shaped (host 1, both directions) | tokens/s | step s | ratio to a | load start -> end |")
+            print("|---|---|---|---|---|---|---|")
+            for r in rows:
+                print(f"| {r['round']} | {r['condition']} | {r['shaping']} | {r['tokens_per_s']:,.0f} | {r['step_s']:.2f} | "
+                      f"{r['ratio']:.2f} | {r['load_start']} -> {r['load_end']} |")
+            print()
+            print("| condition | median tokens/s over rounds | ratios to a, per round |")
+            print("|---|---|---|")
+            for name, _ in CONDITIONS:
+                mine = [r for r in rows if r["condition"] == name]
+                print(f"| {name} | {statistics.median(r['tokens_per_s'] for r in mine):,.0f} | "
+                      f"{', '.join(format(r['ratio'], '.2f') for r in mine)} |")
+            out["throughput"] = rows
+            out["netem"] = bench.netem
+            out["shape_note"] = bench.shape_note
+            print(flush=True)
+
+            factors = calibrate(bench)
+            counted = count_job(bench, args.count_steps)
+            sizes = theory(COMMON, 2)
+            print(f"# model: {sizes['params']:,} parameters: {sizes['sharded_params']:,} in FSDP units (sharded over "
+                  f"the 2 ranks), {sizes['expert_params']:,} routed-expert weights (split by EP, not sharded); "
+                  f"{sizes['tokens_per_rank']} tokens per rank and step")
+            ref_step = statistics.median(r["step_s"] for r in rows if r["shaping"] == "loopback")
+            for line in report_bytes(counted, sizes, factors, ref_step, [r for r in rows if "wire_tx_per_step" in r]):
+                print(line)
+            print(f"  (the counting job: {counted['tokens_per_s']:,.0f} tokens/s with the counter's overhead; not a "
+                  "throughput figure)")
+            out.update(collectives=counted, theory=sizes, gloo_factors=factors)
+            print(flush=True)
+        if not args.skip_recovery:
+            rec = bench.recovery(args.recovery_steps)
+            print(f"recovery, 2 hosts x 1 rank, --checkpoint.every=1 --parallel.collective_timeout_s="
+                  f"{COLLECTIVE_TIMEOUT_S} --train.steps={args.recovery_steps}, MAX_RESTARTS=5 "
+                  f"(load {rec['load_start']} -> {rec['load_end']}; median step {rec['step_s']:.2f} s)")
+            waits = {  # what the fault itself makes everyone wait, before any restart can begin
+                "node loss": (0, ("none: the killed rank's sockets close and rank 0 fails at once; the rest is the "
+                                  "new launcher's start, the rendezvous, worker start and restore")),
+                "partition": (2 * COLLECTIVE_TIMEOUT_S, (f"the link's {2 * COLLECTIVE_TIMEOUT_S} s down (the ranks time "
+                                                         f"out after {COLLECTIVE_TIMEOUT_S} s; the rendezvous needs host 1 "
+                                                         "back)")),
+                "frozen rank": (COLLECTIVE_TIMEOUT_S + 30, (f"the {COLLECTIVE_TIMEOUT_S} s collective timeout + torchrun's "
+                                                            "30 s SIGTERM grace before it SIGKILLs the stopped worker")),
+            }
+            print(f"  {'fault':<12} {'-> run_start':>12} {'-> next step':>12} {'fixed wait':>10} {'restart':>8}  "
+                  "resumed at  the fixed wait")
+            for fault in ("node loss", "partition", "frozen rank"):
+                r = rec[fault]
+                wait_s, why = waits[fault]
+                r["fixed_wait_s"] = wait_s
+                print(f"  {fault:<12} {r['to_run_start_s']:>10.1f} s {r['to_step_s']:>10.1f} s {wait_s:>8.0f} s "
+                      f"{r['to_step_s'] - wait_s:>6.1f} s  step {r['resumed_from_step']!s:<6} {why}")
+            print(f"  the job finished {rec['finished_steps']} / {args.recovery_steps} steps after {rec['restarts']} restarts, "
+                  f"exit codes {rec['exit codes']}")
+            out["recovery"] = rec
+    except KeyboardInterrupt as e:
+        print(f"benchmarks/multinode.py: interrupted ({e or 'SIGINT'}); the bed and every job are taken down",
+              file=sys.stderr)
+        return 130
+    finally:
+        bench.kill_local()
+        bed.down()
+        shutil.rmtree(work, ignore_errors=True)
+    out["load_end"] = Path("/proc/loadavg").read_text().strip()
+    print(f"# load after: {out['load_end']}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=2, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
