@@ -210,9 +210,13 @@ def test_nodes_started_with_different_configs_are_refused_on_every_node(bed, tmp
     for index, proc in job.nodes.items():
         assert proc.wait(timeout=JOB_TIMEOUT) == 2, job.tail()
     for log in job.logs:
-        lines = [line for line in log.read_text().splitlines() if line.strip()]
-        assert_one_line_error(2, "\n".join(lines[-1:]), 2, "different configs", "optim.lr", "host tmnode1")
-        assert len(lines) == 1, log.read_text()
+        text = log.read_text()
+        lines = [line for line in text.splitlines() if line.strip()]
+        assert_one_line_error(2, lines[-1], 2, "different configs", "optim.lr", "host tmnode1")
+        # The one line, once, and no restart. (A node whose head's torchrun exits first may also
+        # get torchrun's warning that it could not close the rendezvous: torch's own noise.)
+        assert sum(line.startswith("error: ") for line in lines) == 1, text
+        assert "will restart worker group" not in text, text
     assert not any(e["event"] == EventName.RUN_START for e in job.events())
 
 

@@ -17,12 +17,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from trinity_train.config import ModelConfig
+from trinity_train.model.alignment import GROUPED_MM_ALIGNMENT
 from trinity_train.model.norms import LayerNorm
 from trinity_train.model.precision import compute_dtype
 
-# torch._grouped_mm needs every row stride to be a multiple of 16 bytes; 8 elements covers bf16
-# and fp32, so the hidden and expert widths must be multiples of this on the grouped path.
-GROUPED_MM_ALIGNMENT = 8
 
 
 def activation_fn(name: str) -> Callable[[torch.Tensor], torch.Tensor]:

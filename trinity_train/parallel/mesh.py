@@ -20,12 +20,14 @@ They are unflattened from the same 1-D world mesh, so DTensors and FSDP can comb
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from typing import TYPE_CHECKING
 
 from trinity_train.config import Config, grad_accum_for, require
 from trinity_train.errors import ConfigError
-from trinity_train.model.moe import GROUPED_MM_ALIGNMENT
+from trinity_train.model.alignment import GROUPED_MM_ALIGNMENT
+
+if TYPE_CHECKING:  # torch is imported by build_mesh: the launchers' preflight checks a layout without it
+    from torch.distributed.device_mesh import DeviceMesh
 
 
 def check_layout_config(cfg: Config) -> None:
@@ -120,6 +122,8 @@ class ParallelDims:
 
     def build_mesh(self, device_type: str) -> DeviceMesh:
         """Create the world mesh and its three views (every rank must call this)."""
+        from torch.distributed.device_mesh import init_device_mesh
+
         world = init_device_mesh(device_type, (self.world_size,), mesh_dim_names=("world",))
         self._dense = world._unflatten(0, (self.dp_replicate, self.dp_shard, self.tp),
                                        ("dp_replicate", "dp_shard", "tp"))
