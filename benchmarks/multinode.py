@@ -365,7 +365,7 @@ class Bench:
             job.wait(lambda: job.trained_after(fault, 2), "two steps after the partition")
 
             fault = time.time()
-            workers = [p for p in self.bed.pids(1) if is_worker(p)]
+            workers = self.bed.worker_pids(1)
             if not workers:
                 raise RuntimeError("no worker process on host 1 to freeze")
             os.kill(workers[0], signal.SIGSTOP)  # torchrun SIGKILLs it after its SIGTERM grace
@@ -375,7 +375,9 @@ class Bench:
                 p.wait(timeout=max(1.0, deadline - time.monotonic()))
             codes = {i: p.returncode for i, p in procs.items()}
             result["exit codes"] = codes
-            records = final_records(run_dir)
+            from cluster_bed import surviving_train_records  # on sys.path once main() has run
+
+            records = surviving_train_records(train_records(run_dir))
             result["finished_steps"] = len(records)
             result["step_s"] = median_step_s(records)
             result["restarts"] = sum(1 for e in job.events() if e.get("event") == "run_start") - 1
@@ -396,20 +398,6 @@ class Bench:
 
 def tail(logs: list[Path]) -> str:
     return "\n".join(f"--- {log.name}\n{log.read_text()[-2000:]}" for log in logs if log.exists())
-
-
-def is_worker(pid: int) -> bool:
-    """A training rank (`python -m trinity_train.cli train`), not its torchrun agent."""
-    try:
-        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        return False
-    return b"trinity_train.cli" in cmdline and b"torchrun" not in cmdline
-
-
-def final_records(run_dir: Path) -> list[dict]:
-    by_step = {r["step"]: r for r in train_records(run_dir)}
-    return [by_step[s] for s in sorted(by_step)]
 
 
 class RecoveryJob:

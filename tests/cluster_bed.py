@@ -92,6 +92,19 @@ class ClusterBed:
         done = subprocess.run(["ip", "netns", "pids", self.host(index)], capture_output=True, text=True)
         return [int(p) for p in done.stdout.split()]
 
+    def worker_pids(self, index: int) -> list[int]:
+        """The training ranks on host `index` (`python -m trinity_train.cli train`), not their
+        torchrun agent, whose command line names the module too."""
+        found = []
+        for pid in self.pids(index):
+            try:
+                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+            except OSError:
+                continue  # ended meanwhile
+            if b"trinity_train.cli" in cmdline and b"torchrun" not in cmdline:
+                found.append(pid)
+        return found
+
     def kill_host(self, index: int) -> None:
         """A node lost: every process of host `index` SIGKILLed at once."""
         for pid in self.pids(index):
@@ -113,6 +126,13 @@ class ClusterBed:
     def _check(done: subprocess.CompletedProcess) -> None:
         if done.returncode != 0:
             raise RuntimeError(done.stderr.strip())
+
+
+def surviving_train_records(records: list[dict]) -> list[dict]:
+    """The training record that survived for each step, in step order: a step re-done after a
+    restart from an older checkpoint appears twice, and the later one is the run's."""
+    by_step = {r["step"]: r for r in records if r.get("kind") == "train"}
+    return [by_step[s] for s in sorted(by_step)]
 
 
 def leftovers(prefix: str) -> list[str]:

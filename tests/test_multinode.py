@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from cluster_bed import ClusterBed, bed_unavailable, leftovers, wait_for
+from cluster_bed import ClusterBed, bed_unavailable, leftovers, surviving_train_records, wait_for
 from conftest import SUBPROCESS_ENV, assert_one_line_error, run_cli
 from trinity_train.files import read_jsonl
 from trinity_train.records import EventName, RecordKind
@@ -106,13 +106,7 @@ class Job:
 
 
 def final_train_records(run_dir: Path) -> list[dict]:
-    """The training record that survived for each step (a step re-done after a restart from an
-    older checkpoint appears twice; the later one is the run's)."""
-    by_step: dict[int, dict] = {}
-    for record in read_jsonl(run_dir / "metrics.jsonl"):
-        if record["kind"] == RecordKind.TRAIN:
-            by_step[record["step"]] = record
-    return [by_step[s] for s in sorted(by_step)]
+    return surviving_train_records(read_jsonl(run_dir / "metrics.jsonl"))
 
 
 def losses(run_dir: Path) -> list[float]:
@@ -285,12 +279,6 @@ def seconds_to_next_step(job: Job, fault_time: float) -> float:
     return time.time() - fault_time
 
 
-def is_worker(cmdline: bytes) -> bool:
-    """A training rank (`python -m trinity_train.cli train`), not its torchrun agent, whose
-    command line names the module too."""
-    return b"trinity_train.cli" in cmdline and b"torchrun" not in cmdline
-
-
 def test_partition_and_frozen_rank_are_detected_and_recovered(bed, one_process, tmp_path):
     """Host 1's link down for longer than the collective timeout, then up; later one of its ranks
     frozen (SIGSTOP) for longer than the timeout: each time the ranks that wait time out, torchrun
@@ -311,7 +299,7 @@ def test_partition_and_frozen_rank_are_detected_and_recovered(bed, one_process, 
     partition_s = seconds_to_next_step(job, fault_time)
 
     fault_time = time.time()
-    workers = [p for p in bed.pids(1) if is_worker(Path(f"/proc/{p}/cmdline").read_bytes())]
+    workers = bed.worker_pids(1)
     assert workers
     os.kill(workers[0], signal.SIGSTOP)
     time.sleep(timeout_s + 4)

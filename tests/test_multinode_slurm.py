@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 
+from cluster_bed import leftovers
 from conftest import ONE_THREAD_ENV, ROOT, layout_config
 from trinity_train.config import save_config
 from trinity_train.files import read_jsonl
@@ -113,13 +114,6 @@ def train_losses(run_dir: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in read_jsonl(run_dir / "metrics.jsonl") if r["kind"] == RecordKind.TRAIN}
 
 
-def leftovers() -> list[str]:
-    names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.splitlines()
-    found = [f"netns {n.split()[0]}" for n in names if n.split() and n.split()[0].startswith(PREFIX)]
-    found += [str(p) for p in (STATE, *Path("/etc/netns").glob(f"{PREFIX}*")) if p.exists()]
-    return found
-
-
 def test_sbatch_trains_across_two_hosts_and_a_cancelled_job_resumes(corpus, tmp_path):
     reason = unavailable()
     if reason is not None:
@@ -184,5 +178,5 @@ def test_sbatch_trains_across_two_hosts_and_a_cancelled_job_resumes(corpus, tmp_
             os.killpg(reference.pid, signal.SIGKILL)
             reference.wait(timeout=30)
         bed.down()
-    assert leftovers() == []
+    assert leftovers(PREFIX) == []
     assert not bed.daemon_pids()
