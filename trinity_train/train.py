@@ -18,6 +18,7 @@ RNG streams), so a resumed run computes bit-identical losses to an uninterrupted
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import random
@@ -49,7 +50,7 @@ from trinity_train.parallel.mesh import ParallelDims
 from trinity_train.parallel.parallelize import build_parallel_model
 from trinity_train.parallel.process_group import (destroy_distributed, init_distributed, leave_together,
                                                   resolve_device, world_size_from_env)
-from trinity_train.records import EventName, event, train_record, val_record
+from trinity_train.records import EventName, Phase, event, train_record, val_record
 from trinity_train.rundir import RunDir
 from trinity_train.run_config import validate_rules
 from trinity_train.runlock import run_dir_owned
@@ -241,10 +242,22 @@ class Trainer:
                 "scheduler": self.scheduler, "loader": self.train_loader, "guard": self.guard,
                 "lr_backoff": self.lr_backoff, "trainer": self.state, "rng": RNGState()}
 
+    @contextlib.contextmanager
+    def phase(self, phase: Phase):
+        """Tell the callbacks the rank is in `phase` for the duration of the block (the timeline,
+        the watchdog and the rank statistics time the loop by it)."""
+        self.callbacks.phase_begin(self, phase)
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.callbacks.phase_end(self, phase, time.perf_counter() - started)
+
     def _load(self, path: Path) -> dict:
         """Load every stateful component from the checkpoint `path` (a resume, a rollback);
         returns its meta.json."""
-        meta = load_checkpoint(path, self.checkpoint_state(), self.cfg)
+        with self.phase(Phase.CHECKPOINT_LOAD):
+            meta = load_checkpoint(path, self.checkpoint_state(), self.cfg)
         self._apply_lr()
         return meta
 
@@ -266,7 +279,8 @@ class Trainer:
                 print(describe_replanned(replan), file=sys.stderr)
             return resumed + ([replan] if replan is not None else [])
         if self.cfg.checkpoint.init_from:
-            load_checkpoint(Path(self.cfg.checkpoint.init_from), {"model": ModelState(self.model)}, self.cfg)
+            with self.phase(Phase.CHECKPOINT_LOAD):
+                load_checkpoint(Path(self.cfg.checkpoint.init_from), {"model": ModelState(self.model)}, self.cfg)
             return [event(EventName.INIT_FROM, checkpoint=self.cfg.checkpoint.init_from)]
         return []
 
@@ -318,10 +332,11 @@ class Trainer:
         summary = self.summary
         summary.wall_s = time.perf_counter() - self._started
         summary.step, summary.iteration = self.state.step, self.state.iteration
-        try:
-            self.callbacks.on_end(self, summary)
-        finally:
-            self.recorder.close()
+        with self.phase(Phase.SHUTDOWN):
+            try:
+                self.callbacks.on_end(self, summary)
+            finally:
+                self.recorder.close()
         return summary
 
     def run(self) -> TrainSummary:
@@ -332,7 +347,8 @@ class Trainer:
                 self._validate()  # the starting point: about ln(vocab)
             while self.state.step < cfg.train.steps:
                 self.train_one_iteration()
-            self.checkpoints.wait()
+            with self.phase(Phase.CHECKPOINT_SAVE):
+                self.checkpoints.wait()
         except TrainingDivergedError as e:
             self.callbacks.on_halt(self, e)
             raise
@@ -343,23 +359,27 @@ class Trainer:
     def train_one_iteration(self) -> None:
         """Draw the next global batch and train on it (or skip it, or roll back), then validate
         and checkpoint when due. Between `start()` and `finish()`."""
-        self.checkpoints.poll()  # commits an asynchronous save whose write has finished
+        if self.checkpoints.pending:
+            with self.phase(Phase.CHECKPOINT_SAVE):
+                self.checkpoints.poll()  # commits an asynchronous save whose write has finished
         started = time.perf_counter()
-        batch = self.train_loader.next_batch()
-        self.state.iteration += 1
-        self.callbacks.before_step(self, batch)
-        result = self.step_fn(batch, self.state.iteration, self.state.step)
-        elapsed = time.perf_counter() - started
-        self.recorder.events(result.verdict.events)
-        applied = result.verdict.apply
-        if applied:
-            self.state.step += 1
-            self.state.tokens_seen += result.tokens
-        else:
-            self.summary.skipped_steps += 1
-        record = step_record(result, self.state, batch.index, self.throughput.of(result.tokens, elapsed))
-        self.recovery.after_step(result, record, batch.index, self.recorder)
-        self.callbacks.after_step(self, result, record)
+        with self.phase(Phase.DATA):
+            batch = self.train_loader.next_batch()
+            self.state.iteration += 1
+            self.callbacks.before_step(self, batch)
+        with self.phase(Phase.STEP):
+            result = self.step_fn(batch, self.state.iteration, self.state.step)
+            elapsed = time.perf_counter() - started
+            self.recorder.events(result.verdict.events)
+            applied = result.verdict.apply
+            if applied:
+                self.state.step += 1
+                self.state.tokens_seen += result.tokens
+            else:
+                self.summary.skipped_steps += 1
+            record = step_record(result, self.state, batch.index, self.throughput.of(result.tokens, elapsed))
+            self.recovery.after_step(result, record, batch.index, self.recorder)
+            self.callbacks.after_step(self, result, record)
         self.summary.last_loss = result.loss
         if applied:
             self._after_applied_step()
@@ -383,11 +403,13 @@ class Trainer:
 
     def _save(self) -> None:
         step, iteration = self.state.step, self.state.iteration
-        self.checkpoints.save(step, self.checkpoint_state(), self.cfg, iteration=iteration,
-                              on_commit=lambda path: self.callbacks.after_checkpoint(self, step, iteration, path))
+        with self.phase(Phase.CHECKPOINT_SAVE):
+            self.checkpoints.save(step, self.checkpoint_state(), self.cfg, iteration=iteration,
+                                  on_commit=lambda path: self.callbacks.after_checkpoint(self, step, iteration, path))
 
     def _validate(self) -> None:
-        val_loss, val_tokens = evaluate(self.model, self.val_loader, self.cfg, self.device, self.dims)
+        with self.phase(Phase.VALIDATION):
+            val_loss, val_tokens = evaluate(self.model, self.val_loader, self.cfg, self.device, self.dims)
         self.recorder.validation(val_record(iter=self.state.iteration, step=self.state.step, val_loss=val_loss,
                                             val_ppl=math.exp(min(val_loss, 50.0)), val_tokens=val_tokens))
         if self.summary.first_val_loss is None:

@@ -296,6 +296,11 @@ class CheckpointManager:
             self._after_commit(step, final_dir, on_commit)
         return final_dir
 
+    @property
+    def pending(self) -> bool:
+        """An asynchronous save is in flight (`poll` and `wait` have work to do)."""
+        return self._pending is not None
+
     def poll(self) -> Path | None:
         """Commit the asynchronous save in flight if every rank has finished writing it (collective
         while one is in flight); returns its directory when it was committed now."""

@@ -26,7 +26,12 @@ from trinity_train.callbacks import TrainerCallback
 from trinity_train.config import Config, FaultConfig, one_of, require
 from trinity_train.records import EventName, event
 
-FAULTS = ("nan_loss", "grad_scale", "loss_spike", "poison_random", "poison_repeat")
+NUMERIC_FAULTS = ("nan_loss", "grad_scale", "loss_spike", "poison_random", "poison_repeat")
+# What the machines do, not the numbers: a rank killed, standing still, slow; a save that fails.
+# Each acts once per run (an earlier attempt's `fault_injected` event spends it), so the restart
+# it causes does not meet it again.
+INFRA_FAULTS = ("kill_rank", "hang_rank", "slow_rank", "fail_save")
+FAULTS = NUMERIC_FAULTS + INFRA_FAULTS
 POISON_FAULTS = ("poison_random", "poison_repeat")  # act on global batches, not iterations
 DEFAULT_FACTORS = {"loss_spike": 10.0, "grad_scale": 1000.0}
 
@@ -44,6 +49,7 @@ def check_fault_config(cfg: Config) -> None:
         require(f.last == -1 or f.last >= f.first, f"{key}.last", f"must be -1 or >= first ({f.first})")
         require(f.rank >= -1, f"{key}.rank", "must be a rank >= 0, or -1 for every rank")
         require(f.factor >= 0, f"{key}.factor", "must be >= 0 (0: the fault's default)")
+        require(f.seconds >= 0, f"{key}.seconds", "must be >= 0 (0: the fault's default)")
         require(0 <= f.token < cfg.model.vocab_size, f"{key}.token",
                 f"must be a token id below model.vocab_size ({cfg.model.vocab_size})")
 
