@@ -17,10 +17,11 @@ from pathlib import Path
 from trinity_train.config import Config, default_config_path, validate
 from trinity_train.errors import DataError, UserError
 from trinity_train.launcher_verdict import hand_to_launcher
-from trinity_train.run_config import load_run_config
 
 
 def cmd_train(args: argparse.Namespace, overrides: list[str], callbacks: list | None = None) -> int:
+    from trinity_train.run_config import load_run_config
+
     cfg = load_run_config(args.config or default_config_path(), overrides)
     from trinity_train.train import train
 

@@ -231,6 +231,7 @@ class Trainer:
         self.summary: TrainSummary | None = None
         self._started = 0.0
         self._batch_index = -1  # of the latest iteration
+        self._skipped = False  # the latest iteration's step was refused
         self._failed_saves = 0  # in a row
 
     def add_callback(self, callback: TrainerCallback) -> None:
@@ -371,6 +372,13 @@ class Trainer:
         """Draw the next global batch and train on it (or skip it, or roll back), then validate
         and checkpoint when due. Between `start()` and `finish()`."""
         self.timeline.iteration_begun()
+        self._skipped = False
+        try:
+            self._iterate()
+        finally:  # an iteration that raised (a crash, a halt) is time spent too
+            self.timeline.iteration_done(self, self._batch_index, skipped=self._skipped)
+
+    def _iterate(self) -> None:
         if self.checkpoints.pending:
             with self.phase(Phase.CHECKPOINT_SAVE), self._saving():
                 self.checkpoints.poll()  # commits an asynchronous save whose write has finished
@@ -390,6 +398,7 @@ class Trainer:
                 self.state.tokens_seen += result.tokens
             else:
                 self.summary.skipped_steps += 1
+                self._skipped = True
             record = step_record(result, self.state, batch.index, self.throughput.of(result.tokens, elapsed))
             self.recovery.after_step(result, record, batch.index, self.recorder)
             self.callbacks.after_step(self, result, record)
@@ -399,7 +408,6 @@ class Trainer:
         else:
             self._after_skipped_step(result, batch.index)
         self.callbacks.after_iteration(self)
-        self.timeline.iteration_done(self, batch.index, skipped=not applied)
 
     def _after_skipped_step(self, result: StepResult, batch_index: int) -> None:
         self.callbacks.on_skip(self, result, batch_index)

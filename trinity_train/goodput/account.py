@@ -48,7 +48,7 @@ class Attempt:
     index: int
     host: str
     pid: int
-    process_start: float
+    process_start: float  # when it began: its process started (or the previous attempt of its process ended)
     start_iter: int
     devices: int
     end: float  # its last record's end
@@ -112,11 +112,16 @@ def account(run_dir: str | Path) -> GoodputAccount | None:
     for record in records:
         kind = record.get("kind")
         if kind == TimelineKind.ATTEMPT:
-            attempt = Attempt(len(attempts), record["host"], record["pid"], record["process_start"],
-                              record["iter"], record["devices"], end=record["start"], status=None)
+            # An attempt begins when its process started, or where the previous one ended when
+            # one process ran both (a program that trains twice).
+            began = record["process_start"]
+            if attempts:
+                began = max(began, attempts[-1].end)
+            attempt = Attempt(len(attempts), record["host"], record["pid"], began, record["iter"], record["devices"],
+                              end=record["start"], status=None)
             if attempts:  # what a failed attempt did after its last record, and the restart
-                attempt.seconds["lost"] = max(0.0, attempt.process_start - attempts[-1].end)
-            attempt.seconds["startup"] = record["start"] - attempt.process_start
+                attempt.seconds["lost"] = began - attempts[-1].end
+            attempt.seconds["startup"] = record["start"] - began
             attempts.append(attempt)
             _undo_after(steps, record["iter"])  # a resume goes back to its checkpoint
         elif not attempts:
