@@ -8,6 +8,9 @@ comes back if those batches are drawn again), on one rank or on all:
 - `loss_spike`: the loss, and with it the gradients, is multiplied by `factor` (default 10);
 - `grad_scale`: the gradients are multiplied by `factor` (default 1000) after backward, the loss
   stays flat;
+- `lr_scale`: the step's learning rates are multiplied by `factor` (default 20): a learning rate
+  set too high from `first` on (give `last` for how long), whose damage the guard sees one step
+  late, in the loss the update made;
 - `poison_random`: the batch's tokens are replaced by uniformly random ones (seeded by the batch
   index, so every drill run sees the same poison);
 - `poison_repeat`: every token of the batch is `token`.
@@ -33,15 +36,15 @@ from trinity_train.callbacks import TrainerCallback
 from trinity_train.config import Config, FaultConfig, one_of, require
 from trinity_train.records import EventName, event
 
-NUMERIC_FAULTS = ("nan_loss", "grad_scale", "loss_spike", "poison_random", "poison_repeat")
+NUMERIC_FAULTS = ("nan_loss", "grad_scale", "loss_spike", "lr_scale", "poison_random", "poison_repeat")
 # What the machines do, not the numbers: a rank killed, standing still, slow; a save that fails.
 # Each acts once per run (an earlier attempt's `fault_injected` event spends it), so the restart
 # it causes does not meet it again.
 INFRA_FAULTS = ("kill_rank", "hang_rank", "slow_rank", "fail_save")
 FAULTS = NUMERIC_FAULTS + INFRA_FAULTS
 POISON_FAULTS = ("poison_random", "poison_repeat")  # act on global batches, not iterations
-DEFAULT_FACTORS = {"loss_spike": 10.0, "grad_scale": 1000.0}
-STEP_FAULTS = ("nan_loss", "loss_spike", "grad_scale")  # act inside the step, on its loss or gradients
+DEFAULT_FACTORS = {"loss_spike": 10.0, "grad_scale": 1000.0, "lr_scale": 20.0}
+STEP_FAULTS = ("nan_loss", "loss_spike", "grad_scale", "lr_scale")  # act inside the step
 
 
 def check_fault_config(cfg: Config) -> None:
@@ -68,10 +71,11 @@ class StepFaults:
 
     loss_factor: float = 1.0  # multiplies the summed cross entropy (NaN for nan_loss)
     grad_factor: float = 1.0  # multiplies the gradients after backward
+    lr_factor: float = 1.0  # multiplies the learning rates of the update
 
     @property
     def any(self) -> bool:
-        return self.loss_factor != 1.0 or self.grad_factor != 1.0
+        return self.loss_factor != 1.0 or self.grad_factor != 1.0 or self.lr_factor != 1.0
 
 
 def _covers(fault: FaultConfig, at: int) -> bool:
@@ -118,7 +122,7 @@ class FaultInjector:
         return None
 
     def step_faults(self, iteration: int) -> StepFaults:
-        loss_factor, grad_factor = 1.0, 1.0
+        loss_factor, grad_factor, lr_factor = 1.0, 1.0, 1.0
         for fault in self.faults:
             if fault.fault not in STEP_FAULTS or not self._here(fault) or not _covers(fault, iteration):
                 continue
@@ -126,9 +130,11 @@ class FaultInjector:
                 loss_factor = float("nan")
             elif fault.fault == "loss_spike":
                 loss_factor *= _factor(fault)
+            elif fault.fault == "lr_scale":
+                lr_factor *= _factor(fault)
             else:
                 grad_factor *= _factor(fault)
-        return StepFaults(loss_factor, grad_factor)
+        return StepFaults(loss_factor, grad_factor, lr_factor)
 
     def poison(self, batch) -> None:
         """Replace this rank's rows of `batch` (in place) where a poison fault covers its index."""
