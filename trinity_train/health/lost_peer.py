@@ -16,7 +16,8 @@ GLOO_SOURCE = "/gloo/"  # gloo's messages start with "[.../third_party/gloo/gloo
 def is_lost_peer(error: BaseException) -> bool:
     if any(c.__name__ == "DistError" and c.__module__.startswith("torch") for c in type(error).__mro__):
         return True
-    return isinstance(error, RuntimeError) and GLOO_SOURCE in str(error).split("]", 1)[0]
+    text = str(error)
+    return isinstance(error, RuntimeError) and text.startswith("[") and GLOO_SOURCE in text.split("]", 1)[0]
 
 
 def describe(error: BaseException) -> str:
