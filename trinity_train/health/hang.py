@@ -49,7 +49,8 @@ def write_stacks(path: Path, header: str) -> Path:
 
 def what_happens_next() -> str:
     if "TORCHELASTIC_RESTART_COUNT" in os.environ:
-        return "torchrun restarts the job, which resumes from its newest sound checkpoint"
+        return ("torchrun restarts the job, which resumes from its newest sound checkpoint (with no restart "
+                "left, the launcher exits 75 for the scheduler to requeue)")
     return "run it again with --checkpoint.resume=auto to resume from its newest sound checkpoint"
 
 
