@@ -12,9 +12,11 @@ comes back if those batches are drawn again), on one rank or on all:
   index, so every drill run sees the same poison);
 - `poison_repeat`: every token of the batch is `token`.
 
-and the machines' faults (`INFRA_FAULTS`), on the chosen rank(s) at the chosen iterations, each
-once per run:
+And what the machines do (`INFRA_FAULTS`), on the chosen rank(s) at the chosen iterations:
 
+- `fail_save`: a checkpoint taken in the fault's iterations fails to write on the rank (an I/O
+  error from the storage writer, after DCP planned the save with every rank): the run records a
+  `checkpoint_failed` event, keeps its earlier checkpoints and trains on;
 - `kill_rank`: the rank dies (SIGKILL, as a lost GPU or node) before the step: torchrun restarts
   the job, which resumes from its newest sound checkpoint;
 - `hang_rank`: the rank stands still for `seconds` (default 3600, then it goes on) in the data
@@ -23,14 +25,16 @@ once per run:
 
 Every fault that acts is reported as a `fault_injected` event, so nobody mistakes a drill for the
 real thing: a numeric one by the process that writes the run directory (whichever rank it acts
-on), a machine fault by the rank it acts on, before it acts (`RunDir.append_event`: a killed rank
-has said so already), with that rank. At its start every rank reads those events back
-(`FaultInjector.spend`): a machine fault an earlier attempt injected at an iteration on a rank is
-spent there, so the restart it caused does not meet it again.
+on, and `fail_save`'s: `save_events`), a fault that ends its rank (`kill_rank`, `hang_rank`) by
+that rank, before it acts (`RunDir.append_event`: a killed rank has said so already), with that
+rank. At its start every rank reads those events back (`FaultInjector.spend`): a machine fault an
+earlier attempt injected at an iteration on a rank is spent there, so the restart it caused does
+not meet it again.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import sys
@@ -52,6 +56,7 @@ FAULTS = NUMERIC_FAULTS + INFRA_FAULTS
 POISON_FAULTS = ("poison_random", "poison_repeat")  # act on global batches, not iterations
 DEFAULT_FACTORS = {"loss_spike": 10.0, "grad_scale": 1000.0}
 DEFAULT_SECONDS = {"hang_rank": 3600.0, "slow_rank": 1.0}
+STEP_FAULTS = ("nan_loss", "loss_spike", "grad_scale")  # act inside the step, on its loss or gradients
 
 
 def check_fault_config(cfg: Config) -> None:
@@ -158,10 +163,23 @@ class FaultInjector:
                                  token=fault.token if fault.fault == "poison_repeat" else None))
         return out
 
+    def save_events(self, iteration: int, batch_index: int) -> list[dict]:
+        """The `fault_injected` events of a save taken at `iteration` that a `fail_save` breaks."""
+        return [event(EventName.FAULT_INJECTED, iter=iteration, batch=batch_index, fault=fault.fault,
+                      rank=None if fault.rank < 0 else fault.rank, factor=None, token=None)
+                for fault in self.faults if fault.fault == "fail_save" and _covers(fault, iteration)]
+
+    def failing_save(self, iteration: int) -> OSError | None:
+        """The I/O error this rank's write of a checkpoint taken at `iteration` fails with (a
+        `fail_save` drill covering it), or None."""
+        if any(f.fault == "fail_save" and self._here(f) and _covers(f, iteration) for f in self.faults):
+            return OSError(errno.EIO, f"input/output error (drill: fail_save at iteration {iteration})")
+        return None
+
     def step_faults(self, iteration: int) -> StepFaults:
         loss_factor, grad_factor = 1.0, 1.0
         for fault in self.faults:
-            if fault.fault in POISON_FAULTS + INFRA_FAULTS or not self._here(fault) or not _covers(fault, iteration):
+            if fault.fault not in STEP_FAULTS or not self._here(fault) or not _covers(fault, iteration):
                 continue
             if fault.fault == "nan_loss":
                 loss_factor = float("nan")
