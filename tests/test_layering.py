@@ -16,11 +16,12 @@ LAYERS = [
     {"cli"},
     {"train", "study"},
     {"step", "run_config"},
-    {"parallel", "checkpoint", "stability", "observe", "interop", "dashboard", "runlock"},
+    {"parallel", "checkpoint", "stability", "observe", "health", "interop", "dashboard", "runlock"},
     {"model", "optim", "data", "goodput"},
     {"config", "rundir", "columnar", "records", "callbacks"},
     {"files", "rank_zero", "launcher_verdict"},
     {"errors", "__init__"},
+    {"exit_codes"},  # the codes a process ends with: below the errors that carry them
 ]
 SIDEWAYS = {
     ("observe", "parallel"),  # layer statistics are global values: they reduce through parallel.reductions

@@ -1,0 +1,5 @@
+"""Rank health (DESIGN §12): the per-rank hang watchdog (`watchdog`), the limit of each phase
+(`limits`), the heartbeats that say which rank is behind (`heartbeat`), what a hung rank leaves
+behind (`hang`), and which errors of a run are a lost peer rather than a bug (`lost_peer`).
+
+Nothing is imported here, so that `lost_peer` (which the CLI uses) loads without torch."""
