@@ -152,8 +152,8 @@ RECORDS: dict[RecordKind, Shape] = {
 
 TIMELINE: dict[TimelineKind, Shape] = {
     TimelineKind.ATTEMPT: _shape("host pid process_start start iter step devices restart"),
-    TimelineKind.ITERATION: _shape("iter step batch skipped start end phases rollback_to_iter",
-                                   optional="rollback_to_iter"),
+    TimelineKind.ITERATION: _shape("iter step batch skipped start end phases rollback_to_iter failed",
+                                   optional="rollback_to_iter failed"),
     TimelineKind.SPAN: _shape("phase iter start end"),
     TimelineKind.END: _shape("iter step end status"),
 }
