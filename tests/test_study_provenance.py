@@ -79,8 +79,8 @@ def test_code_outside_a_checkout_is_refused_unless_allowed(tmp_path, monkeypatch
 def _done(out: StudyDir, state: StudyState, cell, commit: str, config_sha256: str | None = None) -> None:
     out.cell(cell.name).path.mkdir(parents=True, exist_ok=True)
     out.cell(cell.name).metrics.write_text("")
-    state.record(cell.name, FINISHED, exit_code=0, wall_s=1.0, commit=commit, dirty=False,
-                 config_sha256=config_sha256 or cell_hash(cell))
+    state.attempt(cell.name, commit=commit, dirty=False, config_sha256=config_sha256 or cell_hash(cell))
+    state.record(cell.name, FINISHED, exit_code=0, wall_s=1.0)
 
 
 def test_cells_of_two_commits_or_another_config_are_refused(corpus, tmp_path):

@@ -49,7 +49,7 @@ def check_one_code(cells: list[Cell], out: StudyDir, state: StudyState) -> None:
         if not out.cell(cell.name).metrics.is_file():
             continue
         record = state.cell(cell.name)
-        for commit in record["commits"] or ["an unrecorded commit"]:
+        for commit in record["commits"] or ["unrecorded"]:
             by_commit.setdefault(commit, []).append(cell.name)
         if record["config_sha256"] not in (None, cell_hash(cell)):
             raise StudyError(f"{out.cell(cell.name).path} ran with another config than the study's cell now (config "

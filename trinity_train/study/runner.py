@@ -160,12 +160,12 @@ def run_cells(cells: list[Cell], out: StudyDir, state: StudyState, *, nproc: int
             results.append(CellResult(cell, done.status, ran=False, reason=done.reason))
         else:
             git = code() if code else None
+            state.attempt(cell.name, commit=git.commit if git else None, dirty=git.dirty if git else None,
+                          config_sha256=(hashes or {}).get(cell.name))
             say(f"{prefix} training (console: {out.cell_log(cell.name)})")
             exit_code, wall, error = run_one(cell, out, nproc)
             status, reason = _settle(cell, out, exit_code, error)
-            state.record(cell.name, status, exit_code=exit_code, wall_s=wall, reason=reason,
-                         commit=git.commit if git else None, dirty=git.dirty if git else None,
-                         config_sha256=(hashes or {}).get(cell.name))
+            state.record(cell.name, status, exit_code=exit_code, wall_s=wall, reason=reason)
             say(f"{prefix} {status} in {wall:.0f} s{_detail(cell, out, reason)}")
             results.append(CellResult(cell, status, ran=True, wall_s=wall, exit_code=exit_code, reason=reason))
         if results[-1].status in DONE and not keep_checkpoints:

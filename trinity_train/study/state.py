@@ -70,20 +70,24 @@ class StudyState:
                  "dirty": None, "config_sha256": None}
         return {**fresh, **self.cells.get(name, {})}
 
-    def record(self, name: str, status: str, *, exit_code: int | None, wall_s: float, reason: str = "",
-               attempt: bool = True, commit: str | None = None, dirty: bool | None = None,
-               config_sha256: str | None = None) -> None:
-        """`commit`, `dirty`, `config_sha256`: the code and the config an attempt ran with (every
-        commit any attempt ran at is kept, so a cell trained partly at another commit shows it)."""
+    def attempt(self, name: str, *, commit: str | None, dirty: bool | None, config_sha256: str | None) -> None:
+        """Before an attempt trains: the code and the config it runs with (every commit any attempt
+        ran at is kept, so a cell trained partly at another commit shows it, even one interrupted
+        before its end was recorded)."""
         previous = self.cell(name)
         commits = list(previous["commits"])
         if commit is not None and commit not in commits:
             commits.append(commit)
-        self.cells[name] = {"status": status, "exit_code": exit_code, "reason": reason,
+        self.cells[name] = {**previous, "commits": commits, "dirty": previous["dirty"] or dirty,
+                            "config_sha256": config_sha256 or previous["config_sha256"], "updated": time.time()}
+        self.save()
+
+    def record(self, name: str, status: str, *, exit_code: int | None, wall_s: float, reason: str = "",
+               attempt: bool = True) -> None:
+        previous = self.cell(name)
+        self.cells[name] = {**previous, "status": status, "exit_code": exit_code, "reason": reason,
                             "attempts": previous["attempts"] + int(attempt),
-                            "wall_s": previous["wall_s"] + wall_s, "updated": time.time(), "commits": commits,
-                            "dirty": (previous["dirty"] or dirty) if attempt else previous["dirty"],
-                            "config_sha256": config_sha256 or previous["config_sha256"]}
+                            "wall_s": previous["wall_s"] + wall_s, "updated": time.time()}
         self.save()
 
     def save(self) -> None:

@@ -80,7 +80,7 @@ def _provenance_lines(p: dict | None) -> list[str]:
     return [f"- Code: commit `{commit}`, working tree {tree}" + (" (run with --allow-dirty)" if p["allow_dirty"] else ""),
             f"- Python {p['python']}, torch {p['torch']}, numpy {p['numpy']}; CPU {p['cpu_model']}, "
             f"{p['cpu_count']} cores ({p['cpus_usable']} usable)",
-            f"- Data: {data}"]
+            f"- Dataset hashes: {data}"]
 
 
 def comparison_table(comparisons: list[dict], metric: str, kind: str) -> list[str]:
