@@ -49,6 +49,13 @@ def test_contract_lists_every_record_kind_with_its_fields_in_order():
     assert set(built) == {str(kind) for kind in RecordKind}
 
 
+def test_contract_lists_every_timeline_kind_with_its_fields_in_order():
+    documented = shapes_of("### `timeline.jsonl`")
+    built = {str(kind): (shape.fields, shape.optional) for kind, shape in records.TIMELINE.items()}
+    assert documented == built
+    assert set(built) == {str(kind) for kind in records.TimelineKind}
+
+
 def test_contract_lists_the_incident_report_fields_in_order():
     rows = contract_table("### `incidents/")
     assert tuple(_names(row[0])[0] for row in rows) == records.INCIDENT.fields

@@ -21,6 +21,14 @@ from typing import Any
 class TrainerCallback:
     """Hooks of the training loop; the trainer passes itself first (`trainer`: a `train.Trainer`)."""
 
+    def phase_begin(self, trainer: Any, phase: str) -> None:
+        """The rank enters `phase` (a `records.Phase`: data, step, validation, checkpoint_save,
+        checkpoint_load, statistics, shutdown); phases do not nest. A rollback's restore is a
+        checkpoint_load after the step that asked for it."""
+
+    def phase_end(self, trainer: Any, phase: str, seconds: float) -> None:
+        """The rank leaves `phase` after `seconds` (wall clock), also when it raised."""
+
     def on_start(self, trainer: Any) -> None:
         """The run is restored (or fresh), its start events are recorded; no batch drawn yet."""
 
@@ -66,6 +74,12 @@ class CallbackList(TrainerCallback):
     def _each(self, hook: str, *args: Any) -> None:
         for callback in self.callbacks:
             getattr(callback, hook)(*args)
+
+    def phase_begin(self, trainer, phase):
+        self._each("phase_begin", trainer, phase)
+
+    def phase_end(self, trainer, phase, seconds):
+        self._each("phase_end", trainer, phase, seconds)
 
     def on_start(self, trainer):
         self._each("on_start", trainer)

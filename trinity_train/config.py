@@ -158,6 +158,8 @@ class CheckpointConfig:
     resume: str = "none"  # "none", "auto" (newest in the run directory) or a checkpoint path
     init_from: str = ""  # a checkpoint (e.g. from import-hf) whose model weights start the run
     async_save: bool = False
+    max_failed_saves: int = 3  # a save that fails (a full or broken disk) is recorded and training goes
+    #                            on, keeping the checkpoints it has; this many in a row stop the run
 
 
 @dataclass
@@ -171,6 +173,8 @@ class FaultConfig:
     rank: int = -1  # only on this rank of a distributed run; -1: every rank
     factor: float = 0.0  # grad_scale: gradient multiplier (0: 1000); loss_spike: loss multiplier (0: 10)
     token: int = 0  # poison_repeat: the token id every position is replaced by
+    seconds: float = 0.0  # slow_rank: extra seconds of work per iteration (0: 1); hang_rank: how
+    #                       long the rank stands still (0: 3600)
 
 
 @dataclass
@@ -226,6 +230,19 @@ class MetricsConfig:
     peak_flops: float = 0.0  # one device's peak FLOP/s for MFU; 0: measured with a matmul at start
     layer_stats_every: int = 10  # per-layer statistics ("layers" records) every this many
     #                              iterations; 0: off (cost: benchmarks/layer_stats_cost.py)
+    rank_stats_every: int = 10  # every this many iterations, each rank's step, compute, wait and
+    #                             data seconds ("ranks" records, one small gather); 0: off
+    straggler_ratio: float = 1.5  # a rank whose compute time is this many times the median of the
+    #                               others' ...
+    straggler_reports: int = 3  # ... in this many reports in a row is a straggler (an event)
+
+
+@dataclass
+class WatchdogConfig:
+    enabled: bool = True  # each rank watches its own progress, phase by phase
+    multiple: float = 5.0  # a phase may last this many times its longest duration seen so far ...
+    floor_s: float = 120.0  # ... but at least this long
+    first_s: float = 1800.0  # a phase not yet seen in this process (the first step compiles)
 
 
 @dataclass
@@ -244,6 +261,7 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     stability: StabilityConfig = field(default_factory=StabilityConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    watchdog: WatchdogConfig = field(default_factory=WatchdogConfig)
     run: RunConfig = field(default_factory=RunConfig)
 
 
@@ -434,6 +452,7 @@ def validate(cfg: Config) -> None:
     _validate_checkpoint(cfg.checkpoint)
     _validate_stability(cfg.stability)
     _validate_metrics(cfg.metrics)
+    _validate_watchdog(cfg.watchdog)
     require(bool(cfg.run.dir), "run.dir", "must not be empty")
 
 
@@ -527,6 +546,7 @@ def _validate_parallel(p: ParallelConfig) -> None:
 def _validate_checkpoint(c: CheckpointConfig) -> None:
     require(c.every >= 0, "checkpoint.every", "must be >= 0 (0 disables periodic checkpoints)")
     require(c.keep >= 1, "checkpoint.keep", "must be >= 1")
+    require(c.max_failed_saves >= 1, "checkpoint.max_failed_saves", "must be >= 1 (1: the first failed save stops the run)")
 
 
 STABILITY_MODES = ("act", "observe")
@@ -567,6 +587,17 @@ def _validate_metrics(mc: MetricsConfig) -> None:
     require(mc.peak_flops >= 0, "metrics.peak_flops", "must be >= 0 (0 measures it)")
     require(mc.layer_stats_every >= 0, "metrics.layer_stats_every",
             f"must be >= 0 (0 turns the layer statistics off), got {mc.layer_stats_every}")
+    require(mc.rank_stats_every >= 0, "metrics.rank_stats_every",
+            f"must be >= 0 (0 turns the rank statistics off), got {mc.rank_stats_every}")
+    require(mc.straggler_ratio > 1, "metrics.straggler_ratio",
+            f"must be above 1 (a rank this many times slower than the others), got {mc.straggler_ratio}")
+    require(mc.straggler_reports >= 1, "metrics.straggler_reports", "must be >= 1")
+
+
+def _validate_watchdog(w: WatchdogConfig) -> None:
+    require(w.multiple >= 1, "watchdog.multiple", f"must be >= 1, got {w.multiple}")
+    for name in ("floor_s", "first_s"):
+        require(getattr(w, name) > 0, f"watchdog.{name}", f"must be positive (seconds), got {getattr(w, name)}")
 
 
 def grad_accum_for(t: TrainConfig, dp: int) -> int:

@@ -40,6 +40,10 @@ class EventName(StrEnum):
     ROLLBACK_UNAVAILABLE = "rollback_unavailable"
     LR_BACKOFF = "lr_backoff"
     HALT = "halt"
+    CHECKPOINT_FAILED = "checkpoint_failed"
+    RANK_HOSTS = "rank_hosts"
+    STRAGGLER = "straggler"
+    HANG = "hang"
     RUN_END = "run_end"
 
 
@@ -49,6 +53,30 @@ class RecordKind(StrEnum):
     TRAIN = "train"
     VAL = "val"
     LAYERS = "layers"
+    RANKS = "ranks"
+
+
+class Phase(StrEnum):
+    """What a rank is doing (the training loop's phases: `callbacks.TrainerCallback.phase_begin`);
+    the timeline's spans and the watchdog's limits are per phase."""
+
+    STARTUP = "startup"  # process start to the first iteration: imports, build, restore
+    DATA = "data"  # drawing the next batch (and the drills acting before the step)
+    STEP = "step"  # forward, backward, optimizer; the step's records
+    VALIDATION = "validation"
+    CHECKPOINT_SAVE = "checkpoint_save"  # the blocking part of a save (an async save's copy)
+    CHECKPOINT_LOAD = "checkpoint_load"  # a resume's or a rollback's restore
+    STATISTICS = "statistics"  # gathering the ranks' statistics
+    SHUTDOWN = "shutdown"  # the end: waiting for the last save, closing the records
+
+
+class TimelineKind(StrEnum):
+    """The `kind` of each line of timeline.jsonl: where every second of every attempt went."""
+
+    ATTEMPT = "attempt"
+    ITERATION = "iteration"
+    SPAN = "span"
+    END = "end"
 
 
 class IncidentAction(StrEnum):
@@ -60,6 +88,7 @@ class IncidentAction(StrEnum):
 
 
 RUNNING, ENDED, HALTED = "running", "ended", "halted"
+FAILED = "failed"  # an attempt that ended with an error (timeline.jsonl's `end`)
 
 
 @dataclass(frozen=True)
@@ -93,7 +122,7 @@ EVENTS: dict[EventName, Shape] = {
     EventName.CHECKPOINT: _shape("step iter path async_save"),
     EventName.CHECKPOINT_PASSED_OVER: _shape("path reason"),
     EventName.CHECKPOINTS_ABANDONED: _shape("step checkpoints moved_to"),
-    EventName.FAULT_INJECTED: _shape("iter batch fault rank factor token", optional="factor token"),
+    EventName.FAULT_INJECTED: _shape("iter batch fault rank factor token seconds", optional="factor token seconds"),
     EventName.INCIDENT_OPEN: _shape("iter step signal z"),
     EventName.INCIDENT_CLOSE: _shape("iter onset_iter calm_steps"),
     EventName.ROUTING_COLLAPSE: _shape("iter step layer max_load dead_experts"),
@@ -104,6 +133,10 @@ EVENTS: dict[EventName, Shape] = {
     EventName.ROLLBACK_UNAVAILABLE: _shape("iter step reason"),
     EventName.LR_BACKOFF: _shape("iter scale ramp_steps"),
     EventName.HALT: _shape("iter step reason exit_code"),
+    EventName.CHECKPOINT_FAILED: _shape("step iter error"),
+    EventName.RANK_HOSTS: _shape("hosts"),
+    EventName.STRAGGLER: _shape("iter step rank host compute_s median_s ratio reports"),
+    EventName.HANG: _shape("iter rank host phase waited_s limit_s stacks behind exit_code"),
     EventName.RUN_END: _shape("step iter wall_s"),
 }
 
@@ -116,6 +149,15 @@ RECORDS: dict[RecordKind, Shape] = {
     RecordKind.LAYERS: _shape("iter step grad_norm_attn grad_norm_ffn residual_rms attn_out_rms attn_post_rms "
                               "ffn_out_rms ffn_post_rms act_max_over_median act_kurtosis norm_gain moe_layers "
                               "tokens_per_expert expert_bias_spread router_entropy experts_without_tokens"),
+    RecordKind.RANKS: _shape("iter step iterations iter_s compute_s wait_s data_s"),
+}
+
+TIMELINE: dict[TimelineKind, Shape] = {
+    TimelineKind.ATTEMPT: _shape("host pid process_start start iter step devices restart"),
+    TimelineKind.ITERATION: _shape("iter step batch skipped start end phases rollback_to_iter",
+                                   optional="rollback_to_iter"),
+    TimelineKind.SPAN: _shape("phase iter start end"),
+    TimelineKind.END: _shape("iter step end status"),
 }
 
 ROLLBACK_OF = "rollback"  # the incident report's field holding its rollback event's fields
@@ -144,6 +186,18 @@ def val_record(**fields: Any) -> dict[str, Any]:
 
 def layers_record(**fields: Any) -> dict[str, Any]:
     return RECORDS[RecordKind.LAYERS].build("layers record", fields)
+
+
+def ranks_record(**fields: Any) -> dict[str, Any]:
+    """A `ranks` record of metrics.jsonl: per-rank lists (index = rank) of the mean seconds per
+    iteration over the `iterations` since the previous one."""
+    return RECORDS[RecordKind.RANKS].build("ranks record", fields)
+
+
+def timeline_record(kind: TimelineKind, **fields: Any) -> dict[str, Any]:
+    """A line of timeline.jsonl (`kind` first); times are Unix seconds, `phases` maps a `Phase`
+    to its seconds inside an iteration."""
+    return {"kind": kind, **TIMELINE[kind].build(f"timeline {kind}", fields)}
 
 
 def incident_report(**fields: Any) -> dict[str, Any]:

@@ -10,6 +10,8 @@ Everything about a run lives under its directory; the trainer writes it, and the
 | `metrics.columns.arrow`     | the plotted fields of metrics.jsonl as Arrow columns (a cache)    |
 | `metrics.superseded.jsonl`  | records a resume discarded (the run went back past them)          |
 | `events.jsonl`              | what happened: start, resume, checkpoint, skip, rollback, ...     |
+| `timeline.jsonl`            | where the time of every attempt went (goodput), appended          |
+| `hangs/`                    | every thread's stack of a rank the watchdog found hung            |
 | `skip_ledger.json`          | global batches never to train on again                            |
 | `checkpoints/step_XXXXXXXX/`| DCP checkpoints                                                   |
 | `checkpoints/abandoned/`    | checkpoints of a future a resume left behind (checkpoint/layout)  |
@@ -33,6 +35,8 @@ METRICS_FILE = "metrics.jsonl"
 METRICS_MIRROR_FILE = "metrics.columns.arrow"
 SUPERSEDED_FILE = "metrics.superseded.jsonl"
 EVENTS_FILE = "events.jsonl"
+TIMELINE_FILE = "timeline.jsonl"
+HANGS_DIR = "hangs"
 LEDGER_FILE = "skip_ledger.json"
 CHECKPOINTS_DIR = "checkpoints"
 INCIDENTS_DIR = "incidents"
@@ -90,6 +94,14 @@ class RunDir:
     @property
     def events(self) -> Path:
         return self.path / EVENTS_FILE
+
+    @property
+    def timeline(self) -> Path:
+        return self.path / TIMELINE_FILE
+
+    @property
+    def hangs(self) -> Path:
+        return self.path / HANGS_DIR
 
     @property
     def ledger(self) -> Path:

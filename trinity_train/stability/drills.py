@@ -12,12 +12,19 @@ comes back if those batches are drawn again), on one rank or on all:
   index, so every drill run sees the same poison);
 - `poison_repeat`: every token of the batch is `token`.
 
+And what the machines do:
+
+- `fail_save`: a checkpoint taken in the fault's iterations fails to write on the rank (an I/O
+  error from the storage writer, after DCP planned the save with every rank): the run records a
+  `checkpoint_failed` event, keeps its earlier checkpoints and trains on.
+
 Every fault that acts is reported as a `fault_injected` event by the process that writes the run
 directory (whichever rank it acts on), so nobody mistakes a drill for the real thing.
 """
 
 from __future__ import annotations
 
+import errno
 from dataclasses import dataclass
 
 import torch
@@ -26,9 +33,15 @@ from trinity_train.callbacks import TrainerCallback
 from trinity_train.config import Config, FaultConfig, one_of, require
 from trinity_train.records import EventName, event
 
-FAULTS = ("nan_loss", "grad_scale", "loss_spike", "poison_random", "poison_repeat")
+NUMERIC_FAULTS = ("nan_loss", "grad_scale", "loss_spike", "poison_random", "poison_repeat")
+# What the machines do, not the numbers: a rank killed, standing still, slow; a save that fails.
+# Each acts once per run (an earlier attempt's `fault_injected` event spends it), so the restart
+# it causes does not meet it again.
+INFRA_FAULTS = ("kill_rank", "hang_rank", "slow_rank", "fail_save")
+FAULTS = NUMERIC_FAULTS + INFRA_FAULTS
 POISON_FAULTS = ("poison_random", "poison_repeat")  # act on global batches, not iterations
 DEFAULT_FACTORS = {"loss_spike": 10.0, "grad_scale": 1000.0}
+STEP_FAULTS = ("nan_loss", "loss_spike", "grad_scale")  # act inside the step, on its loss or gradients
 
 
 def check_fault_config(cfg: Config) -> None:
@@ -44,6 +57,7 @@ def check_fault_config(cfg: Config) -> None:
         require(f.last == -1 or f.last >= f.first, f"{key}.last", f"must be -1 or >= first ({f.first})")
         require(f.rank >= -1, f"{key}.rank", "must be a rank >= 0, or -1 for every rank")
         require(f.factor >= 0, f"{key}.factor", "must be >= 0 (0: the fault's default)")
+        require(f.seconds >= 0, f"{key}.seconds", "must be >= 0 (0: the fault's default)")
         require(0 <= f.token < cfg.model.vocab_size, f"{key}.token",
                 f"must be a token id below model.vocab_size ({cfg.model.vocab_size})")
 
@@ -83,17 +97,30 @@ class FaultInjector:
         out = []
         for fault in self.faults:
             at = batch_index if fault.fault in POISON_FAULTS else iteration
-            if _covers(fault, at):
+            if fault.fault != "fail_save" and _covers(fault, at):
                 out.append(event(EventName.FAULT_INJECTED, iter=iteration, batch=batch_index, fault=fault.fault,
                                  rank=None if fault.rank < 0 else fault.rank,
                                  factor=_factor(fault) if fault.fault in DEFAULT_FACTORS else None,
                                  token=fault.token if fault.fault == "poison_repeat" else None))
         return out
 
+    def save_events(self, iteration: int, batch_index: int) -> list[dict]:
+        """The `fault_injected` events of a save taken at `iteration` that a `fail_save` breaks."""
+        return [event(EventName.FAULT_INJECTED, iter=iteration, batch=batch_index, fault=fault.fault,
+                      rank=None if fault.rank < 0 else fault.rank, factor=None, token=None)
+                for fault in self.faults if fault.fault == "fail_save" and _covers(fault, iteration)]
+
+    def failing_save(self, iteration: int) -> OSError | None:
+        """The I/O error this rank's write of a checkpoint taken at `iteration` fails with (a
+        `fail_save` drill covering it), or None."""
+        if any(f.fault == "fail_save" and self._here(f) and _covers(f, iteration) for f in self.faults):
+            return OSError(errno.EIO, f"input/output error (drill: fail_save at iteration {iteration})")
+        return None
+
     def step_faults(self, iteration: int) -> StepFaults:
         loss_factor, grad_factor = 1.0, 1.0
         for fault in self.faults:
-            if fault.fault in POISON_FAULTS or not self._here(fault) or not _covers(fault, iteration):
+            if fault.fault not in STEP_FAULTS or not self._here(fault) or not _covers(fault, iteration):
                 continue
             if fault.fault == "nan_loss":
                 loss_factor = float("nan")
