@@ -1,0 +1,72 @@
+"""Where a drilled run's time goes: a two-rank job under launch/local.sh (torchrun, restarts) on the
+default corpus with a small model, rehearsing a killed rank, a hung rank and a rollback in one
+run, then its `trinity-train goodput` table, with the check that the categories add up to the
+wall time and agree with the events.
+
+    python benchmarks/goodput_drill.py [--steps 40] [--out DIR]
+
+The drills (stability.inject): rank 1 SIGKILLed at iteration 8 (torchrun restarts the job from
+the checkpoint of step 5), rank 1 standing still at iteration 14 (both ranks' watchdogs fire
+after max(floor 4 s, 3 x the longest step); torchrun restarts from step 10), NaN losses at
+iterations 21-22 (skipped, then rolled back to a checkpoint from before them). Prints the table,
+the launcher's wall time beside the account's, and the load.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SMALL_MODEL = ["--model.hidden_size=64", "--model.num_layers=2", "--model.head_dim=16",
+               "--model.intermediate_size=128", "--model.moe_intermediate_size=32"]
+DRILLS = ('[{fault="kill_rank", first=8, rank=1}, {fault="hang_rank", first=14, rank=1, seconds=600}, '
+          '{fault="nan_loss", first=21, last=22}]')
+
+
+def load() -> str:
+    with open("/proc/loadavg") as f:
+        return " ".join(f.read().split()[:3])
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--out", help="run directory to keep (default: a temporary one)")
+    args = parser.parse_args()
+    run_dir = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="goodput-drill-")) / "run"
+    command = ["launch/local.sh", "2", "--max-restarts=3", *SMALL_MODEL, f"--train.steps={args.steps}",
+               "--train.eval_every=10", "--checkpoint.every=5", "--metrics.progress_bar=false",
+               "--watchdog.floor_s=4", "--watchdog.multiple=3", "--stability.rollback_after=2",
+               "--stability.rollback_lookback=2", f"--stability.inject={DRILLS}", f"--run.dir={run_dir}"]
+    print(f"# load before: {load()}", flush=True)
+    started = time.time()
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=1200)
+    launcher_wall = time.time() - started
+    print(f"# load after: {load()}", flush=True)
+    if done.returncode != 0:
+        print(done.stderr[-3000:], file=sys.stderr)
+        return done.returncode
+    table = subprocess.run([sys.executable, "-m", "trinity_train.cli", "goodput", str(run_dir)], cwd=ROOT,
+                           capture_output=True, text=True, check=True).stdout
+    account = json.loads(subprocess.run([sys.executable, "-m", "trinity_train.cli", "goodput", str(run_dir), "--json"],
+                                        cwd=ROOT, capture_output=True, text=True, check=True).stdout)
+    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines() if line.strip()]
+    names = [e["event"] for e in events]
+    print(table)
+    accounted = sum(account["seconds"].values())
+    print(f"categories {accounted:.1f} s, wall {account['wall_s']:.1f} s ({100 * (accounted / account['wall_s'] - 1):+.2f} %); "
+          f"the launcher ran {launcher_wall:.1f} s (its own start before the first worker and its exit are outside)")
+    print(f"events: {names.count('run_start')} starts, {names.count('hang')} hang events, "
+          f"{names.count('rollback')} rollback(s), {names.count('skip')} skips")
+    print(f"run directory: {run_dir}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
