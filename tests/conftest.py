@@ -162,9 +162,9 @@ def merge_sections(base: dict, changes: dict) -> dict:
     return {s: {**base.get(s, {}), **changes.get(s, {})} for s in {*base, *changes}}
 
 
-def run_layouts(corpus: Path, root: Path, layouts: dict, run, common: dict | None = None) -> dict:
-    """In each rank of a `ranks.RankPool` job: join the gloo group, build a Trainer for every layout
-    (`layout_config` with `common` sections under the layout's) and return {layout: run(trainer)}."""
+def rank_trainer(cfg: Config, callbacks: list | None = None):
+    """The Trainer of `cfg` on this rank of a `ranks.RankPool` job (joined to the gloo group),
+    its model split over the ranks as the config's layout says, as `train.train` builds it."""
     import functools
 
     import torch
@@ -175,14 +175,24 @@ def run_layouts(corpus: Path, root: Path, layouts: dict, run, common: dict | Non
     from trinity_train.train import Trainer, build_model_for_training
 
     init_gloo()
-    world = dist.get_world_size()
+    dims = ParallelDims.from_config(cfg, dist.get_world_size())
+    dims.build_mesh("cpu")
+    return Trainer(cfg, dims, torch.device("cpu"), model_builder=functools.partial(build_model_for_training, dims=dims),
+                   callbacks=callbacks)
+
+
+def run_layouts(corpus: Path, root: Path, layouts: dict, run, common: dict | None = None) -> dict:
+    """In each rank of a `ranks.RankPool` job: join the gloo group, build a Trainer for every layout
+    (`layout_config` with `common` sections under the layout's) and return {layout: run(trainer)}."""
+    import torch.distributed as dist
+
+    from ranks import init_gloo
+
+    init_gloo()
     results = {}
     for name, changes in layouts.items():
-        cfg = layout_config(corpus, root / name, merge_sections(common or {}, changes), world)
-        dims = ParallelDims.from_config(cfg, world)
-        dims.build_mesh("cpu")
-        results[name] = run(Trainer(cfg, dims, torch.device("cpu"),
-                                    model_builder=functools.partial(build_model_for_training, dims=dims)))
+        cfg = layout_config(corpus, root / name, merge_sections(common or {}, changes), dist.get_world_size())
+        results[name] = run(rank_trainer(cfg))
     return results
 
 

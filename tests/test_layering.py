@@ -16,7 +16,7 @@ LAYERS = [
     {"cli"},
     {"train", "study"},
     {"step", "run_config"},
-    {"parallel", "checkpoint", "stability", "observe", "interop", "dashboard", "runlock"},
+    {"parallel", "checkpoint", "stability", "observe", "health", "interop", "dashboard", "runlock"},
     {"model", "optim", "data"},
     {"config", "rundir", "columnar", "records", "callbacks"},
     {"files", "rank_zero", "launcher_verdict"},

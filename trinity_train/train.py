@@ -41,6 +41,7 @@ from trinity_train.config import Config, config_to_dict, load_config, save_confi
 from trinity_train.data import build_loaders
 from trinity_train.data.ledger import SkipLedger
 from trinity_train.errors import ConfigError
+from trinity_train.health.rank_stats import RankStatsCallback
 from trinity_train.model.counting import training_flops_per_token
 from trinity_train.observe import MetricsRecorder, expert_load_stats, measure_peak_flops, mfu, supersede_records_after
 from trinity_train.observe.recorder import RecordingCallback
@@ -221,7 +222,8 @@ class Trainer:
                                  checkpoints=self.checkpoints, guard=self.guard, lr_backoff=self.lr_backoff,
                                  faults=self.faults, restore=self._load, apply_lr=self._apply_lr,
                                  is_main=self.is_main)
-        self.callbacks = CallbackList([RecordingCallback(), DrillCallback(self.faults), *(callbacks or [])])
+        self.callbacks = CallbackList([RecordingCallback(), DrillCallback(self.faults),
+                                       RankStatsCallback.for_config(cfg), *(callbacks or [])])
         # The run's sinks and tallies, from `start()` on.
         self.recorder: MetricsRecorder | None = None
         self.throughput: Throughput | None = None

@@ -10,7 +10,10 @@ comes back if those batches are drawn again), on one rank or on all:
   stays flat;
 - `poison_random`: the batch's tokens are replaced by uniformly random ones (seeded by the batch
   index, so every drill run sees the same poison);
-- `poison_repeat`: every token of the batch is `token`.
+- `poison_repeat`: every token of the batch is `token`;
+- `slow_rank`: the rank does `seconds` (default 1) of extra real work (matrix products on the
+  CPU, for that long on the wall clock) in every iteration from `first` to `last`, in the data
+  phase before the step: a straggler, for `health.straggler` to find.
 
 Every fault that acts is reported as a `fault_injected` event by the process that writes the run
 directory (whichever rank it acts on), so nobody mistakes a drill for the real thing.
@@ -18,6 +21,7 @@ directory (whichever rank it acts on), so nobody mistakes a drill for the real t
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -34,6 +38,7 @@ INFRA_FAULTS = ("kill_rank", "hang_rank", "slow_rank", "fail_save")
 FAULTS = NUMERIC_FAULTS + INFRA_FAULTS
 POISON_FAULTS = ("poison_random", "poison_repeat")  # act on global batches, not iterations
 DEFAULT_FACTORS = {"loss_spike": 10.0, "grad_scale": 1000.0}
+DEFAULT_SECONDS = {"slow_rank": 1.0, "hang_rank": 3600.0}
 
 
 def check_fault_config(cfg: Config) -> None:
@@ -75,6 +80,19 @@ def _factor(fault: FaultConfig) -> float:
     return fault.factor or DEFAULT_FACTORS[fault.fault]
 
 
+def _seconds(fault: FaultConfig) -> float:
+    return fault.seconds or DEFAULT_SECONDS[fault.fault]
+
+
+def busy_work(seconds: float) -> None:
+    """Real work for `seconds` of wall clock: 256 x 256 matrix products (about a millisecond each
+    on one core), on every thread torch computes with, as a slow rank's own compute would be."""
+    a = torch.ones(256, 256) / 256
+    deadline = time.perf_counter() + seconds
+    while time.perf_counter() < deadline:
+        torch.mm(a, a)
+
+
 class FaultInjector:
     def __init__(self, faults: list[FaultConfig], rank: int, vocab_size: int):
         self.faults = list(faults)
@@ -93,13 +111,19 @@ class FaultInjector:
                 out.append(event(EventName.FAULT_INJECTED, iter=iteration, batch=batch_index, fault=fault.fault,
                                  rank=None if fault.rank < 0 else fault.rank,
                                  factor=_factor(fault) if fault.fault in DEFAULT_FACTORS else None,
-                                 token=fault.token if fault.fault == "poison_repeat" else None))
+                                 token=fault.token if fault.fault == "poison_repeat" else None,
+                                 seconds=_seconds(fault) if fault.fault in DEFAULT_SECONDS else None))
         return out
+
+    def slow_seconds(self, iteration: int) -> float:
+        """The extra seconds of work the `slow_rank` drills give this rank in `iteration`."""
+        return sum(_seconds(f) for f in self.faults
+                   if f.fault == "slow_rank" and self._here(f) and _covers(f, iteration))
 
     def step_faults(self, iteration: int) -> StepFaults:
         loss_factor, grad_factor = 1.0, 1.0
         for fault in self.faults:
-            if fault.fault in POISON_FAULTS or not self._here(fault) or not _covers(fault, iteration):
+            if fault.fault in POISON_FAULTS + INFRA_FAULTS or not self._here(fault) or not _covers(fault, iteration):
                 continue
             if fault.fault == "nan_loss":
                 loss_factor = float("nan")
@@ -127,8 +151,9 @@ class FaultInjector:
 class DrillCallback(TrainerCallback):
     """The drills' part before a step: announce every fault acting in this iteration (a
     `fault_injected` event and a console notice, on the main process whichever rank it acts on),
-    then poison this rank's rows of the batch where a poison fault covers it. The step's own
-    faults (loss and gradient factors) act inside `step.TrainingStep`."""
+    then poison this rank's rows of the batch where a poison fault covers it, and do a slow
+    rank's extra work. The step's own faults (loss and gradient factors) act inside
+    `step.TrainingStep`."""
 
     def __init__(self, faults: FaultInjector):
         self.faults = faults
@@ -141,3 +166,5 @@ class DrillCallback(TrainerCallback):
             where = "" if fault["rank"] is None else f" on rank {fault['rank']}"
             trainer.recorder.notice(f"iteration {iteration}: drill: injected {fault['fault']}{where}")
         self.faults.poison(batch)
+        if seconds := self.faults.slow_seconds(iteration):
+            busy_work(seconds)
