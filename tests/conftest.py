@@ -162,31 +162,12 @@ def merge_sections(base: dict, changes: dict) -> dict:
     return {s: {**base.get(s, {}), **changes.get(s, {})} for s in {*base, *changes}}
 
 
-def rank_trainer(cfg: Config, callbacks: list | None = None):
-    """The Trainer of `cfg` on this rank of a `ranks.RankPool` job (joined to the gloo group),
-    its model split over the ranks as the config's layout says, as `train.train` builds it."""
-    import functools
-
-    import torch
-    import torch.distributed as dist
-
-    from ranks import init_gloo
-    from trinity_train.parallel.mesh import ParallelDims
-    from trinity_train.train import Trainer, build_model_for_training
-
-    init_gloo()
-    dims = ParallelDims.from_config(cfg, dist.get_world_size())
-    dims.build_mesh("cpu")
-    return Trainer(cfg, dims, torch.device("cpu"), model_builder=functools.partial(build_model_for_training, dims=dims),
-                   callbacks=callbacks)
-
-
 def run_layouts(corpus: Path, root: Path, layouts: dict, run, common: dict | None = None) -> dict:
     """In each rank of a `ranks.RankPool` job: join the gloo group, build a Trainer for every layout
     (`layout_config` with `common` sections under the layout's) and return {layout: run(trainer)}."""
     import torch.distributed as dist
 
-    from ranks import init_gloo
+    from ranks import init_gloo, rank_trainer
 
     init_gloo()
     results = {}
@@ -209,3 +190,12 @@ def rank_pool():
     yield get
     for pool in pools.values():
         pool.close()
+
+
+@pytest.fixture(scope="module")
+def slow_rank_run(corpus, tmp_path_factory, rank_pool):
+    """A real two-rank run with a `slow_rank` drill on rank 1 (`rank_health_run.write_slow_rank_run`),
+    trained once per test module that reads it."""
+    from rank_health_run import write_slow_rank_run
+
+    return write_slow_rank_run(corpus, tmp_path_factory.mktemp("slow_rank") / "run", rank_pool)

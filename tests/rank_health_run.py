@@ -13,7 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from conftest import rank_trainer, run_config
+from conftest import run_config
+from ranks import rank_trainer
 from trinity_train.config import Config
 from trinity_train.records import EventName, RecordKind
 from trinity_train.rundir import RunDir

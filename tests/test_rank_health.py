@@ -6,7 +6,7 @@ steps flags nobody, however loaded the machine."""
 import pytest
 
 from rank_health_run import (EVERY, REPORTS, SLOW_FIRST, SLOW_LAST, SLOW_RANK, SLOW_SECONDS, SLOW_STEPS,
-                             train_two_ranks, two_rank_config, write_slow_rank_run)
+                             train_two_ranks, two_rank_config)
 from trinity_train.cli import main
 from trinity_train.health.straggler import StragglerRule
 from trinity_train.records import EventName, RecordKind
@@ -71,32 +71,27 @@ def test_rank_statistics_can_be_turned_off(corpus, tmp_path):
 # ---------------------------------------------------------------------------- two ranks
 
 
-@pytest.fixture(scope="module")
-def slow_run(corpus, tmp_path_factory, rank_pool):
-    return write_slow_rank_run(corpus, tmp_path_factory.mktemp("slow") / "run", rank_pool)
-
-
-def test_a_slow_rank_is_flagged_on_that_rank_within_m_reports(slow_run):
-    assert len(slow_run.hosts) == 2
-    assert [r["iter"] for r in slow_run.reports] == list(range(EVERY, SLOW_STEPS + 1, EVERY))
-    assert all(len(r["compute_s"]) == 2 for r in slow_run.reports)
-    (straggler,) = slow_run.stragglers  # one episode: flagged once
+def test_a_slow_rank_is_flagged_on_that_rank_within_m_reports(slow_rank_run):
+    assert len(slow_rank_run.hosts) == 2
+    assert [r["iter"] for r in slow_rank_run.reports] == list(range(EVERY, SLOW_STEPS + 1, EVERY))
+    assert all(len(r["compute_s"]) == 2 for r in slow_rank_run.reports)
+    (straggler,) = slow_rank_run.stragglers  # one episode: flagged once
     first_slow_report = -(-SLOW_FIRST // EVERY) * EVERY
-    assert straggler["rank"] == SLOW_RANK and straggler["host"] == slow_run.hosts[SLOW_RANK]
+    assert straggler["rank"] == SLOW_RANK and straggler["host"] == slow_rank_run.hosts[SLOW_RANK]
     assert straggler["iter"] <= first_slow_report + (REPORTS - 1) * EVERY and straggler["reports"] == REPORTS
     assert straggler["ratio"] > 1.5 and straggler["compute_s"] > straggler["median_s"]
     # the drill's seconds are rank 1's data time; rank 0 waited for it in the step's collectives
-    during = [r for r in slow_run.reports if SLOW_FIRST <= r["iter"] - EVERY + 1 and r["iter"] <= SLOW_LAST]
+    during = [r for r in slow_rank_run.reports if SLOW_FIRST <= r["iter"] - EVERY + 1 and r["iter"] <= SLOW_LAST]
     assert during and all(r["data_s"][SLOW_RANK] >= SLOW_SECONDS * 0.9 for r in during)
     assert all(r["wait_s"][0] > r["wait_s"][SLOW_RANK] for r in during)
 
 
-def test_incidents_lists_the_straggler(slow_run, capsys):
-    assert main(["incidents", str(slow_run.path)]) == 0
+def test_incidents_lists_the_straggler(slow_rank_run, capsys):
+    assert main(["incidents", str(slow_rank_run.path)]) == 0
     out = capsys.readouterr().out
     (line,) = [line for line in out.splitlines() if "straggler" in line]
-    assert f"rank {SLOW_RANK}" in line and slow_run.hosts[SLOW_RANK] in line
-    assert main(["incidents", str(slow_run.path), "--json"]) == 0
+    assert f"rank {SLOW_RANK}" in line and slow_rank_run.hosts[SLOW_RANK] in line
+    assert main(["incidents", str(slow_rank_run.path), "--json"]) == 0
     assert '"action": "straggler"' in capsys.readouterr().out
 
 

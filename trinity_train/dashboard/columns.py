@@ -13,7 +13,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from trinity_train.columnar import LAYER_LISTS, TRAIN_LISTS, TRAIN_SCALARS, VAL_SCALARS, parse_lines
+from trinity_train.columnar import LAYER_LISTS, RANK_LISTS, TRAIN_LISTS, TRAIN_SCALARS, VAL_SCALARS, parse_lines
 from trinity_train.records import RecordKind
 
 
@@ -141,6 +141,10 @@ def layer_columns() -> RecordColumns:
     return RecordColumns(("superseded_at",), LAYER_LISTS, ("tokens_per_expert",))
 
 
+def rank_columns() -> RecordColumns:
+    return RecordColumns(("superseded_at",), RANK_LISTS)
+
+
 class MetricsColumns:
     """One metrics file (metrics.jsonl or metrics.superseded.jsonl) as columns per record kind;
     `moe_layers` is the MoE layer indices of the latest layers record."""
@@ -149,6 +153,7 @@ class MetricsColumns:
         self.train = train_columns()
         self.val = val_columns()
         self.layers = layer_columns()
+        self.ranks = rank_columns()
         self.moe_layers: list[int] = []
 
     def append_lines(self, data: bytes) -> dict[str, int]:
@@ -164,7 +169,7 @@ class MetricsColumns:
         kinds = table.column("kind")
         counts = {}
         for kind, columns in ((RecordKind.TRAIN, self.train), (RecordKind.VAL, self.val),
-                              (RecordKind.LAYERS, self.layers)):
+                              (RecordKind.LAYERS, self.layers), (RecordKind.RANKS, self.ranks)):
             # Only this kind's columns are filtered: copying every column (the layers records'
             # nested lists) for a million train rows would cost seconds.
             wanted = list(columns.columns) + (["moe_layers"] if kind == RecordKind.LAYERS else [])
