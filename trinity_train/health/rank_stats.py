@@ -44,24 +44,21 @@ FIELDS = ("iterations", "iter_s", "compute_s", "wait_s", "data_s")  # the gather
 DIGITS = 6  # seconds are written rounded to the microsecond
 
 
-def _distributed() -> bool:
-    return dist.is_initialized() and dist.get_world_size() > 1
-
-
-def gather_rows(row: torch.Tensor, timeout_s: float) -> torch.Tensor:
+def gather_rows(row: torch.Tensor, timeout_s: float, distributed: bool = True) -> torch.Tensor:
     """Every rank's `row` (a 1-D tensor) stacked by rank: one all_gather over the world group that
-    fails after `timeout_s` instead of waiting forever; `row[None]` in one process."""
-    if not _distributed():
+    fails after `timeout_s` instead of waiting forever; `row[None]` in one process (or when not
+    `distributed`: a one-process trainer inside a job of many)."""
+    if not (distributed and dist.is_initialized() and dist.get_world_size() > 1):
         return row[None]
     out = [torch.empty_like(row) for _ in range(dist.get_world_size())]
     dist.all_gather(out, row, async_op=True).wait(datetime.timedelta(seconds=timeout_s))
     return torch.stack(out)
 
 
-def gather_hosts() -> list[str]:
-    """The host name of every rank, by rank."""
+def gather_hosts(distributed: bool = True) -> list[str]:
+    """The host name of every rank, by rank (this one's alone when not `distributed`)."""
     mine = socket.gethostname()
-    if not _distributed():
+    if not (distributed and dist.is_initialized() and dist.get_world_size() > 1):
         return [mine]
     hosts: list = [None] * dist.get_world_size()
     dist.all_gather_object(hosts, mine)
@@ -99,6 +96,7 @@ class RankStatsCallback(TrainerCallback):
         self.times = IterationTimes()
         self.hosts: list[str] = []
         self.threads = 1
+        self.distributed = False  # the trainer's ranks are more than one (from `on_start`)
         self._started: tuple[float, float] | None = None  # (wall, cpu) at the data phase's start
         self._data_s = 0.0
 
@@ -111,7 +109,8 @@ class RankStatsCallback(TrainerCallback):
         if not self.every:
             return
         self.threads = torch.get_num_threads()
-        self.hosts = gather_hosts()
+        self.distributed = trainer.dims.is_distributed
+        self.hosts = gather_hosts(self.distributed)
         trainer.recorder.event(event(EventName.RANK_HOSTS, hosts=self.hosts))
 
     def phase_begin(self, trainer, phase) -> None:
@@ -135,7 +134,7 @@ class RankStatsCallback(TrainerCallback):
         same iteration); rank 0 records them and the stragglers they show."""
         with trainer.phase(Phase.STATISTICS):
             rows = gather_rows(torch.tensor(self.times.means(), dtype=torch.float64, device=trainer.device),
-                               self.timeout_s).cpu()
+                               self.timeout_s, self.distributed).cpu()
         self.times = IterationTimes()
         iterations = int(rows[0, 0])
         if not trainer.is_main or not iterations:
