@@ -1,9 +1,10 @@
 """The dashboard and the report in headless Chromium, on real fault-drill runs (tests/drill_run.py:
 a skipped loss spike, a rollback of poisoned batches, a kill and a resume): charts drawn, the
 rollback band and the abandoned segment there, the superseded records faded, one heatmap row per
-MoE layer, two runs overlaid, the incident report on a click, a live update, the report offline;
-and on a real two-rank `slow_rank` drill run (tests/rank_health_run.py) the rank x iteration
-heatmap: host-labelled rows, the straggler starred on its rank, the drill outlined."""
+MoE layer, two runs overlaid, the incident report on a click, a live update, the report offline,
+and where the time of each run's attempts went; and on a real two-rank `slow_rank` drill run
+(tests/rank_health_run.py) the rank x iteration heatmap: host-labelled rows, the straggler
+starred on its rank, the drill outlined."""
 
 import os
 import random
@@ -17,6 +18,7 @@ from synthetic_run import MOE_LAYERS, append_jsonl, train_record
 from trinity_train.dashboard import browser
 from trinity_train.dashboard.report import write_report
 from trinity_train.dashboard.server import DashboardServer
+from trinity_train.goodput import CATEGORIES, account
 
 if not browser.available():
     if os.environ.get("CI"):
@@ -59,6 +61,21 @@ def check_rollback_views(driver, run):
     assert sorted(skips) == run.skipped
     heat = figure(driver, "plot-moe-heat")["data"][0]
     assert heat["type"] == "heatmap" and len(heat["z"]) == len(MOE_LAYERS)
+    check_goodput_panel(driver, run)
+
+
+def check_goodput_panel(driver, run):
+    """Where the time went: a stacked bar per category, a row for the run's total and one per
+    attempt (the killed one and its resume), the seconds `goodput` accounts."""
+    expected = account(run.path)
+    bars = {t["meta"]["category"]: t for t in figure(driver, "plot-goodput")["data"]}
+    assert list(bars) == list(CATEGORIES)
+    rows = bars["productive"]["y"]
+    ours = [i for i, label in enumerate(rows) if label.startswith(f"{run.path.name} ")]
+    assert [rows[i].split(" ")[1] for i in ours] == ["total", "#0", "#1"]
+    assert f"goodput {100 * expected.goodput:.1f}%" in rows[ours[0]]
+    for category in CATEGORIES:
+        assert bars[category]["x"][ours[0]] == pytest.approx(expected.seconds[category], abs=1e-6)
     assert len(figure(driver, "plot-experts")["data"][0]["z"]) == len(MOE_LAYERS)
     for plot_id in ("plot-grad-norm", "plot-lr", "plot-throughput", "plot-moe-lines", "plot-depth-grad", "plot-depth-rms"):
         figure(driver, plot_id)

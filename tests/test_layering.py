@@ -17,7 +17,7 @@ LAYERS = [
     {"train", "study"},
     {"step", "run_config"},
     {"parallel", "checkpoint", "stability", "observe", "health", "interop", "dashboard", "runlock"},
-    {"model", "optim", "data"},
+    {"model", "optim", "data", "goodput"},
     {"config", "rundir", "columnar", "records", "callbacks"},
     {"files", "rank_zero", "launcher_verdict"},
     {"errors", "__init__"},

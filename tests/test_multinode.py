@@ -1,6 +1,6 @@
 """Multi-node across real network stacks: two hosts of the cluster bed (`launch/cluster.sh`,
 namespaces joined by a bridge, each with its own hostname and address), each running
-`launch/multinode.sh` as a user would on a node, gloo ranks training the default model.
+`launch/multinode.sh` as a user would on a node, gloo ranks training a small model.
 
 Traffic goes only to the bed's own addresses (10.216.0.0/24 inside namespaces that have no route
 out). Every wait is bounded; the bed is taken down after the module, whatever happened. Without
@@ -26,13 +26,16 @@ pytestmark = pytest.mark.slow
 
 PREFIX, SUBNET = "tm", "10.216.0"
 JOB_TIMEOUT = 240  # seconds any one job may take before the test fails
-# The default model and corpus; 8-sequence global batches on any number of ranks (2 per rank on
-# 4 ranks, gradient accumulation on fewer), a constant learning rate so that a longer run's first
-# steps are a shorter run's steps.
+# A small model (the default's layout, a quarter of its width: a step is a tenth of the default's)
+# on the default corpus; 8-sequence global batches on any number of ranks (2 per rank on 4 ranks,
+# gradient accumulation on fewer), a constant learning rate so that a longer run's first steps are
+# a shorter run's steps. benchmarks/multinode.py measures the default model across hosts.
 STEPS = 4
+SMALL_MODEL = ("--model.hidden_size=64", "--model.num_layers=2", "--model.head_dim=16",
+               "--model.intermediate_size=128", "--model.moe_intermediate_size=32")
 COMMON = (f"--train.steps={STEPS}", "--train.global_batch_size=8", "--train.micro_batch_size=2",
           "--checkpoint.every=2", "--train.eval_every=0", "--metrics.progress_bar=false",
-          "--optim.schedule=constant")
+          "--optim.schedule=constant", *SMALL_MODEL)
 FSDP_EP = ("--parallel.ep=2",)          # dp_shard 4 (FSDP over both hosts), experts over 2 ranks
 TP_EP = ("--parallel.tp=2", "--parallel.ep=2")  # tp within a host, dp_shard 2 across hosts, ep 2
 

@@ -1,5 +1,5 @@
 """`trinity-train <command>`: train, prepare-data, export-hf, import-hf, ckpt inspect|verify,
-incidents, dashboard, report, ablate.
+incidents, goodput, dashboard, report, ablate.
 
 A user mistake (any `UserError`) ends with one line `error: <message>` on stderr and the error's
 exit code: 2 for configuration, 1 otherwise. Heavy imports (torch, the model, data libraries)
@@ -17,10 +17,11 @@ from pathlib import Path
 from trinity_train.config import Config, default_config_path, validate
 from trinity_train.errors import DataError, UserError
 from trinity_train.launcher_verdict import hand_to_launcher
-from trinity_train.run_config import load_run_config
 
 
 def cmd_train(args: argparse.Namespace, overrides: list[str], callbacks: list | None = None) -> int:
+    from trinity_train.run_config import load_run_config
+
     cfg = load_run_config(args.config or default_config_path(), overrides)
     from trinity_train.train import train
 
@@ -114,6 +115,21 @@ def cmd_incidents(args: argparse.Namespace) -> int:
         raise DataError(f"RUN_DIR {problem}: pass the run's run.dir")
     rows = incident_rows(run)
     print(json.dumps(rows, indent=2) if args.json else format_table(rows))
+    return 0
+
+
+def cmd_goodput(args: argparse.Namespace) -> int:
+    from trinity_train.goodput import account, format_table
+    from trinity_train.rundir import RunDir
+
+    run = RunDir(args.run_dir)
+    if (problem := run.not_a_run()) is not None:
+        raise DataError(f"RUN_DIR {problem}: pass the run's run.dir")
+    result = account(run.path)
+    if result is None:
+        raise DataError(f"RUN_DIR '{run.path}' has no {run.timeline.name}: its run started before this version "
+                        "accounted for time, or never reached its training loop")
+    print(json.dumps(result.to_dict(), indent=2) if args.json else format_table(result))
     return 0
 
 
@@ -215,6 +231,14 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
                                            "one per straggler event: which rank, on which host, how slow.")
     incidents.add_argument("run_dir", metavar="RUN_DIR")
     incidents.add_argument("--json", action="store_true", help="print the full reports as a JSON list")
+    goodput = sub.add_parser("goodput", help="where a run's time went, across its attempts",
+                             description="The wall time of RUN_DIR from its first process start to its last "
+                                         "record, by category (start-up, steps kept, undone and skipped, "
+                                         "checkpoint saves, rollbacks, validation, data waits, time lost "
+                                         "between attempts), per attempt and in total, and the goodput: "
+                                         "the share of the wall time in steps whose work survives.")
+    goodput.add_argument("run_dir", metavar="RUN_DIR")
+    goodput.add_argument("--json", action="store_true", help="print the account as JSON")
     _add_dashboard(sub)
     _add_ablate(sub)
     return parser
@@ -229,7 +253,7 @@ def run(argv: list[str], callbacks: list | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     handlers = {"prepare-data": cmd_prepare_data, "export-hf": cmd_export_hf,
                 "import-hf": cmd_import_hf, "ckpt": cmd_ckpt, "incidents": cmd_incidents,
-                "dashboard": cmd_dashboard, "report": cmd_report, "ablate": cmd_ablate}
+                "goodput": cmd_goodput, "dashboard": cmd_dashboard, "report": cmd_report, "ablate": cmd_ablate}
     return handlers[args.command](args)
 
 

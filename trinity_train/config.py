@@ -158,6 +158,8 @@ class CheckpointConfig:
     resume: str = "none"  # "none", "auto" (newest in the run directory) or a checkpoint path
     init_from: str = ""  # a checkpoint (e.g. from import-hf) whose model weights start the run
     async_save: bool = False
+    max_failed_saves: int = 3  # a save that fails (a full or broken disk) is recorded and training goes
+    #                            on, keeping the checkpoints it has; this many in a row stop the run
 
 
 @dataclass
@@ -541,6 +543,7 @@ def _validate_parallel(p: ParallelConfig) -> None:
 def _validate_checkpoint(c: CheckpointConfig) -> None:
     require(c.every >= 0, "checkpoint.every", "must be >= 0 (0 disables periodic checkpoints)")
     require(c.keep >= 1, "checkpoint.keep", "must be >= 1")
+    require(c.max_failed_saves >= 1, "checkpoint.max_failed_saves", "must be >= 1 (1: the first failed save stops the run)")
 
 
 def _validate_stability(s: StabilityConfig) -> None:

@@ -87,6 +87,7 @@ class IncidentAction(StrEnum):
 
 
 RUNNING, ENDED, HALTED = "running", "ended", "halted"
+FAILED = "failed"  # an attempt that ended with an error (timeline.jsonl's `end`)
 
 
 @dataclass(frozen=True)

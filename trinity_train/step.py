@@ -126,6 +126,9 @@ class TrainingStep:
         grad_norm_value = grad_norm.item()
         layer_stats = self.layer_stats.collect(counts) if stats_due else None  # pre-clip gradients
 
+        if faults.lr_factor != 1.0:  # a drill: this update's learning rates are off by the factor
+            for group in self.optimizer.param_groups:
+                group["lr"] *= faults.lr_factor
         lrs = self.learning_rates()
         verdict = self.guard.judge(mean_loss, grad_norm_value, iteration, steps_applied, counts)
         layer_grad_norms = None  # a skipped step's, for its incident report
@@ -140,6 +143,8 @@ class TrainingStep:
             self.model.update_expert_biases(counts)
             self.scheduler.step()
             self.lr_backoff.apply(self.optimizer, self.scheduler.get_last_lr(), steps_applied + 1)
+        elif faults.lr_factor != 1.0:  # not applied: the step's own rates again
+            self.lr_backoff.apply(self.optimizer, self.scheduler.get_last_lr(), steps_applied)
         self.optimizer.zero_grad(set_to_none=True)
         return StepResult(mean_loss, aux_loss, z_loss, grad_norm_value, num_tokens, counts, lrs,
                           self.lr_backoff.factor(steps_applied), verdict, layer_grad_norms, layer_stats)

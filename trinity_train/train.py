@@ -40,18 +40,19 @@ from trinity_train.checkpoint.manager import read_compatible_meta
 from trinity_train.config import Config, config_to_dict, load_config, save_config
 from trinity_train.data import build_loaders
 from trinity_train.data.ledger import SkipLedger
-from trinity_train.errors import ConfigError
+from trinity_train.errors import CheckpointError, ConfigError
 from trinity_train.health.rank_stats import RankStatsCallback
 from trinity_train.model.counting import training_flops_per_token
 from trinity_train.observe import MetricsRecorder, expert_load_stats, measure_peak_flops, mfu, supersede_records_after
 from trinity_train.observe.recorder import RecordingCallback
+from trinity_train.observe.timeline import TimelineWriter
 from trinity_train.optim.groups import build_optimizer
 from trinity_train.optim.schedule import build_scheduler, describe_replanned, replanned
 from trinity_train.parallel.mesh import ParallelDims
 from trinity_train.parallel.parallelize import build_parallel_model
 from trinity_train.parallel.process_group import (destroy_distributed, init_distributed, leave_together,
                                                   resolve_device, world_size_from_env)
-from trinity_train.records import EventName, Phase, event, train_record, val_record
+from trinity_train.records import ENDED, FAILED, HALTED, EventName, Phase, event, train_record, val_record
 from trinity_train.rundir import RunDir
 from trinity_train.run_config import validate_rules
 from trinity_train.runlock import run_dir_owned
@@ -222,13 +223,17 @@ class Trainer:
                                  checkpoints=self.checkpoints, guard=self.guard, lr_backoff=self.lr_backoff,
                                  faults=self.faults, restore=self._load, apply_lr=self._apply_lr,
                                  is_main=self.is_main)
-        self.callbacks = CallbackList([RecordingCallback(), DrillCallback(self.faults),
+        self.timeline = TimelineWriter(self.rundir.timeline, enabled=self.is_main)
+        self.callbacks = CallbackList([self.timeline, RecordingCallback(), DrillCallback(self.faults),
                                        RankStatsCallback.for_config(cfg), *(callbacks or [])])
         # The run's sinks and tallies, from `start()` on.
         self.recorder: MetricsRecorder | None = None
         self.throughput: Throughput | None = None
         self.summary: TrainSummary | None = None
         self._started = 0.0
+        self._batch_index = -1  # of the latest iteration
+        self._skipped = False  # the latest iteration's step was refused
+        self._failed_saves = 0  # in a row
 
     def add_callback(self, callback: TrainerCallback) -> None:
         """Attach `callback` after those already attached."""
@@ -329,8 +334,9 @@ class Trainer:
                                     iteration=self.state.iteration)
         self.callbacks.on_start(self)
 
-    def finish(self) -> TrainSummary:
-        """Complete the summary, tell the callbacks the run ended, close the recorder."""
+    def finish(self, status: str = ENDED) -> TrainSummary:
+        """Complete the summary, tell the callbacks the run ended (`status`: records.ENDED, HALTED
+        or FAILED), close the recorder and the timeline."""
         summary = self.summary
         summary.wall_s = time.perf_counter() - self._started
         summary.step, summary.iteration = self.state.step, self.state.iteration
@@ -339,35 +345,49 @@ class Trainer:
                 self.callbacks.on_end(self, summary)
             finally:
                 self.recorder.close()
+        self.timeline.close(self, status)
         return summary
 
     def run(self) -> TrainSummary:
         cfg = self.cfg
         self.start()
+        status = FAILED
         try:
             if cfg.train.eval_every > 0 and self.resume_from is None and self.state.step < cfg.train.steps:
                 self._validate()  # the starting point: about ln(vocab)
             while self.state.step < cfg.train.steps:
                 self.train_one_iteration()
-            with self.phase(Phase.CHECKPOINT_SAVE):
-                self.checkpoints.wait()
+            if self.checkpoints.pending:
+                with self.phase(Phase.CHECKPOINT_SAVE), self._saving():
+                    self.checkpoints.wait()
+            status = ENDED
         except TrainingDivergedError as e:
+            status = HALTED
             self.callbacks.on_halt(self, e)
             raise
         finally:
-            self.finish()
+            self.finish(status)
         return self.summary
 
     def train_one_iteration(self) -> None:
         """Draw the next global batch and train on it (or skip it, or roll back), then validate
         and checkpoint when due. Between `start()` and `finish()`."""
+        self.timeline.iteration_begun()
+        self._skipped = False
+        try:
+            self._iterate()
+        finally:  # an iteration that raised (a crash, a halt) is time spent too
+            self.timeline.iteration_done(self, self._batch_index, skipped=self._skipped)
+
+    def _iterate(self) -> None:
         if self.checkpoints.pending:
-            with self.phase(Phase.CHECKPOINT_SAVE):
+            with self.phase(Phase.CHECKPOINT_SAVE), self._saving():
                 self.checkpoints.poll()  # commits an asynchronous save whose write has finished
         started = time.perf_counter()
         with self.phase(Phase.DATA):
             batch = self.train_loader.next_batch()
             self.state.iteration += 1
+            self._batch_index = batch.index
             self.callbacks.before_step(self, batch)
         with self.phase(Phase.STEP):
             result = self.step_fn(batch, self.state.iteration, self.state.step)
@@ -379,6 +399,7 @@ class Trainer:
                 self.state.tokens_seen += result.tokens
             else:
                 self.summary.skipped_steps += 1
+                self._skipped = True
             record = step_record(result, self.state, batch.index, self.throughput.of(result.tokens, elapsed))
             self.recovery.after_step(result, record, batch.index, self.recorder)
             self.callbacks.after_step(self, result, record)
@@ -405,9 +426,30 @@ class Trainer:
 
     def _save(self) -> None:
         step, iteration = self.state.step, self.state.iteration
-        with self.phase(Phase.CHECKPOINT_SAVE):
-            self.checkpoints.save(step, self.checkpoint_state(), self.cfg, iteration=iteration,
-                                  on_commit=lambda path: self.callbacks.after_checkpoint(self, step, iteration, path))
+        self.recorder.events(self.faults.save_events(iteration, self._batch_index))
+
+        def committed(path: Path) -> None:
+            self._failed_saves = 0
+            self.callbacks.after_checkpoint(self, step, iteration, path)
+        with self.phase(Phase.CHECKPOINT_SAVE), self._saving():
+            self.checkpoints.save(step, self.checkpoint_state(), self.cfg, iteration=iteration, on_commit=committed,
+                                  fault=self.faults.failing_save(iteration))
+
+    @contextlib.contextmanager
+    def _saving(self):
+        """A save that fails (on any rank; each raises) is recorded and training goes on with the
+        checkpoints it has, up to `checkpoint.max_failed_saves` in a row."""
+        try:
+            yield
+        except CheckpointError as e:
+            self._failed_saves += 1
+            if self._failed_saves >= self.cfg.checkpoint.max_failed_saves:
+                raise
+            self.recorder.event(event(EventName.CHECKPOINT_FAILED, step=self.checkpoints.saving_step,
+                                      iter=self.state.iteration, error=str(e)))
+            self.recorder.notice(f"warning: {e}; training goes on from the checkpoints already written "
+                                 f"({self._failed_saves} failed save(s) in a row, the run stops at "
+                                 f"{self.cfg.checkpoint.max_failed_saves})")
 
     def _validate(self) -> None:
         with self.phase(Phase.VALIDATION):

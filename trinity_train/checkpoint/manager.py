@@ -85,12 +85,14 @@ def _timeout_s(cfg: Config | None) -> float | None:
     return cfg.parallel.collective_timeout_s if cfg is not None else None
 
 
-def write_checkpoint(state: dict[str, Any], final_dir: Path, meta: dict, cfg: Config | None = None) -> None:
-    """Synchronously write `state` to `final_dir` atomically (temp dir, meta.json, rename)."""
+def write_checkpoint(state: dict[str, Any], final_dir: Path, meta: dict, cfg: Config | None = None,
+                     fault: OSError | None = None) -> None:
+    """Synchronously write `state` to `final_dir` atomically (temp dir, meta.json, rename).
+    `fault`: this rank's write fails with it instead (a `fail_save` drill)."""
     tmp_dir = final_dir.with_name(final_dir.name + ".tmp")
     _prepare_tmp_dir(tmp_dir)
     try:
-        dcp_io.save(state, tmp_dir)
+        dcp_io.save(state, tmp_dir, fault=fault)
         digests = _own_digests(tmp_dir)
     except CheckpointError as e:
         digests = e
@@ -195,6 +197,7 @@ class CheckpointManager:
         # (path, reason) of each damaged checkpoint `resume_path` passed over, newest first.
         self.passed_over: list[tuple[Path, str]] = []
         self._soundness = SoundnessCache()
+        self.saving_step: int | None = None  # the step of the latest save begun
 
     def list(self) -> list[tuple[int, Path]]:
         """(step, path) of every complete checkpoint, oldest first."""
@@ -278,21 +281,24 @@ class CheckpointManager:
         return path
 
     def save(self, step: int, state: dict[str, Any], cfg: Config, on_commit: OnCommit | None = None,
-             **extra_meta: Any) -> Path:
+             fault: OSError | None = None, **extra_meta: Any) -> Path:
         """Save `state` as checkpoint `step`; returns the directory it will have once complete.
-        `on_commit(path)` runs when it is (at once for a synchronous save)."""
+        `on_commit(path)` runs when it is (at once for a synchronous save). A failed save raises
+        CheckpointError on every rank (here, or from `poll`/`wait` for an asynchronous one) and
+        leaves no directory behind; `fault`: this rank's write fails with it (a drill)."""
         self.wait()
+        self.saving_step = step
         self._timeout_s = _timeout_s(cfg)
         final_dir = self.checkpoints_dir / step_dir_name(step)
         tmp_dir = final_dir.with_name(final_dir.name + ".tmp")
         meta = checkpoint_meta("training", step, cfg, list(state), **extra_meta)
         if self.cfg.async_save:
             _prepare_tmp_dir(tmp_dir)
-            written = dcp_io.async_save(state, tmp_dir, self._timeout_s)
+            written = dcp_io.async_save(state, tmp_dir, self._timeout_s, fault=fault)
             self._pending = _PendingSave(_digests_when_written(written, tmp_dir), tmp_dir, final_dir, meta,
                                          on_commit)
         else:
-            write_checkpoint(state, final_dir, meta, cfg)
+            write_checkpoint(state, final_dir, meta, cfg, fault=fault)
             self._after_commit(step, final_dir, on_commit)
         return final_dir
 

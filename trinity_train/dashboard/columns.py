@@ -149,6 +149,8 @@ class MetricsColumns:
     """One metrics file (metrics.jsonl or metrics.superseded.jsonl) as columns per record kind;
     `moe_layers` is the MoE layer indices of the latest layers record."""
 
+    KINDS = (RecordKind.TRAIN, RecordKind.VAL, RecordKind.LAYERS, RecordKind.RANKS)  # the kinds it holds, by attribute
+
     def __init__(self):
         self.train = train_columns()
         self.val = val_columns()
@@ -168,8 +170,8 @@ class MetricsColumns:
                                  table.column("superseded_at").cast(pa.float64()))
         kinds = table.column("kind")
         counts = {}
-        for kind, columns in ((RecordKind.TRAIN, self.train), (RecordKind.VAL, self.val),
-                              (RecordKind.LAYERS, self.layers), (RecordKind.RANKS, self.ranks)):
+        for kind in self.KINDS:
+            columns = getattr(self, kind)
             # Only this kind's columns are filtered: copying every column (the layers records'
             # nested lists) for a million train rows would cost seconds.
             wanted = list(columns.columns) + (["moe_layers"] if kind == RecordKind.LAYERS else [])

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from trinity_train.dashboard import assets, views
+from trinity_train.dashboard import assets, goodput_view, views
 from trinity_train.dashboard.runs import RunView
 from trinity_train.files import atomic_write_text
 
@@ -49,6 +49,7 @@ def _run_data(run: RunView) -> dict:
         "layer_steps": {**steps, "iters": kept, "abandoned": [steps["abandoned"][steps["iters"].index(i)] for i in kept]},
         "layer_records": [views.layer_record(run, i) for i in kept],
         "incidents": incidents,
+        "goodput": goodput_view.goodput(run),
     }
 
 

@@ -131,7 +131,7 @@ class RunView:
             self.events.extend(value)
             return counts
         target: MetricsColumns = getattr(self, name)
-        for kind in RecordKind:
+        for kind in MetricsColumns.KINDS:
             source = getattr(value, kind)
             for column, array in source.columns.items():
                 target_kind = getattr(target, kind)

@@ -32,7 +32,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from trinity_train.dashboard import assets, views
+from trinity_train.dashboard import assets, goodput_view, views
 from trinity_train.dashboard.runs import RunView
 from trinity_train.errors import UserError
 
@@ -196,6 +196,9 @@ def create_app(run_dirs: list[str | Path], poll_interval: float = 0.5, host: str
         run = dashboard.run(request)
         return _json(views.layer_record(run, _integer(request, "iter", minimum=0)))
 
+    def goodput(request: Request) -> JSONResponse:
+        return _json(goodput_view.goodput(dashboard.run(request)))
+
     def incident(request: Request) -> JSONResponse:
         run = dashboard.run(request)
         report = run.incident_report(request.path_params["name"])
@@ -226,7 +229,8 @@ def create_app(run_dirs: list[str | Path], poll_interval: float = 0.5, host: str
         Route("/api/stream", dashboard.stream),
         Route("/api/runs/{run}/series", series), Route("/api/runs/{run}/markers", markers),
         Route("/api/runs/{run}/expert_load", expert_load), Route("/api/runs/{run}/layer_steps", layer_steps),
-        Route("/api/runs/{run}/layers", layer_record), Route("/api/runs/{run}/ranks", rank_health), Route("/api/runs/{run}/incidents/{name:path}", incident),
+        Route("/api/runs/{run}/layers", layer_record), Route("/api/runs/{run}/incidents/{name:path}", incident),
+        Route("/api/runs/{run}/goodput", goodput), Route("/api/runs/{run}/ranks", rank_health),
     ]
     # A page on another site must not read the dashboard through a DNS name that points here.
     middleware = [Middleware(TrustedHostMiddleware, allowed_hosts=["127.0.0.1", "localhost"])] \

@@ -37,11 +37,20 @@ def move_records(source: Path, target: Path, move: Callable[[dict], bool], mark:
     return len(moved)
 
 
+def _ends_with_newline(path: Path) -> bool:
+    with open(path, "rb") as f:
+        f.seek(-1, os.SEEK_END)
+        return f.read(1) == b"\n"
+
+
 class JsonlWriter:
     def __init__(self, path: Path):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._file = open(self.path, "ab")
+        if self._file.tell() and not _ends_with_newline(self.path):
+            self._file.write(b"\n")  # a killed writer's torn line must not swallow the next one
+            self._file.flush()
 
     def write(self, record: dict) -> int:
         """Append one line; returns the file's length after it (where the line ends)."""

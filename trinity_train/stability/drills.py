@@ -8,6 +8,9 @@ comes back if those batches are drawn again), on one rank or on all:
 - `loss_spike`: the loss, and with it the gradients, is multiplied by `factor` (default 10);
 - `grad_scale`: the gradients are multiplied by `factor` (default 1000) after backward, the loss
   stays flat;
+- `lr_scale`: the step's learning rates are multiplied by `factor` (default 20): a learning rate
+  set too high from `first` on (give `last` for how long), whose damage the guard sees one step
+  late, in the loss the update made;
 - `poison_random`: the batch's tokens are replaced by uniformly random ones (seeded by the batch
   index, so every drill run sees the same poison);
 - `poison_repeat`: every token of the batch is `token`;
@@ -15,12 +18,19 @@ comes back if those batches are drawn again), on one rank or on all:
   CPU, for that long on the wall clock) in every iteration from `first` to `last`, in the data
   phase before the step: a straggler, for `health.straggler` to find.
 
+And what the machines do:
+
+- `fail_save`: a checkpoint taken in the fault's iterations fails to write on the rank (an I/O
+  error from the storage writer, after DCP planned the save with every rank): the run records a
+  `checkpoint_failed` event, keeps its earlier checkpoints and trains on.
+
 Every fault that acts is reported as a `fault_injected` event by the process that writes the run
 directory (whichever rank it acts on), so nobody mistakes a drill for the real thing.
 """
 
 from __future__ import annotations
 
+import errno
 import time
 from dataclasses import dataclass
 
@@ -30,15 +40,16 @@ from trinity_train.callbacks import TrainerCallback
 from trinity_train.config import Config, FaultConfig, one_of, require
 from trinity_train.records import EventName, event
 
-NUMERIC_FAULTS = ("nan_loss", "grad_scale", "loss_spike", "poison_random", "poison_repeat")
+NUMERIC_FAULTS = ("nan_loss", "grad_scale", "loss_spike", "lr_scale", "poison_random", "poison_repeat")
 # What the machines do, not the numbers: a rank killed, standing still, slow; a save that fails.
 # Each acts once per run (an earlier attempt's `fault_injected` event spends it), so the restart
 # it causes does not meet it again.
 INFRA_FAULTS = ("kill_rank", "hang_rank", "slow_rank", "fail_save")
 FAULTS = NUMERIC_FAULTS + INFRA_FAULTS
 POISON_FAULTS = ("poison_random", "poison_repeat")  # act on global batches, not iterations
-DEFAULT_FACTORS = {"loss_spike": 10.0, "grad_scale": 1000.0}
+DEFAULT_FACTORS = {"loss_spike": 10.0, "grad_scale": 1000.0, "lr_scale": 20.0}
 DEFAULT_SECONDS = {"slow_rank": 1.0, "hang_rank": 3600.0}
+STEP_FAULTS = ("nan_loss", "loss_spike", "grad_scale", "lr_scale")  # act inside the step
 
 
 def check_fault_config(cfg: Config) -> None:
@@ -65,10 +76,11 @@ class StepFaults:
 
     loss_factor: float = 1.0  # multiplies the summed cross entropy (NaN for nan_loss)
     grad_factor: float = 1.0  # multiplies the gradients after backward
+    lr_factor: float = 1.0  # multiplies the learning rates of the update
 
     @property
     def any(self) -> bool:
-        return self.loss_factor != 1.0 or self.grad_factor != 1.0
+        return self.loss_factor != 1.0 or self.grad_factor != 1.0 or self.lr_factor != 1.0
 
 
 def _covers(fault: FaultConfig, at: int) -> bool:
@@ -107,7 +119,7 @@ class FaultInjector:
         out = []
         for fault in self.faults:
             at = batch_index if fault.fault in POISON_FAULTS else iteration
-            if _covers(fault, at):
+            if fault.fault != "fail_save" and _covers(fault, at):
                 out.append(event(EventName.FAULT_INJECTED, iter=iteration, batch=batch_index, fault=fault.fault,
                                  rank=None if fault.rank < 0 else fault.rank,
                                  factor=_factor(fault) if fault.fault in DEFAULT_FACTORS else None,
@@ -120,18 +132,33 @@ class FaultInjector:
         return sum(_seconds(f) for f in self.faults
                    if f.fault == "slow_rank" and self._here(f) and _covers(f, iteration))
 
+    def save_events(self, iteration: int, batch_index: int) -> list[dict]:
+        """The `fault_injected` events of a save taken at `iteration` that a `fail_save` breaks."""
+        return [event(EventName.FAULT_INJECTED, iter=iteration, batch=batch_index, fault=fault.fault,
+                      rank=None if fault.rank < 0 else fault.rank, factor=None, token=None)
+                for fault in self.faults if fault.fault == "fail_save" and _covers(fault, iteration)]
+
+    def failing_save(self, iteration: int) -> OSError | None:
+        """The I/O error this rank's write of a checkpoint taken at `iteration` fails with (a
+        `fail_save` drill covering it), or None."""
+        if any(f.fault == "fail_save" and self._here(f) and _covers(f, iteration) for f in self.faults):
+            return OSError(errno.EIO, f"input/output error (drill: fail_save at iteration {iteration})")
+        return None
+
     def step_faults(self, iteration: int) -> StepFaults:
-        loss_factor, grad_factor = 1.0, 1.0
+        loss_factor, grad_factor, lr_factor = 1.0, 1.0, 1.0
         for fault in self.faults:
-            if fault.fault in POISON_FAULTS + INFRA_FAULTS or not self._here(fault) or not _covers(fault, iteration):
+            if fault.fault not in STEP_FAULTS or not self._here(fault) or not _covers(fault, iteration):
                 continue
             if fault.fault == "nan_loss":
                 loss_factor = float("nan")
             elif fault.fault == "loss_spike":
                 loss_factor *= _factor(fault)
+            elif fault.fault == "lr_scale":
+                lr_factor *= _factor(fault)
             else:
                 grad_factor *= _factor(fault)
-        return StepFaults(loss_factor, grad_factor)
+        return StepFaults(loss_factor, grad_factor, lr_factor)
 
     def poison(self, batch) -> None:
         """Replace this rank's rows of `batch` (in place) where a poison fault covers its index."""

@@ -168,9 +168,18 @@ class Recovery:
                                  reason="checkpoint.every = 0"))
             return None
         plan = plan_rollback(cfg, self.ledger.rollbacks(), verdict.onset_iter, verdict.onset_step, iteration)
-        target = self.checkpoints.rollback_target(plan.max_target_step, on_passed_over=lambda path, why:
-                                                  recorder.event(event(EventName.CHECKPOINT_PASSED_OVER,
-                                                                       path=str(path), reason=why)))
+
+        def passed_over(path: Path, why: str) -> None:
+            recorder.event(event(EventName.CHECKPOINT_PASSED_OVER, path=str(path), reason=why))
+        target = self.checkpoints.rollback_target(plan.max_target_step, on_passed_over=passed_over)
+        # An incident opened long ago by a mild excursion can reach back past every checkpoint kept;
+        # then go back to before this streak of skips (retention keeps that checkpoint).
+        streak_target = from_step - cfg.rollback_lookback
+        if target is None and plan.repeat == 0 and streak_target > plan.max_target_step:
+            target = self.checkpoints.rollback_target(streak_target, on_passed_over=passed_over)
+            if target is not None:
+                recorder.notice(f"iteration {iteration}: no checkpoint kept from before the incident's onset "
+                                f"(iteration {verdict.onset_iter}); rolling back to before this streak of skips")
         if target is None:
             recorder.event(event(EventName.ROLLBACK_UNAVAILABLE, iter=iteration, step=from_step,
                                  reason=f"no sound checkpoint at or before step {plan.max_target_step}"))

@@ -17,7 +17,7 @@
     focus: 0,            // the run the heatmaps show
     range: null,         // [x0, x1] the time plots are zoomed to, null = everything
     layerIter: null,     // iteration the layer plots show, null = the latest
-    data: {},            // per run: {series, markers, expert, steps, ranks}
+    data: {},            // per run: {series, markers, expert, steps, goodput, ranks}
     rendered: false,
   };
 
@@ -42,6 +42,7 @@
       ranks: (run, x0, x1, width) => get(`runs/${run}/ranks`, { x0, x1, width }),
       layerRecord: (run, iter) => get(`runs/${run}/layers`, { iter }),
       incident: (run, name) => get(`runs/${run}/incidents/${encodeURIComponent(name)}`),
+      goodput: (run) => get(`runs/${run}/goodput`),
     };
   }
 
@@ -61,6 +62,7 @@
         if (iter !== null) for (const r of records) if (r.iter <= iter) best = r;
         return best;
       },
+      goodput: async (run) => of(run).goodput,
       incident: async (run, name) => {
         const report = of(run).incidents[name];
         if (!report) throw new Error("this incident report is not in the report file");
@@ -291,6 +293,33 @@
     }
   }
 
+  // ---- where the time went ---------------------------------------------------------------
+
+  // One stacked bar per attempt of every visible run and one for its total; a category per colour.
+  const GOODPUT_COLORS = { startup: "#9e9e9e", productive: "#2e7d32", undone: "#ef6c00", skipped: "#fbc02d",
+    checkpoint: "#1565c0", rollback: "#6a1b9a", validation: "#00838f", statistics: "#8d6e63", data: "#ad1457",
+    shutdown: "#bdbdbd", lost: "#c62828" };
+
+  function drawGoodput() {
+    const runs = visibleRuns().filter((r) => state.data[r.index].goodput && state.data[r.index].goodput.attempts.length);
+    if (!setEmpty("plot-goodput", !runs.length ? "No time accounted yet: a run writes timeline.jsonl from its first iteration on (runs from before it have none)." : null)) return;
+    const rows = runs.flatMap((r) => {
+      const g = state.data[r.index].goodput;
+      const total = { label: `${escapeHtml(r.name)} total (goodput ${(100 * g.goodput).toFixed(1)}%)`, seconds: g.seconds, wall: g.wall_s };
+      return [total, ...g.attempts.map((a) => ({ label: `${escapeHtml(r.name)} #${a.attempt} ${escapeHtml(a.host)}${a.status ? "" : " (killed)"}`,
+        seconds: a.seconds, wall: a.wall_s + a.seconds.lost }))];
+    });
+    const { categories, labels } = state.data[runs[0].index].goodput;
+    const traces = categories.map((c) => ({
+      type: "bar", orientation: "h", name: labels[c], y: rows.map((row) => row.label), x: rows.map((row) => row.seconds[c] || 0),
+      marker: { color: GOODPUT_COLORS[c] }, customdata: rows.map((row) => (row.wall > 0 ? (100 * (row.seconds[c] || 0)) / row.wall : 0)),
+      hovertemplate: `%{y}<br>${labels[c]}: %{x:.1f} s (%{customdata:.1f}% of its wall)<extra></extra>`, meta: { kind: "goodput", category: c },
+    }));
+    react("plot-goodput", traces, { barmode: "stack", margin: { l: 20, r: 20, t: 10, b: 40 }, height: 130 + 34 * rows.length,
+      xaxis: { title: { text: "seconds" } }, yaxis: { automargin: true, autorange: "reversed", type: "category" },
+      legend: { orientation: "h", traceorder: "normal", y: -0.3, font: { size: 11 } }, font: { size: 12 } });
+  }
+
   // ---- the layer plots -------------------------------------------------------------------
 
   async function drawLayerPlots() {
@@ -398,9 +427,9 @@
   async function loadRun(run) {
     const [x0, x1] = state.range || [null, null];
     const width = plotWidth();
-    const [series, markers, expert, steps, ranks] = await Promise.all([source.series(run, x0, x1, width), source.markers(run),
-      source.expertLoad(run, x0, x1, width), source.layerSteps(run), source.ranks(run, x0, x1, width)]);
-    state.data[run] = { series, markers, expert, steps, ranks };
+    const [series, markers, expert, steps, goodput, ranks] = await Promise.all([source.series(run, x0, x1, width), source.markers(run),
+      source.expertLoad(run, x0, x1, width), source.layerSteps(run), source.goodput(run), source.ranks(run, x0, x1, width)]);
+    state.data[run] = { series, markers, expert, steps, goodput, ranks };
   }
 
   let pending = null;
@@ -425,6 +454,7 @@
     await Promise.all(runIndices.map(loadRun));
     renderRunLegend();
     drawTimePlots();
+    drawGoodput();
     await drawLayerPlots();
     if (!state.rendered && TIME_PLOTS.concat(LAYER_PLOTS).some((id) => $(id).data)) {
       state.rendered = true;
@@ -446,6 +476,7 @@
         if (state.hidden.has(r.index)) state.hidden.delete(r.index); else state.hidden.add(r.index);
         renderRunLegend();
         drawTimePlots();
+        drawGoodput();
         drawLayerPlots();
       });
       return label;
