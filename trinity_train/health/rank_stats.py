@@ -6,10 +6,15 @@ phase (drawing the batch, the drills acting before the step, forward, backward, 
 validation or checkpoint saves, which the timeline accounts for):
 
 - `iter_s`: its wall time;
-- `compute_s`: the process's CPU time in it divided by `torch.get_num_threads()`. A rank waiting
-  in a collective blocks without CPU, and a rank descheduled on a loaded machine keeps the CPU
-  time of its work, so other ranks' slowness and a shared machine's load do not count as this
-  rank's compute (a clean run on an oversubscribed 2-core machine is not a straggler);
+- `compute_s`: the CPU time of the thread that runs the loop (`time.thread_time()`: all the
+  serial work and its share of every parallel operator). A rank waiting in a collective blocks
+  without CPU, and a rank descheduled on a loaded machine keeps the CPU time of its work, so
+  other ranks' slowness and a shared machine's load do not count as this rank's compute (a
+  clean run on an oversubscribed 2-core machine is not a straggler). The process's CPU time
+  over its torch threads was the first definition: it also counts the background threads
+  (gloo's, an async save's writer), and on 2 loaded cores its ratio between two identical ranks
+  reached 1.3-2.1 in single reports against 1.07 for the loop's thread (tests/rank_health_run.py's
+  run, benchmarks/README.md section 13);
 - `wait_s`: `max(0, iter_s - compute_s)`: waiting for the other ranks (and for the CPU);
 - `data_s`: the data phase's wall time.
 
@@ -72,8 +77,7 @@ class IterationTimes:
         self.iterations = 0
         self.iter_s = self.compute_s = self.wait_s = self.data_s = 0.0
 
-    def add(self, wall_s: float, cpu_s: float, threads: int, data_s: float) -> None:
-        compute = cpu_s / max(threads, 1)
+    def add(self, wall_s: float, compute: float, data_s: float) -> None:
         self.iterations += 1
         self.iter_s += wall_s
         self.compute_s += compute
@@ -95,9 +99,8 @@ class RankStatsCallback(TrainerCallback):
         self.rule = StragglerRule(ratio, reports)
         self.times = IterationTimes()
         self.hosts: list[str] = []
-        self.threads = 1
         self.distributed = False  # the trainer's ranks are more than one (from `on_start`)
-        self._started: tuple[float, float] | None = None  # (wall, cpu) at the data phase's start
+        self._started: tuple[float, float] | None = None  # (wall, thread CPU) at the data phase's start
         self._data_s = 0.0
 
     @classmethod
@@ -108,21 +111,20 @@ class RankStatsCallback(TrainerCallback):
     def on_start(self, trainer) -> None:
         if not self.every:
             return
-        self.threads = torch.get_num_threads()
         self.distributed = trainer.dims.is_distributed
         self.hosts = gather_hosts(self.distributed)
         trainer.recorder.event(event(EventName.RANK_HOSTS, hosts=self.hosts))
 
     def phase_begin(self, trainer, phase) -> None:
         if self.every and phase == Phase.DATA:
-            self._started = (time.perf_counter(), time.process_time())
+            self._started = (time.perf_counter(), time.thread_time())
 
     def phase_end(self, trainer, phase, seconds) -> None:
         if phase == Phase.DATA:
             self._data_s = seconds
         elif phase == Phase.STEP and self._started is not None:
             wall, cpu = self._started
-            self.times.add(time.perf_counter() - wall, time.process_time() - cpu, self.threads, self._data_s)
+            self.times.add(time.perf_counter() - wall, time.thread_time() - cpu, self._data_s)
             self._started = None
 
     def after_iteration(self, trainer) -> None:
