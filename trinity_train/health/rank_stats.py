@@ -13,8 +13,8 @@ validation or checkpoint saves, which the timeline accounts for):
   clean run on an oversubscribed 2-core machine is not a straggler). The process's CPU time
   over its torch threads was the first definition: it also counts the background threads
   (gloo's, an async save's writer), and on 2 loaded cores its ratio between two identical ranks
-  reached 1.3-2.1 in single reports against 1.07 for the loop's thread (tests/rank_health_run.py's
-  run, benchmarks/README.md section 13);
+  reached 1.3-2.1 in single reports against 1.07-1.14 for the loop's thread (the clean 300-step
+  run of tests/test_rank_health.py; benchmarks/README.md section 13);
 - `wait_s`: `max(0, iter_s - compute_s)`: waiting for the other ranks (and for the CPU);
 - `data_s`: the data phase's wall time.
 
