@@ -25,12 +25,18 @@ done
 [[ "$max_restarts" =~ ^[0-9]+$ ]] || { echo "launcher: --max-restarts must be a number >= 0, got '$max_restarts'" >&2; exit 2; }
 export TORCH_DISABLE_SHARE_RDZV_TCP_STORE="${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}"
 
-# run_torchrun ARGS...: torchrun with ARGS, then exit with its status, except that a user mistake is
-# not restarted: a worker that meets one (a config the nodes disagree on, a checkpoint that does
-# not fit) leaves its exit code and one-line message in $TRINITY_LAUNCHER_VERDICT and exits 0
-# (trinity_train/launcher_verdict.py); the launcher prints the lowest rank's line and exits with its
-# code (2 configuration, 3 diverged, 1 otherwise). Signals reach torchrun, which stops its workers
-# (a background job of a script ignores SIGINT, hence the trap).
+# run_torchrun ARGS...: torchrun with ARGS, then exit with its status (trinity_train/exit_codes.py),
+# except that
+# - a user mistake is not restarted: a worker that meets one (a config the nodes disagree on, a
+#   checkpoint that does not fit) leaves its exit code and one-line message in
+#   $TRINITY_LAUNCHER_VERDICT and exits 0 (trinity_train/launcher_verdict.py); the launcher prints
+#   the lowest rank's line and exits with its code (2 configuration, 3 diverged, 1 otherwise);
+# - a restartable failure (the hang watchdog, a lost peer) that torchrun had no restart left for
+#   exits 75 (EX_TEMPFAIL), so a scheduler requeues it: the worker left
+#   restartable-<attempt>-rank<RANK> in the folder, and the last attempt is number max_restarts
+#   (torchrun gives up only once every restart failed). Any other failure is torchrun's 1.
+# Signals reach torchrun, which stops its workers (a background job of a script ignores SIGINT,
+# hence the trap).
 run_torchrun() {
     local verdict status=0 pid
     verdict="$(mktemp -d -t trinity-verdict.XXXXXX)"
@@ -50,6 +56,14 @@ run_torchrun() {
         IFS=$'\t' read -r code message <"$first"
         echo "error: $message" >&2
         exit "$code"
+    fi
+    if [[ "$status" != 0 ]]; then
+        local restartable
+        restartable="$(find "$verdict" -name "restartable-${max_restarts}-rank*" ! -name '*.tmp' | sort | head -n 1)"
+        if [[ -n "$restartable" ]]; then
+            echo "launcher: torchrun gave up after $max_restarts restart(s); the last attempt failed restartably ($(head -n 1 "$restartable")); exiting 75 so that a scheduler requeues the job" >&2
+            exit 75
+        fi
     fi
     exit "$status"
 }

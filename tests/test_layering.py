@@ -21,6 +21,7 @@ LAYERS = [
     {"config", "rundir", "columnar", "records", "callbacks"},
     {"files", "rank_zero", "launcher_verdict"},
     {"errors", "__init__"},
+    {"exit_codes"},  # the codes a process ends with: below the errors that carry them
 ]
 SIDEWAYS = {
     ("observe", "parallel"),  # layer statistics are global values: they reduce through parallel.reductions

@@ -1,6 +1,8 @@
 """Restarts recover: a collective whose peer never arrives fails after `parallel.collective_timeout_s`
 (not torch's 30 minutes), a job torchrun restarted resumes from its newest sound checkpoint
-whatever `checkpoint.resume` says, and the launchers restart a job whose worker was killed."""
+whatever `checkpoint.resume` says, the launchers restart a job whose worker was killed or hung
+(the `kill_rank` and `hang_rank` drills: once each, then the run finishes), and a launcher whose
+torchrun gave up exits 75 when the last attempt failed restartably, so a scheduler requeues it."""
 
 from __future__ import annotations
 
@@ -17,7 +19,11 @@ import torch.multiprocessing as mp
 
 from conftest import ONE_THREAD_ENV, ROOT, SUBPROCESS_ENV, run_config, run_python
 from ranks import free_port
-from trinity_train.config import load_config
+from trinity_train import exit_codes
+from trinity_train.config import load_config, save_config
+from trinity_train.launcher_verdict import restartable_marker_name
+from trinity_train.records import EventName
+from trinity_train.rundir import RunDir
 from trinity_train.parallel.process_group import init_distributed
 from trinity_train.train import Trainer
 
@@ -91,3 +97,59 @@ def test_the_local_launcher_restarts_a_job_whose_worker_was_killed():
     done = run_python("benchmarks/restart_recovery.py", "--trainer", "--trials", "1", "--variants",
                       "c10d-fresh-store", "--timeout-s", "400", env=ONE_THREAD_ENV, ok=True)
     assert "| c10d-fresh-store | 1 / 1 |" in done.stdout, done.stdout
+
+
+# A torchrun that leaves what its workers would have left in the launcher's folder and fails, so
+# the launcher's reading of it is tested without starting any.
+FAKE_TORCHRUN = """#!/usr/bin/env bash
+for name in $FAKE_FILES; do printf '%b' "$FAKE_TEXT" >"$TRINITY_LAUNCHER_VERDICT/$name"; done
+exit 1
+"""
+
+
+@pytest.mark.parametrize("files, text, code, says", [
+    ([restartable_marker_name(2, 1)], "watchdog: rank 1 hung", exit_codes.RESTARTABLE, "watchdog: rank 1 hung"),
+    ([restartable_marker_name(0, 0)], "watchdog: rank 0 hung", exit_codes.FAILURE, None),  # an earlier attempt's
+    ([], "", exit_codes.FAILURE, None),  # a crash: to inspect, not to requeue
+    (["rank000000", restartable_marker_name(2, 1)], "2\\tconfig mistake", exit_codes.CONFIG, "error: config mistake"),
+])
+def test_the_launcher_exits_75_when_restarts_ran_out_on_a_restartable_failure(tmp_path, files, text, code, says):
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "torchrun").write_text(FAKE_TORCHRUN)
+    (fake / "torchrun").chmod(0o755)
+    env = {**SUBPROCESS_ENV, "PATH": f"{fake}{os.pathsep}{SUBPROCESS_ENV['PATH']}", "FAKE_FILES": " ".join(files),
+           "FAKE_TEXT": text + "\\n"}
+    done = subprocess.run(["bash", "-c", 'source launch/restarts.sh "$@"; run_torchrun', "-", "--max-restarts=2"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == code, done.stderr
+    if says:
+        assert done.stderr.strip().splitlines()[-1].count(says) == 1, done.stderr
+
+
+@pytest.mark.slow
+def test_a_killed_and_a_hung_rank_are_restarted_once_each_and_the_run_finishes(corpus, tmp_path):
+    """Two ranks under launch/local.sh: rank 1 dies at iteration 3 (kill_rank: after the checkpoint
+    of step 2) and, in the restart, stands still at iteration 6 (hang_rank); the watchdogs end both
+    ranks (rank 0's names rank 1 as behind), torchrun restarts again, and the third attempt,
+    meeting neither drill, finishes."""
+    config = tmp_path / "drills.toml"
+    save_config(run_config(corpus, tmp_path / "unused", train={"steps": 8, "micro_batch_size": 1, "eval_every": 0},
+                           checkpoint={"every": 2}, watchdog={"floor_s": 4.0, "multiple": 3.0},
+                           stability={"inject": [{"fault": "kill_rank", "first": 3, "rank": 1},
+                                                 {"fault": "hang_rank", "first": 6, "rank": 1, "seconds": 120}]}),
+                config)
+    run = RunDir(tmp_path / "run")
+    done = subprocess.run(["launch/local.sh", "2", "--max-restarts=2", "--config", str(config), f"--run.dir={run.path}"],
+                          cwd=ROOT, env=ONE_THREAD_ENV, capture_output=True, text=True, timeout=400)
+    assert done.returncode == 0, done.stderr[-4000:]
+    drills = [(e["fault"], e["iter"], e["rank"]) for e in run.read_events(EventName.FAULT_INJECTED)]
+    assert drills == [("kill_rank", 3, 1), ("hang_rank", 6, 1)]
+    assert [e["checkpoint"].rsplit("/", 1)[-1] for e in run.read_events(EventName.RESUME)] == \
+        ["step_00000002", "step_00000004"]
+    hangs = run.read_events(EventName.HANG)
+    assert {e["rank"] for e in hangs} <= {0, 1} and any(e["behind"] == [1] for e in hangs), hangs
+    assert all(e["iter"] == 6 and e["exit_code"] == 75 and (run.path / e["stacks"]).is_file() for e in hangs)
+    assert [e["phase"] for e in hangs if e["rank"] == 1] in ([], ["data"])
+    assert run.read_events(EventName.RUN_END)[-1]["step"] == 8
+    assert done.stderr.count("watchdog: rank ") == len(hangs) >= 1

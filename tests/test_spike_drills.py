@@ -2,7 +2,8 @@
 model: every drill is skipped or rolled back, a rollback goes to a checkpoint from before the
 onset and its batches never train again (also across a kill and a resume in the middle of the
 incident), the run ends where a clean run ends, repeated incidents back off and then halt with
-the halt exit code, a learning rate far too high is caught in the warm-up, a damaged checkpoint
+the halt exit code, a learning rate far too high is caught in the warm-up, a learning-rate jump
+later on is rolled back with the rate backed off, a damaged checkpoint
 is passed over, and every incident leaves a report."""
 
 from __future__ import annotations
@@ -186,6 +187,37 @@ def test_a_huge_learning_rate_from_step_0_is_caught_in_the_warmup_then_halts(cor
     assert train_records(run_dir)[-1]["skipped"] and train_records(run_dir)[-1]["iter"] == skips[-1]["iter"]
     halting = [r for r in SkipLedger.load(RunDir(run_dir).ledger).ranges if r.iteration == skips[-1]["iter"]]
     assert halting, "the halting step is in the skip ledger"
+
+
+# A small model (the default's layout, a quarter of its width) on the default corpus, with the
+# default guard: what the default job does, at a tenth of its step time.
+SMALL_DEFAULT_JOB = ["--model.hidden_size=64", "--model.num_layers=2", "--model.head_dim=16",
+                     "--model.intermediate_size=128", "--model.moe_intermediate_size=32",
+                     "--train.eval_every=0", "--checkpoint.every=10", "--metrics.progress_bar=false"]
+
+
+@pytest.mark.slow
+def test_a_learning_rate_jump_at_step_100_is_caught_and_rolled_back_with_a_lower_rate(tmp_path, capsys):
+    # x20 from iteration 101 on: the damaging update is applied (the guard judges the loss of the
+    # weights before it), the steps after it are skipped, and the rollback goes to a checkpoint
+    # from before the damage with the learning rate backed off, again if it repeats, until the
+    # rate trains; the run ends with every step trained.
+    run_dir = tmp_path / "lr_jump"
+    code = main(["train", *SMALL_DEFAULT_JOB, "--train.steps=130", f"--run.dir={run_dir}",
+                 '--stability.inject=[{fault="lr_scale", first=101, last=100000}]'])
+    assert code == 0, capsys.readouterr().err
+    first_skip = next(e for e in events(run_dir, EventName.SKIP) if e["iter"] > 101)
+    assert first_skip["iter"] <= 103  # one or two steps after the jump
+    rollbacks = events(run_dir, EventName.ROLLBACK)
+    assert rollbacks and rollbacks[0]["to_step"] <= first_skip["step"] - 10
+    assert [e["lr_scale"] for e in rollbacks] == [0.5 ** (i + 1) for i in range(len(rollbacks))]
+    assert not events(run_dir, EventName.HALT)
+    assert train_records(run_dir)[-1]["step"] == 130
+    capsys.readouterr()
+    assert main(["incidents", str(run_dir)]) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()[1:]]
+    drilled = [row for row in rows if "lr_scale" in row]
+    assert any(row[2].startswith("rollback->") for row in drilled), rows
 
 
 class DamageTheFirstRollbackTarget(TrainerCallback):

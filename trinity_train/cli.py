@@ -2,7 +2,8 @@
 incidents, goodput, dashboard, report, ablate.
 
 A user mistake (any `UserError`) ends with one line `error: <message>` on stderr and the error's
-exit code: 2 for configuration, 1 otherwise. Heavy imports (torch, the model, data libraries)
+exit code (`exit_codes`: 2 for configuration, 3 diverged, 1 otherwise); a lost peer of a
+distributed run (`health.lost_peer`) with one line and 75, restartable. Heavy imports (torch, the model, data libraries)
 happen inside the commands, so a bad configuration is reported before any of them load.
 """
 
@@ -14,9 +15,11 @@ import os
 import sys
 from pathlib import Path
 
+from trinity_train import exit_codes
 from trinity_train.config import Config, default_config_path, validate
 from trinity_train.errors import DataError, UserError
-from trinity_train.launcher_verdict import hand_to_launcher
+from trinity_train.health.lost_peer import describe, is_lost_peer
+from trinity_train.launcher_verdict import hand_to_launcher, mark_restartable
 
 
 def cmd_train(args: argparse.Namespace, overrides: list[str], callbacks: list | None = None) -> int:
@@ -28,7 +31,7 @@ def cmd_train(args: argparse.Namespace, overrides: list[str], callbacks: list | 
     summary = train(cfg, callbacks)
     if os.environ.get("RANK", "0") == "0":  # under torchrun, one summary for the whole job
         print(summary.describe())
-    return 0
+    return exit_codes.DONE
 
 
 def cmd_prepare_data(args: argparse.Namespace) -> int:
@@ -57,7 +60,7 @@ def cmd_export_hf(args: argparse.Namespace) -> int:
     with_tokenizer = f" with the tokenizer of {tokenizer}" if tokenizer else ""
     print(f"exported {args.checkpoint} to {out}{with_tokenizer} (load it with "
           "transformers.AutoModelForCausalLM.from_pretrained and AutoTokenizer.from_pretrained)")
-    return 0
+    return exit_codes.DONE
 
 
 def cmd_import_hf(args: argparse.Namespace) -> int:
@@ -74,7 +77,7 @@ def cmd_import_hf(args: argparse.Namespace) -> int:
     model.load_state_dict(state_dict, strict=True)
     save_model_checkpoint(model, cfg, out)
     print(f"imported {hf_dir} to {out}; start a run from it with --checkpoint.init_from={out}")
-    return 0
+    return exit_codes.DONE
 
 
 def _print_summary(summary: dict, as_json: bool) -> None:
@@ -103,7 +106,7 @@ def cmd_ckpt(args: argparse.Namespace) -> int:
         finite = "every tensor is" if args.deep else "the model's tensors are"
         print(f"ok: {args.path} is complete and loadable, {checked}, {finite} finite "
               f"({summary['kind']} checkpoint, step {summary['step']})")
-    return 0
+    return exit_codes.DONE
 
 
 def cmd_incidents(args: argparse.Namespace) -> int:
@@ -115,7 +118,7 @@ def cmd_incidents(args: argparse.Namespace) -> int:
         raise DataError(f"RUN_DIR {problem}: pass the run's run.dir")
     rows = incident_rows(run)
     print(json.dumps(rows, indent=2) if args.json else format_table(rows))
-    return 0
+    return exit_codes.DONE
 
 
 def cmd_goodput(args: argparse.Namespace) -> int:
@@ -130,7 +133,7 @@ def cmd_goodput(args: argparse.Namespace) -> int:
         raise DataError(f"RUN_DIR '{run.path}' has no {run.timeline.name}: its run started before this version "
                         "accounted for time, or never reached its training loop")
     print(json.dumps(result.to_dict(), indent=2) if args.json else format_table(result))
-    return 0
+    return exit_codes.DONE
 
 
 def cmd_dashboard(args: argparse.Namespace) -> int:
@@ -275,7 +278,7 @@ def main(argv: list[str] | None = None, callbacks: list | None = None) -> int:
     except UserError as e:
         message = " ".join(str(e).split())  # one line, whatever the message holds
         if hand_to_launcher(e.exit_code, message):  # under launch/: the launcher prints it once
-            return 0
+            return exit_codes.DONE
         print(f"error: {message}", file=sys.stderr)
         return e.exit_code
     except OSError as e:  # a full or read-only disk under any write (metrics, events, configs)
@@ -285,10 +288,18 @@ def main(argv: list[str] | None = None, callbacks: list | None = None) -> int:
         if message is None:
             raise
         print(f"error: {message}", file=sys.stderr)
-        return 1
+        return exit_codes.FAILURE
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
-        return 130
+        return exit_codes.INTERRUPTED
+    except Exception as e:  # a peer of the job went away or stopped answering: restart it, not a bug
+        if not is_lost_peer(e):
+            raise
+        message = (f"lost a peer of the job: {describe(e)}; exiting {exit_codes.RESTARTABLE} (restartable: "
+                   "a restart resumes from the newest sound checkpoint)")
+        print(f"error: {message}", file=sys.stderr)
+        mark_restartable(message)
+        return exit_codes.RESTARTABLE
 
 
 if __name__ == "__main__":

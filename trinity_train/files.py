@@ -63,6 +63,17 @@ def json_safe(value: Any) -> Any:
     return value
 
 
+def append_line(path: str | Path, line: str) -> None:
+    """Append `line` (one line, newline added) to `path` in one write with O_APPEND: the whole line
+    lands after whatever any other process appended, never inside another's line (how a rank other
+    than the recorder's adds an event to events.jsonl)."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, (line.rstrip("\n") + "\n").encode())
+    finally:
+        os.close(fd)
+
+
 def read_json_object(path: str | Path, error: type[UserError], what: str = "") -> dict:
     """The JSON object stored at `path`; `error` (naming the file and `what` it should be) when the
     file is missing, unreadable, not JSON, or holds something other than an object."""

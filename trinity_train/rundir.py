@@ -22,13 +22,15 @@ Everything about a run lives under its directory; the trainer writes it, and the
 
 from __future__ import annotations
 
+import json
 import os
 import re
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from trinity_train.errors import ConfigError
-from trinity_train.files import read_jsonl
+from trinity_train.files import append_line, json_safe, read_jsonl
 
 CONFIG_FILE = "config.toml"
 METRICS_FILE = "metrics.jsonl"
@@ -156,6 +158,24 @@ class RunDir:
             if directory.is_dir() and not os.access(directory, os.W_OK | os.X_OK):
                 raise ConfigError(f"run.dir: '{directory}' cannot be written (a read-only file system or no "
                                   "permission); choose another --run.dir, or make it writable")
+
+    def hang_stacks(self, rank: int, iteration: int) -> Path:
+        """Where the watchdog writes every thread's stack of `rank`, hung at `iteration` (a later
+        hang of the same rank and iteration, in another attempt, gets `-2`, `-3`, ...)."""
+        path = self.hangs / f"rank{rank:05d}-iter{iteration:08d}.txt"
+        n = 1
+        while path.exists():
+            n += 1
+            path = self.hangs / f"rank{rank:05d}-iter{iteration:08d}-{n}.txt"
+        return path
+
+    def append_event(self, built: dict) -> None:
+        """Append one event (built by `records.event`) to events.jsonl, stamped with the time as the
+        recorder stamps its own, as one whole line: from any rank (the watchdog, a drill acting on
+        a rank that does not write the run's records), while rank 0's recorder appends too."""
+        self.path.mkdir(parents=True, exist_ok=True)
+        line = {"event": built["event"], "time": time.time(), **{k: v for k, v in built.items() if k != "event"}}
+        append_line(self.events, json.dumps(json_safe(line), allow_nan=False))
 
     def incident(self, iteration: int) -> Path:
         """The report of the incident at `iteration`."""

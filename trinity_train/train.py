@@ -41,6 +41,7 @@ from trinity_train.config import Config, config_to_dict, load_config, save_confi
 from trinity_train.data import build_loaders
 from trinity_train.data.ledger import SkipLedger
 from trinity_train.errors import CheckpointError, ConfigError
+from trinity_train.health.watchdog import WatchdogCallback
 from trinity_train.health.rank_stats import RankStatsCallback
 from trinity_train.model.counting import training_flops_per_token
 from trinity_train.observe import MetricsRecorder, expert_load_stats, measure_peak_flops, mfu, supersede_records_after
@@ -224,7 +225,9 @@ class Trainer:
                                  faults=self.faults, restore=self._load, apply_lr=self._apply_lr,
                                  is_main=self.is_main)
         self.timeline = TimelineWriter(self.rundir.timeline, enabled=self.is_main)
-        self.callbacks = CallbackList([self.timeline, RecordingCallback(), DrillCallback(self.faults),
+        # The hang watchdog watches from `start()` to the end of `finish()` (DESIGN §12).
+        self.watchdog = WatchdogCallback(cfg.watchdog, self.rundir, self.dims.rank, self.dims.world_size)
+        self.callbacks = CallbackList([self.timeline, self.watchdog, RecordingCallback(), DrillCallback(self.faults),
                                        RankStatsCallback.for_config(cfg), *(callbacks or [])])
         # The run's sinks and tallies, from `start()` on.
         self.recorder: MetricsRecorder | None = None
@@ -321,6 +324,14 @@ class Trainer:
         """Restore, write the run directory, open the recorder and record the start; `run()`
         does this first (call it yourself only to drive `train_one_iteration`, then `finish`)."""
         self._started = time.perf_counter()
+        self.watchdog.start(self)
+        try:
+            self._start()
+        except BaseException:
+            self.watchdog.stop()  # `finish()`, which stops it otherwise, never comes
+            raise
+
+    def _start(self) -> None:
         events = self.restore()
         # Checkpoints of steps after the start are a future this start abandons: never resumed.
         if moved := self.checkpoints.abandon_after(self.state.step, self.resume_from):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from trinity_train import exit_codes
 from trinity_train.errors import UserError
 from trinity_train.files import disk_problem
 from trinity_train.rundir import RunDir
@@ -17,7 +18,7 @@ class ArgumentError(UserError):
     """An argument no run can make right (a RUN_DIR that is a file, an --out that is a directory,
     a port out of range): a usage mistake."""
 
-    exit_code = 2
+    exit_code = exit_codes.CONFIG
 
 
 def check_run_dirs(paths: list[str]) -> list[Path]:

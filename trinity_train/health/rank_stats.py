@@ -1,5 +1,6 @@
-"""Per-rank statistics (DESIGN §8 "Rank health"): how long each rank's iterations take, how much
-of that it computed and how much it waited, and which rank is the straggler.
+"""Per-rank statistics (DESIGN §8 "Rank statistics and stragglers"): how long each rank's
+iterations take, how much of that it computed and how much it waited, and which rank is the
+straggler.
 
 On every rank, each iteration is timed from the start of its data phase to the end of its step
 phase (drawing the batch, the drills acting before the step, forward, backward, optimizer; not
@@ -14,7 +15,7 @@ validation or checkpoint saves, which the timeline accounts for):
   over its torch threads was the first definition: it also counts the background threads
   (gloo's, an async save's writer), and on 2 loaded cores its ratio between two identical ranks
   reached 1.3-2.1 in single reports against 1.07-1.14 for the loop's thread (the clean 300-step
-  run of tests/test_rank_health.py; benchmarks/README.md section 13);
+  run of tests/test_rank_health.py; benchmarks/README.md section 14);
 - `wait_s`: `max(0, iter_s - compute_s)`: waiting for the other ranks (and for the CPU);
 - `data_s`: the data phase's wall time.
 

@@ -1,5 +1,5 @@
-"""The straggler rule (DESIGN §8 "Rank health"): which rank is slower than the others, for long
-enough to be worth telling someone.
+"""The straggler rule (DESIGN §8 "Rank statistics and stragglers"): which rank is slower than the
+others, for long enough to be worth telling someone.
 
 Each `ranks` report gives every rank's mean compute seconds per iteration
 (`health/rank_stats.py`). A rank whose compute time is more than `ratio` times the median of the

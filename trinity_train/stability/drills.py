@@ -13,24 +13,37 @@ comes back if those batches are drawn again), on one rank or on all:
   late, in the loss the update made;
 - `poison_random`: the batch's tokens are replaced by uniformly random ones (seeded by the batch
   index, so every drill run sees the same poison);
-- `poison_repeat`: every token of the batch is `token`;
+- `poison_repeat`: every token of the batch is `token`.
+
+And what the machines do (`INFRA_FAULTS`), on the chosen rank(s) at the chosen iterations:
+
+- `fail_save`: a checkpoint taken in the fault's iterations fails to write on the rank (an I/O
+  error from the storage writer, after DCP planned the save with every rank): the run records a
+  `checkpoint_failed` event, keeps its earlier checkpoints and trains on;
+- `kill_rank`: the rank dies (SIGKILL, as a lost GPU or node) before the step: torchrun restarts
+  the job, which resumes from its newest sound checkpoint;
+- `hang_rank`: the rank stands still for `seconds` (default 3600, then it goes on) in the data
+  phase before the step, while the others wait for it in the step's first collective: the hang
+  watchdog (`health.watchdog`) names it, dumps its stacks and ends it restartably;
 - `slow_rank`: the rank does `seconds` (default 1) of extra real work (matrix products on the
   CPU, for that long on the wall clock) in every iteration from `first` to `last`, in the data
   phase before the step: a straggler, for `health.straggler` to find.
 
-And what the machines do:
-
-- `fail_save`: a checkpoint taken in the fault's iterations fails to write on the rank (an I/O
-  error from the storage writer, after DCP planned the save with every rank): the run records a
-  `checkpoint_failed` event, keeps its earlier checkpoints and trains on.
-
-Every fault that acts is reported as a `fault_injected` event by the process that writes the run
-directory (whichever rank it acts on), so nobody mistakes a drill for the real thing.
+Every fault that acts is reported as a `fault_injected` event, so nobody mistakes a drill for the
+real thing: a numeric one by the process that writes the run directory (whichever rank it acts
+on, and `fail_save`'s: `save_events`), a fault of its rank before the step (`kill_rank`,
+`hang_rank`, `slow_rank`) by that rank, before it acts (`RunDir.append_event`: a killed rank has
+said so already), with that rank. At its start every rank reads those events back (`FaultInjector.spend`): a machine fault an
+earlier attempt injected at an iteration on a rank is spent there, so the restart it caused does
+not meet it again.
 """
 
 from __future__ import annotations
 
 import errno
+import os
+import signal
+import sys
 import time
 from dataclasses import dataclass
 
@@ -48,7 +61,7 @@ INFRA_FAULTS = ("kill_rank", "hang_rank", "slow_rank", "fail_save")
 FAULTS = NUMERIC_FAULTS + INFRA_FAULTS
 POISON_FAULTS = ("poison_random", "poison_repeat")  # act on global batches, not iterations
 DEFAULT_FACTORS = {"loss_spike": 10.0, "grad_scale": 1000.0, "lr_scale": 20.0}
-DEFAULT_SECONDS = {"slow_rank": 1.0, "hang_rank": 3600.0}
+DEFAULT_SECONDS = {"hang_rank": 3600.0, "slow_rank": 1.0}
 STEP_FAULTS = ("nan_loss", "loss_spike", "grad_scale", "lr_scale")  # act inside the step
 
 
@@ -92,17 +105,36 @@ def _factor(fault: FaultConfig) -> float:
     return fault.factor or DEFAULT_FACTORS[fault.fault]
 
 
-def _seconds(fault: FaultConfig) -> float:
-    return fault.seconds or DEFAULT_SECONDS[fault.fault]
+def _seconds(fault: FaultConfig) -> float | None:
+    return (fault.seconds or DEFAULT_SECONDS[fault.fault]) if fault.fault in DEFAULT_SECONDS else None
 
 
-def busy_work(seconds: float) -> None:
-    """Real work for `seconds` of wall clock: 256 x 256 matrix products (about a millisecond each
-    on one core), on every thread torch computes with, as a slow rank's own compute would be."""
+def kill_rank(fault: FaultConfig) -> None:
+    """The `kill_rank` drill: this rank dies at once, as a lost GPU or node (no cleanup, no exit code)."""
+    sys.stderr.flush()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def hang_rank(fault: FaultConfig) -> None:
+    """The `hang_rank` drill: this rank stands still for the fault's seconds (its stack, which the
+    watchdog writes, names this function), then goes on."""
+    deadline = time.monotonic() + _seconds(fault)
+    while (left := deadline - time.monotonic()) > 0:
+        time.sleep(min(left, 1.0))
+
+
+def slow_rank(fault: FaultConfig) -> None:
+    """The `slow_rank` drill: this rank does the fault's seconds of real work (256 x 256 matrix
+    products, about a millisecond each on one core, on every thread torch computes with) for that
+    long on the wall clock, as a slow rank's own compute would be; then goes on."""
     a = torch.ones(256, 256) / 256
-    deadline = time.perf_counter() + seconds
+    deadline = time.perf_counter() + _seconds(fault)
     while time.perf_counter() < deadline:
         torch.mm(a, a)
+
+
+# The machine faults that act in the data phase, before the step, and what each does.
+BEFORE_STEP = {"kill_rank": kill_rank, "hang_rank": hang_rank, "slow_rank": slow_rank}
 
 
 class FaultInjector:
@@ -110,27 +142,43 @@ class FaultInjector:
         self.faults = list(faults)
         self.rank = rank
         self.vocab_size = vocab_size
+        self.spent: set[tuple[str, int, int | None]] = set()  # (fault, iteration, rank) done before
+
+    def spend(self, injected: list[dict]) -> None:
+        """The machine faults among the run's `fault_injected` events `injected` (an earlier
+        attempt's) acted already: they do not act again."""
+        self.spent |= {(e["fault"], e["iter"], e["rank"]) for e in injected if e.get("fault") in INFRA_FAULTS}
+
+    def machine_faults(self, iteration: int, acting: dict | None = None) -> list[FaultConfig]:
+        """The machine faults (of `acting`, default all) that act on this rank at `iteration`
+        and are not spent."""
+        return [f for f in self.faults
+                if f.fault in (INFRA_FAULTS if acting is None else acting) and self._here(f)
+                and _covers(f, iteration) and not {(f.fault, iteration, self.rank), (f.fault, iteration, None)} & self.spent]
+
+    def machine_event(self, fault: FaultConfig, iteration: int, batch_index: int) -> dict:
+        """The `fault_injected` event of machine fault `fault` acting on this rank."""
+        self.spent.add((fault.fault, iteration, self.rank))
+        return event(EventName.FAULT_INJECTED, iter=iteration, batch=batch_index, fault=fault.fault, rank=self.rank,
+                     seconds=_seconds(fault))
 
     def _here(self, fault: FaultConfig) -> bool:
         return fault.rank in (-1, self.rank)
 
     def events(self, iteration: int, batch_index: int) -> list[dict]:
-        """The `fault_injected` events of this iteration, on any rank."""
+        """The `fault_injected` events of the numeric faults of this iteration, on any rank (a
+        machine fault's event is its rank's: `machine_event`)."""
         out = []
         for fault in self.faults:
+            if fault.fault in INFRA_FAULTS:
+                continue
             at = batch_index if fault.fault in POISON_FAULTS else iteration
-            if fault.fault != "fail_save" and _covers(fault, at):
+            if _covers(fault, at):
                 out.append(event(EventName.FAULT_INJECTED, iter=iteration, batch=batch_index, fault=fault.fault,
                                  rank=None if fault.rank < 0 else fault.rank,
                                  factor=_factor(fault) if fault.fault in DEFAULT_FACTORS else None,
-                                 token=fault.token if fault.fault == "poison_repeat" else None,
-                                 seconds=_seconds(fault) if fault.fault in DEFAULT_SECONDS else None))
+                                 token=fault.token if fault.fault == "poison_repeat" else None))
         return out
-
-    def slow_seconds(self, iteration: int) -> float:
-        """The extra seconds of work the `slow_rank` drills give this rank in `iteration`."""
-        return sum(_seconds(f) for f in self.faults
-                   if f.fault == "slow_rank" and self._here(f) and _covers(f, iteration))
 
     def save_events(self, iteration: int, batch_index: int) -> list[dict]:
         """The `fault_injected` events of a save taken at `iteration` that a `fail_save` breaks."""
@@ -176,14 +224,19 @@ class FaultInjector:
 
 
 class DrillCallback(TrainerCallback):
-    """The drills' part before a step: announce every fault acting in this iteration (a
+    """The drills' part before a step: announce every numeric fault acting in this iteration (a
     `fault_injected` event and a console notice, on the main process whichever rank it acts on),
-    then poison this rank's rows of the batch where a poison fault covers it, and do a slow
-    rank's extra work. The step's own faults (loss and gradient factors) act inside
-    `step.TrainingStep`."""
+    then poison this rank's rows of the batch where a poison fault covers it; then the machine
+    faults of `BEFORE_STEP` acting on this rank, each announced by this rank first. The step's own
+    faults (loss and gradient factors) act inside `step.TrainingStep`. At the start, the machine
+    faults earlier attempts injected are spent."""
 
     def __init__(self, faults: FaultInjector):
         self.faults = faults
+
+    def on_start(self, trainer) -> None:
+        if any(f.fault in INFRA_FAULTS for f in self.faults.faults):
+            self.faults.spend(trainer.rundir.read_events(EventName.FAULT_INJECTED))
 
     def before_step(self, trainer, batch) -> None:
         iteration = trainer.state.iteration
@@ -193,5 +246,11 @@ class DrillCallback(TrainerCallback):
             where = "" if fault["rank"] is None else f" on rank {fault['rank']}"
             trainer.recorder.notice(f"iteration {iteration}: drill: injected {fault['fault']}{where}")
         self.faults.poison(batch)
-        if seconds := self.faults.slow_seconds(iteration):
-            busy_work(seconds)
+        for fault in self.faults.machine_faults(iteration, BEFORE_STEP):
+            trainer.rundir.append_event(self.faults.machine_event(fault, iteration, batch.index))
+            notice = f"iteration {iteration}: drill: injected {fault.fault} on rank {self.faults.rank}"
+            if trainer.is_main:
+                trainer.recorder.notice(notice)
+            else:
+                print(notice, file=sys.stderr, flush=True)
+            BEFORE_STEP[fault.fault](fault)

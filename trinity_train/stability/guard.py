@@ -36,6 +36,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from trinity_train import exit_codes
 from trinity_train.config import StabilityConfig
 from trinity_train.errors import UserError
 from trinity_train.records import EventName, event
@@ -43,7 +44,7 @@ from trinity_train.stability.detector import RollingSignal
 from trinity_train.stability.early import EarlyChecks
 from trinity_train.stability.routing import RoutingWatch
 
-HALT_EXIT_CODE = 3  # the run stopped itself as diverged; distinct from bad input (1) and config (2)
+HALT_EXIT_CODE = exit_codes.DIVERGED  # the run stopped itself; distinct from bad input (1) and config (2)
 
 
 class TrainingDivergedError(UserError):

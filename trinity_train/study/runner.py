@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from trinity_train import exit_codes
 from trinity_train.config import save_config
 from trinity_train.records import RecordKind
 from trinity_train.study.cells import Cell
@@ -27,7 +28,7 @@ from trinity_train.study.layout import StudyDir
 from trinity_train.study.spec import StudyError
 from trinity_train.study.state import DIVERGED, DONE, FAILED, FINISHED, StudyState, run_outcome
 
-HALT_EXIT_CODE = 3  # the trainer halted a diverged run (stability/guard.py; the study runs it, never imports it)
+HALT_EXIT_CODE = exit_codes.DIVERGED  # the trainer halted a diverged run (the study runs it, never imports it)
 LAUNCH_LOCAL = Path(__file__).resolve().parents[2] / "launch" / "local.sh"
 
 
