@@ -44,6 +44,7 @@ def write_study(folder: Path, **keys) -> Path:
     return path
 
 
-def ablate(*args, cwd: Path):
-    """`trinity-train ablate ARGS` in a fresh process."""
-    return run_cli("ablate", *args, cwd=cwd)
+def ablate(*args, cwd: Path, allow_dirty: bool = True):
+    """`trinity-train ablate ARGS` in a fresh process; with `allow_dirty` (the default: the tests
+    run on whatever checkout they are in, committed or not) `--allow-dirty` too."""
+    return run_cli("ablate", *args, *(["--allow-dirty"] if allow_dirty else []), cwd=cwd)

@@ -13,9 +13,9 @@ import pytest
 
 from conftest import assert_fails_in_one_line, run_cli
 from drill_run import write_drill_run
-from trinity_train.files import read_jsonl
+from goodput_check import checked_account
 from trinity_train.goodput import CATEGORIES, account, format_table
-from trinity_train.records import EventName, RecordKind, TimelineKind, timeline_record
+from trinity_train.records import TimelineKind, timeline_record
 from trinity_train.rundir import RunDir
 
 
@@ -25,37 +25,17 @@ def drill(corpus, tmp_path_factory):
 
 
 def test_a_drill_runs_time_adds_up_and_agrees_with_its_events(drill):
-    run = RunDir(drill.path)
-    result = account(run.path)
+    result = checked_account(drill.path)
     assert len(result.attempts) == 2  # killed, then resumed
-    assert result.accounted == pytest.approx(result.wall, rel=0.01)
-    for attempt in result.attempts:
-        assert sum(attempt.seconds.values()) == pytest.approx(attempt.wall + attempt.seconds["lost"], rel=0.01)
-    # The wall time runs from the first process start to the resumed attempt's end, which its
-    # run_end event stamps.
-    run_end = run.read_events(EventName.RUN_END)[-1]["time"]
-    assert result.wall == pytest.approx(run_end - result.attempts[0].process_start, abs=0.5)
-
-    events = read_jsonl(run.events)
-    rollbacks = [e for e in events if e["event"] == EventName.ROLLBACK]
-    undone_by_rollbacks = {i for e in rollbacks for i in range(e["to_iter"] + 1, e["iter"] + 1)}
-    superseded = [r["iter"] for r in read_jsonl(run.superseded) if r.get("kind") == RecordKind.TRAIN]
-    assert superseded  # the killed attempt's iterations after its checkpoint
-    assert result.steps["undone"] == len(undone_by_rollbacks) + len(superseded)
-    skips = {e["iter"] for e in events if e["event"] == EventName.SKIP}
-    assert result.steps["skipped"] == len(skips - undone_by_rollbacks)
-    kept = [r for r in run.read_metrics(RecordKind.TRAIN) if not r["skipped"] and r["iter"] not in undone_by_rollbacks]
-    assert result.steps["productive"] == len(kept) == run.read_events(EventName.RUN_END)[-1]["step"]
-    assert result.seconds["productive"] > 0 and result.seconds["undone"] > 0
+    assert result.steps["undone"] > 0
     # A rollback restores a checkpoint; checkpoints and validations were written: each has time.
-    for category in ("startup", "checkpoint", "rollback", "validation"):
+    for category in ("startup", "productive", "undone", "checkpoint", "rollback", "validation"):
         assert result.seconds[category] > 0, category
-    assert 0 < result.goodput < 1
 
 
 def test_the_command_prints_the_table_and_the_json(drill):
     done = run_cli("goodput", str(drill.path), ok=True)
-    assert "steps kept" in done.stdout and "lost between attempts" in done.stdout and "goodput " in done.stdout
+    assert "steps kept" in done.stdout and "lost to failures" in done.stdout and "goodput " in done.stdout
     assert "2 attempt(s)" in done.stdout
     as_json = json.loads(run_cli("goodput", str(drill.path), "--json", ok=True).stdout)
     assert set(as_json["seconds"]) == set(CATEGORIES) and len(as_json["attempts"]) == 2

@@ -1,7 +1,8 @@
 """Restarts recover: a collective whose peer never arrives fails after `parallel.collective_timeout_s`
 (not torch's 30 minutes), a job torchrun restarted resumes from its newest sound checkpoint
 whatever `checkpoint.resume` says, the launchers restart a job whose worker was killed or hung
-(the `kill_rank` and `hang_rank` drills: once each, then the run finishes), and a launcher whose
+(the `kill_rank` and `hang_rank` drills: once each, then the run finishes, a rollback too, and
+where its time went adds up), and a launcher whose
 torchrun gave up exits 75 when the last attempt failed restartably, so a scheduler requeues it."""
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from conftest import ONE_THREAD_ENV, ROOT, SUBPROCESS_ENV, run_config, run_python
+from goodput_check import checked_account
 from ranks import free_port
 from trinity_train import exit_codes
 from trinity_train.config import load_config, save_config
@@ -134,22 +136,32 @@ def test_a_killed_and_a_hung_rank_are_restarted_once_each_and_the_run_finishes(c
     ranks (rank 0's names rank 1 as behind), torchrun restarts again, and the third attempt,
     meeting neither drill, finishes."""
     config = tmp_path / "drills.toml"
-    save_config(run_config(corpus, tmp_path / "unused", train={"steps": 8, "micro_batch_size": 1, "eval_every": 0},
+    save_config(run_config(corpus, tmp_path / "unused", train={"steps": 12, "micro_batch_size": 1, "eval_every": 0},
                            checkpoint={"every": 2}, watchdog={"floor_s": 4.0, "multiple": 3.0},
-                           stability={"inject": [{"fault": "kill_rank", "first": 3, "rank": 1},
-                                                 {"fault": "hang_rank", "first": 6, "rank": 1, "seconds": 120}]}),
+                           stability={"rollback_after": 2, "rollback_lookback": 2,
+                                      "inject": [{"fault": "kill_rank", "first": 3, "rank": 1},
+                                                 {"fault": "hang_rank", "first": 6, "rank": 1, "seconds": 120},
+                                                 {"fault": "nan_loss", "first": 9, "last": 10}]}),
                 config)
     run = RunDir(tmp_path / "run")
     done = subprocess.run(["launch/local.sh", "2", "--max-restarts=2", "--config", str(config), f"--run.dir={run.path}"],
                           cwd=ROOT, env=ONE_THREAD_ENV, capture_output=True, text=True, timeout=400)
     assert done.returncode == 0, done.stderr[-4000:]
     drills = [(e["fault"], e["iter"], e["rank"]) for e in run.read_events(EventName.FAULT_INJECTED)]
-    assert drills == [("kill_rank", 3, 1), ("hang_rank", 6, 1)]
+    assert drills == [("kill_rank", 3, 1), ("hang_rank", 6, 1), ("nan_loss", 9, None), ("nan_loss", 10, None)]
     assert [e["checkpoint"].rsplit("/", 1)[-1] for e in run.read_events(EventName.RESUME)] == \
         ["step_00000002", "step_00000004"]
     hangs = run.read_events(EventName.HANG)
     assert {e["rank"] for e in hangs} <= {0, 1} and any(e["behind"] == [1] for e in hangs), hangs
     assert all(e["iter"] == 6 and e["exit_code"] == 75 and (run.path / e["stacks"]).is_file() for e in hangs)
     assert [e["phase"] for e in hangs if e["rank"] == 1] in ([], ["data"])
-    assert run.read_events(EventName.RUN_END)[-1]["step"] == 8
+    assert run.read_events(EventName.RUN_END)[-1]["step"] == 12
     assert done.stderr.count("watchdog: rank ") == len(hangs) >= 1
+    # Iterations 9 and 10 are skipped (NaN loss) and rolled back; then where the time went: three
+    # attempts, the time between them lost, the iterations after each resume's checkpoint undone.
+    (rollback,) = run.read_events(EventName.ROLLBACK)
+    assert rollback["iter"] == 10 and rollback["to_step"] <= 6
+    result = checked_account(run.path)
+    assert len(result.attempts) == 3 and [a.status for a in result.attempts][-1] == "ended"
+    assert all(a.lost_before > 0 for a in result.attempts[1:])
+    assert result.seconds["rollback"] > 0 and result.steps["undone"] > 0

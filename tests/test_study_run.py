@@ -52,6 +52,11 @@ def test_the_study_runs_every_cell_and_records_the_diverged_one(study_run):
     assert [p["step"] for p in finished["measures"]["val"]] == [0, 3, 6]
     assert summary["status"] == {"diverged": 1, "finished": 1}
     assert len(summary["study"]["config_hash"]) == 64
+    # the code each cell ran, and what the numbers depend on besides the config
+    provenance = summary["provenance"]
+    assert provenance["allow_dirty"] is True and provenance["config_hash"] == summary["study"]["config_hash"]
+    assert {"commit", "dirty", "python", "torch", "numpy", "cpu_model", "cpu_count", "data"} <= provenance.keys()
+    assert all(c["commits"] == [provenance["commit"]] and len(c["config_sha256"]) == 64 for c in cells.values())
     # a done cell keeps no checkpoints (the report needs only its metrics)
     assert not RunDir(out / "cells" / "prenorm-normal-s0").checkpoints.exists()
     assert "[1/2] sandwich-normal-s0: diverged" in first.stdout and "[2/2] prenorm-normal-s0: finished" in first.stdout
@@ -62,7 +67,8 @@ def test_the_report_has_one_row_per_cell_the_plots_and_the_html(study_run):
     _, study, out, _ = study_run
     report = (out / "report.md").read_text()
     summary = json.loads((out / "summary.json").read_text())
-    assert f"`trinity-train ablate --study {study} --out {out}`" in report
+    assert f"`trinity-train ablate --study {study} --out {out} --allow-dirty`" in report
+    assert "- Code: commit `" in report and "(run with --allow-dirty)" in report
     assert summary["study"]["config_hash"] in report and "Wall time:" in report
     finished = next(c for c in summary["cells"] if c["name"] == "prenorm-normal-s0")
     rows = [line for line in report.splitlines() if line.startswith("| prenorm-normal-s0 |")]

@@ -1,12 +1,15 @@
 """Study files: the shipped norm-placement study is a controlled comparison (only the block, the
-seed and the learning rates change between cells, on the same tokens), and a bad study file is
-one line `error: ...` with exit code 2 before anything runs."""
+seeds of initialisation and data order, and the learning rates change between cells), pinned so
+that it resolves to the same cells whatever the code's defaults, and a bad study file is one line
+`error: ...` with exit code 2 before anything runs."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
+import tomli_w
 from filelock import FileLock
 
 from study_files import DIVERGING, TOKENS, ablate, write_base, write_study
@@ -18,14 +21,17 @@ from trinity_train.study.spec import StudyError, load_study
 
 ROOT = Path(__file__).resolve().parents[1]
 SHIPPED = ROOT / "configs" / "studies" / "norm_placement.toml"
-# What a cell may change relative to its base: the block, the init seed, the learning rates (and
-# where it runs and how it resumes).
-CELL_KEYS = {"model.block", "train.seed", "optim.lr", "optim.muon_lr", "run.dir", "run.name", "checkpoint.resume"}
+COMMITTED_V2 = ROOT / "docs" / "studies" / "norm_placement_v2" / "summary.json"
+# What a cell may change relative to its base: the block, the seeds of the initialisation and the
+# data order, the learning rates (and where it runs and how it resumes).
+CELL_KEYS = {"model.block", "train.seed", "data.seed", "optim.lr", "optim.muon_lr", "run.dir", "run.name",
+             "checkpoint.resume"}
 
 
-def test_the_shipped_study_compares_every_variant_on_the_same_tokens(tmp_path):
+def test_the_shipped_study_compares_every_variant_seed_by_seed_at_three_learning_rates(tmp_path):
     study = load_study(SHIPPED)
-    assert set(study.variants) == set(BLOCK_VARIANTS) and len(study.seeds) >= 3 and len(study.lrs) >= 2
+    assert set(study.variants) == set(BLOCK_VARIANTS) and len(study.seeds) >= 3 and len(study.lrs) >= 3
+    assert study.pinned and study.data_order == "seed" and study.val_tokens >= 32768
     cells = study_cells(study, StudyDir(tmp_path))
     assert len(cells) == len(study.variants) * len(study.seeds) * len(study.lrs)
     base = config_to_dict(load_config(study.base))
@@ -33,14 +39,55 @@ def test_the_shipped_study_compares_every_variant_on_the_same_tokens(tmp_path):
         changed = {key for key, _, _ in config_differences(base, config_to_dict(cell.config))}
         assert changed <= CELL_KEYS, (cell.name, changed - CELL_KEYS)
         assert cell.config.model.block == cell.variant and cell.config.train.seed == cell.seed
+        assert cell.config.data.seed == base["data"]["seed"] + cell.seed  # each seed its own data order ...
+        assert cell.config.stability.mode == "observe"  # ... which no skip changes: spikes are only counted
         assert not cell.drilled
     first = cells[0].config
-    assert first.model.num_layers >= 12 > load_config(ROOT / "configs" / "debug.toml").model.num_layers
-    assert {c.config.data.seed for c in cells} == {first.data.seed}
+    assert first.model.num_layers > load_config(ROOT / "configs" / "debug.toml").model.num_layers
     assert study.tokens == first.train.steps * global_batch(first, 1) * first.data.seq_len
+    assert study.val_tokens == first.train.eval_batches * global_batch(first, 1) * first.data.seq_len
     assert first.metrics.layer_stats_every > 0  # the depth profile needs the "layers" records
-    lrs = {setting.name: setting for setting in study.lrs}
-    assert lrs["aggressive"].muon_lr > lrs["normal"].muon_lr and lrs["aggressive"].lr > lrs["normal"].lr
+    assert first.train.steps % first.train.eval_every == 0 and (first.train.steps // 2) % first.train.eval_every == 0
+    rates = [(setting.lr, setting.muon_lr) for setting in study.lrs]
+    assert rates == sorted(rates) and len(set(rates)) == len(rates)  # a sensitivity curve, low to high
+
+
+def test_the_shipped_command_resolves_to_the_committed_config_hash(tmp_path):
+    """The base pins every setting, so the study resolves to the same cells whatever the code's
+    defaults; once the v2 report is committed, its hash is the one the shipped study gives."""
+    study = load_study(SHIPPED)
+    cells = study_cells(study, StudyDir(tmp_path))  # refuses a base that leaves a key to the code's defaults
+    if not COMMITTED_V2.is_file():
+        pytest.skip("docs/studies/norm_placement_v2 is not committed yet")
+    committed = json.loads(COMMITTED_V2.read_text())
+    assert study_hash(cells) == committed["study"]["config_hash"]
+    assert committed["provenance"]["dirty"] is False and committed["provenance"]["commit"]
+
+
+def test_a_pinned_study_refuses_a_base_that_leaves_a_setting_to_the_code(corpus, tmp_path):
+    write_base(corpus, tmp_path)
+    study = load_study(write_study(tmp_path, pinned=True))
+    with pytest.raises(StudyError, match=r"base.toml: does not pin checkpoint\.async_save, .* and \d+ more "
+                                         r"\(pinned = true in .*study.toml\): its value would come from the code's"):
+        study_cells(study, StudyDir(tmp_path / "out"))
+    pinned = config_to_dict(load_config(tmp_path / "base.toml"))  # every key, as a run's config.toml has them
+    (tmp_path / "base.toml").write_text(tomli_w.dumps(pinned))
+    assert len(study_cells(study, StudyDir(tmp_path / "out"))) == 2
+    del pinned["stability"]["mode"]
+    (tmp_path / "base.toml").write_text(tomli_w.dumps(pinned))
+    with pytest.raises(StudyError, match=r"does not pin stability\.mode \(pinned"):
+        study_cells(study, StudyDir(tmp_path / "out"))
+    (tmp_path / "chained.toml").write_text('base = "base.toml"\n')
+    with pytest.raises(StudyError, match="base: a pinned study's base states every setting itself"):
+        study_cells(load_study(write_study(tmp_path, pinned=True, base="chained.toml")), StudyDir(tmp_path / "out"))
+
+
+def test_seeds_vary_the_data_order_unless_it_is_fixed(corpus, tmp_path):
+    write_base(corpus, tmp_path, data={"seed": 7})
+    cells = study_cells(load_study(write_study(tmp_path, seeds=[0, 3])), StudyDir(tmp_path / "out"))
+    assert [(c.seed, c.config.data.seed) for c in cells] == [(0, 7), (0, 7), (3, 10), (3, 10)]
+    fixed = study_cells(load_study(write_study(tmp_path, seeds=[0, 3], data_order="fixed")), StudyDir(tmp_path / "out"))
+    assert {c.config.data.seed for c in fixed} == {7}
 
 
 def test_cells_run_seed_by_seed_and_the_hash_covers_what_they_compute(corpus, tmp_path):
@@ -97,6 +144,9 @@ BAD_STUDIES = [
     ({"lrs": [{"name": "normal", "lr": -1.0}]}, ["lrs[0].lr: must be a positive finite number"]),
     ({"lrs": [{"name": "normal", "lr": float("inf")}]}, ["lrs[0].lr: must be a positive finite number, got inf"]),
     ({"lrs": []}, ["lrs: must list at least one learning-rate setting"]),
+    ({"val_tokens": 100}, ["val_tokens: the study states 100 validation tokens but its base config evaluates 1 "
+                           "batches x 2 sequences x 16 tokens = 32"]),
+    ({"data_order": "shuffled"}, ["data_order: must be one of seed, fixed"]),
     ({"tokens": 1000}, [f"tokens: the study states 1000 tokens but its base config trains 6 steps x 2 sequences x 16 "
                         f"tokens = {TOKENS}"]),
     ({"drills": [{"variant": "gemma3", "stability": DIVERGING}]}, ["drills[0].variant: 'gemma3' is not one of the study's"]),

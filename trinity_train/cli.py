@@ -152,8 +152,8 @@ def cmd_ablate(args: argparse.Namespace) -> int:
     from trinity_train.study.command import run_ablate
 
     command = f"trinity-train ablate --study {args.study}" + (f" --out {args.out}" if args.out else "") + (
-        f" --nproc {args.nproc}" if args.nproc != 1 else "")
-    return run_ablate(args.study, args.out, args.nproc, command)
+        f" --nproc {args.nproc}" if args.nproc != 1 else "") + (" --allow-dirty" if args.allow_dirty else "")
+    return run_ablate(args.study, args.out, args.nproc, command, allow_dirty=args.allow_dirty)
 
 
 def _add_ablate(sub) -> None:
@@ -166,6 +166,9 @@ def _add_ablate(sub) -> None:
     ablate.add_argument("--out", help="output directory (default: runs/studies/<study name>)")
     ablate.add_argument("--nproc", type=int, default=1,
                         help="processes per cell: >1 runs each cell as its own torchrun job (launch/local.sh N)")
+    ablate.add_argument("--allow-dirty", action="store_true",
+                        help="run even though the code's working tree has uncommitted changes (or is no git "
+                             "checkout); summary.json records it, and the commit it cannot vouch for")
 
 
 def _add_dashboard(sub) -> None:

@@ -179,6 +179,9 @@ class FaultConfig:
 
 @dataclass
 class StabilityConfig:
+    mode: str = "act"  # "act": the guard skips, rolls back and halts; "observe": it judges every step
+    #                    the same way and records what it would have done (`guard_observed` events),
+    #                    but every step is applied (training as with the guard off)
     skip_nonfinite: bool = True  # a step with a non-finite loss or gradient norm is not applied
     spike_zscore: float = 6.0  # >0: skip a step whose loss or gradient norm lies this many sigma
     #                            above its window (robust z on log values); 0 disables
@@ -546,7 +549,11 @@ def _validate_checkpoint(c: CheckpointConfig) -> None:
     require(c.max_failed_saves >= 1, "checkpoint.max_failed_saves", "must be >= 1 (1: the first failed save stops the run)")
 
 
+STABILITY_MODES = ("act", "observe")
+
+
 def _validate_stability(s: StabilityConfig) -> None:
+    require(s.mode in STABILITY_MODES, "stability.mode", f"must be one of {', '.join(STABILITY_MODES)}, got {s.mode!r}")
     require(s.spike_zscore >= 0, "stability.spike_zscore", "must be >= 0 (0 disables)")
     require(s.incident_zscore >= 0, "stability.incident_zscore", "must be >= 0 (0: only skips open incidents)")
     require(s.spike_zscore == 0 or s.incident_zscore <= s.spike_zscore, "stability.incident_zscore",

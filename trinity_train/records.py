@@ -35,6 +35,7 @@ class EventName(StrEnum):
     INCIDENT_CLOSE = "incident_close"
     ROUTING_COLLAPSE = "routing_collapse"
     SKIP = "skip"
+    GUARD_OBSERVED = "guard_observed"
     ROLLBACK = "rollback"
     ROLLBACK_UNAVAILABLE = "rollback_unavailable"
     LR_BACKOFF = "lr_backoff"
@@ -126,6 +127,7 @@ EVENTS: dict[EventName, Shape] = {
     EventName.INCIDENT_CLOSE: _shape("iter onset_iter calm_steps"),
     EventName.ROUTING_COLLAPSE: _shape("iter step layer max_load dead_experts"),
     EventName.SKIP: _shape("iter step batch reason loss grad_norm loss_z grad_norm_z incident"),
+    EventName.GUARD_OBSERVED: _shape("iter step action reason loss grad_norm loss_z grad_norm_z onset_iter"),
     EventName.ROLLBACK: _shape("iter from_step to_step to_iter checkpoint skipped_batches rollbacks onset_iter "
                                "repeat lr_scale discarded_checkpoints incident"),
     EventName.ROLLBACK_UNAVAILABLE: _shape("iter step reason"),
@@ -152,8 +154,8 @@ RECORDS: dict[RecordKind, Shape] = {
 
 TIMELINE: dict[TimelineKind, Shape] = {
     TimelineKind.ATTEMPT: _shape("host pid process_start start iter step devices restart"),
-    TimelineKind.ITERATION: _shape("iter step batch skipped start end phases rollback_to_iter",
-                                   optional="rollback_to_iter"),
+    TimelineKind.ITERATION: _shape("iter step batch skipped start end phases rollback_to_iter failed",
+                                   optional="rollback_to_iter failed"),
     TimelineKind.SPAN: _shape("phase iter start end"),
     TimelineKind.END: _shape("iter step end status"),
 }

@@ -236,6 +236,7 @@ class Trainer:
         self._started = 0.0
         self._batch_index = -1  # of the latest iteration
         self._skipped = False  # the latest iteration's step was refused
+        self._stepped = False  # the latest iteration's step is complete (trained or refused, recorded)
         self._failed_saves = 0  # in a row
 
     def add_callback(self, callback: TrainerCallback) -> None:
@@ -384,11 +385,11 @@ class Trainer:
         """Draw the next global batch and train on it (or skip it, or roll back), then validate
         and checkpoint when due. Between `start()` and `finish()`."""
         self.timeline.iteration_begun()
-        self._skipped = False
+        self._skipped, self._stepped = False, False
         try:
             self._iterate()
         finally:  # an iteration that raised (a crash, a halt) is time spent too
-            self.timeline.iteration_done(self, self._batch_index, skipped=self._skipped)
+            self.timeline.iteration_done(self, self._batch_index, skipped=self._skipped, failed=not self._stepped)
 
     def _iterate(self) -> None:
         if self.checkpoints.pending:
@@ -414,6 +415,7 @@ class Trainer:
             record = step_record(result, self.state, batch.index, self.throughput.of(result.tokens, elapsed))
             self.recovery.after_step(result, record, batch.index, self.recorder)
             self.callbacks.after_step(self, result, record)
+        self._stepped = True  # its record is written: whatever follows, the step happened
         self.summary.last_loss = result.loss
         if applied:
             self._after_applied_step()

@@ -11,8 +11,8 @@ category:
 - `rollback`: restoring a checkpoint to roll back;
 - `validation`, `statistics` (gathering the ranks' statistics), `data` (waiting for batches);
 - `shutdown`: the end of an attempt (the last save's wait, closing the records);
-- `lost`: between attempts — what a failed attempt did after its last record, the failure's
-  detection and the restart up to the next attempt's process start.
+- `lost`: to failures — the iteration a failure interrupted, what a failed attempt did after its
+  last record, the failure's detection and the restart up to the next attempt's process start.
 
 A step's time is its iteration's less the phases inside it that have their own category (a
 validation or a save after a step is not step time). An attempt's records are contiguous, so the
@@ -54,16 +54,19 @@ class Attempt:
     end: float  # its last record's end
     status: str | None  # its `end` record's status; None when it was killed
     seconds: dict[str, float] = field(default_factory=_zero)
+    lost_before: float = 0.0  # from the previous attempt's last record to this one's start (in `lost`)
     steps: dict[str, int] = field(default_factory=lambda: {"productive": 0, "undone": 0, "skipped": 0})
 
     @property
     def wall(self) -> float:
+        """From its start to its last record (its categories are this and `lost_before`)."""
         return self.end - self.process_start
 
     def to_dict(self) -> dict:
         return {"attempt": self.index, "host": self.host, "pid": self.pid, "process_start": self.process_start,
                 "start_iter": self.start_iter, "devices": self.devices, "end": self.end, "status": self.status,
-                "wall_s": self.wall, "seconds": dict(self.seconds), "steps": dict(self.steps)}
+                "wall_s": self.wall, "lost_before_s": self.lost_before, "seconds": dict(self.seconds),
+                "steps": dict(self.steps)}
 
 
 @dataclass
@@ -120,12 +123,17 @@ def account(run_dir: str | Path) -> GoodputAccount | None:
             attempt = Attempt(len(attempts), record["host"], record["pid"], began, record["iter"], record["devices"],
                               end=record["start"], status=None)
             if attempts:  # what a failed attempt did after its last record, and the restart
-                attempt.seconds["lost"] = began - attempts[-1].end
+                attempt.lost_before = began - attempts[-1].end
+                attempt.seconds["lost"] = attempt.lost_before
             attempt.seconds["startup"] = record["start"] - began
             attempts.append(attempt)
             _undo_after(steps, record["iter"])  # a resume goes back to its checkpoint
         elif not attempts:
             continue  # a torn beginning: nothing to attribute it to
+        elif kind == TimelineKind.ITERATION and record.get("failed"):
+            attempt = attempts[-1]  # its step never completed: lost, like the restart after it
+            attempt.seconds["lost"] += record["end"] - record["start"]
+            attempt.end = record["end"]
         elif kind == TimelineKind.ITERATION:
             attempt = attempts[-1]
             phases = record["phases"]

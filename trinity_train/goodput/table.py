@@ -8,7 +8,7 @@ from trinity_train.goodput.account import CATEGORIES, GoodputAccount
 LABELS = {
     "startup": "start-up", "productive": "steps kept", "undone": "steps undone", "skipped": "steps skipped",
     "checkpoint": "checkpoint saves", "rollback": "rollback restores", "validation": "validation",
-    "statistics": "rank statistics", "data": "data waits", "shutdown": "shutdown", "lost": "lost between attempts",
+    "statistics": "rank statistics", "data": "data waits", "shutdown": "shutdown", "lost": "lost to failures",
 }
 
 

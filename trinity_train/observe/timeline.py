@@ -26,14 +26,15 @@ RESTART_ENV = "TORCHELASTIC_RESTART_COUNT"
 
 
 def process_start_time() -> float:
-    """When this process started (Unix seconds), from /proc; now where /proc is absent."""
+    """When this process started (Unix seconds, to the kernel's clock tick), from /proc: its start
+    in ticks since boot, against the boot clock now (btime in /proc/stat is whole seconds: too
+    coarse to order a restarted worker after the one it replaced); now where /proc is absent."""
     try:
         with open("/proc/self/stat", encoding="ascii") as f:
             ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22: start time since boot
-        with open("/proc/stat", encoding="ascii") as f:
-            boot = next(int(line.split()[1]) for line in f if line.startswith("btime "))
-        return boot + ticks / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError, StopIteration):
+        since_boot = time.clock_gettime(time.CLOCK_BOOTTIME)
+        return time.time() - (since_boot - ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError, AttributeError):
         return time.time()
 
 
@@ -78,7 +79,9 @@ class TimelineWriter(TrainerCallback):
     def on_rollback(self, trainer, event) -> None:
         self.rollback_to_iter = event["to_iter"]
 
-    def iteration_done(self, trainer, batch_index: int, skipped: bool) -> None:
+    def iteration_done(self, trainer, batch_index: int, skipped: bool, failed: bool) -> None:
+        """The iteration ended: its step `skipped`, or `failed` (it raised before its step was
+        complete: a lost peer, a crash)."""
         self.in_iteration = False
         if self.file is None:
             return
@@ -86,7 +89,7 @@ class TimelineWriter(TrainerCallback):
         self.file.write(timeline_record(
             TimelineKind.ITERATION, iter=trainer.state.iteration, step=trainer.state.step, batch=batch_index,
             skipped=skipped, start=self.boundary, end=end, phases=dict(self.phases),
-            rollback_to_iter=self.rollback_to_iter))
+            rollback_to_iter=self.rollback_to_iter, failed=True if failed else None))
         self.boundary = end
         self.phases.clear()
         self.rollback_to_iter = None

@@ -29,12 +29,20 @@ communication.
   incident); `max_consecutive_skips` in a row halt the run. Since `rollback_after` is below
   `max_consecutive_skips` (config validation), every halt for skips is preceded by rollback
   requests, which the trainer answers whenever a checkpoint from before the onset exists.
+- `mode = "observe"`: the guard judges every step exactly as above (its windows, incidents and
+  streaks follow the same signals the same way) but every verdict it returns applies the step;
+  a step it would have refused carries the acting verdict in `observed` and a `guard_observed`
+  event (`action`: skip, rollback or halt) instead. Training is then what it is with the guard
+  off, and the events say what the guard would have done: for a study that counts spikes without
+  its recovery changing what follows, or for a user who wants to see the verdicts before trusting
+  them. (It judges the timeline that actually trains: after a would-be rollback nothing is
+  restored, so the streak goes on, and a would-be halt is followed by more.)
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from trinity_train import exit_codes
 from trinity_train.config import StabilityConfig
@@ -77,6 +85,13 @@ class Verdict:
     onset_step: int | None = None
     events: tuple[dict, ...] = field(default=(), compare=False)  # incident_open/close, routing_collapse
     halt: str = ""  # why this skip ends the run (`max_consecutive_skips`), once it is recorded
+    observed: "Verdict | None" = field(default=None, compare=False)  # observe mode: the refusal it
+    #                                                                  would have made (applied anyway)
+
+    @property
+    def action(self) -> str:
+        """What the verdict does: "apply", "skip", "rollback" or "halt"."""
+        return "apply" if self.apply else "halt" if self.halt else "rollback" if self.rollback else "skip"
 
 
 def _at_least(z: float | None, threshold: float) -> bool:
@@ -136,6 +151,19 @@ class StepGuard:
 
     def judge(self, loss: float, grad_norm: float, iteration: int, steps_applied: int,
               tokens_per_expert=None) -> Verdict:
+        """The verdict for one step (`_acting_verdict`); in observe mode a refusal is turned into
+        an applied step that carries it (`observed`) and says so in a `guard_observed` event."""
+        verdict = self._acting_verdict(loss, grad_norm, iteration, steps_applied, tokens_per_expert)
+        if verdict.apply or self.cfg.mode != "observe":
+            return verdict
+        observed = event(EventName.GUARD_OBSERVED, iter=iteration, step=steps_applied, action=verdict.action,
+                         reason=verdict.reason, loss=loss, grad_norm=grad_norm, loss_z=verdict.loss_z,
+                         grad_norm_z=verdict.grad_norm_z, onset_iter=verdict.onset_iter)
+        return replace(verdict, apply=True, reason="", rollback=False, halt="", events=verdict.events + (observed,),
+                       observed=verdict)
+
+    def _acting_verdict(self, loss: float, grad_norm: float, iteration: int, steps_applied: int,
+                        tokens_per_expert=None) -> Verdict:
         """The verdict for one step (`steps_applied` optimizer steps came before it;
         `tokens_per_expert` [MoE layers, experts], global, or None to not judge routing). The
         `max_consecutive_skips`-th skip in a row carries `halt`, the reason the run stops: the

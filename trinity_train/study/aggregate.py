@@ -38,7 +38,8 @@ STABILITY = (
     Headline("skipped_steps", "skipped", _at(("skipped_steps",)), "{:.1f}"),
     Headline("rollbacks", "rollbacks", _at(("rollbacks",)), "{:.1f}"),
     Headline("nonfinite_steps", "non-finite", _at(("nonfinite_steps",)), "{:.1f}"),
-    Headline("max_loss_jump", "max loss jump", _at(("max_loss_jump",)), "{:.2f}"),
+    Headline("observed_spikes", "spikes (observed)", _at(("observed_spikes",)), "{:.1f}"),
+    Headline("observed_rollbacks", "would-be rollbacks", _at(("observed_rollbacks",)), "{:.1f}"),
     Headline("clipped_fraction", "clipped", _at(("clipped_fraction",)), "{:.0%}"),
     Headline("max_grad_norm", "max grad norm", _at(("max_grad_norm",)), "{:.3g}"),
 )
@@ -46,6 +47,8 @@ DEPTH = (
     Headline("grad_spread_10", "grad max/min @10%", _at(("layers", "10%", "spread")), "{:.2f}"),
     Headline("grad_spread_100", "grad max/min @100%", _at(("layers", "100%", "spread")), "{:.2f}"),
     Headline("grad_log_slope_100", "grad ln-slope @100%", _at(("layers", "100%", "log_slope")), "{:+.3f}"),
+    Headline("residual_first_100", "residual RMS after block 0", _at(("layers", "100%", "residual_first")), "{:.3g}"),
+    Headline("residual_last_100", "residual RMS after last block", _at(("layers", "100%", "residual_last")), "{:.3g}"),
     Headline("residual_ratio_100", "residual RMS last/first", _at(("layers", "100%", "residual_ratio")), "{:.2f}"),
     Headline("max_kurtosis_100", "max kurtosis", _at(("layers", "100%", "max_kurtosis")), "{:.1f}"),
     Headline("max_over_median_100", "max |a|/median", _at(("layers", "100%", "max_over_median")), "{:.1f}"),

@@ -1,6 +1,7 @@
 """The cells of a study: one training run per (learning-rate setting, seed, variant), each the
-base config with only `model.block`, `train.seed` and the learning rates changed (and, for a
-drilled cell, its drill's `stability` settings).
+base config with only `model.block`, `train.seed`, `data.seed` (the base's + the seed, unless the
+study's `data_order` is "fixed") and the learning rates changed (and, for a drilled cell, its
+drill's `stability` settings).
 
 Every cell's config is resolved and validated here, before anything runs, and the resolved
 configs are what the study's config hash covers: two studies with the same hash train the same
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import tomllib
 from dataclasses import dataclass
 
 from trinity_train.config import (Config, config_differences, config_to_dict, describe_differences,
@@ -83,6 +85,46 @@ def _check_budget(study: Study, cfg: Config, nproc: int) -> None:
                          f"state that (tokens = {tokens}) or change the base config")
 
 
+def _check_validation(study: Study, cfg: Config, nproc: int) -> None:
+    if study.val_tokens is None:
+        return
+    tokens = cfg.train.eval_batches * global_batch(cfg, nproc) * cfg.data.seq_len
+    if tokens != study.val_tokens:
+        raise StudyError(f"{study.path}: val_tokens: the study states {study.val_tokens} validation tokens but its base "
+                         f"config evaluates {cfg.train.eval_batches} batches x {global_batch(cfg, nproc)} sequences x "
+                         f"{cfg.data.seq_len} tokens = {tokens}; state that or change train.eval_batches")
+
+
+def _leaves(table: dict, prefix: str = "") -> set[str]:
+    keys = set()
+    for key, value in table.items():
+        if isinstance(value, dict):
+            keys |= _leaves(value, f"{prefix}{key}.")
+        else:
+            keys.add(f"{prefix}{key}")
+    return keys
+
+
+def check_pinned(study: Study) -> None:
+    """With `pinned = true`: the base file itself sets every key of the config (no `base =` chain),
+    so the study's cells do not move when a default does."""
+    if not study.pinned:
+        return
+    try:
+        raw = tomllib.loads(study.base.read_text(encoding="utf-8"))
+    except (OSError, tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        raise StudyError(f"{study.path}: base config: {e}") from None
+    if "base" in raw:
+        raise StudyError(f"{study.base}: base: a pinned study's base states every setting itself (pinned = true in "
+                         f"{study.path}); write out the settings of '{raw['base']}' instead of naming it")
+    missing = sorted(_leaves(config_to_dict(Config())) - _leaves(raw))
+    if missing:
+        shown = ", ".join(missing[:6]) + (f" and {len(missing) - 6} more" if len(missing) > 6 else "")
+        raise StudyError(f"{study.base}: does not pin {shown} (pinned = true in {study.path}): its value would "
+                         f"come from the code's default, which can change without the study's files; set it in the "
+                         f"base config (a run's config.toml lists every key with the value it ran with)")
+
+
 def study_cells(study: Study, out: StudyDir, nproc: int = 1) -> list[Cell]:
     """Every cell, in running order: the learning-rate settings in turn, within one every seed, and
     within a seed every variant, so that a study stopped early has compared all variants at least
@@ -91,6 +133,7 @@ def study_cells(study: Study, out: StudyDir, nproc: int = 1) -> list[Cell]:
         base = load_config(study.base)
     except ConfigError as e:
         raise StudyError(f"{study.path}: base config: {e}") from None
+    check_pinned(study)
     if nproc % base.parallel.tp:  # also nproc < tp: a cell runs on --nproc ranks
         raise StudyError(f"--nproc {nproc}: the base config's parallel.tp={base.parallel.tp} must divide it")
     cells = []
@@ -100,7 +143,9 @@ def study_cells(study: Study, out: StudyDir, nproc: int = 1) -> list[Cell]:
                 if not setting.applies_to(variant):
                     continue
                 name = cell_name(variant, setting.name, seed)
-                table: dict = {"model": {"block": variant}, "train": {"seed": seed}, "optim": _lr_overrides(setting),
+                data_seed = base.data.seed + seed if study.data_order == "seed" else base.data.seed
+                table: dict = {"model": {"block": variant}, "train": {"seed": seed}, "data": {"seed": data_seed},
+                               "optim": _lr_overrides(setting),
                                "checkpoint": {"resume": "auto"},  # an interrupted cell goes on from its checkpoint
                                "run": {"dir": str(out.cell(name).path), "name": name}}
                 if nproc > 1:
@@ -113,6 +158,7 @@ def study_cells(study: Study, out: StudyDir, nproc: int = 1) -> list[Cell]:
                 except ConfigError as e:
                     raise StudyError(f"{study.path}: cell {name}: {e}") from None
                 _check_budget(study, cfg, nproc)
+                _check_validation(study, cfg, nproc)
                 cells.append(Cell(name, variant, setting.name, seed, bool(drills), cfg))
     for i, drill in enumerate(study.drills):
         if not any(drill.selects(c.variant, c.lr, c.seed) for c in cells):
@@ -138,6 +184,11 @@ def _comparable(cfg: Config) -> dict:
     table = config_to_dict(cfg)
     del table["run"]["dir"]
     return table
+
+
+def cell_hash(cell: Cell) -> str:
+    """sha256 of one cell's resolved config (less where its directory is)."""
+    return hashlib.sha256(json.dumps(_comparable(cell.config), sort_keys=True).encode()).hexdigest()
 
 
 def study_hash(cells: list[Cell]) -> str:

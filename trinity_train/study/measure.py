@@ -2,12 +2,18 @@
 
 Loss and stability, from the `train`, `val` records and the events:
 - `val`: the validation curve of the run's main line (`step`, `tokens` seen, `val_loss`), and
-  `val_loss_at`: the loss at 50 % and 100 % of the steps (the last validation at or before it),
-  so cells compare at matched token counts (every cell trains the same tokens per step);
+  `val_loss_at`: the loss at exactly 50 % and 100 % of the steps (None where no validation ran at
+  that step: `train.eval_every` must divide it), so cells compare at matched token counts (every
+  cell trains the same tokens per step);
 - `skipped_steps`, `nonfinite_steps` (loss or gradient norm not finite), `rollbacks` (from the
   train records and the rollback events; a halt after too many skips in a row leaves its last
   step without a train record, the `halt` event says why);
-- `max_loss_jump`: the largest rise of the train loss from one iteration to the next;
+- `observed_spikes`, `observed_rollbacks`: with the guard in observe mode (`stability.mode`), the
+  steps it would have refused (its `guard_observed` events) and the incidents in which it would
+  have rolled back or halted: spikes counted without a recovery changing what follows (None
+  when the guard acted);
+- `max_loss_jump` (and `max_loss_jump_batch`, the batch it came on): the largest rise of the train
+  loss from one iteration to the next;
 - `clipped_fraction`: applied steps whose pre-clip gradient norm exceeded `train.grad_clip`;
 - `max_grad_norm`; `tokens_per_s` (median, past the first iterations); `moe_max_load` (the worst
   layer's busiest expert over the mean, averaged over the second half of training).
@@ -16,7 +22,8 @@ Depth profile, from the `layers` records (`metrics.layer_stats_every`), at 10, 5
 the steps: per layer the gradient norm (attention, FFN, and both together) with its spread across
 depth (`spread`: max/min over layers; `log_slope`: least-squares slope of ln(norm) against the
 layer index: negative when early layers get the larger gradients), the residual-stream RMS after
-each block (`residual_ratio`: last over first), the learned post-norm gains, and each block
+each block (absolute: `residual_first`, `residual_last`, after block 0 and after the last;
+`residual_ratio`: last over first), the learned post-norm gains, and each block
 output's excess kurtosis and max|a|/median|a|. Records of skipped steps are left out: a spike's
 gradients are not the profile of the training.
 
@@ -105,6 +112,8 @@ def _depth_profile(record: dict) -> dict:
         "spread": spread(both), "log_slope": log_slope(both),
         "spread_attn": spread(attn), "spread_ffn": spread(ffn),
         "residual_rms": residual, "residual_ratio": _ratio_last_first(residual),
+        "residual_first": residual[0] if residual and _finite(residual[0]) else None,
+        "residual_last": residual[-1] if residual and _finite(residual[-1]) else None,
         "post_norm_gain": {"attn": gains.get("attn_post_norm"), "ffn": gains.get("mlp_post_norm")},
         "act_kurtosis": record.get("act_kurtosis"), "act_max_over_median": record.get("act_max_over_median"),
         "max_kurtosis": _max_of(record.get("act_kurtosis")),
@@ -112,10 +121,21 @@ def _depth_profile(record: dict) -> dict:
     }
 
 
-def _loss_jump(train: list[dict]) -> float | None:
-    losses = [r.get("loss") for r in sorted(train, key=lambda r: r["iter"])]
-    jumps = [b - a for a, b in zip(losses, losses[1:]) if _finite(a) and _finite(b)]
-    return max(0.0, max(jumps)) if jumps else None
+def _loss_jump(train: list[dict]) -> tuple[float | None, int | None]:
+    """The largest rise of the train loss from one iteration to the next, and the batch it came on."""
+    ordered = sorted(train, key=lambda r: r["iter"])
+    jumps = [(b.get("loss") - a.get("loss"), b.get("batch")) for a, b in zip(ordered, ordered[1:])
+             if _finite(a.get("loss")) and _finite(b.get("loss"))]
+    if not jumps:
+        return None, None
+    jump, batch = max(jumps, key=lambda j: j[0])
+    return (jump, batch) if jump > 0 else (0.0, None)
+
+
+def _observed(events: list[dict]) -> tuple[int, int]:
+    """(steps the observing guard would have refused, incidents it would have rolled back or halted)."""
+    seen = named(events, EventName.GUARD_OBSERVED)
+    return len(seen), len({e.get("onset_iter") for e in seen if e.get("action") in ("rollback", "halt")})
 
 
 def _val_curve(val: list[dict], tokens_at: dict[int, int]) -> list[dict]:
@@ -156,9 +176,7 @@ def measure_cell(run: RunDir, cfg: Config) -> dict:
     curve = _val_curve(_main_line([r for r in records if r.get("kind") == RecordKind.VAL], ranges), tokens_at)
     val_at = {}
     for label, fraction in VAL_POINTS.items():
-        point = _record_near(curve, fraction * steps, tolerance=0.1 * steps) if curve else None
-        reached = curve and curve[-1]["step"] >= round(fraction * steps)
-        val_at[label] = point if reached else None
+        val_at[label] = next((p for p in curve if p["step"] == round(fraction * steps)), None)
 
     skipped = {r["iter"] for r in train if r.get("skipped")}  # a spike's gradients are no depth profile
     layers = sorted(_main_line([r for r in records if r.get("kind") == RecordKind.LAYERS and isinstance(r.get("iter"), int)
@@ -174,6 +192,8 @@ def measure_cell(run: RunDir, cfg: Config) -> dict:
                   and _finite(r.get("tokens_per_s"))]
     second_half = [r["moe_max_load"] for r in main_train if not r.get("skipped") and _finite(r.get("moe_max_load"))
                    and isinstance(r.get("step"), int) and r["step"] > steps / 2]
+    jump, jump_batch = _loss_jump(train)
+    observed_spikes, observed_rollbacks = _observed(events) if cfg.stability.mode == "observe" else (None, None)
     return json_safe({
         "steps": steps,
         "last_step": max((r["step"] for r in train if isinstance(r.get("step"), int)), default=0),
@@ -185,7 +205,10 @@ def measure_cell(run: RunDir, cfg: Config) -> dict:
         "rollbacks": len(named(events, EventName.ROLLBACK)),
         "halt": next(({k: e.get(k) for k in ("iter", "step", "reason")}
                       for e in reversed(named(events, EventName.HALT))), None),
-        "max_loss_jump": _loss_jump(train),
+        "observed_spikes": observed_spikes,
+        "observed_rollbacks": observed_rollbacks,
+        "max_loss_jump": jump,
+        "max_loss_jump_batch": jump_batch,
         "clipped_fraction": (sum(1 for g in clip_norms if g > clip) / len(clip_norms)) if clip > 0 and clip_norms else None,
         "max_grad_norm": _max_of(grad_norms),
         "tokens_per_s": statistics.median(throughput) if throughput else None,

@@ -7,11 +7,12 @@ from __future__ import annotations
 from pathlib import Path
 
 from trinity_train.files import atomic_write_json, atomic_write_text, json_safe
-from trinity_train.study import aggregate, table
-from trinity_train.study.cells import Cell, global_batch
+from trinity_train.study import aggregate, compare, table
+from trinity_train.study.cells import Cell, cell_hash, global_batch
 from trinity_train.study.layout import StudyDir
 from trinity_train.study.measure import measure_cell
-from trinity_train.study.spec import Study
+from trinity_train.study.provenance import GitState, provenance
+from trinity_train.study.spec import Study, StudyError
 from trinity_train.study.state import FAILED, PENDING, StudyState, run_outcome
 
 
@@ -34,24 +35,54 @@ def cell_summary(cell: Cell, out: StudyDir, state: StudyState) -> dict:
     return {"name": cell.name, "variant": cell.variant, "lr": cell.lr, "seed": cell.seed, "drilled": cell.drilled,
             "status": status, "reason": outcome.reason if outcome else record["reason"],
             "exit_code": record["exit_code"], "attempts": record["attempts"], "wall_s": record["wall_s"],
+            "commits": record["commits"], "dirty": record["dirty"], "config_sha256": record["config_sha256"],
             "last_step": measures["last_step"] if measures else None,
             "headline": aggregate.headline_values(measures), "measures": measures}
 
 
+def check_one_code(cells: list[Cell], out: StudyDir, state: StudyState) -> None:
+    """Refuse to aggregate cells that ran at different commits of the code (an unrecorded commit,
+    a study of before provenance, counts as one of its own) or with another config than the cell's
+    now: a report's numbers must come from one code and one study."""
+    by_commit: dict[str, list[str]] = {}
+    for cell in cells:
+        if not out.cell(cell.name).metrics.is_file():
+            continue
+        record = state.cell(cell.name)
+        for commit in record["commits"] or ["unrecorded"]:
+            by_commit.setdefault(commit, []).append(cell.name)
+        if record["config_sha256"] not in (None, cell_hash(cell)):
+            raise StudyError(f"{out.cell(cell.name).path} ran with another config than the study's cell now (config "
+                             f"hash {record['config_sha256'][:12]}, now {cell_hash(cell)[:12]}): delete that directory "
+                             f"to run the cell again, or write the study to another --out")
+    if len(by_commit) > 1:
+        listed = "; ".join(f"{commit[:12]}: {', '.join(names[:3])}{' ...' if len(names) > 3 else ''}"
+                           for commit, names in by_commit.items())
+        raise StudyError(f"{out.path}: the cells ran at {len(by_commit)} commits of the code ({listed}), and a "
+                         f"report must come from one: run the study again into another --out from one clean commit")
+
+
 def build_summary(study: Study, cells: list[Cell], config_hash: str, out: StudyDir, state: StudyState,
-                  run: dict, nproc: int) -> dict:
+                  run: dict, nproc: int, git: GitState | None = None, allow_dirty: bool = False) -> dict:
+    check_one_code(cells, out, state)
     summaries = [cell_summary(cell, out, state) for cell in cells]
     first = cells[0].config
     return {
+        "provenance": provenance(git or GitState(None), allow_dirty, first, config_hash),
         "study": {"name": study.name, "file": str(study.path), "base": _shown(study.base), "config_hash": config_hash,
                   "variants": list(study.variants), "seeds": list(study.seeds),
                   "lrs": [lr.as_dict() for lr in study.lrs], "drills": [d.as_dict() for d in study.drills],
                   "budget": {"steps": first.train.steps, "global_batch": global_batch(first, nproc),
-                             "seq_len": first.data.seq_len, "tokens": study.tokens, "data_seed": first.data.seed}},
+                             "seq_len": first.data.seq_len, "tokens": study.tokens,
+                             "val_tokens": first.train.eval_batches * global_batch(first, nproc) * first.data.seq_len,
+                             "eval_every": first.train.eval_every, "data_order": study.data_order,
+                             "data_seed": first.data.seed - (study.seeds[0] if study.data_order == "seed" else 0),
+                             "guard_mode": first.stability.mode}},
         "run": {**run, "nproc": nproc, "cells_wall_s": sum(c["wall_s"] for c in summaries)},
         "status": aggregate.status_counts(summaries),
         "cells": summaries,
         "groups": aggregate.groups(summaries),
+        "comparisons": compare.comparisons(summaries, list(study.variants), [lr.name for lr in study.lrs]),
     }
 
 

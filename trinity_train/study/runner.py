@@ -18,7 +18,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 from trinity_train import exit_codes
 from trinity_train.config import save_config
@@ -143,7 +143,12 @@ def _drop_checkpoints(cell: Cell, out: StudyDir) -> None:
 
 
 def run_cells(cells: list[Cell], out: StudyDir, state: StudyState, *, nproc: int = 1, keep_checkpoints: bool = False,
-              say: Callable[[str], None]) -> list[CellResult]:
+              say: Callable[[str], None], code: Callable[[], Any] | None = None,
+              hashes: dict[str, str] | None = None) -> list[CellResult]:
+    """Run the cells not done. `code()`, called before each cell that trains, returns the code's
+    `provenance.GitState` (its commit and dirty flag go into the state file with the attempt) or
+    raises StudyError when the code changed since the study started; `hashes`: each cell's
+    config hash, recorded with it."""
     results = []
     width = len(str(len(cells)))
     for number, cell in enumerate(cells, 1):
@@ -155,12 +160,15 @@ def run_cells(cells: list[Cell], out: StudyDir, state: StudyState, *, nproc: int
             say(f"{prefix} {done.status} before, not run again")
             results.append(CellResult(cell, done.status, ran=False, reason=done.reason))
         else:
+            git = code() if code else None
+            state.attempt(cell.name, commit=git.commit if git else None, dirty=git.dirty if git else None,
+                          config_sha256=(hashes or {}).get(cell.name))
             say(f"{prefix} training (console: {out.cell_log(cell.name)})")
-            code, wall, error = run_one(cell, out, nproc)
-            status, reason = _settle(cell, out, code, error)
-            state.record(cell.name, status, exit_code=code, wall_s=wall, reason=reason)
+            exit_code, wall, error = run_one(cell, out, nproc)
+            status, reason = _settle(cell, out, exit_code, error)
+            state.record(cell.name, status, exit_code=exit_code, wall_s=wall, reason=reason)
             say(f"{prefix} {status} in {wall:.0f} s{_detail(cell, out, reason)}")
-            results.append(CellResult(cell, status, ran=True, wall_s=wall, exit_code=code, reason=reason))
+            results.append(CellResult(cell, status, ran=True, wall_s=wall, exit_code=exit_code, reason=reason))
         if results[-1].status in DONE and not keep_checkpoints:
             _drop_checkpoints(cell, out)
     return results

@@ -2,16 +2,25 @@
 before anything runs.
 
 A study is a base config and a grid: every variant (`model.block`) x every learning-rate setting
-x every seed (`train.seed`, the initialisation; the data order, `data.seed`, stays the base's, so
-every cell trains on the same batches). `tokens` states the budget, steps x global batch x
-seq_len, and must equal what the base trains. `drills` rehearse a diverging cell: they add
-`stability` settings (e.g. a `stability.inject` fault) to the cells they select.
+x every seed. A seed sets the initialisation (`train.seed`) and, with `data_order = "seed"` (the
+default), the data order too (`data.seed` = the base's + the seed), so the spread over seeds is
+the run-to-run spread; the cells of one seed share both, so variants and learning rates compare
+seed by seed (paired). `data_order = "fixed"` keeps the base's `data.seed` in every cell (v1).
+`tokens` states the budget, steps x global batch x seq_len, and must equal what the base trains;
+`val_tokens` (optional) states the validation set, eval_batches x global batch x seq_len, checked
+the same way. `pinned = true` makes the base config state every setting itself (no `base =`
+chain, no key left to the code's defaults), so a default changed in the code or in another config
+file cannot change the study without its file changing: a key it leaves out is refused, by name.
+`drills` rehearse a diverging cell: they add `stability` settings (e.g. a `stability.inject` fault)
+to the cells they select.
 
     name = "norm_placement"
     base = "norm_placement_base.toml"           # relative to the study file
     variants = ["prenorm", "sandwich", "trinity", "gemma3", "normformer"]
-    seeds = [0, 1, 2]
+    seeds = [0, 1, 2]                           # train.seed, and data.seed = base + seed
     tokens = 51200                              # 100 steps x 4 sequences x 128 tokens
+    val_tokens = 32768                          # optional: 64 eval_batches x 4 x 128
+    pinned = true                               # optional: the base states every setting
 
     [[lrs]]
     name = "normal"
@@ -83,9 +92,14 @@ class Study:
     tokens: int
     keep_checkpoints: bool  # False: a cell's checkpoints are deleted once it is done (the report needs none)
     drills: tuple[Drill, ...]
+    data_order: str = "seed"  # "seed": data.seed = base + seed; "fixed": the base's data.seed in every cell
+    val_tokens: int | None = None  # the validation set the base must evaluate (None: not checked)
+    pinned: bool = False  # the base states every setting itself (cells.check_pinned)
 
 
-STUDY_KEYS = ("name", "base", "variants", "seeds", "lrs", "tokens", "keep_checkpoints", "drills")
+DATA_ORDERS = ("seed", "fixed")
+STUDY_KEYS = ("name", "base", "variants", "seeds", "lrs", "tokens", "val_tokens", "data_order", "pinned",
+              "keep_checkpoints", "drills")
 LR_KEYS = ("name", "lr", "muon_lr", "variants")
 DRILL_KEYS = ("variant", "lr", "seed", "stability")
 
@@ -218,6 +232,14 @@ def load_study(path: str | Path) -> Study:
         r.fail("tokens", f"must be positive, got {tokens}")
     lrs = _read_lrs(path, r.get("lrs", list, "the learning-rate settings ([[lrs]] tables)"), variants)
     drills = _read_drills(path, r.get("drills", list, "a list of [[drills]] tables", []), variants, lrs, tuple(seeds))
+    val_tokens = r.get("val_tokens", int, "the validation tokens, eval_batches x global batch x seq_len", None)
+    if val_tokens is not None and val_tokens <= 0:
+        r.fail("val_tokens", f"must be positive, got {val_tokens}")
+    data_order = r.get("data_order", str, f"one of {', '.join(DATA_ORDERS)}", "seed")
+    if data_order not in DATA_ORDERS:
+        r.fail("data_order", f"must be one of {', '.join(DATA_ORDERS)} (\"seed\": each seed its own data order), "
+                             f"got {data_order!r}")
     keep = r.get("keep_checkpoints", bool, "true or false", False)
     return Study(path=path, name=name, base=base, variants=variants, seeds=tuple(seeds), lrs=lrs, tokens=tokens,
-                 keep_checkpoints=keep, drills=drills)
+                 keep_checkpoints=keep, drills=drills, data_order=data_order, val_tokens=val_tokens,
+                 pinned=r.get("pinned", bool, "true or false", False))

@@ -52,7 +52,9 @@ def run_outcome(run: RunDir, steps: int) -> RunOutcome | None:
 
 class StudyState:
     """`study_state.json`: per cell its `status`, `exit_code`, `attempts`, `wall_s` (all attempts
-    together), `reason` (why it failed or diverged); per invocation its command, start, wall time
+    together), `reason` (why it failed or diverged), `commits` (the code's commit of every attempt),
+    `dirty` (whether any attempt ran on a tree with uncommitted changes), `config_sha256` (its
+    config's hash, `cells.cell_hash`); per invocation its command, start, wall time
     and the machine's load average at its start and end."""
 
     def __init__(self, path):
@@ -62,12 +64,28 @@ class StudyState:
         self.invocations: list[dict] = data.get("invocations", [])
 
     def cell(self, name: str) -> dict:
-        return self.cells.get(name, {"status": PENDING, "attempts": 0, "wall_s": 0.0, "exit_code": None, "reason": ""})
+        """A cell's entry; one written before the study recorded commits (a v1 study) reads with
+        `commits` empty and `config_sha256` None: unknown, not a commit."""
+        fresh = {"status": PENDING, "attempts": 0, "wall_s": 0.0, "exit_code": None, "reason": "", "commits": [],
+                 "dirty": None, "config_sha256": None}
+        return {**fresh, **self.cells.get(name, {})}
+
+    def attempt(self, name: str, *, commit: str | None, dirty: bool | None, config_sha256: str | None) -> None:
+        """Before an attempt trains: the code and the config it runs with (every commit any attempt
+        ran at is kept, so a cell trained partly at another commit shows it, even one interrupted
+        before its end was recorded)."""
+        previous = self.cell(name)
+        commits = list(previous["commits"])
+        if commit is not None and commit not in commits:
+            commits.append(commit)
+        self.cells[name] = {**previous, "commits": commits, "dirty": previous["dirty"] or dirty,
+                            "config_sha256": config_sha256 or previous["config_sha256"], "updated": time.time()}
+        self.save()
 
     def record(self, name: str, status: str, *, exit_code: int | None, wall_s: float, reason: str = "",
                attempt: bool = True) -> None:
         previous = self.cell(name)
-        self.cells[name] = {"status": status, "exit_code": exit_code, "reason": reason,
+        self.cells[name] = {**previous, "status": status, "exit_code": exit_code, "reason": reason,
                             "attempts": previous["attempts"] + int(attempt),
                             "wall_s": previous["wall_s"] + wall_s, "updated": time.time()}
         self.save()

@@ -307,7 +307,7 @@
       const g = state.data[r.index].goodput;
       const total = { label: `${escapeHtml(r.name)} total (goodput ${(100 * g.goodput).toFixed(1)}%)`, seconds: g.seconds, wall: g.wall_s };
       return [total, ...g.attempts.map((a) => ({ label: `${escapeHtml(r.name)} #${a.attempt} ${escapeHtml(a.host)}${a.status ? "" : " (killed)"}`,
-        seconds: a.seconds, wall: a.wall_s + a.seconds.lost }))];
+        seconds: a.seconds, wall: a.wall_s + a.lost_before_s }))];
     });
     const { categories, labels } = state.data[runs[0].index].goodput;
     const traces = categories.map((c) => ({
