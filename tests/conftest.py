@@ -165,24 +165,15 @@ def merge_sections(base: dict, changes: dict) -> dict:
 def run_layouts(corpus: Path, root: Path, layouts: dict, run, common: dict | None = None) -> dict:
     """In each rank of a `ranks.RankPool` job: join the gloo group, build a Trainer for every layout
     (`layout_config` with `common` sections under the layout's) and return {layout: run(trainer)}."""
-    import functools
-
-    import torch
     import torch.distributed as dist
 
-    from ranks import init_gloo
-    from trinity_train.parallel.mesh import ParallelDims
-    from trinity_train.train import Trainer, build_model_for_training
+    from ranks import init_gloo, rank_trainer
 
     init_gloo()
-    world = dist.get_world_size()
     results = {}
     for name, changes in layouts.items():
-        cfg = layout_config(corpus, root / name, merge_sections(common or {}, changes), world)
-        dims = ParallelDims.from_config(cfg, world)
-        dims.build_mesh("cpu")
-        results[name] = run(Trainer(cfg, dims, torch.device("cpu"),
-                                    model_builder=functools.partial(build_model_for_training, dims=dims)))
+        cfg = layout_config(corpus, root / name, merge_sections(common or {}, changes), dist.get_world_size())
+        results[name] = run(rank_trainer(cfg))
     return results
 
 
@@ -199,3 +190,12 @@ def rank_pool():
     yield get
     for pool in pools.values():
         pool.close()
+
+
+@pytest.fixture(scope="module")
+def slow_rank_run(corpus, tmp_path_factory, rank_pool):
+    """A real two-rank run with a `slow_rank` drill on rank 1 (`rank_health_run.write_slow_rank_run`),
+    trained once per test module that reads it."""
+    from rank_health_run import write_slow_rank_run
+
+    return write_slow_rank_run(corpus, tmp_path_factory.mktemp("slow_rank") / "run", rank_pool)

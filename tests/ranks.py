@@ -80,6 +80,21 @@ def init_gloo() -> None:
         dist.init_process_group("gloo", timeout=COLLECTIVE_TIMEOUT)
 
 
+def rank_trainer(cfg, callbacks: list | None = None):
+    """The Trainer of `cfg` (a `config.Config`) on this rank, joined to the gloo group, its model
+    split over the ranks as the config's layout says, as `train.train` builds it."""
+    import functools
+
+    from trinity_train.parallel.mesh import ParallelDims
+    from trinity_train.train import Trainer, build_model_for_training
+
+    init_gloo()
+    dims = ParallelDims.from_config(cfg, dist.get_world_size())
+    dims.build_mesh("cpu")
+    return Trainer(cfg, dims, torch.device("cpu"), model_builder=functools.partial(build_model_for_training, dims=dims),
+                   callbacks=callbacks)
+
+
 def _serve(rank: int, world: int, port: int, tasks, results) -> None:
     """A pool rank: run the jobs from `tasks` until told to stop (None), reporting each."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),

@@ -207,6 +207,30 @@ def test_routes_answer_the_view_payloads(tmp_path, serve):
     assert status == 200 and "plotly.js" in js[:200]
 
 
+def test_the_ranks_route_answers_the_heatmap_with_hosts_stragglers_and_drill_spans(tmp_path, serve):
+    run = tmp_path / "run"
+    append_jsonl(run / "metrics.jsonl", [
+        {"kind": "ranks", "iter": i, "step": i, "iterations": 10, "iter_s": [0.5, 0.5], "compute_s": [0.2, 0.9 if i == 70 else 0.2],
+         "wait_s": [0.3, 0.1], "data_s": [0.01, 0.01]} for i in range(10, 210, 10)])
+    drill = [{"event": "fault_injected", "iter": i, "batch": i - 1, "fault": "slow_rank", "rank": 1, "seconds": 0.5}
+             for i in (61, 62, 63, 90)] + [{"event": "fault_injected", "iter": 5, "batch": 4, "fault": "nan_loss", "rank": None}]
+    straggler = {"event": "straggler", "iter": 70, "step": 70, "rank": 1, "host": "b", "compute_s": 0.9, "median_s": 0.2,
+                 "ratio": 4.5, "reports": 1}
+    append_jsonl(run / "events.jsonl", [{"event": "rank_hosts", "hosts": ["a", "b"]}, *drill, straggler])
+    server = serve(run)
+    wait_for(lambda: get(server, "/api/runs")[1]["runs"][0]["records"]["ranks"] == 20)
+    ranks = get(server, "/api/runs/0/ranks")[1]
+    assert ranks["ranks"] == [0, 1] and ranks["hosts"] == ["a", "b"] and ranks["x"] == list(range(10, 210, 10))
+    assert ranks["compute_s"][1][6] == 0.9 and ranks["wait_s"][0] == [0.3] * 20
+    assert ranks["stragglers"] == [{k: v for k, v in straggler.items() if k != "event"}]
+    assert [(d["fault"], d["rank"], d["first"], d["last"]) for d in ranks["drills"]] == [
+        ("slow_rank", 1, 61, 63), ("slow_rank", 1, 90, 90), ("nan_loss", None, 5, 5)]
+    narrow = get(server, "/api/runs/0/ranks?width=5")[1]  # bucket maxima: the slow report survives
+    assert len(narrow["x"]) == 5 and max(narrow["compute_s"][1]) == 0.9
+    assert get(server, "/api/runs/0/ranks?x0=100&x1=120")[1]["x"] == [90, 100, 110, 120, 130]
+    assert get(server, "/api/runs/0/ranks?width=0")[0] == 400
+
+
 def test_a_foreign_host_name_is_refused_on_loopback(tmp_path, serve):
     server = serve(tmp_path / "run")
     assert get(server, "/api/runs", headers={"Host": "evil.example:80"})[0] == 400

@@ -2,7 +2,9 @@
 a skipped loss spike, a rollback of poisoned batches, a kill and a resume): charts drawn, the
 rollback band and the abandoned segment there, the superseded records faded, one heatmap row per
 MoE layer, two runs overlaid, the incident report on a click, a live update, the report offline,
-and where the time of each run's attempts went."""
+and where the time of each run's attempts went; and on a real two-rank `slow_rank` drill run
+(tests/rank_health_run.py) the rank x iteration heatmap: host-labelled rows, the straggler
+starred on its rank, the drill outlined."""
 
 import os
 import random
@@ -11,6 +13,7 @@ import pytest
 from selenium.webdriver.support.ui import WebDriverWait
 
 from drill_run import STEPS, write_drill_run
+from rank_health_run import SLOW_FIRST, SLOW_LAST, SLOW_RANK
 from synthetic_run import MOE_LAYERS, append_jsonl, train_record
 from trinity_train.dashboard import browser
 from trinity_train.dashboard.report import write_report
@@ -141,3 +144,29 @@ def test_the_report_renders_offline(tmp_path, drill_runs):
         fetched = driver.execute_script("return performance.getEntriesByType('resource').map((e) => e.name)")
         assert [name for name in fetched if not name.startswith("data:")] == []
         driver.save_screenshot(str(tmp_path / "report.png"))
+
+
+def check_rank_heatmap(driver, run):
+    fig = figure(driver, "plot-ranks")
+    (heat,) = [t for t in fig["data"] if t["meta"]["kind"] == "rank-compute"]
+    assert heat["y"] == [f"rank {r} · {host}" for r, host in enumerate(run.hosts)]
+    assert heat["x"][1:] == [r["iter"] + 0.5 for r in run.reports]  # cells span the iterations they average
+    for rank, row in enumerate(heat["z"]):
+        assert row == pytest.approx([r["compute_s"][rank] for r in run.reports], rel=1e-5)  # float32 columns
+    (stars,) = [t for t in fig["data"] if t["meta"]["kind"] == "straggler"]
+    assert stars["x"] == [s["iter"] for s in run.stragglers] and stars["y"] == [heat["y"][SLOW_RANK]]
+    boxes = [(b["x0"], b["x1"], b["y0"], b["y1"]) for b in fig["layout"]["shapes"] if b.get("name") == "drill: slow_rank"]
+    assert boxes == [(SLOW_FIRST - 0.5, SLOW_LAST + 0.5, SLOW_RANK - 0.5, SLOW_RANK + 0.5)]
+
+
+def test_the_rank_heatmap_shows_a_slow_rank_drill_live_and_in_the_report(tmp_path, slow_rank_run):
+    out = write_report([slow_rank_run.path], tmp_path / "report.html")
+    with DashboardServer([slow_rank_run.path], poll_interval=0.1) as server, \
+            browser.headless_chromium() as driver:
+        driver.get(server.url)
+        browser.wait_until_rendered(driver)
+        check_rank_heatmap(driver, slow_rank_run)
+        driver.save_screenshot(str(tmp_path / "ranks.png"))
+        driver.get(out.as_uri())
+        browser.wait_until_rendered(driver)
+        check_rank_heatmap(driver, slow_rank_run)

@@ -231,9 +231,10 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     verify.add_argument("--deep", action="store_true",
                         help="also check that every tensor (optimizer state included) is finite")
 
-    incidents = sub.add_parser("incidents", help="list a run's skipped steps and rollbacks (incident reports)",
+    incidents = sub.add_parser("incidents", help="list a run's skipped steps, rollbacks and stragglers",
                                description="One line per incident report in RUN_DIR/incidents/: what the guard "
-                                           "saw, what it did, and which data the step came from.")
+                                           "saw, what it did, and which data the step came from; "
+                                           "one per straggler event: which rank, on which host, how slow.")
     incidents.add_argument("run_dir", metavar="RUN_DIR")
     incidents.add_argument("--json", action="store_true", help="print the full reports as a JSON list")
     goodput = sub.add_parser("goodput", help="where a run's time went, across its attempts",

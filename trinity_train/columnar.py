@@ -31,6 +31,8 @@ VAL_SCALARS = ("val_loss",)
 # Per-layer lists: train records carry one value per MoE layer, layers records one per layer.
 TRAIN_LISTS = ("moe_max_load_per_layer",)
 LAYER_LISTS = ("grad_norm_attn", "grad_norm_ffn", "residual_rms")
+# ranks records: one value per rank (health/rank_stats.py).
+RANK_LISTS = ("iter_s", "compute_s", "wait_s", "data_s")
 
 _F64 = pa.float64()
 SCHEMA = pa.schema(
@@ -38,7 +40,7 @@ SCHEMA = pa.schema(
      ("superseded_at", pa.int64()), ("moe_layers", pa.list_(pa.int64())),
      ("tokens_per_expert", pa.list_(pa.list_(_F64)))]
     + [(name, _F64) for name in TRAIN_SCALARS + VAL_SCALARS]
-    + [(name, pa.list_(_F64)) for name in TRAIN_LISTS + LAYER_LISTS])
+    + [(name, pa.list_(_F64)) for name in TRAIN_LISTS + LAYER_LISTS + RANK_LISTS])
 END_COLUMN = "_jsonl_end"  # byte offset in metrics.jsonl just past the row's line
 MIRROR_SCHEMA = SCHEMA.append(pa.field(END_COLUMN, pa.int64()))
 BATCH_ROWS = 256
@@ -160,8 +162,8 @@ def read_mirror(mirror: Path, jsonl: Path) -> tuple[pa.Table, int, tuple[int, in
         identity = _identity(jsonl)
     except OSError:
         return None
-    if reader.schema.metadata != identity:
-        return None
+    if reader.schema.metadata != identity or not reader.schema.remove_metadata().equals(MIRROR_SCHEMA):
+        return None  # the mirror of another file, or written with other columns (another version)
     batches = []
     try:
         for batch in reader:

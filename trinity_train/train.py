@@ -42,6 +42,7 @@ from trinity_train.data import build_loaders
 from trinity_train.data.ledger import SkipLedger
 from trinity_train.errors import CheckpointError, ConfigError
 from trinity_train.health.watchdog import WatchdogCallback
+from trinity_train.health.rank_stats import RankStatsCallback
 from trinity_train.model.counting import training_flops_per_token
 from trinity_train.observe import MetricsRecorder, expert_load_stats, measure_peak_flops, mfu, supersede_records_after
 from trinity_train.observe.recorder import RecordingCallback
@@ -227,7 +228,7 @@ class Trainer:
         # The hang watchdog watches from `start()` to the end of `finish()` (DESIGN §12).
         self.watchdog = WatchdogCallback(cfg.watchdog, self.rundir, self.dims.rank, self.dims.world_size)
         self.callbacks = CallbackList([self.timeline, self.watchdog, RecordingCallback(), DrillCallback(self.faults),
-                                       *(callbacks or [])])
+                                       RankStatsCallback.for_config(cfg), *(callbacks or [])])
         # The run's sinks and tallies, from `start()` on.
         self.recorder: MetricsRecorder | None = None
         self.throughput: Throughput | None = None

@@ -13,7 +13,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from trinity_train.columnar import LAYER_LISTS, TRAIN_LISTS, TRAIN_SCALARS, VAL_SCALARS, parse_lines
+from trinity_train.columnar import LAYER_LISTS, RANK_LISTS, TRAIN_LISTS, TRAIN_SCALARS, VAL_SCALARS, parse_lines
 from trinity_train.records import RecordKind
 
 
@@ -141,16 +141,21 @@ def layer_columns() -> RecordColumns:
     return RecordColumns(("superseded_at",), LAYER_LISTS, ("tokens_per_expert",))
 
 
+def rank_columns() -> RecordColumns:
+    return RecordColumns(("superseded_at",), RANK_LISTS)
+
+
 class MetricsColumns:
     """One metrics file (metrics.jsonl or metrics.superseded.jsonl) as columns per record kind;
     `moe_layers` is the MoE layer indices of the latest layers record."""
 
-    KINDS = (RecordKind.TRAIN, RecordKind.VAL, RecordKind.LAYERS)  # the kinds it holds, by attribute
+    KINDS = (RecordKind.TRAIN, RecordKind.VAL, RecordKind.LAYERS, RecordKind.RANKS)  # the kinds it holds, by attribute
 
     def __init__(self):
         self.train = train_columns()
         self.val = val_columns()
         self.layers = layer_columns()
+        self.ranks = rank_columns()
         self.moe_layers: list[int] = []
 
     def append_lines(self, data: bytes) -> dict[str, int]:

@@ -45,6 +45,7 @@ def _run_data(run: RunView) -> dict:
         "series": views.series(run, list(views.SERIES), None, None, REPORT_WIDTH),
         "markers": markers,
         "expert_load": views.expert_load(run, None, None, REPORT_WIDTH),
+        "ranks": views.rank_health(run, None, None, REPORT_WIDTH),
         "layer_steps": {**steps, "iters": kept, "abandoned": [steps["abandoned"][steps["iters"].index(i)] for i in kept]},
         "layer_records": [views.layer_record(run, i) for i in kept],
         "incidents": incidents,

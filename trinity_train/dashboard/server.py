@@ -185,6 +185,10 @@ def create_app(run_dirs: list[str | Path], poll_interval: float = 0.5, host: str
         run = dashboard.run(request)
         return _json(views.expert_load(run, *_range(request)))
 
+    def rank_health(request: Request) -> JSONResponse:
+        run = dashboard.run(request)
+        return _json(views.rank_health(run, *_range(request)))
+
     def layer_steps(request: Request) -> JSONResponse:
         return _json(views.layer_steps(dashboard.run(request)))
 
@@ -226,7 +230,7 @@ def create_app(run_dirs: list[str | Path], poll_interval: float = 0.5, host: str
         Route("/api/runs/{run}/series", series), Route("/api/runs/{run}/markers", markers),
         Route("/api/runs/{run}/expert_load", expert_load), Route("/api/runs/{run}/layer_steps", layer_steps),
         Route("/api/runs/{run}/layers", layer_record), Route("/api/runs/{run}/incidents/{name:path}", incident),
-        Route("/api/runs/{run}/goodput", goodput),
+        Route("/api/runs/{run}/goodput", goodput), Route("/api/runs/{run}/ranks", rank_health),
     ]
     # A page on another site must not read the dashboard through a DNS name that points here.
     middleware = [Middleware(TrustedHostMiddleware, allowed_hosts=["127.0.0.1", "localhost"])] \

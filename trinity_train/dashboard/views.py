@@ -43,7 +43,7 @@ def run_summary(run: RunView) -> dict:
             "first_iter": int(iters[0]) if len(iters) else None,
             "last_iter": int(iters[-1]) if len(iters) else None,
             "records": {RecordKind.TRAIN: len(train), RecordKind.VAL: len(run.metrics.val),
-                        RecordKind.LAYERS: len(layers),
+                        RecordKind.LAYERS: len(layers), RecordKind.RANKS: len(run.metrics.ranks),
                         "superseded": len(run.superseded.train) + len(run.superseded.val), "events": len(run.events)},
             "moe_layers": run.metrics.moe_layers,
             "num_moe_layers": int(moe.shape[1]) if moe.ndim == 2 else 0,
@@ -177,3 +177,51 @@ def layer_record(run: RunView, iteration: int | None) -> dict:
         relative = tokens / np.nanmean(tokens, axis=1, keepdims=True) if tokens.size else tokens
     record["tokens_per_expert_relative"] = [numbers(row) for row in relative]
     return record
+
+
+RANK_TIMES = ("compute_s", "iter_s", "wait_s", "data_s")  # the heatmap's value first, the hover's after
+STRAGGLER_FIELDS = ("iter", "step", "rank", "host", "compute_s", "median_s", "ratio", "reports")
+
+
+def rank_health(run: RunView, x0: float | None, x1: float | None, width: int) -> dict:
+    """The rank x iteration heatmap: each `ranks` record's seconds per rank (bucket maxima, so a
+    slow report is not averaged away), the hosts of the latest start, the straggler events and
+    the drills (consecutive `fault_injected` events of one fault and rank as one span)."""
+    with run.lock:
+        ranks = run.metrics.ranks
+        span = window(ranks["iter"], x0, x1)
+        iters = ranks["iter"][span]
+        times = {}
+        for name in RANK_TIMES:
+            values = ranks[name][span]
+            x, z = bucket_max(iters, values if values.ndim == 2 else np.empty((len(iters), 0)), width)
+            times[name] = [numbers(z[:, r]) for r in range(z.shape[1])]
+        hosts_events = run.events_named(EventName.RANK_HOSTS)
+        stragglers = [{k: e.get(k) for k in STRAGGLER_FIELDS} for e in run.events_named(EventName.STRAGGLER)]
+        drills = drill_spans(run.events_named(EventName.FAULT_INJECTED))
+        generation = run.generation
+    count = len(times["compute_s"])
+    hosts = list(hosts_events[-1].get("hosts") or []) if hosts_events else []
+    return {"run": run.index, "generation": generation, "x": numbers(x), "ranks": list(range(count)),
+            "hosts": [hosts[r] if r < len(hosts) else None for r in range(count)], **times,
+            "stragglers": stragglers, "drills": drills}
+
+
+def drill_spans(events: list[dict]) -> list[dict]:
+    """`fault_injected` events as spans: one per fault and rank over consecutive iterations
+    (`rank` null: every rank), with the first event's `seconds` and `factor`."""
+    spans: list[dict] = []
+    open_spans: dict[tuple, dict] = {}
+    for e in events:
+        if not isinstance(e.get("iter"), int):
+            continue
+        key = (e.get("fault"), e.get("rank"))
+        current = open_spans.get(key)
+        if current is not None and current["last"] + 1 == e["iter"]:
+            current["last"] = e["iter"]
+            continue
+        current = {"fault": e.get("fault"), "rank": e.get("rank"), "first": e["iter"], "last": e["iter"],
+                   "seconds": e.get("seconds"), "factor": e.get("factor")}
+        open_spans[key] = current
+        spans.append(current)
+    return spans

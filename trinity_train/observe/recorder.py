@@ -1,7 +1,8 @@
 """Fan a run's records out to every configured sink.
 
 - `metrics.jsonl`: one object per training iteration (kind `train`), one per validation
-  (`val`) and one per layer-statistics iteration (`layers`), built by `records`; TensorBoard and
+  (`val`), one per layer-statistics iteration (`layers`) and one per rank-statistics report
+  (`ranks`), built by `records`; TensorBoard and
   W&B get the same numbers as scalars (and lists of lists as histograms, `observe/scalars.py`).
 - `events.jsonl`: what happened to the run (start, resume, checkpoint saved, step skipped, end).
 - the console: progress bar or periodic lines.
@@ -77,6 +78,11 @@ class MetricsRecorder:
         """A per-layer statistics record (`observe/layer_stats.py`)."""
         if self.is_main:
             self._write(RecordKind.LAYERS, record)
+
+    def ranks(self, record: dict) -> None:
+        """A per-rank statistics record (`health/rank_stats.py`)."""
+        if self.is_main:
+            self._write(RecordKind.RANKS, record)
 
     def notice(self, text: str) -> None:
         """Tell the person watching the console (skips, rollbacks, drills)."""

@@ -24,13 +24,16 @@ And what the machines do (`INFRA_FAULTS`), on the chosen rank(s) at the chosen i
   the job, which resumes from its newest sound checkpoint;
 - `hang_rank`: the rank stands still for `seconds` (default 3600, then it goes on) in the data
   phase before the step, while the others wait for it in the step's first collective: the hang
-  watchdog (`health.watchdog`) names it, dumps its stacks and ends it restartably.
+  watchdog (`health.watchdog`) names it, dumps its stacks and ends it restartably;
+- `slow_rank`: the rank does `seconds` (default 1) of extra real work (matrix products on the
+  CPU, for that long on the wall clock) in every iteration from `first` to `last`, in the data
+  phase before the step: a straggler, for `health.straggler` to find.
 
 Every fault that acts is reported as a `fault_injected` event, so nobody mistakes a drill for the
 real thing: a numeric one by the process that writes the run directory (whichever rank it acts
-on, and `fail_save`'s: `save_events`), a fault that ends its rank (`kill_rank`, `hang_rank`) by
-that rank, before it acts (`RunDir.append_event`: a killed rank has said so already), with that
-rank. At its start every rank reads those events back (`FaultInjector.spend`): a machine fault an
+on, and `fail_save`'s: `save_events`), a fault of its rank before the step (`kill_rank`,
+`hang_rank`, `slow_rank`) by that rank, before it acts (`RunDir.append_event`: a killed rank has
+said so already), with that rank. At its start every rank reads those events back (`FaultInjector.spend`): a machine fault an
 earlier attempt injected at an iteration on a rank is spent there, so the restart it caused does
 not meet it again.
 """
@@ -120,8 +123,18 @@ def hang_rank(fault: FaultConfig) -> None:
         time.sleep(min(left, 1.0))
 
 
+def slow_rank(fault: FaultConfig) -> None:
+    """The `slow_rank` drill: this rank does the fault's seconds of real work (256 x 256 matrix
+    products, about a millisecond each on one core, on every thread torch computes with) for that
+    long on the wall clock, as a slow rank's own compute would be; then goes on."""
+    a = torch.ones(256, 256) / 256
+    deadline = time.perf_counter() + _seconds(fault)
+    while time.perf_counter() < deadline:
+        torch.mm(a, a)
+
+
 # The machine faults that act in the data phase, before the step, and what each does.
-BEFORE_STEP = {"kill_rank": kill_rank, "hang_rank": hang_rank}
+BEFORE_STEP = {"kill_rank": kill_rank, "hang_rank": hang_rank, "slow_rank": slow_rank}
 
 
 class FaultInjector:

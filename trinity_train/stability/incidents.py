@@ -6,7 +6,8 @@ in the model the gradient was (per-layer norms of the offending step), which dat
 (global batch indices, datasets, shards, documents, first tokens), whether a fault drill caused
 it, and what the guard did. `trinity-train incidents RUN_DIR` prints them as a table, with a
 `watched` row for each incident the guard opened without refusing a step (a z-score above
-`incident_zscore`, a routing collapse), which has no report: it is known from its events.
+`incident_zscore`, a routing collapse), which has no report: it is known from its events; and a
+`straggler` row for each rank the straggler rule flagged (a `straggler` event).
 """
 
 from __future__ import annotations
@@ -52,10 +53,22 @@ def watched_incidents(events: list[dict], reports: list[dict]) -> list[dict]:
             for e in named(events, EventName.INCIDENT_OPEN) if e.get("iter") not in reported]
 
 
+STRAGGLER = "straggler"  # the table's action for a `straggler` event (health/straggler.py)
+
+
+def straggler_rows(events: list[dict]) -> list[dict]:
+    """The `straggler` events as rows for the table: the event's fields, action `straggler`."""
+    return [{"iter": e["iter"], "step": e.get("step"), "action": STRAGGLER,
+             **{k: e.get(k) for k in ("rank", "host", "compute_s", "median_s", "ratio", "reports")}}
+            for e in named(events, EventName.STRAGGLER)]
+
+
 def incident_rows(run: RunDir) -> list[dict]:
-    """Every incident of the run in iteration order: its reports and its watched incidents."""
+    """Every incident of the run in iteration order: its reports, its watched incidents and its
+    stragglers."""
     reports = read_incidents(run)
-    return sorted(reports + watched_incidents(run.read_events(), reports), key=lambda r: r["iter"])
+    events = run.read_events()
+    return sorted(reports + watched_incidents(events, reports) + straggler_rows(events), key=lambda r: r["iter"])
 
 
 def _number(value, fmt: str) -> str:
@@ -94,6 +107,12 @@ def format_table(reports: list[dict]) -> str:
             until = "still open" if r.get("closed_iter") is None else f"closed at iteration {r['closed_iter']}"
             lines.append(f"{r['iter']:>7} {_number(r.get('step'), '6')}  {WATCHED:<14} {r.get('reason') or '-':<12} "
                          f"{'-':>9} {'-':>7} {'-':>10} {'-':>7}  {'-':<14} {z}{until}, no step refused")
+            continue
+        if r["action"] == STRAGGLER:
+            lines.append(f"{r['iter']:>7} {_number(r.get('step'), '6')}  {STRAGGLER:<14} {'slow rank':<12} "
+                         f"{'-':>9} {'-':>7} {'-':>10} {'-':>7}  {'-':<14} rank {r['rank']} (host {r['host']}): "
+                         f"compute {r['compute_s']:.3g} s per iteration, {r['ratio']:.1f}x the other ranks' median "
+                         f"{r['median_s']:.3g} s, {r['reports']} reports in a row")
             continue
         current = next((s for s in reversed(r.get("signals") or []) if s.get("iter") == r["iter"]), {})
         drill = ",".join(f["fault"] for f in r.get("drill") or []) or "-"

@@ -6,7 +6,7 @@
 
   const SNAPSHOT = window.TRINITY_SNAPSHOT || null;
   const COLORS = ["#0969da", "#cf222e", "#1a7f37", "#8250df", "#bf8700", "#1b7c83", "#e85aad", "#6e7781", "#953800", "#116329"];
-  const TIME_PLOTS = ["plot-loss", "plot-grad-norm", "plot-lr", "plot-throughput", "plot-moe-heat", "plot-moe-lines"];
+  const TIME_PLOTS = ["plot-loss", "plot-grad-norm", "plot-lr", "plot-throughput", "plot-moe-heat", "plot-moe-lines", "plot-ranks"];
   const LAYER_PLOTS = ["plot-experts", "plot-depth-grad", "plot-depth-rms"];
   const DASHES = ["solid", "dash", "dot", "dashdot", "longdash", "longdashdot"];
   const CONFIG = { displaylogo: false, responsive: true, modeBarButtonsToRemove: ["lasso2d", "select2d"] };
@@ -17,7 +17,7 @@
     focus: 0,            // the run the heatmaps show
     range: null,         // [x0, x1] the time plots are zoomed to, null = everything
     layerIter: null,     // iteration the layer plots show, null = the latest
-    data: {},            // per run: {series, markers, expert, steps}
+    data: {},            // per run: {series, markers, expert, steps, goodput, ranks}
     rendered: false,
   };
 
@@ -39,6 +39,7 @@
       markers: (run) => get(`runs/${run}/markers`),
       expertLoad: (run, x0, x1, width) => get(`runs/${run}/expert_load`, { x0, x1, width }),
       layerSteps: (run) => get(`runs/${run}/layer_steps`),
+      ranks: (run, x0, x1, width) => get(`runs/${run}/ranks`, { x0, x1, width }),
       layerRecord: (run, iter) => get(`runs/${run}/layers`, { iter }),
       incident: (run, name) => get(`runs/${run}/incidents/${encodeURIComponent(name)}`),
       goodput: (run) => get(`runs/${run}/goodput`),
@@ -54,6 +55,7 @@
       markers: async (run) => of(run).markers,
       expertLoad: async (run) => of(run).expert_load,
       layerSteps: async (run) => of(run).layer_steps,
+      ranks: async (run) => of(run).ranks,
       layerRecord: async (run, iter) => {
         const records = of(run).layer_records;
         let best = records.length ? records[records.length - 1] : { iter: null };
@@ -114,6 +116,9 @@
       fillcolor: color(run.index), opacity: 0.12, line: { width: 1, color: color(run.index), dash: "dot" }, layer: "below",
     }));
   }
+
+  // rollback bands as outlines only: over a heatmap a fill would change its colours
+  const outlinedBands = (run) => rollbackBands(run).map((b) => Object.assign(b, { fillcolor: "rgba(0,0,0,0)", opacity: 1, layer: "above" }));
 
   function lineTraces(run, name, opts) {
     const part = state.data[run.index].series.series[name];
@@ -215,6 +220,50 @@
       }));
     }
     drawExpertLoad(withTrain, why);
+    drawRankHealth(why);
+  }
+
+  // The rank x iteration heatmap of compute seconds, host-labelled rows, stragglers starred,
+  // the drills outlined on the rows they acted on (every row for a drill of every rank).
+  function drawRankHealth(why) {
+    const focus = state.runs[state.focus];
+    const ranks = focus && state.data[focus.index] && state.data[focus.index].ranks;
+    const none = "No rank statistics: this run has no \"ranks\" records (every metrics.rank_stats_every iterations; 0 turns them off).";
+    if (!setEmpty("plot-ranks", why || (!focus ? "No run." : !ranks || !ranks.ranks.length ? none : null))) return;
+    const rows = ranks.ranks.map((r) => `rank ${r}` + (ranks.hosts[r] ? ` · ${escapeHtml(ranks.hosts[r])}` : ""));
+    // a report is the mean of the iterations since the one before: its cell spans them
+    const x = ranks.x;
+    const edges = x.length ? [x[0] - (x.length > 1 ? x[1] - x[0] : x[0]) + 0.5, ...x.map((v) => v + 0.5)] : [];
+    const customdata = ranks.ranks.map((r) => x.map((v, j) => [ranks.iter_s[r][j], ranks.wait_s[r][j], ranks.data_s[r][j], v]));
+    const traces = [{
+      type: "heatmap", x: edges, y: rows, z: ranks.compute_s, customdata, colorscale: "YlOrRd", reversescale: true, zmin: 0,
+      colorbar: { title: { text: "compute s" }, thickness: 12 }, meta: { run: focus.index, kind: "rank-compute" },
+      hovertemplate: "%{y}<br>report at iter %{customdata[3]}<br>compute %{z:.3g} s per iteration<br>iteration %{customdata[0]:.3g} s, " +
+        "waiting %{customdata[1]:.3g} s, data %{customdata[2]:.3g} s<extra></extra>",
+    }];
+    const rowOf = (rank) => (rank === null || rank === undefined ? ranks.ranks : [rank]).filter((r) => r < rows.length);
+    const drills = ranks.drills.flatMap((d) => rowOf(d.rank).map((r) => Object.assign({ row: r }, d)));
+    const drillText = (d) => `<b>drill ${escapeHtml(d.fault)}</b> ${d.rank === null ? "on every rank" : `on rank ${d.rank}`}` +
+      `<br>iterations ${d.first}..${d.last}` + (d.seconds ? `<br>${fmt(d.seconds)} s per iteration` : "") + (d.factor ? `<br>factor ${fmt(d.factor)}` : "");
+    if (drills.length) traces.push({
+      x: drills.map((d) => d.first), y: drills.map((d) => rows[d.row]), type: "scatter", mode: "markers", name: "drill",
+      marker: { symbol: "triangle-right", size: 10, color: "#8250df" }, text: drills.map(drillText),
+      hovertemplate: "%{text}<extra></extra>", meta: { run: focus.index, kind: "drill" },
+    });
+    const stragglers = ranks.stragglers.filter((s) => s.rank < rows.length);
+    if (stragglers.length) traces.push({
+      x: stragglers.map((s) => s.iter), y: stragglers.map((s) => rows[s.rank]), type: "scatter", mode: "markers", name: "straggler",
+      marker: { symbol: "star", size: 15, color: "#fff", line: { width: 1.5, color: "#1f2328" } },
+      text: stragglers.map((s) => `<b>straggler</b> rank ${s.rank} (${escapeHtml(s.host || "?")}) at iter ${s.iter}` +
+        `<br>compute ${fmt(s.compute_s, 3)} s = ${fmt(s.ratio, 3)}× the other ranks' median ${fmt(s.median_s, 3)} s<br>${s.reports} reports in a row`),
+      hovertemplate: "%{text}<extra></extra>", meta: { run: focus.index, kind: "straggler" },
+    });
+    const drillBoxes = drills.map((d) => ({
+      type: "rect", name: `drill: ${d.fault}`, xref: "x", yref: "y", x0: d.first - 0.5, x1: d.last + 0.5, y0: d.row - 0.5, y1: d.row + 0.5,
+      fillcolor: "rgba(0,0,0,0)", line: { width: 2, color: "#8250df", dash: "dash" }, layer: "above",
+    }));
+    react("plot-ranks", traces, baseLayout({ showlegend: false, shapes: outlinedBands(focus).concat(drillBoxes),
+      yaxis: { title: { text: "rank · host" }, automargin: true, type: "category", autorange: "reversed" } }));
   }
 
   function drawExpertLoad(withTrain, why) {
@@ -226,7 +275,7 @@
         type: "heatmap", x: expert.x, y: expert.layers.map((l) => `layer ${l}`), z: expert.z, colorscale: "YlOrRd", reversescale: true, zmin: 1,
         colorbar: { title: { text: "max / mean" }, thickness: 12 }, hovertemplate: "iter %{x}<br>%{y}<br>max load %{z:.3f}× mean<extra></extra>",
         meta: { run: focus.index, kind: "expert-load" },
-      }], baseLayout({ showlegend: false, shapes: rollbackBands(focus).map((b) => Object.assign(b, { fillcolor: "rgba(0,0,0,0)", opacity: 1, layer: "above" })),
+      }], baseLayout({ showlegend: false, shapes: outlinedBands(focus),
         yaxis: { title: { text: "MoE layer" }, automargin: true, type: "category" } }));
     }
     const lineRuns = withTrain.filter((r) => state.data[r.index].expert.z.length);
@@ -378,9 +427,9 @@
   async function loadRun(run) {
     const [x0, x1] = state.range || [null, null];
     const width = plotWidth();
-    const [series, markers, expert, steps, goodput] = await Promise.all([source.series(run, x0, x1, width), source.markers(run),
-      source.expertLoad(run, x0, x1, width), source.layerSteps(run), source.goodput(run)]);
-    state.data[run] = { series, markers, expert, steps, goodput };
+    const [series, markers, expert, steps, goodput, ranks] = await Promise.all([source.series(run, x0, x1, width), source.markers(run),
+      source.expertLoad(run, x0, x1, width), source.layerSteps(run), source.goodput(run), source.ranks(run, x0, x1, width)]);
+    state.data[run] = { series, markers, expert, steps, goodput, ranks };
   }
 
   let pending = null;
