@@ -14,6 +14,7 @@ import shutil
 
 import pytest
 
+from conftest import run_cli
 from drill_run import GUARD, STEPS, drill_config, train_killed_then_resumed
 from trinity_train.callbacks import TrainerCallback
 from trinity_train.cli import main
@@ -189,23 +190,22 @@ def test_a_huge_learning_rate_from_step_0_is_caught_in_the_warmup_then_halts(cor
     assert halting, "the halting step is in the skip ledger"
 
 
-# A small model (the default's layout, a quarter of its width) on the default corpus, with the
-# default guard: what the default job does, at a tenth of its step time.
+# A small model (the default's layout, a quarter of its width, half its sequence) on the default
+# corpus, with the default guard: what the default job does, at a twentieth of its step time.
 SMALL_DEFAULT_JOB = ["--model.hidden_size=64", "--model.num_layers=2", "--model.head_dim=16",
-                     "--model.intermediate_size=128", "--model.moe_intermediate_size=32",
+                     "--model.intermediate_size=128", "--model.moe_intermediate_size=32", "--data.seq_len=128",
                      "--train.eval_every=0", "--checkpoint.every=10", "--metrics.progress_bar=false"]
 
 
 @pytest.mark.slow
-def test_a_learning_rate_jump_at_step_100_is_caught_and_rolled_back_with_a_lower_rate(tmp_path, capsys):
+def test_a_learning_rate_jump_at_step_100_is_caught_and_rolled_back_with_a_lower_rate(tmp_path):
     # x20 from iteration 101 on: the damaging update is applied (the guard judges the loss of the
     # weights before it), the steps after it are skipped, and the rollback goes to a checkpoint
     # from before the damage with the learning rate backed off, again if it repeats, until the
-    # rate trains; the run ends with every step trained.
+    # rate trains; the run ends with every step trained. (A process of its own, as a user runs it.)
     run_dir = tmp_path / "lr_jump"
-    code = main(["train", *SMALL_DEFAULT_JOB, "--train.steps=130", f"--run.dir={run_dir}",
-                 '--stability.inject=[{fault="lr_scale", first=101, last=100000}]'])
-    assert code == 0, capsys.readouterr().err
+    run_cli("train", *SMALL_DEFAULT_JOB, "--train.steps=130", f"--run.dir={run_dir}",
+            '--stability.inject=[{fault="lr_scale", first=101, last=100000}]', ok=True)
     first_skip = next(e for e in events(run_dir, EventName.SKIP) if e["iter"] > 101)
     assert first_skip["iter"] <= 103  # one or two steps after the jump
     rollbacks = events(run_dir, EventName.ROLLBACK)
@@ -213,9 +213,7 @@ def test_a_learning_rate_jump_at_step_100_is_caught_and_rolled_back_with_a_lower
     assert [e["lr_scale"] for e in rollbacks] == [0.5 ** (i + 1) for i in range(len(rollbacks))]
     assert not events(run_dir, EventName.HALT)
     assert train_records(run_dir)[-1]["step"] == 130
-    capsys.readouterr()
-    assert main(["incidents", str(run_dir)]) == 0
-    rows = [line.split() for line in capsys.readouterr().out.splitlines()[1:]]
+    rows = [line.split() for line in run_cli("incidents", str(run_dir), ok=True).stdout.splitlines()[1:]]
     drilled = [row for row in rows if "lr_scale" in row]
     assert any(row[2].startswith("rollback->") for row in drilled), rows
 
