@@ -222,10 +222,28 @@ def test_fsdp_ep_across_hosts_over_a_shaped_link_equals_one_process(fsdp_ep_acro
     assert fsdp_ep_across_hosts == pytest.approx(one_process, rel=1e-5)
 
 
+# Machine drills that leave the numbers alone, across hosts: rank 3 (on whichever host the
+# rendezvous put it) slowed in every iteration, its checkpoint write of iteration 2 failing.
+ACROSS_HOSTS_DRILLS = ('--stability.inject=[{fault="slow_rank", first=1, last=4, rank=3, seconds=0.3}, '
+                       '{fault="fail_save", first=2, rank=3}]')
+
+
 def test_tp_ep_across_hosts_equals_one_process(bed, one_process, tmp_path):
+    """TP x EP over both hosts trains the one-process losses, also while drills act on one rank:
+    the slowed rank is named a straggler on its host, its failed save fails the save on every
+    rank, is recorded, and the job trains on to the next checkpoint."""
     run_dir = tmp_path / "tp_ep"
-    Job(bed, run_dir, *TP_EP).start_all().finish()
+    Job(bed, run_dir, *TP_EP, ACROSS_HOSTS_DRILLS, "--metrics.rank_stats_every=1",
+        "--metrics.straggler_reports=2").start_all().finish()
     assert losses(run_dir) == pytest.approx(one_process, rel=1e-5)
+    events = Job(bed, run_dir).events()
+    (hosts,) = [e for e in events if e["event"] == EventName.RANK_HOSTS]
+    assert sorted(hosts["hosts"]) == [bed.host(0), bed.host(0), bed.host(1), bed.host(1)]
+    stragglers = [e for e in events if e["event"] == EventName.STRAGGLER]
+    assert [(e["rank"], e["host"]) for e in stragglers] == [(3, hosts["hosts"][3])]
+    (failed,) = [e for e in events if e["event"] == EventName.CHECKPOINT_FAILED]
+    assert failed["step"] == 2 and "fail_save" in failed["error"]
+    assert [e["step"] for e in events if e["event"] == EventName.CHECKPOINT] == [STEPS]
 
 
 def test_lost_node_restarted_by_a_scheduler_resumes_identically(bed, fsdp_ep_across_hosts, tmp_path):
