@@ -64,8 +64,42 @@ def main() -> int:
           f"the launcher ran {launcher_wall:.1f} s (its own start before the first worker and its exit are outside)")
     print(f"events: {names.count('run_start')} starts, {names.count('hang')} hang events, "
           f"{names.count('rollback')} rollback(s), {names.count('skip')} skips")
+    step_s = median_step_seconds(run_dir)
+    write_s = timeline_write_seconds()
+    print(f"writing an iteration's timeline line: {write_s * 1e6:.1f} us, {100 * write_s / step_s:.3f} % of the "
+          f"drill's median step ({step_s * 1e3:.1f} ms), load {load()}")
     print(f"run directory: {run_dir}")
     return 0
+
+
+def median_step_seconds(run_dir: Path) -> float:
+    lines = [json.loads(line) for line in (run_dir / "timeline.jsonl").read_text().splitlines() if line.strip()]
+    steps = sorted(r["end"] - r["start"] for r in lines if r.get("kind") == "iteration")
+    return steps[len(steps) // 2]
+
+
+def timeline_write_seconds(repeats: int = 2000) -> float:
+    """What the main process pays per iteration for the timeline: building and appending one
+    iteration line (the writer as the trainer runs it), best of three rounds."""
+    from types import SimpleNamespace
+
+    from trinity_train.observe.timeline import TimelineWriter
+
+    with tempfile.TemporaryDirectory() as folder:
+        writer = TimelineWriter(Path(folder) / "timeline.jsonl")
+        trainer = SimpleNamespace(state=SimpleNamespace(iteration=0, step=0), dims=SimpleNamespace(world_size=1))
+        writer.on_start(trainer)
+        best = float("inf")
+        for _ in range(3):
+            started = time.perf_counter()
+            for i in range(repeats):
+                writer.iteration_begun()
+                for phase in ("data", "step"):
+                    writer.phase_end(trainer, phase, 0.001)
+                writer.iteration_done(trainer, i, skipped=False, failed=False)
+            best = min(best, (time.perf_counter() - started) / repeats)
+        writer.close(trainer, "ended")
+    return best
 
 
 if __name__ == "__main__":
