@@ -4,6 +4,7 @@ tiny corpus, and a study over it."""
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import tomli_w
 
@@ -42,6 +43,17 @@ def write_study(folder: Path, **keys) -> Path:
     path = folder / "study.toml"
     path.write_text(tomli_w.dumps({k: v for k, v in table.items() if v is not None}))
     return path
+
+
+def ablate_refused(capsys, monkeypatch, *args, cwd: Path) -> SimpleNamespace:
+    """`trinity-train ablate ARGS --allow-dirty` in this process, for what it refuses before any
+    cell runs (a process per call would import torch each time): its exit code and stderr."""
+    from trinity_train.cli import main
+
+    monkeypatch.chdir(cwd)
+    capsys.readouterr()
+    code = main(["ablate", *map(str, args), "--allow-dirty"])
+    return SimpleNamespace(returncode=code, stderr=capsys.readouterr().err)
 
 
 def ablate(*args, cwd: Path, allow_dirty: bool = True):

@@ -12,7 +12,7 @@ import pytest
 import tomli_w
 from filelock import FileLock
 
-from study_files import DIVERGING, TOKENS, ablate, write_base, write_study
+from study_files import DIVERGING, TOKENS, ablate, ablate_refused, write_base, write_study
 from trinity_train.config import config_differences, config_to_dict, load_config
 from trinity_train.model.blocks import BLOCK_VARIANTS
 from trinity_train.study.cells import global_batch, study_cells, study_hash
@@ -172,8 +172,10 @@ def test_a_bad_study_file_is_one_line_before_anything_runs(corpus, tmp_path, key
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.slow  # several ablate processes
-def test_a_bad_base_config_or_study_path_is_one_line(corpus, tmp_path):
+def test_a_bad_base_config_or_study_path_is_one_line(corpus, tmp_path, capsys, monkeypatch):
+    def ablate(*args, cwd):
+        return ablate_refused(capsys, monkeypatch, *args, cwd=cwd)
+
     write_base(corpus, tmp_path, train={"stepz": 3})
     result = ablate("--study", write_study(tmp_path), "--out", tmp_path / "out", cwd=tmp_path)
     assert result.returncode == 2 and "base config: unknown config key 'train.stepz'" in result.stderr

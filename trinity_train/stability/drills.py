@@ -124,12 +124,15 @@ def hang_rank(fault: FaultConfig) -> None:
 
 
 def slow_rank(fault: FaultConfig) -> None:
-    """The `slow_rank` drill: this rank does the fault's seconds of real work (256 x 256 matrix
-    products, about a millisecond each on one core, on every thread torch computes with) for that
-    long on the wall clock, as a slow rank's own compute would be; then goes on."""
+    """The `slow_rank` drill: this rank's training thread does the fault's seconds of real work
+    (256 x 256 matrix products) by its own CPU clock, the clock the rank statistics read, so the
+    rank is that much slower however loaded the machine is (a wall-clock budget would shrink to
+    the CPU share a busy machine leaves it); at most 10 s or 20 x that on the wall clock."""
     a = torch.ones(256, 256) / 256
-    deadline = time.perf_counter() + _seconds(fault)
-    while time.perf_counter() < deadline:
+    seconds = _seconds(fault)
+    done_at = time.thread_time() + seconds
+    give_up = time.perf_counter() + max(10.0, 20 * seconds)
+    while time.thread_time() < done_at and time.perf_counter() < give_up:
         torch.mm(a, a)
 
 
