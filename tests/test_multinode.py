@@ -223,8 +223,10 @@ def test_fsdp_ep_across_hosts_over_a_shaped_link_equals_one_process(fsdp_ep_acro
 
 
 # Machine drills that leave the numbers alone, across hosts: rank 3 (on whichever host the
-# rendezvous put it) slowed in every iteration, its checkpoint write of iteration 2 failing.
-ACROSS_HOSTS_DRILLS = ('--stability.inject=[{fault="slow_rank", first=1, last=4, rank=3, seconds=0.3}, '
+# rendezvous put it) given 1 s of extra compute in every iteration (under a loaded full suite a
+# rank's own step computes 0.5 s: 0.3 s more was not 1.5x), its checkpoint write of iteration 2
+# failing.
+ACROSS_HOSTS_DRILLS = ('--stability.inject=[{fault="slow_rank", first=1, last=4, rank=3, seconds=1.0}, '
                        '{fault="fail_save", first=2, rank=3}]')
 
 
