@@ -1,16 +1,18 @@
 """The spike guard against every fault drill, on the default model and data.
 
 A clean run of the default job's model trains `--steps` steps (default 1,000) with the guard on
-and checkpoints; its false positives (skipped steps, rollbacks) must be 0. Each drill then starts
-from the clean run's checkpoint at `--drill-from` (resume is exact, so the drill and clean runs
-share everything before it), injects its fault a few steps later, and trains to the end. One
-table: per scenario, detected, steps skipped, rollbacks, batches ruled out, final validation loss
-against the clean run's. Then the guard's cost per step (the detector on the real run's signals,
-timed) as a fraction of the clean run's mean step time.
+and checkpoints; its false positives (skipped steps, rollbacks, routing-collapse incidents) must be
+0. Each drill then starts from the clean run's checkpoint at `--drill-from` (resume is exact, so
+the drill and clean runs share everything before it), injects its fault a few steps later, and
+trains to the end; one more run trains from step 0 with both learning rates x100 (the warm-up
+drill: the guard must judge before it has any history). One table: per scenario, detected, steps
+skipped, rollbacks, routing-collapse incidents, batches ruled out, final validation loss against
+the clean run's (for the runs that reached its last step). Then the guard's cost per step (the
+detector on the real run's signals, timed) as a fraction of the clean run's median step time.
 
     python benchmarks/spike_drill.py [--steps 1000] [--drill-from 800] [--out DIR] [--a.b=value ...]
 
-About 2,000 optimizer steps in all: ~25 minutes on a quiet 2-core machine.
+About 1,800 optimizer steps in all: ~30 minutes on a quiet 2-core machine.
 """
 
 from __future__ import annotations
@@ -49,13 +51,20 @@ def scenarios(start: int) -> dict[str, list[dict]]:
         "loss x10": [{"fault": "loss_spike", "first": at}],
         "poisoned range (random tokens)": [{"fault": "poison_random", "first": at, "last": at + 15}],
         "poisoned range (one token)": [{"fault": "poison_repeat", "first": at, "last": at + 15, "token": 42}],
+        "learning rate x20 to the end": [{"fault": "lr_scale", "first": at, "last": 10**9}],
     }
 
 
+# The run that trains from step 0 with both learning rates this many times the job's (issue 18's
+# point 4: the loss rises above the untrained model's inside the warm-up).
+WARMUP_LR_FACTOR, WARMUP_STEPS = 100, 120
+
+
 def config(run_dir: Path, steps: int, every: int, overrides: list[str], faults: list[dict] = (),
-           resume: bool = False) -> Config:
+           resume: bool = False, lr_factor: float = 1.0) -> Config:
     """The default job for `steps` steps, checkpointing every `every` and keeping them all."""
     cfg = load_config(ROOT / "configs" / "debug.toml", overrides)
+    cfg.optim.lr, cfg.optim.muon_lr = cfg.optim.lr * lr_factor, cfg.optim.muon_lr * lr_factor
     cfg.train.steps, cfg.train.eval_every, cfg.train.log_every = steps, steps, 100
     cfg.checkpoint.every, cfg.checkpoint.keep = every, steps
     cfg.checkpoint.resume = "auto" if resume else "none"
@@ -72,9 +81,11 @@ def outcome(run_dir: Path, halted: bool) -> dict:
     records = run.read_metrics(RecordKind.TRAIN)
     vals = run.read_metrics(RecordKind.VAL)
     rollbacks = run.read_events(EventName.ROLLBACK)
+    routing = run.read_events(EventName.ROUTING_COLLAPSE)
     ruled_out = sum(r.end - r.start for r in SkipLedger.load(run.ledger).ranges)
     return {"skipped": sum(r["skipped"] for r in records), "rollbacks": len(rollbacks),
             "ruled_out": ruled_out, "val_loss": vals[-1]["val_loss"] if vals else None, "halted": halted,
+            "routing": len(routing), "steps": records[-1]["step"] if records else 0,
             "step_times": [r["step_time_s"] for r in records if not r["skipped"]],
             "signals": [(r["loss"], r["grad_norm"], r["step"]) for r in records]}
 
@@ -83,12 +94,15 @@ def run_drill(clean_dir: Path, run_dir: Path, start: int, steps: int, every: int
               overrides: list[str]) -> dict:
     """Train from the clean run's checkpoint at `start` with `faults` injected."""
     shutil.copytree(RunDir(clean_dir).checkpoints / step_dir_name(start), RunDir(run_dir).checkpoints / step_dir_name(start))
-    cfg = config(run_dir, steps, every, overrides, faults, resume=True)
+    return train_to_outcome(config(run_dir, steps, every, overrides, faults, resume=True))
+
+
+def train_to_outcome(cfg: Config) -> dict:
     try:
         train(cfg)
-        return outcome(run_dir, halted=False)
+        return outcome(Path(cfg.run.dir), halted=False)
     except TrainingDivergedError:
-        return outcome(run_dir, halted=True)
+        return outcome(Path(cfg.run.dir), halted=True)
 
 
 def guard_cost(cfg: Config, signals: list[tuple[float, float, int]]) -> float:
@@ -124,18 +138,26 @@ def main() -> None:
         rows.append((name, run_drill(clean_dir, root / f"drill{len(rows)}", args.drill_from, args.steps,
                                      args.checkpoint_every, faults, overrides)))
         print(f"{name}: done", flush=True)
+    warmup_steps = min(WARMUP_STEPS, args.steps)
+    warmup_name = f"lr x{WARMUP_LR_FACTOR} from step 0 ({warmup_steps})"
+    rows.append((warmup_name, train_to_outcome(config(root / "warmup_lr", warmup_steps, args.checkpoint_every,
+                                                      overrides, lr_factor=WARMUP_LR_FACTOR))))
+    print(f"{warmup_name}: done", flush=True)
 
     print(f"\nthe default model, {args.steps} steps; drills from the clean run's step {args.drill_from}\n")
-    print(f"{'scenario':<32} {'detected':>8} {'skipped':>8} {'rollbacks':>9} {'batches out':>11} "
+    print(f"{'scenario':<32} {'detected':>8} {'skipped':>8} {'rollbacks':>9} {'routing':>7} {'batches out':>11} "
           f"{'final val loss':>14} {'vs clean':>9}")
     print(f"{'clean (false positives)':<32} {'-':>8} {clean['skipped']:>8} {clean['rollbacks']:>9} "
-          f"{clean['ruled_out']:>11} {clean['val_loss']:>14.4f} {'':>9}")
+          f"{clean['routing']:>7} {clean['ruled_out']:>11} {clean['val_loss']:>14.4f} {'':>9}")
     for name, r in rows:
-        detected = "yes" if r["skipped"] or r["rollbacks"] else "no"
+        detected = "yes" if r["skipped"] or r["rollbacks"] or r["routing"] else "no"
         val = "halted" if r["halted"] else f"{r['val_loss']:.4f}"
-        ratio = "" if r["halted"] else f"{(r['val_loss'] / clean['val_loss'] - 1) * 100:+.2f}%"
-        print(f"{name:<32} {detected:>8} {r['skipped']:>8} {r['rollbacks']:>9} {r['ruled_out']:>11} {val:>14} {ratio:>9}")
-    print(f"\nfalse positives in the clean run: {clean['skipped']} skipped steps, {clean['rollbacks']} rollbacks")
+        # Only a run that trained the clean run's steps compares with it.
+        ratio = f"{(r['val_loss'] / clean['val_loss'] - 1) * 100:+.2f}%" if r["steps"] == args.steps else ""
+        print(f"{name:<32} {detected:>8} {r['skipped']:>8} {r['rollbacks']:>9} {r['routing']:>7} "
+              f"{r['ruled_out']:>11} {val:>14} {ratio:>9}")
+    print(f"\nfalse positives in the clean run: {clean['skipped']} skipped steps, {clean['rollbacks']} rollbacks, "
+          f"{clean['routing']} routing-collapse incidents")
 
     per_call = guard_cost(cfg, clean["signals"])
     step = statistics.median(clean["step_times"])

@@ -25,5 +25,9 @@ def test_spike_drill_benchmark_prints_its_table(corpus):
     for scenario in ("NaN loss", "gradient x1000", "loss x10", r"poisoned range \(random tokens\)",
                      r"poisoned range \(one token\)"):
         assert re.search(rf"^{scenario} +yes +[1-9]", out, re.M), out
-    assert "false positives in the clean run: 0 skipped steps, 0 rollbacks" in out
+    # the learning-rate drills have their rows (on this tiny model they need not be caught: it
+    # trains through rates the default model does not; tests/test_spike_drills.py has them caught)
+    assert re.search(r"^learning rate x20 to the end +(yes|no) +\d+ +\d+ +\d+ ", out, re.M), out
+    assert re.search(r"^lr x100 from step 0 \(50\) +(yes|no) ", out, re.M), out
+    assert "false positives in the clean run: 0 skipped steps, 0 rollbacks, 0 routing-collapse incidents" in out
     assert re.search(r"guard verdict: \d+ us per step = [\d.]+ % of the median step", out)
