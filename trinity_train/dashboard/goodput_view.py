@@ -7,14 +7,9 @@ does not re-read it for nothing.
 
 from __future__ import annotations
 
-import threading
-
 from trinity_train.dashboard.runs import RunView
 from trinity_train.goodput import CATEGORIES, account
 from trinity_train.goodput.table import LABELS
-
-_cache: dict[str, tuple[int, dict]] = {}  # timeline path -> (its size, the payload)
-_cache_lock = threading.Lock()
 
 
 def goodput(run: RunView) -> dict:
@@ -22,14 +17,14 @@ def goodput(run: RunView) -> dict:
     for a run without a timeline (from before it, or not started)."""
     path = run.rundir.timeline
     size = path.stat().st_size if path.is_file() else -1
-    with _cache_lock:
-        cached = _cache.get(str(path))
+    with run.lock:
+        cached = run.derived.get("goodput")
     if cached is not None and cached[0] == size:
         return cached[1]
     result = account(run.rundir.path)
     payload = {"categories": list(CATEGORIES), "labels": LABELS}
     payload.update(result.to_dict() if result is not None else
                    {"wall_s": 0.0, "goodput": None, "seconds": {}, "steps": {}, "attempts": []})
-    with _cache_lock:
-        _cache[str(path)] = (size, payload)
+    with run.lock:
+        run.derived["goodput"] = (size, payload)
     return payload

@@ -60,6 +60,9 @@ class RunView:
         self.metrics = MetricsColumns()
         self.superseded = MetricsColumns()
         self.events: list[dict] = []
+        # What a view worked out from this run's files: name -> (the files' state it was worked
+        # out for, the value), so a page polling a long run does not recompute it for nothing.
+        self.derived: dict[str, tuple[object, object]] = {}
 
     # -- reading the files ---------------------------------------------------------------------
 

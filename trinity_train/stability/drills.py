@@ -96,6 +96,15 @@ class StepFaults:
         return self.loss_factor != 1.0 or self.grad_factor != 1.0 or self.lr_factor != 1.0
 
 
+def _run_wide_event(fault: FaultConfig, iteration: int, batch_index: int) -> dict:
+    """The `fault_injected` event of a numeric or save fault, recorded once for the run (rank: the
+    drilled rank, or null where the drill acts on every rank)."""
+    return event(EventName.FAULT_INJECTED, iter=iteration, batch=batch_index, fault=fault.fault,
+                 rank=None if fault.rank < 0 else fault.rank,
+                 factor=_factor(fault) if fault.fault in DEFAULT_FACTORS else None,
+                 token=fault.token if fault.fault == "poison_repeat" else None)
+
+
 def _covers(fault: FaultConfig, at: int) -> bool:
     last = fault.first if fault.last < 0 else fault.last
     return fault.first <= at <= last
@@ -177,16 +186,12 @@ class FaultInjector:
                 continue
             at = batch_index if fault.fault in POISON_FAULTS else iteration
             if _covers(fault, at):
-                out.append(event(EventName.FAULT_INJECTED, iter=iteration, batch=batch_index, fault=fault.fault,
-                                 rank=None if fault.rank < 0 else fault.rank,
-                                 factor=_factor(fault) if fault.fault in DEFAULT_FACTORS else None,
-                                 token=fault.token if fault.fault == "poison_repeat" else None))
+                out.append(_run_wide_event(fault, iteration, batch_index))
         return out
 
     def save_events(self, iteration: int, batch_index: int) -> list[dict]:
         """The `fault_injected` events of a save taken at `iteration` that a `fail_save` breaks."""
-        return [event(EventName.FAULT_INJECTED, iter=iteration, batch=batch_index, fault=fault.fault,
-                      rank=None if fault.rank < 0 else fault.rank, factor=None, token=None)
+        return [_run_wide_event(fault, iteration, batch_index)
                 for fault in self.faults if fault.fault == "fail_save" and _covers(fault, iteration)]
 
     def failing_save(self, iteration: int) -> OSError | None:
