@@ -98,6 +98,18 @@ def build_model_for_training(cfg: Config, device: torch.device, dims: ParallelDi
 # ---------------------------------------------------------------------------- the run
 
 
+@dataclass
+class LatestIteration:
+    """What became of the loop's latest iteration, for the timeline also when it raised."""
+
+    batch_index: int = -1  # the global batch it drew (an iteration that raised before drawing: the one before's)
+    skipped: bool = False  # its step was refused
+    stepped: bool = False  # its step is complete (trained or refused, recorded)
+
+    def begin(self) -> None:
+        self.skipped = self.stepped = False
+
+
 class TrainerState:
     """The loop's own counters, checkpointed with everything else."""
 
@@ -234,9 +246,7 @@ class Trainer:
         self.throughput: Throughput | None = None
         self.summary: TrainSummary | None = None
         self._started = 0.0
-        self._batch_index = -1  # of the latest iteration
-        self._skipped = False  # the latest iteration's step was refused
-        self._stepped = False  # the latest iteration's step is complete (trained or refused, recorded)
+        self.latest = LatestIteration()
         self._failed_saves = 0  # in a row
 
     def add_callback(self, callback: TrainerCallback) -> None:
@@ -385,11 +395,12 @@ class Trainer:
         """Draw the next global batch and train on it (or skip it, or roll back), then validate
         and checkpoint when due. Between `start()` and `finish()`."""
         self.timeline.iteration_begun()
-        self._skipped, self._stepped = False, False
+        self.latest.begin()
         try:
             self._iterate()
         finally:  # an iteration that raised (a crash, a halt) is time spent too
-            self.timeline.iteration_done(self, self._batch_index, skipped=self._skipped, failed=not self._stepped)
+            self.timeline.iteration_done(self, self.latest.batch_index, skipped=self.latest.skipped,
+                                         failed=not self.latest.stepped)
 
     def _iterate(self) -> None:
         if self.checkpoints.pending:
@@ -399,7 +410,7 @@ class Trainer:
         with self.phase(Phase.DATA):
             batch = self.train_loader.next_batch()
             self.state.iteration += 1
-            self._batch_index = batch.index
+            self.latest.batch_index = batch.index
             self.callbacks.before_step(self, batch)
         with self.phase(Phase.STEP):
             result = self.step_fn(batch, self.state.iteration, self.state.step)
@@ -411,11 +422,11 @@ class Trainer:
                 self.state.tokens_seen += result.tokens
             else:
                 self.summary.skipped_steps += 1
-                self._skipped = True
+                self.latest.skipped = True
             record = step_record(result, self.state, batch.index, self.throughput.of(result.tokens, elapsed))
             self.recovery.after_step(result, record, batch.index, self.recorder)
             self.callbacks.after_step(self, result, record)
-        self._stepped = True  # its record is written: whatever follows, the step happened
+        self.latest.stepped = True  # its record is written: whatever follows, the step happened
         self.summary.last_loss = result.loss
         if applied:
             self._after_applied_step()
@@ -439,7 +450,7 @@ class Trainer:
 
     def _save(self) -> None:
         step, iteration = self.state.step, self.state.iteration
-        self.recorder.events(self.faults.save_events(iteration, self._batch_index))
+        self.recorder.events(self.faults.save_events(iteration, self.latest.batch_index))
 
         def committed(path: Path) -> None:
             self._failed_saves = 0
