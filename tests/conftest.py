@@ -70,6 +70,15 @@ def assert_fails_in_one_line(result: subprocess.CompletedProcess, expected_code:
     assert_one_line_error(result.returncode, result.stderr, expected_code, *fragments)
 
 
+def cli_in_process(capsys, *args) -> tuple[int, str]:
+    """`trinity-train ARGS` called in this process (no interpreter to start): (exit code, what
+    it printed on stderr). The console script itself is `run_cli`'s."""
+    from trinity_train import cli
+
+    code = cli.main([str(a) for a in args])
+    return code, capsys.readouterr().err
+
+
 def shipped_training_configs() -> list[Path]:
     """Every training config under configs/, the study's base included (a study file, which
     names variants, is not one)."""

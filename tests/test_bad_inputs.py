@@ -12,17 +12,9 @@ import shutil
 import numpy as np
 import pytest
 
-from conftest import assert_one_line_error, run_cli, run_config
-from trinity_train import cli
+from conftest import assert_one_line_error, cli_in_process, run_cli, run_config
 from trinity_train.config import save_config
 from trinity_train.rundir import RunDir
-
-
-def main(capsys, *args):
-    code = cli.main([str(a) for a in args])
-    err = capsys.readouterr().err
-    return code, err
-
 
 
 @pytest.fixture
@@ -49,7 +41,7 @@ def edit_manifest(dataset, change):
 
 def train_on(dataset, capsys, tmp_path, **sections):
     run_dir = tmp_path / "run"
-    code, err = main(capsys, "train", "--config", config_file(dataset, tmp_path, run_dir, **sections))
+    code, err = cli_in_process(capsys, "train", "--config", config_file(dataset, tmp_path, run_dir, **sections))
     return code, err, run_dir
 
 
@@ -140,12 +132,12 @@ def deny_writes_under(monkeypatch, root):
 def test_a_read_only_run_directory_is_refused_fresh_and_on_resume(corpus, capsys, tmp_path, monkeypatch):
     run_dir = tmp_path / "run"
     config = config_file(corpus, tmp_path, run_dir)
-    assert main(capsys, "train", "--config", config)[0] == 0
+    assert cli_in_process(capsys, "train", "--config", config)[0] == 0
     before = sorted(p.relative_to(run_dir) for p in run_dir.rglob("*"))
     deny_writes_under(monkeypatch, run_dir)
-    code, err = main(capsys, "train", "--config", config, "--checkpoint.resume=auto", "--train.steps=4")
+    code, err = cli_in_process(capsys, "train", "--config", config, "--checkpoint.resume=auto", "--train.steps=4")
     assert_one_line_error(code, err, 2, f"run.dir: '{run_dir}' cannot be written", "choose another --run.dir")
-    code, err = main(capsys, "train", "--config", config, f"--run.dir={run_dir / 'fresh'}")
+    code, err = cli_in_process(capsys, "train", "--config", config, f"--run.dir={run_dir / 'fresh'}")
     assert_one_line_error(code, err, 2, f"run.dir: '{run_dir}' cannot be written")
     assert sorted(p.relative_to(run_dir) for p in run_dir.rglob("*")) == before
 
@@ -153,8 +145,8 @@ def test_a_read_only_run_directory_is_refused_fresh_and_on_resume(corpus, capsys
 def test_a_run_dir_that_is_a_file_is_refused(corpus, capsys, tmp_path):
     (tmp_path / "afile").write_text("not a directory")
     config = config_file(corpus, tmp_path, tmp_path / "afile")
-    assert_one_line_error(*main(capsys, "train", "--config", config), 2, "run.dir:", "afile' is a file, not a directory")
-    code, err = main(capsys, "train", "--config", config, f"--run.dir={tmp_path / 'afile' / 'run'}")
+    assert_one_line_error(*cli_in_process(capsys, "train", "--config", config), 2, "run.dir:", "afile' is a file, not a directory")
+    code, err = cli_in_process(capsys, "train", "--config", config, f"--run.dir={tmp_path / 'afile' / 'run'}")
     assert_one_line_error(code, err, 2, "cannot be created:", "afile' is a file")
 
 
@@ -168,7 +160,7 @@ def test_a_full_disk_during_a_checkpoint_names_the_disk_and_leaves_no_tmp(corpus
     run_dir = tmp_path / "run"
     # The first failed save stops the run here (by default a run trains on through
     # checkpoint.max_failed_saves - 1 of them, each a warning naming the disk: tests/test_failed_save.py).
-    code, err = main(capsys, "train", "--config", config_file(corpus, tmp_path, run_dir),
+    code, err = cli_in_process(capsys, "train", "--config", config_file(corpus, tmp_path, run_dir),
                      "--checkpoint.max_failed_saves=1")
     assert_one_line_error(code, err, 1, "step_00000002", "could not be written: no space left on the disk holding",
                     "--checkpoint.resume=auto")
@@ -182,7 +174,7 @@ def test_a_full_disk_under_the_metrics_is_one_line(corpus, capsys, tmp_path, mon
         raise OSError(errno.ENOSPC, "No space left on device", str(self.path))
 
     monkeypatch.setattr(jsonl.JsonlWriter, "write", no_space)
-    code, err = main(capsys, "train", "--config", config_file(corpus, tmp_path, tmp_path / "run"))
+    code, err = cli_in_process(capsys, "train", "--config", config_file(corpus, tmp_path, tmp_path / "run"))
     assert_one_line_error(code, err, 1, "could not write", "events.jsonl': no space left on the disk holding")
 
 
@@ -190,7 +182,7 @@ def test_a_full_disk_under_the_metrics_is_one_line(corpus, capsys, tmp_path, mon
 def test_a_corrupt_dcp_metadata_is_one_line(corpus, capsys, tmp_path):
     run_dir = tmp_path / "run"
     config = config_file(corpus, tmp_path, run_dir)
-    assert main(capsys, "train", "--config", config)[0] == 0
+    assert cli_in_process(capsys, "train", "--config", config)[0] == 0
     ckpt = RunDir(run_dir).checkpoints / "step_00000002"
     (ckpt / ".metadata").write_bytes(b"\x80\x04garbage")
     for meta_change in (lambda m: m, lambda m: {**{k: v for k, v in m.items() if k != "files"}, "format_version": 2}):
@@ -202,7 +194,7 @@ def test_a_corrupt_dcp_metadata_is_one_line(corpus, capsys, tmp_path):
 
 
 def prepare(capsys, tmp_path, *args):
-    return main(capsys, "prepare-data", "--out", tmp_path / "out", "--no-progress", "--num-proc", 1, *args)
+    return cli_in_process(capsys, "prepare-data", "--out", tmp_path / "out", "--no-progress", "--num-proc", 1, *args)
 
 
 def test_prepare_data_on_a_numeric_text_and_a_torn_last_record(capsys, tmp_path):
@@ -248,10 +240,10 @@ def test_report_refuses_runs_that_are_not_there_and_outs_that_are_not_files(run,
     (tmp_path / "afile").write_text("x")
     for runs, fragments in (([tmp_path / "nowhere"], ["nowhere' does not exist"]),
                             ([run, tmp_path / "plain"], ["plain' is not a run directory", "events.jsonl"])):
-        assert_one_line_error(*main(capsys, "report", *runs, "--out", out), 2, *fragments, "pass the run's directory")
-    assert_one_line_error(*main(capsys, "report", run, "--out", tmp_path), 2, "is a directory",
+        assert_one_line_error(*cli_in_process(capsys, "report", *runs, "--out", out), 2, *fragments, "pass the run's directory")
+    assert_one_line_error(*cli_in_process(capsys, "report", run, "--out", tmp_path), 2, "is a directory",
                           f"--out {tmp_path / 'report.html'}")
-    assert_one_line_error(*main(capsys, "report", run, "--out", tmp_path / "afile" / "r.html"), 2,
+    assert_one_line_error(*cli_in_process(capsys, "report", run, "--out", tmp_path / "afile" / "r.html"), 2,
                           "afile' is a file", "choose another --out")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["afile", "plain", "run"]
 
@@ -263,7 +255,7 @@ def test_report_to_a_read_only_place_advises_another_out(run, capsys, tmp_path, 
         raise OSError(errno.EROFS, "Read-only file system", str(path))
 
     monkeypatch.setattr(report, "atomic_write_text", read_only)
-    code, err = main(capsys, "report", run, "--out", tmp_path / "r.html")
+    code, err = cli_in_process(capsys, "report", run, "--out", tmp_path / "r.html")
     assert_one_line_error(code, err, 1, "could not write the report", "cannot be written", "choose another --out")
 
 
@@ -272,15 +264,15 @@ def test_incidents_says_what_a_path_is_when_it_is_not_a_run(capsys, tmp_path):
     (tmp_path / "afile").write_text("x")
     for path, fragment in (("plain", "plain' is not a run directory"), ("afile", "afile' is a file, not a run"),
                            ("nowhere", "nowhere' does not exist")):
-        assert_one_line_error(*main(capsys, "incidents", tmp_path / path), 1, fragment, "pass the run's run.dir")
+        assert_one_line_error(*cli_in_process(capsys, "incidents", tmp_path / path), 1, fragment, "pass the run's run.dir")
 
 
 def test_a_port_out_of_range_is_a_usage_mistake(capsys, tmp_path):
-    assert_one_line_error(*main(capsys, "dashboard", tmp_path, "--port", 99999), 2, "--port 99999", "0 to 65535")
+    assert_one_line_error(*cli_in_process(capsys, "dashboard", tmp_path, "--port", 99999), 2, "--port 99999", "0 to 65535")
 
 
 def test_a_bad_muon_lr_is_named_as_itself(capsys, tmp_path):
-    code, err = main(capsys, "train", "--optim.muon_lr=nan", f"--run.dir={tmp_path / 'run'}")
+    code, err = cli_in_process(capsys, "train", "--optim.muon_lr=nan", f"--run.dir={tmp_path / 'run'}")
     assert_one_line_error(code, err, 2, "optim.muon_lr: a learning rate must be a positive finite number, got nan")
 
 
@@ -289,11 +281,11 @@ def test_paths_of_the_wrong_kind_say_what_they_are(corpus, capsys, tmp_path):
     run_dir = tmp_path / "run"
     for data_path, fragments in (("nowhere", ["nowhere' does not exist", f"--out {tmp_path / 'nowhere'}`"]),
                                  ("afile", ["afile' is a file, not a prepared dataset directory"])):
-        code, err = main(capsys, "train", "--config", config_file(corpus, tmp_path, run_dir),
+        code, err = cli_in_process(capsys, "train", "--config", config_file(corpus, tmp_path, run_dir),
                          f"--data.path={tmp_path / data_path}")
         assert_one_line_error(code, err, 1, *fragments)
         assert "{path}" not in err and not run_dir.exists()
-    code, err = main(capsys, "train", "--config", tmp_path)
+    code, err = cli_in_process(capsys, "train", "--config", tmp_path)
     assert_one_line_error(code, err, 2, f"config file '{tmp_path}' is a directory, not a TOML file")
 
 
@@ -304,7 +296,7 @@ def test_a_directory_that_is_no_checkpoint_is_not_called_an_interrupted_save(cap
     (torn / "__0_0.distcp").write_bytes(b"tensors")  # a save that stopped before its meta.json
     for command in (["ckpt", "verify"], ["ckpt", "inspect"], ["export-hf"]):
         out = [tmp_path / "hf"] if command == ["export-hf"] else []
-        assert_one_line_error(*main(capsys, *command, plain, *out), 1, "plain' is not a checkpoint directory",
+        assert_one_line_error(*cli_in_process(capsys, *command, plain, *out), 1, "plain' is not a checkpoint directory",
                               "pass a checkpoint")
-        assert_one_line_error(*main(capsys, *command, torn, *out), 1, "is incomplete", "the save was interrupted")
+        assert_one_line_error(*cli_in_process(capsys, *command, torn, *out), 1, "is incomplete", "the save was interrupted")
     assert not (tmp_path / "hf").exists()
