@@ -1,6 +1,8 @@
 """The whole user workflow through the real console script, on a tiny model and corpus:
 prepare-data -> train -> resume -> ckpt inspect/verify -> export-hf (loads in transformers) ->
-import-hf -> a new run initialised from the import."""
+import-hf -> a new run initialised from the import. Each step of the workflow is a fresh
+console-script process; the variations of one command (its other options and outputs) call the
+same `main` in this process."""
 
 import json
 import random
@@ -8,9 +10,10 @@ import random
 import pytest
 import torch
 
-from conftest import run_cli
+from conftest import cli_in_process, run_cli
 
 from trinity_train.checkpoint import load_model_checkpoint
+from trinity_train.cli import main
 from trinity_train.files import read_jsonl
 from trinity_train.records import EventName, RecordKind
 
@@ -96,19 +99,22 @@ def test_resume_auto_continues_from_the_newest_checkpoint(workdir):
     assert any(e["event"] == EventName.RESUME and e["checkpoint"].endswith("step_00000002") for e in events)
 
 
-def test_ckpt_inspect_and_verify(workdir):
+def test_ckpt_inspect_and_verify(workdir, monkeypatch, capsys):
     ckpt = "run/checkpoints/step_00000004"
     assert cli("ckpt", "verify", ckpt, cwd=workdir).stdout.startswith(f"ok: {ckpt} is complete and loadable")
-    summary = json.loads(cli("ckpt", "inspect", ckpt, "--json", cwd=workdir).stdout)
+    monkeypatch.chdir(workdir)
+    assert main(["ckpt", "inspect", ckpt, "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
     assert summary["step"] == 4 and summary["kind"] == "training"
     assert set(summary["components"]) == {"model", "optim", "scheduler", "loader", "guard", "lr_backoff", "trainer",
                                           "rng"}
-    assert "model: trinity, 4 layers, hidden 32" in cli("ckpt", "inspect", ckpt, cwd=workdir).stdout
+    assert main(["ckpt", "inspect", ckpt]) == 0
+    assert "model: trinity, 4 layers, hidden 32" in capsys.readouterr().out
 
     data_file = next((workdir / ckpt).glob("*.distcp"))
     data_file.write_bytes(data_file.read_bytes()[:-10])  # damage it: the last test of this module
-    result = cli("ckpt", "verify", ckpt, cwd=workdir, ok=False)
-    assert result.returncode == 1 and result.stderr.startswith("error: ") and "truncated" in result.stderr
+    code, err = cli_in_process(capsys, "ckpt", "verify", ckpt)
+    assert code == 1 and err.startswith("error: ") and "truncated" in err
 
 
 @pytest.fixture(scope="module")
@@ -141,18 +147,21 @@ def test_export_hf_carries_the_runs_tokenizer(workdir, exported):
     assert config.pad_token_id == ours.token_to_id("<|pad|>") == theirs.pad_token_id
 
 
-def test_export_hf_tokenizer_choices(workdir):
+def test_export_hf_tokenizer_choices(workdir, monkeypatch, capsys):
     ckpt = "run/checkpoints/step_00000002"
-    cli("export-hf", ckpt, "bare", "--no-tokenizer", cwd=workdir)
+    monkeypatch.chdir(workdir)
+    assert cli_in_process(capsys, "export-hf", ckpt, "bare", "--no-tokenizer")[0] == 0
     assert not (workdir / "bare" / "tokenizer.json").exists() and (workdir / "bare" / "config.json").exists()
     # Run from elsewhere, the run's relative data path does not resolve: a warning, no tokenizer.
-    result = cli("export-hf", workdir / ckpt, workdir / "elsewhere", cwd=workdir / "docs")
-    assert "exporting without a tokenizer" in result.stderr
+    monkeypatch.chdir(workdir / "docs")
+    code, err = cli_in_process(capsys, "export-hf", workdir / ckpt, workdir / "elsewhere")
+    assert code == 0 and "exporting without a tokenizer" in err
     assert not (workdir / "elsewhere" / "tokenizer.json").exists()
-    result = cli("export-hf", ckpt, "named", "--tokenizer", "data/tokenizer.json", cwd=workdir)
+    monkeypatch.chdir(workdir)
+    assert cli_in_process(capsys, "export-hf", ckpt, "named", "--tokenizer", "data/tokenizer.json")[0] == 0
     assert (workdir / "named" / "tokenizer.json").exists()
-    result = cli("export-hf", ckpt, "missing", "--tokenizer", "nope.json", cwd=workdir, ok=False)
-    assert result.returncode == 1 and "--tokenizer 'nope.json' is not a file" in result.stderr
+    code, err = cli_in_process(capsys, "export-hf", ckpt, "missing", "--tokenizer", "nope.json")
+    assert code == 1 and "--tokenizer 'nope.json' is not a file" in err
     assert not (workdir / "missing").exists()
 
 
