@@ -118,6 +118,25 @@ def test_slow_divergence_opens_an_incident_then_asks_for_a_rollback():
     assert [v.apply for v in verdicts[first_skip:]] == [False, False, False]
 
 
+def test_a_divergence_that_stays_below_the_spike_threshold_asks_for_a_rollback():
+    # From step 150 on the loss sits 8 % above its course (z ~4 at the sigma floor: an incident,
+    # never a 6-sigma skip): the 20th (calm_steps) step at incident level is refused as `drift`
+    # and asks for a rollback at once, with no skip before it.
+    losses = noisy(150, 7, level=3.0, noise=0.01) + [v * 1.08 for v in noisy(40, 9, level=3.0, noise=0.005)]
+    norms = noisy(len(losses), 8, noise=0.05)
+    verdicts = feed(guard(rollback_after=3, max_consecutive_skips=10), losses, norms, until_rollback=True)
+    (opened,) = events(verdicts, EventName.INCIDENT_OPEN)
+    assert opened["iter"] == 151 and opened["signal"] == "loss" and 3 <= opened["z"] < 6
+    refused = [(i, v.reason) for i, v in enumerate(verdicts) if not v.apply]
+    assert refused == [(150 + 19, "drift")]
+    assert verdicts[-1].rollback and verdicts[-1].onset_iter == 151
+    # In observe mode the same verdict is reported and training goes on; the count starts again.
+    observed = feed(guard(rollback_after=3, max_consecutive_skips=10, mode="observe"), losses, norms)
+    assert all(v.apply for v in observed)
+    assert [(i, e["action"], e["reason"]) for i, v in enumerate(observed) for e in v.events
+            if e["event"] == EventName.GUARD_OBSERVED] == [(169, "rollback", "drift"), (189, "rollback", "drift")]
+
+
 def test_nan_is_skipped_and_opens_an_incident_even_in_warmup():
     verdicts = feed(guard(), [3.0, math.nan, 3.0, 3.0], [1.0, 1.0, math.inf, 1.0])
     assert [v.reason for v in verdicts] == ["", "nonfinite", "nonfinite", ""]

@@ -18,6 +18,12 @@ communication.
   `calm_steps` normal steps in a row close it. While a signal is at incident level its values stay
   out of its window, so a slow divergence cannot drag the window up after it: it keeps rising
   against the calm baseline until it crosses `spike_zscore` and is skipped.
+- A divergence too slow for `spike_zscore` (measured: the default model's learning rate x20 late
+  in its cosine kept the loss at z 3-5, 50 % above its course, for 80 steps without one skip)
+  shows as an incident whose steps stay at incident level: its `calm_steps`-th step at incident
+  level (as many as it takes calm ones to close it) is refused (`drift`) and asks for a rollback
+  at once. Clean runs' incidents hold one or two such steps (the default model over 1,000
+  steps: at most 2), a drifting one dozens.
 - A MoE layer collapsed (`routing.RoutingWatch`: one expert takes `routing_max_load` times the
   mean, or `routing_dead_experts` get no token) for `routing_steps` steps in a row is a
   `routing_collapse` event naming the layer, and opens an incident that stays open while it lasts.
@@ -71,13 +77,14 @@ class Incident:
     z: float | None  # None where no z-score judged it (non-finite, ceiling, warm-up, routing)
     calm: int = 0  # normal steps in a row since the last abnormal one
     skips: int = 0  # skipped steps since the onset: skips that do not end it ask for a rollback
+    drifting: int = 0  # steps at incident level by z since the onset (or since it last asked for a rollback)
 
 
 @dataclass(frozen=True)
 class Verdict:
     apply: bool
     reason: str = ""  # why a step is skipped: "nonfinite", "loss_spike", "grad_spike", "loss_ceiling"
-    #                   or "grad_jump"
+    #                   "grad_jump" or "drift"
     loss_z: float | None = None
     grad_norm_z: float | None = None
     rollback: bool = False  # skipped, and the streak of skips asks for a rollback
@@ -183,6 +190,9 @@ class StepGuard:
         events = self._follow_incident(iteration, steps_applied, signal, skipped=not apply,
                                        abnormal=not finite or not apply or loss_odd or grad_odd
                                        or self.routing.collapsed)
+        drift = apply and (loss_odd or grad_odd) and self._drifted()
+        if drift:
+            reason, apply = "drift", False
         events += [event(EventName.ROUTING_COLLAPSE, iter=iteration, step=steps_applied, layer=c.layer,
                          max_load=c.max_load, dead_experts=c.dead_experts) for c in collapses]
 
@@ -206,9 +216,20 @@ class StepGuard:
         incident = self.incident
         unrecovered = max(self.consecutive_skips, incident.skips if incident else 0)
         return Verdict(apply, reason, loss_z, grad_z,
-                       rollback=not apply and not halt and 0 < cfg.rollback_after <= unrecovered,
+                       rollback=not apply and not halt and 0 < cfg.rollback_after <= (
+                           cfg.rollback_after if drift else unrecovered),
                        onset_iter=incident.onset_iter if incident else None,
                        onset_step=incident.onset_step if incident else None, events=tuple(events), halt=halt)
+
+    def _drifted(self) -> bool:
+        """A step at incident level by z, in the open incident: is it the `calm_steps`-th? (The
+        count starts again, so observe mode, which restores nothing, reports each such stretch.)"""
+        incident = self.incident
+        incident.drifting += 1
+        if incident.drifting < self.cfg.calm_steps:
+            return False
+        incident.drifting = 0
+        return True
 
     def _follow_incident(self, iteration: int, steps_applied: int, signal: tuple[str, float | None],
                          skipped: bool, abnormal: bool) -> list[dict]:
