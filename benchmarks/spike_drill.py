@@ -12,7 +12,8 @@ detector on the real run's signals, timed) as a fraction of the clean run's medi
 
     python benchmarks/spike_drill.py [--steps 1000] [--drill-from 800] [--out DIR] [--a.b=value ...]
 
-About 1,800 optimizer steps in all: ~30 minutes on a quiet 2-core machine.
+About 1,800 optimizer steps in all: 43 minutes on this 2-core machine with the test suite sharing it
+(benchmarks/README.md section 11).
 """
 
 from __future__ import annotations
