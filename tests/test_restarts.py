@@ -93,11 +93,11 @@ def test_the_launchers_check_their_restart_count(tmp_path):
 
 
 @pytest.mark.slow
-def test_the_local_launcher_restarts_a_job_whose_worker_was_killed():
+def test_the_local_launcher_restarts_a_job_whose_worker_was_killed(corpus):
     # benchmarks/restart_recovery.py --trainer: launch/local.sh 2, SIGKILL of rank 1 after the first
     # checkpoint; recovered means torchrun restarted both, they resumed, and the run finished.
     done = run_python("benchmarks/restart_recovery.py", "--trainer", "--trials", "1", "--variants",
-                      "c10d-fresh-store", "--timeout-s", "400", env=ONE_THREAD_ENV, ok=True)
+                      "c10d-fresh-store", "--timeout-s", "400", "--data", corpus, env=ONE_THREAD_ENV, ok=True)
     assert "| c10d-fresh-store | 1 / 1 |" in done.stdout, done.stdout
 
 
