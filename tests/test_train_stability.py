@@ -130,6 +130,10 @@ def test_a_divergence_that_stays_below_the_spike_threshold_asks_for_a_rollback()
     refused = [(i, v.reason) for i, v in enumerate(verdicts) if not v.apply]
     assert refused == [(150 + 19, "drift")]
     assert verdicts[-1].rollback and verdicts[-1].onset_iter == 151
+    # Off where z-scores skip nothing or rollbacks are off (the drift verdict is a rollback's).
+    for off in ({"spike_zscore": 0.0}, {"rollback_after": 0}):
+        assert all(v.apply for v in feed(guard(**{"rollback_after": 3, "max_consecutive_skips": 10, **off}),
+                                         losses, norms))
     # In observe mode the same verdict is reported and training goes on; the count starts again.
     observed = feed(guard(rollback_after=3, max_consecutive_skips=10, mode="observe"), losses, norms)
     assert all(v.apply for v in observed)

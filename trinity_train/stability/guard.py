@@ -22,8 +22,9 @@ communication.
   in its cosine kept the loss at z 3-5, 50 % above its course, for 80 steps without one skip)
   shows as an incident whose steps stay at incident level: its `calm_steps`-th step at incident
   level (as many as it takes calm ones to close it) is refused (`drift`) and asks for a rollback
-  at once. Clean runs' incidents hold one or two such steps (the default model over 1,000
-  steps: at most 2), a drifting one dozens.
+  at once (unless `spike_zscore` or `rollback_after` is 0: z-scores skip nothing, or there is no
+  rollback to ask for). Clean runs' incidents hold one or two such steps (the default model over
+  1,000 steps: at most 2), a drifting one dozens.
 - A MoE layer collapsed (`routing.RoutingWatch`: one expert takes `routing_max_load` times the
   mean, or `routing_dead_experts` get no token) for `routing_steps` steps in a row is a
   `routing_collapse` event naming the layer, and opens an incident that stays open while it lasts.
@@ -190,7 +191,10 @@ class StepGuard:
         events = self._follow_incident(iteration, steps_applied, signal, skipped=not apply,
                                        abnormal=not finite or not apply or loss_odd or grad_odd
                                        or self.routing.collapsed)
-        drift = apply and (loss_odd or grad_odd) and self._drifted()
+        # (a z-based refusal whose point is the rollback: off where z-scores skip nothing or
+        # rollbacks are off)
+        drift = (apply and (loss_odd or grad_odd) and cfg.spike_zscore > 0 and cfg.rollback_after > 0
+                 and self._drifted())
         if drift:
             reason, apply = "drift", False
         events += [event(EventName.ROUTING_COLLAPSE, iter=iteration, step=steps_applied, layer=c.layer,
