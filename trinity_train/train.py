@@ -53,7 +53,7 @@ from trinity_train.parallel.mesh import ParallelDims
 from trinity_train.parallel.parallelize import build_parallel_model
 from trinity_train.parallel.process_group import (destroy_distributed, init_distributed, leave_together,
                                                   resolve_device, world_size_from_env)
-from trinity_train.records import ENDED, FAILED, HALTED, EventName, Phase, event, train_record, val_record
+from trinity_train.records import ENDED, FAILED, HALTED, RUNNING, EventName, Phase, event, train_record, val_record
 from trinity_train.rundir import RunDir
 from trinity_train.run_config import validate_rules
 from trinity_train.runlock import run_dir_owned
@@ -137,6 +137,7 @@ class TrainSummary:
     skipped_steps: int = 0
     rollbacks: int = 0  # in this process
     wall_s: float = 0.0
+    status: str = RUNNING  # records.ENDED, HALTED or FAILED once `finish` has run
 
     def describe(self) -> str:
         if self.start_step >= self.step:
@@ -361,7 +362,7 @@ class Trainer:
         or FAILED), close the recorder and the timeline."""
         summary = self.summary
         summary.wall_s = time.perf_counter() - self._started
-        summary.step, summary.iteration = self.state.step, self.state.iteration
+        summary.step, summary.iteration, summary.status = self.state.step, self.state.iteration, status
         with self.phase(Phase.SHUTDOWN):
             try:
                 self.callbacks.on_end(self, summary)

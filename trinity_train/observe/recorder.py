@@ -19,7 +19,7 @@ from trinity_train.columnar import MirrorWriter
 from trinity_train.config import Config
 from trinity_train.observe.jsonl import JsonlWriter, move_records
 from trinity_train.observe.progress import ProgressDisplay
-from trinity_train.records import EventName, RecordKind, event, layers_record
+from trinity_train.records import FAILED, EventName, RecordKind, event, layers_record
 from trinity_train.rundir import RunDir
 
 
@@ -132,5 +132,9 @@ class RecordingCallback(TrainerCallback):
                                      reason=" ".join(str(error).split()), exit_code=error.exit_code))
 
     def on_end(self, trainer, summary) -> None:
+        # A loop that raised (a lost peer, a crash) did not end: its run reads as a killed one
+        # (records.run_status: running) and its attempt's timeline says failed.
+        if summary.status == FAILED:
+            return
         trainer.recorder.event(event(EventName.RUN_END, step=summary.step, iter=summary.iteration,
                                      wall_s=summary.wall_s))
