@@ -160,10 +160,10 @@ BAD_STUDIES = [
 
 
 @pytest.mark.parametrize("keys, fragments", BAD_STUDIES, ids=[f[0].split(":")[0] for _, f in BAD_STUDIES])
-def test_a_bad_study_file_is_one_line_before_anything_runs(corpus, tmp_path, keys, fragments):
+def test_a_bad_study_file_is_one_line_before_anything_runs(corpus, tmp_path, capsys, monkeypatch, keys, fragments):
     write_base(corpus, tmp_path)
     study = write_study(tmp_path, **keys)
-    result = ablate("--study", study, "--out", tmp_path / "out", cwd=tmp_path)
+    result = ablate_refused(capsys, monkeypatch, "--study", study, "--out", tmp_path / "out", cwd=tmp_path)
     assert result.returncode == 2, result.stdout + result.stderr
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"error: {study}: "), result.stderr
