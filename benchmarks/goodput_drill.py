@@ -22,6 +22,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from trinity_train.records import EventName
+
 ROOT = Path(__file__).resolve().parents[1]
 SMALL_MODEL = ["--model.hidden_size=64", "--model.num_layers=2", "--model.head_dim=16",
                "--model.intermediate_size=128", "--model.moe_intermediate_size=32"]
@@ -62,8 +64,8 @@ def main() -> int:
     accounted = sum(account["seconds"].values())
     print(f"categories {accounted:.1f} s, wall {account['wall_s']:.1f} s ({100 * (accounted / account['wall_s'] - 1):+.2f} %); "
           f"the launcher ran {launcher_wall:.1f} s (its own start before the first worker and its exit are outside)")
-    print(f"events: {names.count('run_start')} starts, {names.count('hang')} hang events, "
-          f"{names.count('rollback')} rollback(s), {names.count('skip')} skips")
+    print(f"events: {names.count(EventName.RUN_START)} starts, {names.count(EventName.HANG)} hang events, "
+          f"{names.count(EventName.ROLLBACK)} rollback(s), {names.count(EventName.SKIP)} skips")
     step_s = median_step_seconds(run_dir)
     write_s = timeline_write_seconds()
     print(f"writing an iteration's timeline line: {write_s * 1e6:.1f} us, {100 * write_s / step_s:.3f} % of the "

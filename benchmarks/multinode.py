@@ -49,6 +49,8 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
+from trinity_train.records import EventName
+
 ROOT = Path(__file__).resolve().parents[1]
 BENCH_DIR = Path(__file__).resolve().parent
 PREFIX, SUBNET = "tb", "10.218.0"
@@ -380,7 +382,7 @@ class Bench:
             records = surviving_train_records(train_records(run_dir))
             result["finished_steps"] = len(records)
             result["step_s"] = median_step_s(records)
-            result["restarts"] = sum(1 for e in job.events() if e.get("event") == "run_start") - 1
+            result["restarts"] = sum(1 for e in job.events() if e.get("event") == EventName.RUN_START) - 1
         except Exception as e:
             raise RuntimeError(f"recovery: {e}\n{tail(logs)}") from e
         result["load_end"] = loadavg()
@@ -416,10 +418,10 @@ class RecoveryJob:
         raise TimeoutError(f"{what} not reached before the recovery job's deadline")
 
     def checkpointed(self, step: int) -> bool:
-        return any(e.get("event") == "checkpoint" and e["step"] >= step for e in self.events())
+        return any(e.get("event") == EventName.CHECKPOINT and e["step"] >= step for e in self.events())
 
     def restart_after(self, fault: float) -> dict | None:
-        return next((e for e in self.events() if e.get("event") == "run_start" and e["time"] > fault), None)
+        return next((e for e in self.events() if e.get("event") == EventName.RUN_START and e["time"] > fault), None)
 
     def trained_after(self, fault: float, count: int) -> bool:
         start = self.restart_after(fault)

@@ -19,6 +19,8 @@ from trinity_train.dashboard import browser
 from trinity_train.dashboard.report import write_report
 from trinity_train.dashboard.server import DashboardServer
 from trinity_train.goodput import CATEGORIES, account
+from trinity_train.records import EventName
+from trinity_train.rundir import RunDir
 
 if not browser.available():
     if os.environ.get("CI"):
@@ -59,6 +61,10 @@ def check_rollback_views(driver, run):
     assert sorted(superseded) == run.superseded
     skips = [x for t in ours if t["meta"]["kind"] == "skip" for x in t["x"]]
     assert sorted(skips) == run.skipped
+    # checkpoints and the resume after the kill are marked where their events say
+    for kind, name in (("checkpoint", EventName.CHECKPOINT), ("resume", EventName.RESUME)):
+        drawn = [x for t in ours if t["meta"]["kind"] == kind for x in t["x"]]
+        assert drawn and drawn == [e["iter"] for e in RunDir(run.path).read_events(name)], kind
     heat = figure(driver, "plot-moe-heat")["data"][0]
     assert heat["type"] == "heatmap" and len(heat["z"]) == len(MOE_LAYERS)
     check_goodput_panel(driver, run)

@@ -11,11 +11,11 @@ import json
 
 import pytest
 
-from conftest import assert_fails_in_one_line, run_cli
+from conftest import assert_one_line_error, cli_in_process, run_cli
 from drill_run import write_drill_run
 from goodput_check import checked_account
 from trinity_train.goodput import CATEGORIES, account, format_table
-from trinity_train.records import TimelineKind, timeline_record
+from trinity_train.records import EventName, TimelineKind, event, timeline_record
 from trinity_train.rundir import RunDir
 
 
@@ -42,12 +42,12 @@ def test_the_command_prints_the_table_and_the_json(drill):
     assert as_json["goodput"] == pytest.approx(as_json["seconds"]["productive"] / as_json["wall_s"])
 
 
-def test_the_command_refuses_what_it_cannot_account_for(tmp_path):
-    assert_fails_in_one_line(run_cli("goodput", str(tmp_path / "absent")), 1, "does not exist")
-    old = tmp_path / "old"
+def test_the_command_refuses_what_it_cannot_account_for(tmp_path, capsys):
+    assert_one_line_error(*cli_in_process(capsys, "goodput", tmp_path / "absent"), 1, "does not exist")
+    old = tmp_path / "old"  # a run from before timelines
     old.mkdir()
-    (old / "events.jsonl").write_text('{"event": "run_start", "time": 1}\n')
-    assert_fails_in_one_line(run_cli("goodput", str(old)), 1, "has no timeline.jsonl")
+    (old / "events.jsonl").write_text(json.dumps(event(EventName.RUN_START, step=0, iter=0, device="cpu", devices=1, resumed_from=None)) + "\n")
+    assert_one_line_error(*cli_in_process(capsys, "goodput", old), 1, "has no timeline.jsonl")
 
 
 def write_timeline(run_dir, *records) -> None:

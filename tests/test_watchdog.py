@@ -78,9 +78,9 @@ def test_a_machine_drill_an_earlier_attempt_injected_is_spent():
     assert [f.fault for f in injector.machine_faults(3, BEFORE_STEP)] == ["kill_rank", "hang_rank"]
     assert injector.machine_event(faults[1], 3, batch_index=2)["seconds"] == 3600.0  # the default
     injector = FaultInjector(faults, rank=1, vocab_size=64)
-    injector.spend([{"event": "fault_injected", "fault": "kill_rank", "iter": 3, "rank": 1},
-                    {"event": "fault_injected", "fault": "hang_rank", "iter": 3, "rank": 0},  # another rank's
-                    {"event": "fault_injected", "fault": "nan_loss", "iter": 3, "rank": None}])
+    injector.spend([{"event": EventName.FAULT_INJECTED, "fault": "kill_rank", "iter": 3, "rank": 1},
+                    {"event": EventName.FAULT_INJECTED, "fault": "hang_rank", "iter": 3, "rank": 0},  # another rank's
+                    {"event": EventName.FAULT_INJECTED, "fault": "nan_loss", "iter": 3, "rank": None}])
     assert [f.fault for f in injector.machine_faults(3, BEFORE_STEP)] == ["hang_rank"]
     assert [f.fault for f in injector.machine_faults(4, BEFORE_STEP)] == ["hang_rank"]  # each iteration once
     assert injector.events(3, 2) == []  # a machine fault's event is its rank's, not rank 0's for all

@@ -128,8 +128,11 @@ def markers(run: RunView) -> dict:
                                                "skipped_batches", "rollbacks", "lr_scale")},
                       "incident": _incident_name(e)} for e in run.events_named(EventName.ROLLBACK)]
         events = [e for e in run.events if e.get("event") in MARKER_EVENTS]
+        # The page's own markers, by kind, so that it never spells an event name.
+        checkpoints, resumes = run.events_named(EventName.CHECKPOINT), run.events_named(EventName.RESUME)
         generation = run.generation
-    return {"run": run.index, "generation": generation, "skipped": skipped, "rollbacks": rollbacks, "events": events}
+    return {"run": run.index, "generation": generation, "skipped": skipped, "rollbacks": rollbacks,
+            "checkpoints": checkpoints, "resumes": resumes, "events": events}
 
 
 def _incident_name(event: dict) -> str | None:

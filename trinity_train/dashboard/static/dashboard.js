@@ -167,7 +167,7 @@
       marker: { symbol: "x", size: 10, color: "#cf222e" }, text: nonfinite.map(skipText), hovertemplate: "%{text}<extra></extra>",
       customdata: nonfinite.map((s) => s.incident), meta: { run: run.index, kind: "skip" },
     });
-    const events = (name) => m.events.filter((e) => e.event === name && e.iter !== null && e.iter !== undefined);
+    const placed = (items) => (items || []).filter((e) => e.iter !== null && e.iter !== undefined);
     const onTop = (items, y, symbol, fill, kind, text, custom) => {
       if (!items.length) return;
       traces.push({
@@ -181,9 +181,9 @@
       (r) => `${label}<br><b>rollback</b> at iter ${r.iter} to iter ${r.to_iter} (step ${r.from_step} → ${r.to_step})` +
         `<br>iterations ${r.to_iter + 1}..${r.iter} undone<br>LR scale ${fmt(r.lr_scale)}` + (r.incident ? "<br><i>click for the incident report</i>" : ""),
       (r) => r.incident);
-    onTop(events("checkpoint"), 0.03, "triangle-up", "#0969da", "checkpoint",
+    onTop(placed(m.checkpoints), 0.03, "triangle-up", "#0969da", "checkpoint",
       (e) => `${label}<br><b>checkpoint</b> step ${e.step} (iter ${e.iter})<br>${escapeHtml(e.path || "")}`);
-    onTop(events("resume"), 0.08, "diamond", "#8250df", "resume",
+    onTop(placed(m.resumes), 0.08, "diamond", "#8250df", "resume",
       (e) => `${label}<br><b>resume</b> from ${escapeHtml(e.checkpoint || "?")}<br>step ${e.step}, iter ${e.iter}`);
     return traces;
   }
