@@ -220,8 +220,7 @@ class StepGuard:
         incident = self.incident
         unrecovered = max(self.consecutive_skips, incident.skips if incident else 0)
         return Verdict(apply, reason, loss_z, grad_z,
-                       rollback=not apply and not halt and 0 < cfg.rollback_after <= (
-                           cfg.rollback_after if drift else unrecovered),
+                       rollback=not apply and not halt and (drift or 0 < cfg.rollback_after <= unrecovered),
                        onset_iter=incident.onset_iter if incident else None,
                        onset_step=incident.onset_step if incident else None, events=tuple(events), halt=halt)
 
