@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import tomli_w
 
-from conftest import RUN_MODEL, run_cli
+from conftest import RUN_MODEL, cli_in_process, run_cli
 
 STEPS, MICRO_BATCH, SEQ_LEN = 6, 2, 16
 TOKENS = STEPS * MICRO_BATCH * SEQ_LEN
@@ -46,14 +46,12 @@ def write_study(folder: Path, **keys) -> Path:
 
 
 def ablate_refused(capsys, monkeypatch, *args, cwd: Path) -> SimpleNamespace:
-    """`trinity-train ablate ARGS --allow-dirty` in this process, for what it refuses before any
-    cell runs (a process per call would import torch each time): its exit code and stderr."""
-    from trinity_train.cli import main
-
+    """`trinity-train ablate ARGS --allow-dirty` in this process (`cli_in_process`), for what it
+    refuses before any cell runs: its exit code and stderr."""
     monkeypatch.chdir(cwd)
     capsys.readouterr()
-    code = main(["ablate", *map(str, args), "--allow-dirty"])
-    return SimpleNamespace(returncode=code, stderr=capsys.readouterr().err)
+    code, err = cli_in_process(capsys, "ablate", *args, "--allow-dirty")
+    return SimpleNamespace(returncode=code, stderr=err)
 
 
 def ablate(*args, cwd: Path, allow_dirty: bool = True):

@@ -46,7 +46,8 @@ def test_the_command_refuses_what_it_cannot_account_for(tmp_path, capsys):
     assert_one_line_error(*cli_in_process(capsys, "goodput", tmp_path / "absent"), 1, "does not exist")
     old = tmp_path / "old"  # a run from before timelines
     old.mkdir()
-    (old / "events.jsonl").write_text(json.dumps(event(EventName.RUN_START, step=0, iter=0, device="cpu", devices=1, resumed_from=None)) + "\n")
+    start = event(EventName.RUN_START, step=0, iter=0, device="cpu", devices=1, resumed_from=None)
+    (old / "events.jsonl").write_text(json.dumps(start) + "\n")
     assert_one_line_error(*cli_in_process(capsys, "goodput", old), 1, "has no timeline.jsonl")
 
 

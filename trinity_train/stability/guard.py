@@ -191,10 +191,11 @@ class StepGuard:
         events = self._follow_incident(iteration, steps_applied, signal, skipped=not apply,
                                        abnormal=not finite or not apply or loss_odd or grad_odd
                                        or self.routing.collapsed)
-        # (a z-based refusal whose point is the rollback: off where z-scores skip nothing or
-        # rollbacks are off)
-        drift = (apply and (loss_odd or grad_odd) and cfg.spike_zscore > 0 and cfg.rollback_after > 0
-                 and self._drifted())
+        drift = False
+        # A z-based refusal whose point is the rollback: off where z-scores skip nothing or
+        # rollbacks are off.
+        if apply and (loss_odd or grad_odd) and cfg.spike_zscore > 0 and cfg.rollback_after > 0:
+            drift = self._drifted()
         if drift:
             reason, apply = "drift", False
         events += [event(EventName.ROUTING_COLLAPSE, iter=iteration, step=steps_applied, layer=c.layer,

@@ -167,7 +167,7 @@
       marker: { symbol: "x", size: 10, color: "#cf222e" }, text: nonfinite.map(skipText), hovertemplate: "%{text}<extra></extra>",
       customdata: nonfinite.map((s) => s.incident), meta: { run: run.index, kind: "skip" },
     });
-    const placed = (items) => (items || []).filter((e) => e.iter !== null && e.iter !== undefined);
+    const placed = (items) => items.filter((e) => e.iter !== null && e.iter !== undefined);
     const onTop = (items, y, symbol, fill, kind, text, custom) => {
       if (!items.length) return;
       traces.push({
