@@ -13,6 +13,8 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import os
+import re
 import tomllib
 import types
 import typing
@@ -28,6 +30,13 @@ from trinity_train.files import atomic_write_text
 # configs/debug.toml of the source tree; an installed copy without it uses the dataclass defaults,
 # which equal it (tests/test_config.py checks that).
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "debug.toml"
+
+
+# A str setting that names a file or directory: `~` is expanded when the config is read (a shell
+# leaves the `~` of `--run.dir=~/x` alone, and a directory literally named `~` is a trap).
+# data.cache_dir, whose default lies under `~`, is expanded where it is read instead, so that a
+# saved config reads back the same.
+UserPath = typing.NewType("UserPath", str)
 
 
 def default_config_path() -> Path | None:
@@ -74,7 +83,7 @@ class ModelConfig:
 
 @dataclass
 class DataSource:
-    path: str = ""
+    path: UserPath = ""
     weight: float = 1.0
 
 
@@ -86,8 +95,8 @@ class DataPhase:
 
 @dataclass
 class DataConfig:
-    path: str = ""  # a prepared dataset directory; empty means the embedded default corpus
-    cache_dir: str = "~/.cache/trinity-train"
+    path: UserPath = ""  # a prepared dataset directory; empty means the embedded default corpus
+    cache_dir: str = "~/.cache/trinity-train"  # `~` expanded where it is read
     seq_len: int = 256
     seed: int = 1234  # the sample order (and mixing); the same seed gives the same batches
     vocab_size: int = 8192  # tokenizer size trained for the embedded default corpus
@@ -106,7 +115,7 @@ class TrainConfig:
     global_batch_size: int = 0  # >0: sequences per optimizer step over all data-parallel ranks, fixed
     #                             whatever the layout: grad_accum = global / (micro_batch_size x dp), so
     #                             a resume on other ranks trains on the same batches. 0: micro x accum x dp
-    grad_clip: float = 1.0
+    grad_clip: float = 1.0  # clip the global gradient norm to this; 0: no clipping
     seed: int = 0
     eval_every: int = 50
     eval_batches: int = 4
@@ -155,8 +164,8 @@ class ParallelConfig:
 class CheckpointConfig:
     every: int = 50
     keep: int = 3
-    resume: str = "none"  # "none", "auto" (newest in the run directory) or a checkpoint path
-    init_from: str = ""  # a checkpoint (e.g. from import-hf) whose model weights start the run
+    resume: UserPath = "none"  # "none", "auto" (newest in the run directory) or a checkpoint path
+    init_from: UserPath = ""  # a checkpoint (e.g. from import-hf) whose model weights start the run
     async_save: bool = False
     max_failed_saves: int = 3  # a save that fails (a full or broken disk) is recorded and training goes
     #                            on, keeping the checkpoints it has; this many in a row stop the run
@@ -242,12 +251,12 @@ class WatchdogConfig:
     enabled: bool = True  # each rank watches its own progress, phase by phase
     multiple: float = 5.0  # a phase may last this many times its longest duration seen so far ...
     floor_s: float = 120.0  # ... but at least this long
-    first_s: float = 1800.0  # a phase not yet seen in this process (the first step compiles)
+    first_s: float = 1800.0  # a phase not yet seen in this process (the first step compiles); 0: no limit
 
 
 @dataclass
 class RunConfig:
-    dir: str = "runs/debug"
+    dir: UserPath = "runs/debug"
     name: str = "debug"
 
 
@@ -269,6 +278,8 @@ class Config:
 
 
 def _type_name(tp: Any) -> str:
+    if tp is UserPath:
+        return "str"
     return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
 
 
@@ -294,11 +305,34 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
             return value
     elif tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
+            return _finite(float(value), key)
     elif tp is str:
         if isinstance(value, str):
             return value
+    elif tp is UserPath:
+        if isinstance(value, str):
+            return os.path.expanduser(value)
     raise ConfigError(f"{key}: expected {_type_name(tp)}, got {value!r}")
+
+
+# The spelling of "no limit" for the keys where a user may reach for `inf` to say it.
+NO_LIMIT_SPELLING = {
+    "train.grad_clip": "0 turns clipping off",
+    "watchdog.first_s": "0 gives a phase not seen yet no limit",
+    "watchdog.floor_s": "watchdog.enabled=false turns the watchdog off",
+    "watchdog.multiple": "watchdog.enabled=false turns the watchdog off",
+    "parallel.init_timeout_s": "there is no unlimited wait: give a long finite one, e.g. 86400",
+    "parallel.collective_timeout_s": "there is no unlimited wait: give a long finite one, e.g. 86400",
+}
+
+
+def _finite(value: float, key: str) -> float:
+    """Every float setting is a finite number: nan or inf would pass comparisons silently (nan) or
+    break the run far from the config (JSON has no inf, so every checkpoint save would fail)."""
+    if not math.isfinite(value):
+        spelling = NO_LIMIT_SPELLING.get(re.sub(r"\[\d+\]", "", key))
+        raise ConfigError(f"{key}: must be a finite number, got {value}" + (f" ({spelling})" if spelling else ""))
+    return value
 
 
 def _build(cls: type, table: dict, prefix: str) -> Any:
@@ -375,11 +409,15 @@ def config_from_dict(table: dict) -> Config:
 def _read_toml(path: Path, seen: tuple[Path, ...] = ()) -> dict:
     """Read a config file; a top-level `base = "other.toml"` (relative to this file) is read first
     and this file's tables are merged over it, so an ablation is its base plus what differs."""
+    path = path.expanduser()
     if not path.is_file():
         what = "is a directory, not a TOML file" if path.is_dir() else "does not exist"
         raise ConfigError(f"config file '{path}' {what}; pass a .toml file (e.g. configs/debug.toml)")
     try:
-        table = tomllib.loads(path.read_text())
+        table = tomllib.loads(path.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError:
+        raise ConfigError(f"config file '{path}' is not UTF-8 text (a binary file?); pass a .toml file "
+                          "(e.g. configs/debug.toml)") from None
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"config file '{path}' is not valid TOML: {e}") from None
     base = table.pop("base", None)
@@ -454,6 +492,24 @@ def validate(cfg: Config) -> None:
     _validate_metrics(cfg.metrics)
     _validate_watchdog(cfg.watchdog)
     require(bool(cfg.run.dir), "run.dir", "must not be empty")
+    _no_negative_floats(cfg, "")
+
+
+def _no_negative_floats(node: Any, prefix: str) -> None:
+    """No float setting has a meaning below 0 (rates, weights, factors, seconds, thresholds):
+    the rule for every float key, after each section's own range checks, whose messages say more."""
+    if isinstance(node, list):
+        for i, item in enumerate(node):
+            _no_negative_floats(item, f"{prefix}[{i}]")
+        return
+    if not dataclasses.is_dataclass(node):
+        return
+    for f in dataclasses.fields(node):
+        value, key = getattr(node, f.name), f"{prefix}.{f.name}" if prefix else f.name
+        if isinstance(value, float):
+            require(value >= 0, key, f"must be >= 0, got {value}")
+        else:
+            _no_negative_floats(value, key)
 
 
 def _validate_model(m: ModelConfig) -> None:
@@ -473,9 +529,12 @@ def _validate_model(m: ModelConfig) -> None:
     require(m.global_every >= 0, "model.global_every", "must be >= 0 (0: the block's own pattern)")
     require(m.norm_eps >= 0, "model.norm_eps", "must be >= 0 (0: the block's own)")
     require(m.route_scale > 0, "model.route_scale", "must be positive")
+    for name in ("rope_theta", "global_rope_theta"):
+        require(getattr(m, name) > 0, f"model.{name}", f"a RoPE base must be positive, got {getattr(m, name)}")
+    require(0 <= m.smebu_beta < 1, "model.smebu_beta", f"a momentum must be in [0, 1), got {m.smebu_beta}")
     require(m.init_std >= 0, "model.init_std", "must be >= 0 (0 selects 0.5/sqrt(hidden_size))")
-    require(m.aux_loss_alpha >= 0 and m.z_loss_weight >= 0, "model.aux_loss_alpha",
-            "loss weights must be >= 0")
+    for name in ("aux_loss_alpha", "z_loss_weight"):
+        require(getattr(m, name) >= 0, f"model.{name}", f"a loss weight must be >= 0, got {getattr(m, name)}")
     one_of(m.expert_impl, ("grouped", "loop"), "model.expert_impl")
     one_of(m.load_balance, ("sign", "smebu", "none"), "model.load_balance")
 
@@ -525,8 +584,10 @@ def _validate_optim(o: OptimConfig) -> None:
         value = getattr(o, key)
         require(value > 0 and math.isfinite(value), f"optim.{key}",
                 f"a learning rate must be a positive finite number, got {value}")
-    require(0 <= o.beta1 < 1 and 0 <= o.beta2 < 1, "optim.beta1", "betas must be in [0, 1)")
+    for name in ("beta1", "beta2"):
+        require(0 <= getattr(o, name) < 1, f"optim.{name}", f"must be in [0, 1), got {getattr(o, name)}")
     require(o.weight_decay >= 0, "optim.weight_decay", "must be >= 0")
+    require(o.eps > 0, "optim.eps", f"must be positive (it keeps AdamW's division finite), got {o.eps}")
     require(o.warmup_steps >= 0, "optim.warmup_steps", "must be >= 0")
     require(0 <= o.decay_fraction <= 1, "optim.decay_fraction", "must be in [0, 1]")
     require(0 <= o.min_lr_ratio <= 1, "optim.min_lr_ratio", "must be in [0, 1]")
@@ -560,8 +621,9 @@ def _validate_stability(s: StabilityConfig) -> None:
             f"must not exceed stability.spike_zscore ({s.spike_zscore}): an incident opens before a skip")
     require(s.window >= 2 and 1 <= s.min_history <= s.window, "stability.min_history",
             "needs window >= 2 and 1 <= min_history <= window")
-    require(s.loss_sigma_floor > 0 and s.grad_norm_sigma_floor > 0, "stability.loss_sigma_floor",
-            "sigma floors must be positive (log units, e.g. 0.02)")
+    for name in ("loss_sigma_floor", "grad_norm_sigma_floor"):
+        require(getattr(s, name) > 0, f"stability.{name}",
+                f"a sigma floor must be positive (log units, e.g. 0.02), got {getattr(s, name)}")
     for name in ("loss_ceiling_margin", "warmup_grad_ratio", "routing_max_load", "routing_dead_experts"):
         require(getattr(s, name) >= 0, f"stability.{name}", f"must be >= 0 (0 disables), got {getattr(s, name)}")
     require(s.warmup_grad_ratio == 0 or s.warmup_grad_ratio > 1, "stability.warmup_grad_ratio",
@@ -596,8 +658,8 @@ def _validate_metrics(mc: MetricsConfig) -> None:
 
 def _validate_watchdog(w: WatchdogConfig) -> None:
     require(w.multiple >= 1, "watchdog.multiple", f"must be >= 1, got {w.multiple}")
-    for name in ("floor_s", "first_s"):
-        require(getattr(w, name) > 0, f"watchdog.{name}", f"must be positive (seconds), got {getattr(w, name)}")
+    require(w.floor_s > 0, "watchdog.floor_s", f"must be positive (seconds), got {w.floor_s}")
+    require(w.first_s >= 0, "watchdog.first_s", f"must be >= 0 (seconds; 0: no limit), got {w.first_s}")
 
 
 def grad_accum_for(t: TrainConfig, dp: int) -> int:

@@ -2,12 +2,14 @@
 
 A phase's limit is `watchdog.multiple` times the longest duration of that phase seen so far in
 this process, but at least `watchdog.floor_s`; a phase not seen yet gets `watchdog.first_s`
-(the first step compiles, the first save creates directories, a resume reads a checkpoint
+(0: no limit; the first step compiles, the first save creates directories, a resume reads a checkpoint
 cold). The rule adapts to the model and the machine without a number per phase: a 40 s step of
 a large model may take 200 s before it is a hang, a 50 ms CPU step the floor.
 """
 
 from __future__ import annotations
+
+import math
 
 from trinity_train.config import WatchdogConfig
 
@@ -28,5 +30,5 @@ class PhaseLimits:
         """Seconds `phase` may last."""
         longest = self.longest.get(phase)
         if longest is None:
-            return self.first_s
+            return self.first_s if self.first_s > 0 else math.inf
         return max(self.floor_s, self.multiple * longest)
