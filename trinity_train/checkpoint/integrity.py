@@ -136,9 +136,42 @@ def check_integrity(path: str | Path, deep: bool = False) -> None:
 
     The fast check (structure, sizes, checksums) reads every file once; `deep` also loads every
     tensor and requires the floating-point ones to be finite. A checkpoint of format 2 (written
-    before checksums existed) passes the fast check on structure and sizes alone.
+    before checksums existed) passes the fast check on structure and sizes alone. The fast
+    check's verdict is remembered for `require_sound`.
     """
     path = Path(path)
+    version = _files_version(path)
+    try:
+        _check_integrity(path, deep)
+    except CheckpointError as e:
+        if not deep:
+            _FRESH_VERDICTS[path.resolve()] = (version, str(e))
+        raise
+    _FRESH_VERDICTS[path.resolve()] = (version, None)
+
+
+# path -> (its files' version, the error or None) of the latest check_integrity in this process.
+_FRESH_VERDICTS: dict[Path, tuple[Any, str | None]] = {}
+
+
+def require_sound(path: str | Path) -> None:
+    """The gate in front of every reader of a checkpoint's weights (resume, rollback, init_from,
+    export-hf, inspect): CheckpointError naming the damaged file unless the checkpoint passes the
+    fast `check_integrity`. A verdict this process reached by hashing, with none of the files
+    changed since, is not hashed again (a resume or rollback picks a checkpoint by checking it,
+    then loads it). Collective in a distributed run: rank 0 checks, every rank gets its answer."""
+    decided_by_rank_zero(lambda: _sound_or_raise(Path(path)))
+
+
+def _sound_or_raise(path: Path) -> None:
+    known = _FRESH_VERDICTS.get(path.resolve())
+    if known is None or known[0] != _files_version(path):
+        check_integrity(path)
+    elif known[1] is not None:
+        raise CheckpointError(known[1])
+
+
+def _check_integrity(path: Path, deep: bool) -> None:
     meta = read_meta(path)
     config_from_meta(meta, path)  # a checkpoint without a readable config cannot be resumed
     if meta.get("format_version", 2) >= 3:

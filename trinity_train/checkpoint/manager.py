@@ -33,7 +33,8 @@ from trinity_train.checkpoint import dcp_io
 from trinity_train.checkpoint.added_state import fit_to_checkpoint
 from trinity_train.checkpoint.compat import check_model_compatible, config_from_meta
 from trinity_train.checkpoint.integrity import (SoundnessCache, candidate_checkpoints, check_integrity,
-                                                digest_files, find_sound_checkpoint, newest_sound_checkpoint)
+                                                digest_files, find_sound_checkpoint, newest_sound_checkpoint,
+                                                require_sound)
 from trinity_train.checkpoint.layout import (
     apply_retention,
     commit,
@@ -150,8 +151,10 @@ def read_compatible_meta(path: Path, cfg: Config) -> dict:
 
 
 def load_checkpoint(path: Path, state: dict[str, Any], cfg: Config) -> dict:
-    """Restore `state` from the checkpoint at `path`; returns its meta. Checks fit first."""
+    """Restore `state` from the checkpoint at `path` (a resume, a rollback, `init_from`); returns
+    its meta. Checks that it is whole (`require_sound`) and fits first."""
     path = Path(path)
+    require_sound(path)
     meta = read_compatible_meta(path, cfg)
     missing = sorted(set(state) - set(meta.get("components", [])))
     if missing:

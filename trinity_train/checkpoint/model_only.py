@@ -15,6 +15,7 @@ from torch import nn
 
 from trinity_train.checkpoint import dcp_io
 from trinity_train.checkpoint.compat import config_from_meta
+from trinity_train.checkpoint.integrity import require_sound
 from trinity_train.checkpoint.layout import read_meta
 from trinity_train.checkpoint.manager import checkpoint_meta, write_checkpoint
 from trinity_train.checkpoint.stateful import ModelState
@@ -26,7 +27,7 @@ from trinity_train.model import build_model
 def save_model_checkpoint(model: nn.Module, cfg: Config, out_dir: str | Path) -> Path:
     """Write `model`'s weights and `cfg` (the full config; its model section builds the model)."""
     out_dir = Path(out_dir)
-    if out_dir.exists():
+    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
         raise CheckpointError(f"'{out_dir}' already exists; choose another output directory or delete it")
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     write_checkpoint({"model": ModelState(model)}, out_dir, checkpoint_meta("model", 0, cfg, ["model"]))
@@ -44,8 +45,10 @@ def model_to_load_into(model_cfg: ModelConfig, device: str | torch.device = "cpu
 
 
 def load_model_checkpoint(path: str | Path, device: str | torch.device = "cpu") -> tuple[nn.Module, Config]:
-    """Build the checkpoint's model on `device` and load its weights (model or training checkpoint)."""
+    """Build the checkpoint's model on `device` and load its weights (model or training checkpoint),
+    once `require_sound` has found it whole."""
     path = Path(path)
+    require_sound(path)
     meta = read_meta(path)
     cfg = config_from_meta(meta, path)
     if "model" not in meta.get("components", []):

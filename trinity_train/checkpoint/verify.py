@@ -17,7 +17,8 @@ import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from trinity_train.checkpoint.compat import config_from_meta
-from trinity_train.checkpoint.integrity import check_integrity, component_of, read_back, read_dcp_metadata
+from trinity_train.checkpoint.integrity import (check_integrity, component_of, read_back, read_dcp_metadata,
+                                                require_sound)
 from trinity_train.checkpoint.layout import read_meta
 
 
@@ -26,8 +27,10 @@ def _tensor_bytes(md: TensorStorageMetadata) -> int:
 
 
 def inspect_checkpoint(path: str | Path) -> dict[str, Any]:
-    """A summary: kind, step, model shape, and per component its tensor count and bytes."""
+    """A summary: kind, step, model shape, and per component its tensor count and bytes, of a
+    checkpoint `require_sound` finds whole."""
     path = Path(path)
+    require_sound(path)
     meta = read_meta(path)
     cfg = config_from_meta(meta, path)
     dcp_meta = read_dcp_metadata(path)
