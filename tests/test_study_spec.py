@@ -188,7 +188,7 @@ def test_a_bad_base_config_or_study_path_is_one_line(corpus, tmp_path, capsys, m
     assert result.returncode == 2 and "--nproc must be at least 1" in result.stderr
     (tmp_path / "a-file").write_text("")
     result = ablate("--study", write_study(tmp_path), "--out", tmp_path / "a-file" / "out", cwd=tmp_path)
-    assert result.returncode == 2 and f"{tmp_path / 'a-file'} is not a directory" in result.stderr
+    assert result.returncode == 2 and f"cannot be created: '{tmp_path / 'a-file'}' is a file" in result.stderr
     write_base(corpus, tmp_path, model={"num_kv_heads": 2}, parallel={"tp": 2})
     result = ablate("--study", write_study(tmp_path), "--out", tmp_path / "out", cwd=tmp_path)
     assert result.returncode == 2 and "--nproc 1: the base config's parallel.tp=2 must divide it" in result.stderr

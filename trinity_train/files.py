@@ -18,7 +18,44 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
 
-from trinity_train.errors import UserError
+from trinity_train.errors import ArgumentError, UserError
+
+
+def user_path(text: str | Path) -> Path:
+    """A path the user typed, `~` expanded (the shell leaves the `~` of `--out=~/x` alone, and a
+    directory literally named `~` is a trap)."""
+    return Path(text).expanduser()
+
+
+def _first_existing(path: Path) -> Path | None:
+    return next((p for p in (path, *path.parents) if p.exists()), None)
+
+
+def output_directory(path: str | Path, option: str, new: bool = False) -> Path:
+    """The directory an `option` of a command writes into, `~` expanded; ArgumentError (exit 2)
+    when a file stands at it or above it, or (`new`) when it is a directory that is not empty."""
+    path = user_path(path)
+    existing = _first_existing(path)
+    if existing is not None and not existing.is_dir():
+        where = "is a file" if existing == path else f"cannot be created: '{existing}' is a file"
+        raise ArgumentError(f"{option} '{path}' {where}; give a directory (it is created if missing)")
+    if new and path.is_dir() and any(path.iterdir()):
+        raise ArgumentError(f"{option} '{path}' is a directory that is not empty; give a new directory "
+                            "or remove that one")
+    return path
+
+
+def output_file(path: str | Path, option: str, example_name: str) -> Path:
+    """The file an `option` of a command writes, `~` expanded; ArgumentError (exit 2) when it is a
+    directory or a file stands where its directory would be made."""
+    path = user_path(path)
+    if path.is_dir():
+        raise ArgumentError(f"{option} '{path}' is a directory: give the file to write, e.g. "
+                            f"{option} {path / example_name}")
+    existing = _first_existing(path.parent)
+    if existing is not None and not existing.is_dir():
+        raise ArgumentError(f"{option} '{path}' cannot be created: '{existing}' is a file; choose another {option}")
+    return path
 
 
 def temp_sibling(path: Path) -> Path:

@@ -29,7 +29,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from trinity_train.errors import ConfigError
+from trinity_train.errors import ArgumentError, ConfigError
 from trinity_train.files import append_line, json_safe, read_jsonl
 
 CONFIG_FILE = "config.toml"
@@ -124,6 +124,12 @@ class RunDir:
     @property
     def wandb(self) -> Path:
         return self.path / WANDB_DIR
+
+    def required(self) -> RunDir:
+        """This run directory, named by a RUN_DIR argument; ArgumentError (exit 2) when it is not one."""
+        if (problem := self.not_a_run()) is not None:
+            raise ArgumentError(f"RUN_DIR {problem}: pass the run's directory (its run.dir)")
+        return self
 
     def not_a_run(self) -> str | None:
         """Why the path is not a run directory to read ('does not exist', 'is a file', a plain

@@ -6,47 +6,29 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from trinity_train import exit_codes
-from trinity_train.errors import UserError
-from trinity_train.files import disk_problem
+from trinity_train.errors import ArgumentError
+from trinity_train.files import disk_problem, output_file, user_path
 from trinity_train.rundir import RunDir
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
-class ArgumentError(UserError):
-    """An argument no run can make right (a RUN_DIR that is a file, an --out that is a directory,
-    a port out of range): a usage mistake."""
-
-    exit_code = exit_codes.CONFIG
-
-
 def check_run_dirs(paths: list[str]) -> list[Path]:
     """The RUN_DIR arguments as paths. A path that does not exist yet is fine (a run that has not
     started: the page waits for it); a regular file is not."""
-    for path in paths:
-        if Path(path).exists() and not Path(path).is_dir():
+    found = [user_path(p) for p in paths]
+    for path in found:
+        if path.exists() and not path.is_dir():
             raise ArgumentError(f"RUN_DIR '{path}' is a file, not a run directory: pass the run's directory "
-                                      f"(its run.dir, which holds metrics.jsonl)")
-    return [Path(p) for p in paths]
+                                f"(its run.dir, which holds metrics.jsonl)")
+    return found
 
 
 def check_report_paths(run_dirs: list[str], out: str) -> tuple[list[Path], Path]:
     """A report is of runs that exist (a live dashboard may wait for one; a file cannot), and its
     --out names a file whose directory can be made."""
-    paths = [Path(p) for p in run_dirs]
-    for path in paths:
-        if (problem := RunDir(path).not_a_run()) is not None:
-            raise ArgumentError(f"RUN_DIR {problem}: pass the run's directory (its run.dir)")
-    out_path = Path(out)
-    if out_path.is_dir():
-        raise ArgumentError(f"--out '{out_path}' is a directory: pass the HTML file to write, "
-                                  f"e.g. --out {out_path / 'report.html'}")
-    blocking = next((p for p in out_path.parents if p.exists()), None)
-    if blocking is not None and not blocking.is_dir():
-        raise ArgumentError(f"--out '{out_path}' cannot be created: '{blocking}' is a file; "
-                                  "choose another --out")
-    return paths, out_path
+    paths = [RunDir(user_path(p)).required().path for p in run_dirs]
+    return paths, output_file(out, "--out", "report.html")
 
 
 def host_warning(host: str) -> str | None:

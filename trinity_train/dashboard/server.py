@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import json
 import math
 import socket
@@ -34,7 +35,7 @@ from starlette.routing import Route
 
 from trinity_train.dashboard import assets, goodput_view, views
 from trinity_train.dashboard.runs import RunView
-from trinity_train.errors import UserError
+from trinity_train.errors import ArgumentError, UserError
 
 KEEPALIVE_S = 15.0
 MAX_WIDTH = 20000
@@ -251,11 +252,15 @@ def listen(host: str, port: int) -> socket.socket:
         sock.bind((host, port))
     except OverflowError:
         sock.close()
-        raise DashboardError(f"--port {port}: a port is a number from 0 to 65535") from None
+        raise ArgumentError(f"--port {port}: a port is a number from 0 to 65535") from None
     except OSError as e:
         sock.close()
-        raise DashboardError(f"cannot listen on {host}:{port}: {e.strerror or e} (is another dashboard running there? "
-                             "choose another --port)") from None
+        if isinstance(e, socket.gaierror) or e.errno == errno.EADDRNOTAVAIL:  # the host, not the port
+            raise ArgumentError(f"--host {host}: not an address of this machine ({e.strerror or e}); give one of its "
+                                "addresses, e.g. 127.0.0.1 (the default)") from None
+        hint = ("is another dashboard running there? choose another --port" if e.errno == errno.EADDRINUSE
+                else "choose another --port")
+        raise DashboardError(f"cannot listen on {host}:{port}: {e.strerror or e} ({hint})") from None
     sock.listen(128)
     return sock
 

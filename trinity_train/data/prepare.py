@@ -32,14 +32,14 @@ from tokenizers import Tokenizer
 from tqdm import tqdm
 
 from trinity_train import __version__
-from trinity_train.files import atomic_write_json, atomic_write_text, read_json_object
+from trinity_train.files import atomic_write_json, atomic_write_text, output_directory, read_json_object
 from trinity_train.data.documents import FORMATS, TEXT, Inputs, load_documents, resolve_inputs
 from trinity_train.data.shards import (FORMAT_VERSION, MANIFEST, SPLITS, TOKENIZER_FILE, ShardWriter,
                                        file_sha256, finished_shard, new_manifest, read_manifest,
                                        shard_paths, split_summary, token_dtype_for, write_manifest)
 from trinity_train.data.tokenizer import (MIN_BPE_VOCAB, find_eos_id, load_tokenizer, tokenizer_sha256,
                                           train_byte_level_bpe, vocab_size_of)
-from trinity_train.errors import ConfigError, DataError
+from trinity_train.errors import ArgumentError, ConfigError, DataError
 
 _TRAINED_TOKENIZER_RECORD = "tokenizer.build.json"  # which build trained tokenizer.json
 _LOCK = ".prepare.lock"
@@ -79,9 +79,7 @@ def prepare(opts: PrepareOptions) -> Path:
     """
     _check_options(opts)
     started = time.perf_counter()
-    out = Path(opts.out).expanduser()
-    if out.exists() and not out.is_dir():
-        raise DataError(f"--out '{out}' is a file; give a directory")
+    out = output_directory(opts.out, "--out")
     inputs = resolve_inputs(opts.inputs, opts.format, opts.hub_config, opts.hub_split)
     tokenizer_spec = ({"train_vocab": opts.train_tokenizer} if opts.train_tokenizer
                       else {"sha256": file_sha256(_existing(opts.tokenizer))})
@@ -112,8 +110,8 @@ def _prepare_locked(opts: PrepareOptions, out: Path, inputs: Inputs, build_key: 
                 opts.stats.update(reused=True, seconds=time.perf_counter() - started)
                 return
             if not opts.overwrite:
-                raise DataError(f"'{out}' already holds a different prepared dataset; choose another "
-                                "--out or pass --overwrite to replace it")
+                raise ArgumentError(f"--out '{out}' already holds a different prepared dataset; choose another "
+                                    "--out or pass --overwrite to replace it")
             (out / MANIFEST).unlink()  # from here on the directory no longer looks complete
         for stale in out.glob(f"{_WORK_PREFIX}*"):  # left by a killed run (we hold the lock)
             shutil.rmtree(stale, ignore_errors=True)

@@ -400,8 +400,8 @@ def save_hf(model: torch.nn.Module, out_dir: str | Path, model_cfg: ModelConfig 
 
     out = Path(out_dir)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise CheckpointError(f"export directory '{out}' already exists and is not empty: "
-                              "choose a new directory or remove it")
+        what = "is a directory that is not empty" if out.is_dir() else "is a file"
+        raise CheckpointError(f"export directory '{out}' {what}: choose a new directory or remove that one")
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = temp_sibling(out)
     shutil.rmtree(tmp, ignore_errors=True)  # left over by a crashed export of this process id

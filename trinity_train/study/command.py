@@ -21,6 +21,7 @@ from typing import Callable
 from filelock import FileLock, Timeout
 
 from trinity_train.errors import UserError
+from trinity_train.files import output_directory
 from trinity_train.study.cells import cell_hash, recorded_config_mismatch, study_cells, study_hash
 from trinity_train.study.layout import StudyDir
 from trinity_train.study.provenance import GitState, git_state
@@ -83,7 +84,7 @@ def run_ablate(study_file: str, out_dir: str | None, nproc: int, command: str,
         raise StudyError(f"--nproc must be at least 1, got {nproc}")
     study = load_study(study_file)
     out = StudyDir(out_dir or default_out(study.name))
-    _check_out(out)
+    output_directory(out.path, "--out")
     cells = study_cells(study, out, nproc)
     for cell in cells:
         if (mismatch := recorded_config_mismatch(cell, out)) is not None:
@@ -140,13 +141,3 @@ def _same_code(started: GitState, out: StudyDir, allow_dirty: bool) -> GitState:
         raise StudyError(f"the working tree of the code changed while the study ran ({now.describe_changes()}): "
                          f"restore it and run the same command to finish the study")
     return now
-
-
-def _check_out(out: StudyDir) -> None:
-    """--out must be a directory, or a path a directory can be made at."""
-    for path in (out.path, *out.path.parents):
-        if path.exists():
-            if not path.is_dir():
-                raise StudyError(f"--out {out.path}: {path} is not a directory; name a directory (it is created "
-                                 f"if missing)")
-            return
