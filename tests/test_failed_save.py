@@ -2,26 +2,30 @@
 rank, after DCP planned the save with every rank) is recorded and the run trains on: one process
 and two gloo ranks (the failure on rank 1 only), synchronous and asynchronous saves. The earlier
 checkpoint still verifies, the failed one leaves nothing behind, the next save succeeds, and
-`checkpoint.max_failed_saves` failed saves in a row stop the run with the save's error."""
+`checkpoint.max_failed_saves` failed saves in a row stop the run with the save's error. The final
+save's failure is a failure (exit 1, one line naming the newest checkpoint), and a resume from
+there writes it."""
 
 from __future__ import annotations
 
 import pytest
 
-from conftest import run_config
+from conftest import assert_one_line_error, cli_in_process, run_config
 from ranks import rank_trainer
 from trinity_train.checkpoint import verify_checkpoint
+from trinity_train.config import save_config
 from trinity_train.errors import CheckpointError
 from trinity_train.records import EventName
 from trinity_train.rundir import RunDir
 from trinity_train.train import Trainer
 
 
-def failing_save_config(corpus, run_dir, async_save: bool, rank: int = -1, last: int = -1, max_failed: int = 3):
+def failing_save_config(corpus, run_dir, async_save: bool, rank: int = -1, last: int = -1, max_failed: int = 3,
+                        first: int = 4):
     return run_config(corpus, run_dir, train={"steps": 6, "micro_batch_size": 1, "grad_accum": 1, "eval_every": 0},
                       checkpoint={"every": 2, "keep": 5, "async_save": async_save, "max_failed_saves": max_failed},
                       metrics={"layer_stats_every": 0},
-                      stability={"inject": [{"fault": "fail_save", "first": 4, "last": last, "rank": rank}]})
+                      stability={"inject": [{"fault": "fail_save", "first": first, "last": last, "rank": rank}]})
 
 
 def check_trained_on(run_dir) -> None:
@@ -61,3 +65,22 @@ def test_failed_saves_in_a_row_stop_the_run_with_the_error(corpus, tmp_path):
     run = RunDir(run_dir)
     assert [e["step"] for e in run.read_events(EventName.CHECKPOINT_FAILED)] == [4]  # the second one stops it
     verify_checkpoint(run.checkpoints / "step_00000002")
+
+
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_a_failed_final_save_fails_the_run_naming_the_newest_checkpoint(corpus, tmp_path, capsys, async_save):
+    run_dir, config = tmp_path / "run", tmp_path / "run.toml"
+    save_config(failing_save_config(corpus, run_dir, async_save, first=6), config)
+    code, err = cli_in_process(capsys, "train", "--config", config)
+    newest = RunDir(run_dir).checkpoints / "step_00000004"
+    assert_one_line_error(code, err, 1, "could not be written", "the final checkpoint (step 6) was not written",
+                          f"the newest checkpoint is '{newest}' (step 4)", "train the last 2 step(s) again",
+                          "--checkpoint.resume=auto")
+    run = RunDir(run_dir)
+    assert sorted(p.name for p in run.checkpoints.iterdir()) == ["step_00000002", "step_00000004"]  # no .tmp
+    assert not run.read_events(EventName.RUN_END)  # a failed run, not an ended one
+    # What the line advises: the resume trains the last steps again and writes the final checkpoint.
+    code, err = cli_in_process(capsys, "train", "--config", config, "--checkpoint.resume=auto",
+                               "--stability.inject=[]")
+    assert code == 0, err
+    verify_checkpoint(run.checkpoints / "step_00000006")

@@ -18,6 +18,7 @@ from pathlib import Path
 from trinity_train import exit_codes
 from trinity_train.config import Config, default_config_path, validate
 from trinity_train.errors import DataError, UserError
+from trinity_train.files import output_directory, user_path
 from trinity_train.health.lost_peer import describe, is_lost_peer
 from trinity_train.launcher_verdict import hand_to_launcher, mark_restartable
 
@@ -45,10 +46,11 @@ def cmd_export_hf(args: argparse.Namespace) -> int:
     from trinity_train.interop.hf import save_hf
     from trinity_train.interop.tokenizer import training_tokenizer_file
 
+    out_dir = output_directory(args.out_dir, "OUT_DIR", new=True)  # before the weights are read
     model, cfg = load_model_checkpoint(args.checkpoint)
     tokenizer = None
     if args.tokenizer:
-        tokenizer = Path(args.tokenizer)
+        tokenizer = args.tokenizer
         if not tokenizer.is_file():
             raise DataError(f"--tokenizer '{tokenizer}' is not a file: pass the tokenizer.json the run trained with")
     elif not args.no_tokenizer:
@@ -56,7 +58,7 @@ def cmd_export_hf(args: argparse.Namespace) -> int:
         if tokenizer is None:
             print("warning: the run's dataset (and its tokenizer.json) is not where its config says; exporting "
                   "without a tokenizer (pass --tokenizer PATH to include one)", file=sys.stderr)
-    out = save_hf(model, args.out_dir, cfg.model, tokenizer_file=tokenizer)
+    out = save_hf(model, out_dir, cfg.model, tokenizer_file=tokenizer)
     with_tokenizer = f" with the tokenizer of {tokenizer}" if tokenizer else ""
     print(f"exported {args.checkpoint} to {out}{with_tokenizer} (load it with "
           "transformers.AutoModelForCausalLM.from_pretrained and AutoTokenizer.from_pretrained)")
@@ -68,8 +70,8 @@ def cmd_import_hf(args: argparse.Namespace) -> int:
     from trinity_train.checkpoint.model_only import model_to_load_into
     from trinity_train.interop.hf import load_hf
 
-    hf_dir = Path(args.hf_dir)
-    out = Path(args.out) if args.out else Path("runs") / "imported" / hf_dir.resolve().name
+    hf_dir = args.hf_dir
+    out = output_directory(args.out or Path("runs") / "imported" / hf_dir.resolve().name, "--out", new=True)
     model_cfg, state_dict = load_hf(hf_dir)
     cfg = Config(model=model_cfg)
     validate(cfg)
@@ -113,10 +115,7 @@ def cmd_incidents(args: argparse.Namespace) -> int:
     from trinity_train.rundir import RunDir
     from trinity_train.stability.incidents import format_table, incident_rows
 
-    run = RunDir(args.run_dir)
-    if (problem := run.not_a_run()) is not None:
-        raise DataError(f"RUN_DIR {problem}: pass the run's run.dir")
-    rows = incident_rows(run)
+    rows = incident_rows(RunDir(args.run_dir).required())
     print(json.dumps(rows, indent=2) if args.json else format_table(rows))
     return exit_codes.DONE
 
@@ -125,9 +124,7 @@ def cmd_goodput(args: argparse.Namespace) -> int:
     from trinity_train.goodput import account, format_table
     from trinity_train.rundir import RunDir
 
-    run = RunDir(args.run_dir)
-    if (problem := run.not_a_run()) is not None:
-        raise DataError(f"RUN_DIR {problem}: pass the run's run.dir")
+    run = RunDir(args.run_dir).required()
     result = account(run.path)
     if result is None:
         raise DataError(f"RUN_DIR '{run.path}' has no {run.timeline.name}: its run started before this version "
@@ -162,8 +159,9 @@ def _add_ablate(sub) -> None:
                                         "config, on the same batches) one after another, each in its own process, "
                                         "and write the report (summary.json, report.md, plots/, report.html) into "
                                         "the output directory. Cells that are done are not run again.")
-    ablate.add_argument("--study", required=True, help="study file (e.g. configs/studies/norm_placement.toml)")
-    ablate.add_argument("--out", help="output directory (default: runs/studies/<study name>)")
+    ablate.add_argument("--study", required=True, type=user_path,
+                        help="study file (e.g. configs/studies/norm_placement.toml)")
+    ablate.add_argument("--out", type=user_path, help="output directory (default: runs/studies/<study name>)")
     ablate.add_argument("--nproc", type=int, default=1,
                         help="processes per cell: >1 runs each cell as its own torchrun job (launch/local.sh N)")
     ablate.add_argument("--allow-dirty", action="store_true",
@@ -203,7 +201,7 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     train = sub.add_parser("train", allow_abbrev=False, help="train a model (default: configs/debug.toml)",
                            description="Train. Any config key can be overridden: --section.key=value "
                                        "(e.g. --train.steps=50 --run.dir=runs/x).")
-    train.add_argument("--config", help="TOML config file (default: configs/debug.toml)")
+    train.add_argument("--config", type=user_path, help="TOML config file (default: configs/debug.toml)")
 
     # Only the command being run imports its dependencies; prepare-data's options come from the
     # data package, so it is loaded only for that command (and for the top-level --help).
@@ -211,23 +209,25 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
         _add_prepare_data(sub)
 
     export = sub.add_parser("export-hf", help="write a checkpoint as a Hugging Face afmoe model")
-    export.add_argument("checkpoint", help="a training or model checkpoint directory")
-    export.add_argument("out_dir", help="new directory for config.json, safetensors and the tokenizer")
+    export.add_argument("checkpoint", type=user_path, help="a training or model checkpoint directory")
+    export.add_argument("out_dir", type=user_path,
+                        help="new (or empty) directory for config.json, safetensors and the tokenizer")
     which = export.add_mutually_exclusive_group()
-    which.add_argument("--tokenizer", help="tokenizer.json to export (default: the one of the run's data)")
+    which.add_argument("--tokenizer", type=user_path,
+                       help="tokenizer.json to export (default: the one of the run's data)")
     which.add_argument("--no-tokenizer", action="store_true", help="export the weights and config only")
 
     imp = sub.add_parser("import-hf", help="turn a Hugging Face afmoe model into a checkpoint")
-    imp.add_argument("hf_dir", help="directory with config.json and safetensors")
-    imp.add_argument("--out", help="checkpoint directory to create (default: runs/imported/<name>)")
+    imp.add_argument("hf_dir", type=user_path, help="directory with config.json and safetensors")
+    imp.add_argument("--out", type=user_path, help="checkpoint directory to create (default: runs/imported/<name>)")
 
     ckpt = sub.add_parser("ckpt", help="inspect or verify a checkpoint")
     ckpt_sub = ckpt.add_subparsers(dest="ckpt_command", required=True, metavar="ACTION")
     inspect = ckpt_sub.add_parser("inspect", help="describe a checkpoint")
-    inspect.add_argument("path")
+    inspect.add_argument("path", type=user_path)
     inspect.add_argument("--json", action="store_true", help="print the summary as JSON")
     verify = ckpt_sub.add_parser("verify", help="check that a checkpoint is complete, unchanged and loadable")
-    verify.add_argument("path")
+    verify.add_argument("path", type=user_path)
     verify.add_argument("--deep", action="store_true",
                         help="also check that every tensor (optimizer state included) is finite")
 
@@ -235,7 +235,7 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
                                description="One line per incident report in RUN_DIR/incidents/: what the guard "
                                            "saw, what it did, and which data the step came from; "
                                            "one per straggler event: which rank, on which host, how slow.")
-    incidents.add_argument("run_dir", metavar="RUN_DIR")
+    incidents.add_argument("run_dir", metavar="RUN_DIR", type=user_path)
     incidents.add_argument("--json", action="store_true", help="print the full reports as a JSON list")
     goodput = sub.add_parser("goodput", help="where a run's time went, across its attempts",
                              description="The wall time of RUN_DIR from its first process start to its last "
@@ -243,7 +243,7 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
                                          "checkpoint saves, rollbacks, validation, data waits, time lost "
                                          "between attempts), per attempt and in total, and the goodput: "
                                          "the share of the wall time in steps whose work survives.")
-    goodput.add_argument("run_dir", metavar="RUN_DIR")
+    goodput.add_argument("run_dir", metavar="RUN_DIR", type=user_path)
     goodput.add_argument("--json", action="store_true", help="print the account as JSON")
     _add_dashboard(sub)
     _add_ablate(sub)

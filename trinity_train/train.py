@@ -36,6 +36,7 @@ from torch import nn
 from trinity_train.callbacks import CallbackList, TrainerCallback
 from trinity_train.checkpoint import CheckpointManager, ModelState, OptimizerState, RNGState, load_checkpoint
 from trinity_train.checkpoint.compat import config_differences, config_from_meta, describe_differences
+from trinity_train.checkpoint.integrity import require_sound
 from trinity_train.checkpoint.manager import read_compatible_meta
 from trinity_train.config import Config, config_to_dict, load_config, save_config
 from trinity_train.data import build_loaders
@@ -201,6 +202,10 @@ class Trainer:
         mesh built) and its device. `callbacks` run after the built-in ones, in order."""
         # Everything that can be checked without work is checked first.
         validate_rules(cfg)
+        if dims is None and dist.is_initialized():
+            raise RuntimeError("a distributed run must pass its ParallelDims to Trainer")
+        # One process: a layout that needs more (dp_shard=2, tp=2, ...) is refused, as under torchrun.
+        self.dims = dims or ParallelDims.from_config(cfg, 1)
         self.cfg = cfg
         self.run_dir = Path(cfg.run.dir)
         self.rundir = RunDir(self.run_dir)
@@ -212,10 +217,8 @@ class Trainer:
         if self.resume_from is not None:
             read_compatible_meta(self.resume_from, cfg)
         elif cfg.checkpoint.init_from:
+            require_sound(cfg.checkpoint.init_from)  # damaged weights are refused before any work
             read_compatible_meta(Path(cfg.checkpoint.init_from), cfg)
-        if dims is None and dist.is_initialized():
-            raise RuntimeError("a distributed run must pass its ParallelDims to Trainer")
-        self.dims = dims or ParallelDims.one_process()
         self.device = device or resolve_device(cfg)
         self.is_main = self.dims.is_main  # writes files (metrics, config, ledger); checkpoints coordinate themselves
 
@@ -463,11 +466,15 @@ class Trainer:
     @contextlib.contextmanager
     def _saving(self):
         """A save that fails (on any rank; each raises) is recorded and training goes on with the
-        checkpoints it has, up to `checkpoint.max_failed_saves` in a row."""
+        checkpoints it has, up to `checkpoint.max_failed_saves` in a row; the final save's failure
+        ends the run as a failure (no step is left to save again, and the final weights are nowhere)."""
         try:
             yield
         except CheckpointError as e:
             self._failed_saves += 1
+            if self.state.step >= self.cfg.train.steps:
+                raise CheckpointError(f"{e}; the final checkpoint (step {self.state.step}) was not written: "
+                                      f"{self._last_checkpoint_advice()}") from None
             if self._failed_saves >= self.cfg.checkpoint.max_failed_saves:
                 raise
             self.recorder.event(event(EventName.CHECKPOINT_FAILED, step=self.checkpoints.saving_step,
@@ -475,6 +482,15 @@ class Trainer:
             self.recorder.notice(f"warning: {e}; training goes on from the checkpoints already written "
                                  f"({self._failed_saves} failed save(s) in a row, the run stops at "
                                  f"{self.cfg.checkpoint.max_failed_saves})")
+
+    def _last_checkpoint_advice(self) -> str:
+        written = self.checkpoints.list()
+        if not written:
+            return ("this run has no checkpoint; free space and train again (the same --run.dir with "
+                    "--checkpoint.resume=auto)")
+        step, path = written[-1]
+        return (f"the newest checkpoint is '{path}' (step {step}); free space and train the last "
+                f"{self.state.step - step} step(s) again from it with --checkpoint.resume=auto")
 
     def _validate(self) -> None:
         with self.phase(Phase.VALIDATION):
@@ -517,8 +533,9 @@ def train(cfg: Config, callbacks: list[TrainerCallback] | None = None) -> TrainS
     to its loop; returns what it did. Under torchrun (see launch/) this process is one rank of the
     job."""
     if world_size_from_env() == 1:
+        dims = ParallelDims.from_config(cfg, 1)  # a layout one process cannot give, before the run directory
         with run_dir_owned(cfg.run.dir):  # before anything reads or writes the run directory
-            return Trainer(cfg, callbacks=callbacks).run()
+            return Trainer(cfg, dims, callbacks=callbacks).run()
     dims, device = init_distributed(cfg)  # rejects an impossible layout before joining
     try:
         with run_dir_owned(cfg.run.dir):  # rank 0 holds it for the job
