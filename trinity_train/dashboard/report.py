@@ -2,7 +2,8 @@
 
 The page is the live dashboard's own (static/index.html and dashboard.js) with plotly.min.js,
 the style sheet and the data inlined: `window.TRINITY_SNAPSHOT` holds the payloads the server
-would answer (docs/CONTRACT.md "Dashboard"), so the file opens offline and makes no request.
+would answer (docs/CONTRACT.md "Dashboard"): every panel's of `panels.PANELS` and a selection of
+the layer records and incident reports, so the file opens offline and makes no request.
 The series are downsampled once for a wide screen (min and max per bucket, so spikes stay);
 zooming in the report magnifies those points rather than fetching more.
 """
@@ -16,13 +17,15 @@ from pathlib import Path
 
 import numpy as np
 
-from trinity_train.dashboard import assets, goodput_view, views
+from trinity_train.dashboard import assets, panels, views
 from trinity_train.dashboard.runs import RunView
 from trinity_train.files import atomic_write_text
 
 REPORT_WIDTH = 2000         # buckets per series: about a wide screen's pixels
 MAX_LAYER_RECORDS = 200     # layer-statistics steps kept for the step slider (evenly spaced)
 MAX_INCIDENTS = 500         # incident reports inlined per run
+# a panel's query group -> its keyword values for the view: the whole run
+QUERY = {panels.RANGE: {"x0": None, "x1": None, "width": REPORT_WIDTH}, panels.NAMES: {"names": list(views.SERIES)}}
 
 
 def snapshot(run_dirs: list[str | Path], title: str) -> dict:
@@ -31,26 +34,24 @@ def snapshot(run_dirs: list[str | Path], title: str) -> dict:
     for run in runs:
         run.refresh()
     return {"title": title, "written": time.strftime("%Y-%m-%d %H:%M"),
+            "panels": [panel.describe() for panel in panels.PANELS],
             "runs": [views.run_summary(run) for run in runs],
             "runs_data": [_run_data(run) for run in runs]}
 
 
 def _run_data(run: RunView) -> dict:
-    markers = views.markers(run)
-    steps = views.layer_steps(run)
+    data = {panel.name: panel.payload(run, QUERY.__getitem__) for panel in panels.PANELS}
+    # The slider's steps cut to those whose layer records the file keeps; the reports of the
+    # incidents the markers name.
+    steps = data["layer_steps"]
     kept = _evenly_spaced(steps["iters"], MAX_LAYER_RECORDS)
+    data["layer_steps"] = {**steps, "iters": kept,
+                           "abandoned": [steps["abandoned"][steps["iters"].index(i)] for i in kept]}
+    data["layer_records"] = [views.layer_record(run, i) for i in kept]
+    markers = data["markers"]
     names = sorted({m["incident"] for m in markers["skipped"] + markers["rollbacks"] if m["incident"]})[:MAX_INCIDENTS]
-    incidents = {name: report for name in names if (report := run.incident_report(name)) is not None}
-    return {
-        "series": views.series(run, list(views.SERIES), None, None, REPORT_WIDTH),
-        "markers": markers,
-        "expert_load": views.expert_load(run, None, None, REPORT_WIDTH),
-        "ranks": views.rank_health(run, None, None, REPORT_WIDTH),
-        "layer_steps": {**steps, "iters": kept, "abandoned": [steps["abandoned"][steps["iters"].index(i)] for i in kept]},
-        "layer_records": [views.layer_record(run, i) for i in kept],
-        "incidents": incidents,
-        "goodput": goodput_view.goodput(run),
-    }
+    data["incidents"] = {name: report for name in names if (report := run.incident_report(name)) is not None}
+    return data
 
 
 def _evenly_spaced(values: list[int], limit: int) -> list[int]:

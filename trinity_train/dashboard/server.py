@@ -6,7 +6,8 @@ index on the command line (never by a path from the URL), builds every file path
 its run directory. A bad query value is a 400 with a one-line JSON error; nothing answers with a
 traceback. A background task re-reads the run directories every `poll_interval` seconds and
 pushes what changed to the pages over Server-Sent Events (`/api/stream`); the page then fetches
-the views it shows. The routes are documented in docs/CONTRACT.md "Dashboard".
+the views it shows. A route per panel of `panels.PANELS`; the routes are documented in
+docs/CONTRACT.md "Dashboard".
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from trinity_train.dashboard import assets, goodput_view, views
+from trinity_train.dashboard import assets, panels, views
 from trinity_train.dashboard.runs import RunView
 from trinity_train.errors import ArgumentError, UserError
 
@@ -79,23 +80,27 @@ def _number(request: Request, name: str) -> float | None:
     return value
 
 
-def _range(request: Request) -> tuple[float | None, float | None, int]:
+def _range(request: Request) -> dict:
     x0, x1 = _number(request, "x0"), _number(request, "x1")
     if x0 is not None and x1 is not None and x0 > x1:
         raise bad_request(f"query values x0={x0:g} > x1={x1:g}: the range is empty")
     width = _integer(request, "width", 1000, minimum=1)
     if width > MAX_WIDTH:
         raise bad_request(f"query value width={width} is above the maximum {MAX_WIDTH}")
-    return x0, x1, width
+    return {"x0": x0, "x1": x1, "width": width}
 
 
-def _series_names(request: Request) -> list[str]:
+def _series_names(request: Request) -> dict:
     raw = request.query_params.get("names")
     names = list(views.SERIES) if not raw else raw.split(",")
     unknown = [n for n in names if n not in views.SERIES]
     if unknown:
         raise bad_request(f"unknown series {unknown[0]!r}; known: {', '.join(views.SERIES)}")
-    return names
+    return {"names": names}
+
+
+# a panel's query group -> its keyword values for the view, read from the request
+QUERY = {panels.RANGE: _range, panels.NAMES: _series_names}
 
 
 # -- the app -----------------------------------------------------------------------------------
@@ -174,31 +179,18 @@ def create_app(run_dirs: list[str | Path], poll_interval: float = 0.5, host: str
     def runs(request: Request) -> JSONResponse:
         return _json({"runs": [views.run_summary(r) for r in dashboard.runs]})
 
-    def series(request: Request) -> JSONResponse:
-        run = dashboard.run(request)
-        names = _series_names(request)
-        return _json(views.series(run, names, *_range(request)))
+    def panel_list(request: Request) -> JSONResponse:
+        return _json({"panels": [panel.describe() for panel in panels.PANELS]})
 
-    def markers(request: Request) -> JSONResponse:
-        return _json(views.markers(dashboard.run(request)))
-
-    def expert_load(request: Request) -> JSONResponse:
-        run = dashboard.run(request)
-        return _json(views.expert_load(run, *_range(request)))
-
-    def rank_health(request: Request) -> JSONResponse:
-        run = dashboard.run(request)
-        return _json(views.rank_health(run, *_range(request)))
-
-    def layer_steps(request: Request) -> JSONResponse:
-        return _json(views.layer_steps(dashboard.run(request)))
+    def answer(panel: panels.Panel):
+        def route(request: Request) -> JSONResponse:
+            run = dashboard.run(request)  # an unknown run is the error, before any query value
+            return _json(panel.payload(run, lambda group: QUERY[group](request)))
+        return route
 
     def layer_record(request: Request) -> JSONResponse:
         run = dashboard.run(request)
         return _json(views.layer_record(run, _integer(request, "iter", minimum=0)))
-
-    def goodput(request: Request) -> JSONResponse:
-        return _json(goodput_view.goodput(dashboard.run(request)))
 
     def incident(request: Request) -> JSONResponse:
         run = dashboard.run(request)
@@ -226,12 +218,10 @@ def create_app(run_dirs: list[str | Path], poll_interval: float = 0.5, host: str
                 await poller
 
     routes = [
-        Route("/", page), Route("/static/{name}", static), Route("/api/runs", runs),
+        Route("/", page), Route("/static/{name}", static), Route("/api/runs", runs), Route("/api/panels", panel_list),
         Route("/api/stream", dashboard.stream),
-        Route("/api/runs/{run}/series", series), Route("/api/runs/{run}/markers", markers),
-        Route("/api/runs/{run}/expert_load", expert_load), Route("/api/runs/{run}/layer_steps", layer_steps),
+        *(Route(f"/api/runs/{{run}}/{panel.name}", answer(panel)) for panel in panels.PANELS),
         Route("/api/runs/{run}/layers", layer_record), Route("/api/runs/{run}/incidents/{name:path}", incident),
-        Route("/api/runs/{run}/goodput", goodput), Route("/api/runs/{run}/ranks", rank_health),
     ]
     # A page on another site must not read the dashboard through a DNS name that points here.
     middleware = [Middleware(TrustedHostMiddleware, allowed_hosts=["127.0.0.1", "localhost"])] \

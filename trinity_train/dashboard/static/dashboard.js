@@ -1,6 +1,8 @@
 // The trinity-train dashboard page. Live, it reads the server's JSON API (docs/CONTRACT.md
 // "Dashboard") and redraws when the server pushes an update over Server-Sent Events; in the
 // offline report, window.TRINITY_SNAPSHOT holds the same payloads and nothing is fetched.
+// The panels come from the server's registry (trinity_train/dashboard/panels.py): for each, the
+// page loads its payload with every run and calls the method of `draw` the panel names.
 (function () {
   "use strict";
 
@@ -17,7 +19,8 @@
     focus: 0,            // the run the heatmaps show
     range: null,         // [x0, x1] the time plots are zoomed to, null = everything
     layerIter: null,     // iteration the layer plots show, null = the latest
-    data: {},            // per run: {series, markers, expert, steps, goodput, ranks}
+    panels: [],          // the registry's panels: {name, query, draw, slot}
+    data: {},            // per run: panel name -> its payload
     rendered: false,
   };
 
@@ -35,14 +38,11 @@
     return {
       live: true,
       runs: () => get("runs").then((r) => r.runs),
-      series: (run, x0, x1, width) => get(`runs/${run}/series`, { x0, x1, width }),
-      markers: (run) => get(`runs/${run}/markers`),
-      expertLoad: (run, x0, x1, width) => get(`runs/${run}/expert_load`, { x0, x1, width }),
-      layerSteps: (run) => get(`runs/${run}/layer_steps`),
-      ranks: (run, x0, x1, width) => get(`runs/${run}/ranks`, { x0, x1, width }),
+      panels: () => get("panels").then((r) => r.panels),
+      // the zoomed range only to the panels that read it
+      panel: (run, panel, range) => get(`runs/${run}/${panel.name}`, panel.query.includes("range") ? range : {}),
       layerRecord: (run, iter) => get(`runs/${run}/layers`, { iter }),
       incident: (run, name) => get(`runs/${run}/incidents/${encodeURIComponent(name)}`),
-      goodput: (run) => get(`runs/${run}/goodput`),
     };
   }
 
@@ -51,18 +51,14 @@
     return {
       live: false,
       runs: async () => snapshot.runs,
-      series: async (run) => of(run).series,
-      markers: async (run) => of(run).markers,
-      expertLoad: async (run) => of(run).expert_load,
-      layerSteps: async (run) => of(run).layer_steps,
-      ranks: async (run) => of(run).ranks,
+      panels: async () => snapshot.panels,
+      panel: async (run, panel) => of(run)[panel.name],
       layerRecord: async (run, iter) => {
         const records = of(run).layer_records;
         let best = records.length ? records[records.length - 1] : { iter: null };
         if (iter !== null) for (const r of records) if (r.iter <= iter) best = r;
         return best;
       },
-      goodput: async (run) => of(run).goodput,
       incident: async (run, name) => {
         const report = of(run).incidents[name];
         if (!report) throw new Error("this incident report is not in the report file");
@@ -74,6 +70,9 @@
   const source = SNAPSHOT ? snapshotSource(SNAPSHOT) : liveSource();
 
   // ---- helpers ---------------------------------------------------------------------------
+
+  // The panels' draw functions, by the name a panel of the registry gives as its `draw`.
+  const draw = {};
 
   const $ = (id) => document.getElementById(id);
   const color = (run) => COLORS[run % COLORS.length];
@@ -190,11 +189,15 @@
 
   // ---- the time plots --------------------------------------------------------------------
 
-  function drawTimePlots() {
-    const runs = visibleRuns();
-    const withTrain = runs.filter((r) => r.records.train + r.records.superseded > 0);
+  // The visible runs with train records, and why every iteration plot is empty while none has.
+  function trainRuns() {
+    const withTrain = visibleRuns().filter((r) => r.records.train + r.records.superseded > 0);
     const waiting = state.runs.length && !withTrain.length;
-    const why = waiting ? "Waiting for the run to start: nothing has been written to metrics.jsonl yet." : null;
+    return { withTrain, why: waiting ? "Waiting for the run to start: nothing has been written to metrics.jsonl yet." : null };
+  }
+
+  draw.timePlots = function () {
+    const { withTrain, why } = trainRuns();
     const bands = withTrain.flatMap(rollbackBands);
 
     if (setEmpty("plot-loss", why)) {
@@ -219,13 +222,12 @@
         yaxis2: { title: { text: "MFU" }, overlaying: "y", side: "right", tickformat: ".0%", showgrid: false }, margin: { l: 60, r: 60, t: 10, b: 40 },
       }));
     }
-    drawExpertLoad(withTrain, why);
-    drawRankHealth(why);
-  }
+  };
 
   // The rank x iteration heatmap of compute seconds, host-labelled rows, stragglers starred,
   // the drills outlined on the rows they acted on (every row for a drill of every rank).
-  function drawRankHealth(why) {
+  draw.rankHealth = function () {
+    const { why } = trainRuns();
     const focus = state.runs[state.focus];
     const ranks = focus && state.data[focus.index] && state.data[focus.index].ranks;
     const none = "No rank statistics: this run has no \"ranks\" records (every metrics.rank_stats_every iterations; 0 turns them off).";
@@ -264,11 +266,12 @@
     }));
     react("plot-ranks", traces, baseLayout({ showlegend: false, shapes: outlinedBands(focus).concat(drillBoxes),
       yaxis: { title: { text: "rank · host" }, automargin: true, type: "category", autorange: "reversed" } }));
-  }
+  };
 
-  function drawExpertLoad(withTrain, why) {
+  draw.expertLoad = function () {
+    const { withTrain, why } = trainRuns();
     const focus = state.runs[state.focus];
-    const expert = focus && state.data[focus.index] && state.data[focus.index].expert;
+    const expert = focus && state.data[focus.index] && state.data[focus.index].expert_load;
     const noMoe = "No MoE layers: this run's train records carry no moe_max_load_per_layer.";
     if (setEmpty("plot-moe-heat", why || (!focus ? "No run." : !expert || !expert.z.length ? noMoe : null))) {
       react("plot-moe-heat", [{
@@ -278,10 +281,10 @@
       }], baseLayout({ showlegend: false, shapes: outlinedBands(focus),
         yaxis: { title: { text: "MoE layer" }, automargin: true, type: "category" } }));
     }
-    const lineRuns = withTrain.filter((r) => state.data[r.index].expert.z.length);
+    const lineRuns = withTrain.filter((r) => state.data[r.index].expert_load.z.length);
     if (setEmpty("plot-moe-lines", why || (!lineRuns.length ? noMoe : null))) {
       const traces = lineRuns.flatMap((r) => {
-        const e = state.data[r.index].expert;
+        const e = state.data[r.index].expert_load;
         return e.z.map((row, j) => ({
           x: e.x, y: row, type: "scatter", mode: "lines", name: `${escapeHtml(r.name)} layer ${e.layers[j]}`, legendgroup: `run${r.index}`,
           line: { color: color(r.index), width: 1.2, dash: DASHES[j % DASHES.length] },
@@ -291,7 +294,7 @@
       });
       react("plot-moe-lines", traces, baseLayout({ shapes: lineRuns.flatMap(rollbackBands), yaxis: { title: { text: "max / mean" }, automargin: true } }));
     }
-  }
+  };
 
   // ---- where the time went ---------------------------------------------------------------
 
@@ -300,7 +303,7 @@
     checkpoint: "#1565c0", rollback: "#6a1b9a", validation: "#00838f", statistics: "#8d6e63", data: "#ad1457",
     shutdown: "#bdbdbd", lost: "#c62828" };
 
-  function drawGoodput() {
+  draw.goodput = function () {
     const runs = visibleRuns().filter((r) => state.data[r.index].goodput && state.data[r.index].goodput.attempts.length);
     if (!setEmpty("plot-goodput", !runs.length ? "No time accounted yet: a run writes timeline.jsonl from its first iteration on (runs from before it have none)." : null)) return;
     const rows = runs.flatMap((r) => {
@@ -318,13 +321,13 @@
     react("plot-goodput", traces, { barmode: "stack", margin: { l: 20, r: 20, t: 10, b: 40 }, height: 130 + 34 * rows.length,
       xaxis: { title: { text: "seconds" } }, yaxis: { automargin: true, autorange: "reversed", type: "category" },
       legend: { orientation: "h", traceorder: "normal", y: -0.3, font: { size: 11 } }, font: { size: 12 } });
-  }
+  };
 
   // ---- the layer plots -------------------------------------------------------------------
 
-  async function drawLayerPlots() {
+  draw.layers = async function () {
     const focus = state.runs[state.focus];
-    const steps = focus && state.data[focus.index] ? state.data[focus.index].steps.iters : [];
+    const steps = focus && state.data[focus.index] ? state.data[focus.index].layer_steps.iters : [];
     const slider = $("layer-step");
     slider.max = Math.max(steps.length - 1, 0);
     const at = state.layerIter === null ? -1 : steps.indexOf(state.layerIter);
@@ -362,7 +365,7 @@
     depth("plot-depth-grad", have.flatMap(([r, record]) => [profile(r, record, "grad_norm_attn", "solid", "attention"),
       profile(r, record, "grad_norm_ffn", "dash", "FFN")]), "grad norm");
     depth("plot-depth-rms", have.map(([r, record]) => profile(r, record, "residual_rms", "solid", "residual RMS")), "RMS");
-  }
+  };
 
   function react(id, traces, layout) {
     const div = $(id);
@@ -426,10 +429,28 @@
 
   async function loadRun(run) {
     const [x0, x1] = state.range || [null, null];
-    const width = plotWidth();
-    const [series, markers, expert, steps, goodput, ranks] = await Promise.all([source.series(run, x0, x1, width), source.markers(run),
-      source.expertLoad(run, x0, x1, width), source.layerSteps(run), source.goodput(run), source.ranks(run, x0, x1, width)]);
-    state.data[run] = { series, markers, expert, steps, goodput, ranks };
+    const range = { x0, x1, width: plotWidth() };
+    const payloads = await Promise.all(state.panels.map((panel) => source.panel(run, panel, range)));
+    state.data[run] = Object.fromEntries(state.panels.map((panel, i) => [panel.name, payloads[i]]));
+  }
+
+  async function drawPanels() {
+    for (const panel of state.panels.filter((p) => p.draw)) {
+      if (draw[panel.draw]) await draw[panel.draw](panel);
+      else console.warn(`dashboard.js has no draw.${panel.draw} for the panel ${panel.name}`);
+    }
+  }
+
+  // A panel index.html has no place for gets a section of its own, one plot, at the end.
+  function addSlot(panel) {
+    if (!panel.slot || $(panel.slot)) return;
+    const section = element("section");
+    const holder = element("div", null, { className: "panel" });
+    holder.append(element("h2", panel.name), element("div", null, { id: panel.slot, className: "plot" }),
+      element("p", null, { className: "empty", hidden: true }));
+    holder.lastChild.dataset.for = panel.slot;
+    section.append(holder);
+    document.querySelector("main").append(section);
   }
 
   let pending = null;
@@ -453,9 +474,7 @@
     state.runs = await source.runs();
     await Promise.all(runIndices.map(loadRun));
     renderRunLegend();
-    drawTimePlots();
-    drawGoodput();
-    await drawLayerPlots();
+    await drawPanels();
     if (!state.rendered && TIME_PLOTS.concat(LAYER_PLOTS).some((id) => $(id).data)) {
       state.rendered = true;
       window.dashboardRenderedAt = performance.now();  // read by the benchmark and the tests
@@ -475,9 +494,7 @@
       label.addEventListener("click", () => {
         if (state.hidden.has(r.index)) state.hidden.delete(r.index); else state.hidden.add(r.index);
         renderRunLegend();
-        drawTimePlots();
-        drawGoodput();
-        drawLayerPlots();
+        drawPanels();
       });
       return label;
     }));
@@ -523,19 +540,22 @@
       $("connection").textContent = `report written ${SNAPSHOT.written}`;
     }
     $("incident-close").addEventListener("click", () => { $("incident").hidden = true; });
-    $("focus-run").addEventListener("change", (e) => { state.focus = +e.target.value; drawTimePlots(); drawLayerPlots(); });
+    $("focus-run").addEventListener("change", (e) => { state.focus = +e.target.value; drawPanels(); });
     $("layer-step").addEventListener("input", (e) => {
       const focus = state.runs[state.focus];
-      const steps = state.data[focus.index].steps.iters;
+      const steps = state.data[focus.index].layer_steps.iters;
       // at the right end the slider follows the newest step as the run goes on
       state.layerIter = +e.target.value === steps.length - 1 ? null : steps[+e.target.value];
-      drawLayerPlots();
+      draw.layers();
     });
+    state.panels = await source.panels();
+    state.panels.forEach(addSlot);
     state.runs = await source.runs();
     await refresh(state.runs.map((r) => r.index));
     if (source.live) connect();
   }
 
   window.dashboardState = state;  // for the browser tests and for poking at in the console
+  window.dashboardDraw = draw;    // the same, and a test's panel brings its draw function here
   start();
 })();
