@@ -116,10 +116,15 @@ def test_the_largest_id_is_recorded_by_prepare_data_or_read_once_and_cached(data
 
 def test_a_manifest_that_under_reports_its_largest_id_fails_at_the_batch(dataset, capsys, tmp_path):
     put_token_id(dataset, 310)  # the manifest still records ids below 300; checksums are off
-    code, err, _ = train_on(dataset, capsys, tmp_path, data={"verify_checksums": False},
-                            model={"vocab_size": 300})
+    code, err, run_dir = train_on(dataset, capsys, tmp_path, data={"verify_checksums": False},
+                                  model={"vocab_size": 300})
     assert_one_line_error(code, err, 1, "training batch 0 holds token id 310", "vocabulary of 300",
                           "prepare the dataset again")
+    # What README's failure table says the run directory holds: a start that failed, no metrics.
+    run = RunDir(run_dir)
+    assert sorted(p.name for p in run_dir.iterdir()) == [".lock", "config.toml", "events.jsonl",
+                                                         "metrics.columns.arrow", "metrics.jsonl", "timeline.jsonl"]
+    assert run.read_metrics() == [] and [e["event"] for e in run.read_events()] == ["run_start", "rank_hosts"]
 
 
 def deny_writes_under(monkeypatch, root):

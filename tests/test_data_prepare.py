@@ -12,7 +12,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 
 from trinity_train.data.prepare import PrepareOptions, add_prepare_arguments, prepare, run_prepare
 from trinity_train.data.shards import PreparedDataset, ShardWriter
-from trinity_train.errors import DataError
+from trinity_train.errors import ArgumentError, DataError
 
 WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()
 
@@ -127,7 +127,7 @@ def test_changed_input_into_the_same_out_needs_overwrite(tmp_path):
     src = write_jsonl(tmp_path / "a.jsonl", documents(30))
     out = prepare(options([src], tmp_path / "out"))
     write_jsonl(src, documents(30, seed=5))
-    with pytest.raises(DataError, match="--overwrite"):
+    with pytest.raises(ArgumentError, match="--overwrite"):  # an output that exists: a usage mistake
         prepare(options([src], out))
     prepare(options([src], out, overwrite=True))
     assert sorted(decoded_documents(out, "train") + decoded_documents(out, "val")) == sorted(documents(30, seed=5))

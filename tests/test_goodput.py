@@ -43,7 +43,7 @@ def test_the_command_prints_the_table_and_the_json(drill):
 
 
 def test_the_command_refuses_what_it_cannot_account_for(tmp_path, capsys):
-    assert_one_line_error(*cli_in_process(capsys, "goodput", tmp_path / "absent"), 1, "does not exist")
+    assert_one_line_error(*cli_in_process(capsys, "goodput", tmp_path / "absent"), 2, "does not exist")
     old = tmp_path / "old"  # a run from before timelines
     old.mkdir()
     start = event(EventName.RUN_START, step=0, iter=0, device="cpu", devices=1, resumed_from=None)

@@ -196,7 +196,7 @@ def test_only_the_trinity_block_exports(tmp_path, block):
 def test_export_refuses_a_non_empty_directory(tmp_path):
     (tmp_path / "hf").mkdir()
     (tmp_path / "hf" / "keep.txt").write_text("mine")
-    with pytest.raises(CheckpointError, match="already exists and is not empty"):
+    with pytest.raises(CheckpointError, match="is a directory that is not empty"):
         save_hf(build_model(small_config()), tmp_path / "hf")
     assert [p.name for p in (tmp_path / "hf").iterdir()] == ["keep.txt"]
 

@@ -278,9 +278,9 @@ def test_incidents_command_prints_the_table_and_json(corpus, tmp_path, capsys):
     assert main(["incidents", str(run_dir), "--json"]) == 0
     (report,) = json.loads(capsys.readouterr().out)
     assert report["iter"] == 20 and math.isfinite(report["signals"][0]["loss"])
-    assert main(["incidents", str(tmp_path / "missing")]) == 1
+    assert main(["incidents", str(tmp_path / "missing")]) == 2
     assert "does not exist" in capsys.readouterr().err
-    assert main(["incidents", str(tmp_path / "missing")]) == 1 and capsys.readouterr()
+    assert main(["incidents", str(tmp_path / "missing")]) == 2 and capsys.readouterr()
     # Without its report the incident is still known from its events: a watched row, not "no incidents".
     shutil.rmtree(RunDir(run_dir).incidents)
     assert main(["incidents", str(run_dir)]) == 0

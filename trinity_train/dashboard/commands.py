@@ -6,7 +6,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from trinity_train.errors import ArgumentError
+from trinity_train.errors import ArgumentError, UserError
 from trinity_train.files import disk_problem, output_file, user_path
 from trinity_train.rundir import RunDir
 
