@@ -149,7 +149,7 @@ def config_keys() -> list[dict]:
         walk(typing.get_type_hints(config.Config)[section.name], f"{section.name}.", section.name)
     if missing:
         raise MissingDescription(
-            f"config keys without a description (a `#` comment on the field in {CONFIG_SOURCE.relative_to(ROOT)}): "
+            f"config keys without a description (a `#` comment on the field in {CONFIG_SOURCE.name}): "
             + ", ".join(missing))
     return keys
 
