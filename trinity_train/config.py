@@ -46,7 +46,7 @@ class ModelConfig:
     head_dim: int = 64  # width of one attention head
     intermediate_size: int = 768  # dense FFN width
     num_experts: int = 8  # routed experts per MoE layer
-    num_experts_per_tok: int = 2  # top-k
+    num_experts_per_tok: int = 2  # routed experts per token (top-k)
     num_shared_experts: int = 1  # experts every token goes through, besides its top-k routed ones
     moe_intermediate_size: int = 128  # width of one routed expert
     route_scale: float = 1.0  # the chosen experts' weights (normalised to sum 1) are multiplied by this
@@ -55,9 +55,9 @@ class ModelConfig:
     #                        pattern (4, i.e. 3 local : 1 global; gemma3: 6, i.e. 5 : 1)
     rope_theta: float = 10000.0  # RoPE base (global layers with RoPE: global_rope_theta)
     global_rope_theta: float = 1000000.0  # only the gemma3 block puts RoPE on global layers
-    norm_eps: float = 0.0  # 0: the block's own (1e-5; gemma3: 1e-6)
-    block: str = "trinity"  # one of model.blocks.BLOCK_VARIANTS
-    init_std: float = 0.0  # 0 means 0.5 / sqrt(hidden_size)
+    norm_eps: float = 0.0  # epsilon of the norms; 0: the block's own (1e-5; gemma3: 1e-6)
+    block: str = "trinity"  # where the norms sit around each sublayer: one of model.blocks.BLOCK_VARIANTS
+    init_std: float = 0.0  # std of the initial weight matrices; 0 means 0.5 / sqrt(hidden_size)
     expert_impl: str = "grouped"  # "grouped" (torch._grouped_mm) or "loop"
     router_fp32: bool = True  # router logits in fp32 even under bf16 autocast / mixed precision
     load_balance: str = "sign"  # "sign", "smebu" or "none"
