@@ -11,6 +11,9 @@ A page of `docs/` holds a marker on a line of its own, which the build replaces:
   beside their code (benchmarks/README.md); `<!-- include-section: PATH -->` the same with its
   headings one level down, as a section of the page (launch/README.md).
 
+Every page also gets a blank line before a list that follows a paragraph line, so that the
+Markdown written for GitHub (the READMEs, DESIGN, CONTRACT) renders its lists here too.
+
 Nothing generated is committed, so no page can go stale. tests/test_docs_site.py checks the
 generated references against the code and builds the site with `mkdocs build --strict`.
 This file stays outside the `trinity_train` package: the package never imports it.
@@ -269,6 +272,24 @@ def _demote(markdown: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+LIST_ITEM = re.compile(r"([-*+]|\d+\.) ")
+
+
+def _blank_before_lists(markdown: str) -> str:
+    """A blank line before a list that follows a paragraph line: GitHub starts a list there,
+    Python-Markdown (MkDocs) would run it into the paragraph. Code blocks are left alone."""
+    lines, fenced, previous = [], False, ""
+    for line in markdown.splitlines():
+        if line.lstrip().startswith("```"):
+            fenced = not fenced
+        elif (not fenced and LIST_ITEM.match(line) and previous.strip() and not LIST_ITEM.match(previous)
+              and not previous[:1].isspace()):
+            lines.append("")
+        lines.append(line)
+        previous = line
+    return "\n".join(lines) + "\n"
+
+
 GENERATORS = {"config-reference": config_reference, "cli-reference": cli_reference}
 
 
@@ -280,7 +301,7 @@ def expand(markdown: str) -> str:
         text = (ROOT / what).read_text()
         return _demote(text) if kind == "include-section" else text
 
-    return MARKER.sub(replace, markdown)
+    return _blank_before_lists(MARKER.sub(replace, markdown))
 
 
 def on_page_markdown(markdown: str, page, config, files) -> str:  # noqa: ARG001 (MkDocs' signature)
