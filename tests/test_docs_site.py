@@ -13,6 +13,7 @@ import subprocess
 import sys
 import typing
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -72,6 +73,15 @@ def test_a_config_key_without_a_description_fails_the_reference(tmp_path, monkey
     monkeypatch.setattr(docs_site, "CONFIG_SOURCE", stripped)
     with pytest.raises(docs_site.MissingDescription, match=r"model\.hidden_size"):
         docs_site.config_reference()
+
+
+def test_the_build_hook_refuses_what_it_cannot_generate_or_include():
+    from mkdocs.exceptions import PluginError
+
+    page = SimpleNamespace(file=SimpleNamespace(src_uri="reference/x.md"))
+    for marker in ("<!-- generated: no-such-reference -->", "<!-- include: no/such/README.md -->"):
+        with pytest.raises(PluginError, match="reference/x.md"):
+            docs_site.on_page_markdown(f"# x\n\n{marker}\n", page, None, None)
 
 
 def test_the_cli_reference_has_every_command_and_argument():
