@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Screenshot the live dashboard of run directories in headless Chromium (the README's picture).
+"""Screenshot the live dashboard of run directories in headless Chromium (the picture in docs/guides/dashboard.md).
 
     .venv/bin/python scripts/screenshot_dashboard.py RUN_DIR [RUN_DIR ...] OUT.png
 

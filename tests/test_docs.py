@@ -12,7 +12,7 @@ CITATION = re.compile(r"DESIGN §(\d+)")
 def cited_sections() -> dict[int, list[str]]:
     cited: dict[int, list[str]] = {}
     files = [*ROOT.glob("trinity_train/**/*.py"), *ROOT.glob("benchmarks/*.py"), *ROOT.glob("configs/**/*.toml"),
-             *ROOT.glob("*.md"), *ROOT.glob("docs/*.md"), *ROOT.glob("launch/*")]
+             *ROOT.glob("*.md"), *ROOT.glob("docs/**/*.md"), *ROOT.glob("launch/*")]
     for path in files:
         for number in CITATION.findall(path.read_text(errors="replace")):
             cited.setdefault(int(number), []).append(str(path.relative_to(ROOT)))

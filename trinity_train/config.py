@@ -46,45 +46,45 @@ def default_config_path() -> Path | None:
 
 @dataclass
 class ModelConfig:
-    vocab_size: int = 8192
-    hidden_size: int = 256
-    num_layers: int = 4
-    num_dense_layers: int = 1
-    num_heads: int = 4
-    num_kv_heads: int = 2
-    head_dim: int = 64
+    vocab_size: int = 8192  # tokens of the tokenizer (the embedding and output rows)
+    hidden_size: int = 256  # width of the residual stream
+    num_layers: int = 4  # transformer blocks
+    num_dense_layers: int = 1  # the first this many blocks have a dense FFN, the others are MoE
+    num_heads: int = 4  # attention (query) heads
+    num_kv_heads: int = 2  # key/value heads (grouped-query attention)
+    head_dim: int = 64  # width of one attention head
     intermediate_size: int = 768  # dense FFN width
-    num_experts: int = 8
-    num_experts_per_tok: int = 2  # top-k
-    num_shared_experts: int = 1
+    num_experts: int = 8  # routed experts per MoE layer
+    num_experts_per_tok: int = 2  # routed experts per token (top-k)
+    num_shared_experts: int = 1  # experts every token goes through, besides its top-k routed ones
     moe_intermediate_size: int = 128  # width of one routed expert
-    route_scale: float = 1.0
+    route_scale: float = 1.0  # the chosen experts' weights (normalised to sum 1) are multiplied by this
     sliding_window: int = 128  # keys a local layer sees, itself included
     global_every: int = 0  # layer i is global when (i+1) % global_every == 0; 0: the block's own
     #                        pattern (4, i.e. 3 local : 1 global; gemma3: 6, i.e. 5 : 1)
-    rope_theta: float = 10000.0
+    rope_theta: float = 10000.0  # RoPE base (global layers with RoPE: global_rope_theta)
     global_rope_theta: float = 1000000.0  # only the gemma3 block puts RoPE on global layers
-    norm_eps: float = 0.0  # 0: the block's own (1e-5; gemma3: 1e-6)
-    block: str = "trinity"  # one of model.blocks.BLOCK_VARIANTS
-    init_std: float = 0.0  # 0 means 0.5 / sqrt(hidden_size)
+    norm_eps: float = 0.0  # epsilon of the norms; 0: the block's own (1e-5; gemma3: 1e-6)
+    block: str = "trinity"  # where the norms sit around each sublayer: one of model.blocks.BLOCK_VARIANTS
+    init_std: float = 0.0  # std of the initial weight matrices; 0 means 0.5 / sqrt(hidden_size)
     expert_impl: str = "grouped"  # "grouped" (torch._grouped_mm) or "loop"
     router_fp32: bool = True  # router logits in fp32 even under bf16 autocast / mixed precision
     load_balance: str = "sign"  # "sign", "smebu" or "none"
     bias_update_rate: float = 1e-2  # gamma of the sign rule: the bias moves at most this per step, so
     #                                 short runs need more than Trinity's 1e-3 (set in nano/mini.toml)
-    smebu_lambda: float = 5e-4
-    smebu_beta: float = 0.5
-    smebu_kappa: float = 2.0
+    smebu_lambda: float = 5e-4  # smebu: step size lambda of lambda * tanh(kappa * relative load gap)
+    smebu_beta: float = 0.5  # smebu: momentum beta of the bias update
+    smebu_kappa: float = 2.0  # smebu: slope kappa inside the tanh
     aux_loss_alpha: float = 0.0  # sequence-wise aux loss weight (DeepSeek-V3 uses 1e-4)
-    z_loss_weight: float = 0.0
+    z_loss_weight: float = 0.0  # weight of the router z-loss; 0: off
     doc_masking: bool = False  # intra-document attention and per-document positions
     loss_chunk_tokens: int = 4096  # cross entropy is computed this many tokens at a time
 
 
 @dataclass
 class DataSource:
-    path: UserPath = ""
-    weight: float = 1.0
+    path: UserPath = ""  # a prepared dataset directory
+    weight: float = 1.0  # its sampling weight, relative to the other sources'
 
 
 @dataclass
@@ -96,8 +96,8 @@ class DataPhase:
 @dataclass
 class DataConfig:
     path: UserPath = ""  # a prepared dataset directory; empty means the embedded default corpus
-    cache_dir: str = "~/.cache/trinity-train"  # `~` expanded where it is read
-    seq_len: int = 256
+    cache_dir: str = "~/.cache/trinity-train"  # where the embedded default corpus is built (`~` expanded where read)
+    seq_len: int = 256  # tokens per training sequence
     seed: int = 1234  # the sample order (and mixing); the same seed gives the same batches
     vocab_size: int = 8192  # tokenizer size trained for the embedded default corpus
     val_fraction: float = 0.02  # documents of the embedded default corpus held out for validation
@@ -109,19 +109,19 @@ class DataConfig:
 
 @dataclass
 class TrainConfig:
-    steps: int = 300
-    micro_batch_size: int = 8
+    steps: int = 300  # optimizer steps of the run
+    micro_batch_size: int = 8  # sequences per forward/backward on each rank
     grad_accum: int = 1  # micro-batches per optimizer step on each rank (derived when global_batch_size > 0)
     global_batch_size: int = 0  # >0: sequences per optimizer step over all data-parallel ranks, fixed
     #                             whatever the layout: grad_accum = global / (micro_batch_size x dp), so
     #                             a resume on other ranks trains on the same batches. 0: micro x accum x dp
-    grad_clip: float = 1.0  # clip the global gradient norm to this; 0: no clipping
-    seed: int = 0
-    eval_every: int = 50
-    eval_batches: int = 4
+    grad_clip: float = 1.0  # the global gradient norm is clipped to this; 0: no clipping
+    seed: int = 0  # seeds the model's initialisation (data.seed the data order)
+    eval_every: int = 50  # validation every this many steps (also at step 0 and at the end)
+    eval_batches: int = 4  # held-out batches of each validation (the same ones each time)
     dtype: str = "fp32"  # "fp32" or "bf16" (autocast)
-    compile: bool = False
-    activation_checkpointing: bool = False
+    compile: bool = False  # torch.compile each block
+    activation_checkpointing: bool = False  # recompute each block's activations in the backward pass
     device: str = "auto"  # "auto", "cpu" or "cuda"
     log_every: int = 10  # progress-bar refresh and console lines
 
@@ -130,19 +130,19 @@ class TrainConfig:
 class OptimConfig:
     name: str = "muon"  # "muon" (hidden matrices; AdamW for the rest) or "adamw" (everything)
     lr: float = 3e-3  # AdamW peak learning rate
-    muon_lr: float = 1.5e-2  # Muon peak learning rate; best of a sweep on the debug model (Trinity: 1e-3)
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-8
-    weight_decay: float = 0.1
-    muon_momentum: float = 0.95
-    muon_nesterov: bool = True
-    muon_ns_steps: int = 5
+    muon_lr: float = 1.5e-2  # Muon peak learning rate (Trinity: 1e-3)
+    beta1: float = 0.9  # AdamW first-moment decay
+    beta2: float = 0.95  # AdamW second-moment decay
+    eps: float = 1e-8  # AdamW epsilon
+    weight_decay: float = 0.1  # decoupled weight decay
+    muon_momentum: float = 0.95  # Muon momentum
+    muon_nesterov: bool = True  # Nesterov momentum in Muon
+    muon_ns_steps: int = 5  # Newton-Schulz iterations that orthogonalise Muon's update
     muon_scale: str = "spectral"  # "spectral" (lr*sqrt(max(1, out/in))) or "rms_match" (Moonlight)
     muon_ns_dtype: str = "auto"  # Newton-Schulz precision: "auto" (bf16 on GPU, fp32 on CPU), "bf16", "fp32"
     muon_router: bool = True  # router gate goes to Muon (else AdamW)
     schedule: str = "wsd"  # "wsd", "cosine" or "constant"
-    warmup_steps: int = 30
+    warmup_steps: int = 30  # steps of linear learning-rate warm-up
     decay_fraction: float = 0.2  # WSD: last fraction of steps decays linearly to min_lr_ratio
     min_lr_ratio: float = 0.0  # WSD decays to this; cosine to this (Trinity Large: 0.1)
 
@@ -162,11 +162,11 @@ class ParallelConfig:
 
 @dataclass
 class CheckpointConfig:
-    every: int = 50
-    keep: int = 3
+    every: int = 50  # a checkpoint every this many steps, and at the last; 0: none
+    keep: int = 3  # the newest this many sound checkpoints are kept
     resume: UserPath = "none"  # "none", "auto" (newest in the run directory) or a checkpoint path
     init_from: UserPath = ""  # a checkpoint (e.g. from import-hf) whose model weights start the run
-    async_save: bool = False
+    async_save: bool = False  # write in the background (dcp.async_save); committed at the first step after
     max_failed_saves: int = 3  # a save that fails (a full or broken disk) is recorded and training goes
     #                            on, keeping the checkpoints it has; this many in a row stop the run
 
@@ -198,8 +198,7 @@ class StabilityConfig:
     window: int = 128  # recent normal steps that judge the next (OLMo-core: 128)
     min_history: int = 20  # no z verdict before the windows hold this many steps (after LR warm-up)
     loss_sigma_floor: float = 0.02  # smallest sigma of log(loss): a 6-sigma spike is at least +13 %
-    grad_norm_sigma_floor: float = 0.2  # smallest sigma of log(grad norm): 6 sigma is at least 3.3x; at 0.1
-    #                                     a clean 1,000-step default run skipped two natural 1.8-2.5x swings
+    grad_norm_sigma_floor: float = 0.2  # smallest sigma of log(grad norm): 6 sigma is at least 3.3x
     loss_ceiling_margin: float = 0.5  # >0: skip a step whose loss exceeds ln(model.vocab_size) + this,
     #                                   the untrained model's (worse than guessing); every step,
     #                                   the warm-up included; 0 disables
@@ -207,9 +206,7 @@ class StabilityConfig:
     #                                  min_history steps), skip a step whose norm is this many times
     #                                  the median of the normal norms before it; 0 disables
     routing_max_load: float = 0.0  # >0: a MoE layer whose busiest expert gets this many times the
-    #                                mean tokens per expert is collapsed; 0 disables (at most E/top-k).
-    #                                Off by default: the clean default job's busiest expert reaches
-    #                                3.56 of at most 4 early on, as high as a x100 divergence's 3.57
+    #                                mean tokens per expert is collapsed; 0 disables (at most E/top-k)
     routing_dead_experts: int = 1  # >0: so is a MoE layer with at least this many experts given no
     #                                token of the global batch; 0 disables
     routing_steps: int = 5  # a layer collapsed this many steps in a row opens an incident (an event)
@@ -230,12 +227,12 @@ class StabilityConfig:
 
 @dataclass
 class MetricsConfig:
-    jsonl: bool = True
-    tensorboard: bool = False
-    wandb: bool = False
-    wandb_project: str = "trinity-train"
+    jsonl: bool = True  # write metrics.jsonl (and its columnar mirror)
+    tensorboard: bool = False  # TensorBoard events in run.dir/tb
+    wandb: bool = False  # log to Weights & Biases (files in run.dir/wandb)
+    wandb_project: str = "trinity-train"  # the W&B project
     wandb_mode: str = "auto"  # "auto": online with an API key (WANDB_API_KEY or netrc), else offline
-    progress_bar: bool = True
+    progress_bar: bool = True  # a progress bar; false: a console line every train.log_every iterations
     peak_flops: float = 0.0  # one device's peak FLOP/s for MFU; 0: measured with a matmul at start
     layer_stats_every: int = 10  # per-layer statistics ("layers" records) every this many
     #                              iterations; 0: off (cost: benchmarks/layer_stats_cost.py)
@@ -256,8 +253,8 @@ class WatchdogConfig:
 
 @dataclass
 class RunConfig:
-    dir: UserPath = "runs/debug"
-    name: str = "debug"
+    dir: UserPath = "runs/debug"  # the run directory: config, metrics, events, checkpoints
+    name: str = "debug"  # the run's name (W&B run name and group)
 
 
 @dataclass

@@ -1,5 +1,5 @@
 """The process exit codes of `trinity-train` and its launchers, for the person and the scheduler
-that read them (README "Exit codes"): which endings to inspect, which to fix, which to requeue.
+that read them (docs/reference/exit-codes.md): which endings to inspect, which to fix, which to requeue.
 
 | code | name | meaning | a scheduler should |
 |---|---|---|---|
