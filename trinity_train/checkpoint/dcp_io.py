@@ -161,13 +161,5 @@ def load(state: dict[str, Any], path: Path) -> None:
         raise CheckpointError(f"checkpoint '{path}' could not be loaded: {type(e).__name__}: {e}") from None
 
 
-def checkpoint_keys(path: Path) -> set[str]:
-    """The flattened keys a checkpoint holds ("guard.early.grad_norms"), from its .metadata."""
-    try:
-        return set(dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata)
-    except (OSError, EOFError, RuntimeError, ValueError, KeyError) as e:
-        raise CheckpointError(f"checkpoint '{path}' could not be loaded: {type(e).__name__}: {e}") from None
-
-
 def rank_and_world() -> tuple[int, int]:
     return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)

@@ -135,9 +135,8 @@ def check_integrity(path: str | Path, deep: bool = False) -> None:
     """Raise CheckpointError with the reason when the checkpoint at `path` is not whole.
 
     The fast check (structure, sizes, checksums) reads every file once; `deep` also loads every
-    tensor and requires the floating-point ones to be finite. A checkpoint of format 2 (written
-    before checksums existed) passes the fast check on structure and sizes alone. The fast
-    check's verdict is remembered for `require_sound`.
+    tensor and requires the floating-point ones to be finite. The fast check's verdict is
+    remembered for `require_sound`.
     """
     path = Path(path)
     version = _files_version(path)
@@ -174,8 +173,7 @@ def _sound_or_raise(path: Path) -> None:
 def _check_integrity(path: Path, deep: bool) -> None:
     meta = read_meta(path)
     config_from_meta(meta, path)  # a checkpoint without a readable config cannot be resumed
-    if meta.get("format_version", 2) >= 3:
-        _check_checksums(path, meta.get("files"))  # before DCP reads a possibly damaged .metadata
+    _check_checksums(path, meta.get("files"))  # before DCP reads a possibly damaged .metadata
     dcp_meta = read_dcp_metadata(path)
     saved = {component_of(fqn) for fqn in dcp_meta.state_dict_metadata}
     missing = sorted(set(meta.get("components", [])) - saved)

@@ -20,9 +20,10 @@ META_FILE = "meta.json"
 DCP_METADATA_FILE = ".metadata"  # written by torch.distributed.checkpoint once all ranks finished
 DCP_DATA_SUFFIX = ".distcp"  # each rank's tensors, written before .metadata
 FORMAT = "trinity-train-checkpoint"
-FORMAT_VERSION = 3  # 2: the guard's windows on loss and gradient norm, the LR back-off;
-#                    3: meta.json lists every file's size and checksum (checkpoint/integrity.py)
-READABLE_VERSIONS = (2, 3)  # 2: the same state, without checksums
+# The state of the first release: every file's size and checksum in meta.json, the guard's windows,
+# warm-up and routing watches, the LR back-off. Versions 1-3 were pre-release and are not read.
+FORMAT_VERSION = 4
+READABLE_VERSIONS = (4,)
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
 # checkpoints/abandoned/: the checkpoints of a future a resume from an earlier step left behind,
 # kept for a person to look at; one level down, nothing that lists checkpoints ever sees them.

@@ -30,7 +30,6 @@ from pathlib import Path
 from typing import Any, Callable
 
 from trinity_train.checkpoint import dcp_io
-from trinity_train.checkpoint.added_state import fit_to_checkpoint
 from trinity_train.checkpoint.compat import check_model_compatible, config_from_meta
 from trinity_train.checkpoint.integrity import (SoundnessCache, candidate_checkpoints, check_integrity,
                                                 digest_files, find_sound_checkpoint, newest_sound_checkpoint,
@@ -161,10 +160,6 @@ def load_checkpoint(path: Path, state: dict[str, Any], cfg: Config) -> dict:
         hint = (" It holds model weights only: start a run from it with --checkpoint.init_from"
                 if meta.get("kind") == "model" else "")
         raise CheckpointError(f"checkpoint '{path}' lacks {', '.join(missing)} needed to resume.{hint}")
-    state, absent = fit_to_checkpoint(state, dcp_io.checkpoint_keys(path))
-    if absent and is_coordinator():
-        print(f"note: checkpoint '{path}' predates {', '.join(absent)}; that state starts fresh",
-              file=sys.stderr)
     dcp_io.load(state, path)
     return meta
 

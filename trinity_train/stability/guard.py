@@ -267,10 +267,6 @@ class StepGuard:
         self.grad_norm.load_state_dict(windows["grad_norm"])
         self.early.load_state_dict(windows["early"])
 
-    # Parts of the state that checkpoints written before guard v3 lack; resuming one starts
-    # them fresh (checkpoint/added_state.py).
-    STATE_ADDED_LATER = ("early", "routing")
-
     def state_dict(self) -> dict:
         # The same keys whether or not an incident is open (DCP loads into the current keys), so
         # the incident is one list value: empty, or its fields in order.
