@@ -236,10 +236,8 @@ class Trainer:
                                                            dp_size=self.dims.dp, ledger=self.ledger)
         self.step_fn = TrainingStep(self.model, self.optimizer, self.scheduler, self.guard, cfg, self.device,
                                     self.dims, lr_backoff=self.lr_backoff, faults=self.faults)
-        self.recovery = Recovery(cfg, self.rundir, self.ledger, state=self.state, loader=self.train_loader,
-                                 checkpoints=self.checkpoints, guard=self.guard, lr_backoff=self.lr_backoff,
-                                 faults=self.faults, restore=self._load, apply_lr=self._apply_lr,
-                                 is_main=self.is_main)
+        self.recovery = Recovery(cfg, self.rundir, self.ledger, run=self, loader=self.train_loader,
+                                 checkpoints=self.checkpoints, faults=self.faults, is_main=self.is_main)
         self.timeline = TimelineWriter(self.rundir.timeline, enabled=self.is_main)
         # The hang watchdog watches from `start()` to the end of `finish()` (DESIGN §12).
         self.watchdog = WatchdogCallback(cfg.watchdog, self.rundir, self.dims.rank, self.dims.world_size)
@@ -285,6 +283,27 @@ class Trainer:
             meta = load_checkpoint(path, self.checkpoint_state(), self.cfg)
         self._apply_lr()
         return meta
+
+    @property
+    def iteration(self) -> int:
+        """Global batches drawn so far, skipped ones included."""
+        return self.state.iteration
+
+    @property
+    def step(self) -> int:
+        """Optimizer steps applied."""
+        return self.state.step
+
+    def rewind(self, checkpoint: Path, lr_scale: float, ramp_steps: int) -> int:
+        """A rollback's restore (`stability.recovery.Rewindable`): everything from `checkpoint` but
+        the iteration counter and the guard's windows, then the learning-rate back-off."""
+        iteration, windows = self.state.iteration, self.guard.windows()
+        self._load(checkpoint)
+        self.guard.keep_windows(windows)
+        restored_iter, self.state.iteration = self.state.iteration, iteration
+        self.lr_backoff.start(self.state.step, lr_scale, ramp_steps)
+        self._apply_lr()
+        return restored_iter
 
     def _apply_lr(self) -> None:
         # The schedule set the configured rates for the current step; a back-off scales them.

@@ -175,6 +175,11 @@ class TrainLoader:
         """The training split of source `source` (in `data.mix` order)."""
         return self._mixed.readers[source].split
 
+    @property
+    def dataset_dirs(self) -> list[Path]:
+        """The prepared dataset directories it reads, in `data.mix` order."""
+        return [ds.path for ds in self._mixed.datasets]
+
     def next_batch(self) -> Batch:
         index = self._next_allowed(self._position)
         batch = self.batch_at(index)

@@ -19,11 +19,11 @@ def _tokenizer(dataset_dir: str) -> Tokenizer | None:
     return Tokenizer.from_file(str(path)) if path.is_file() else None
 
 
-def batch_documents(loader, dataset_dirs: list[Path], index: int, first_tokens: int = FIRST_TOKENS) -> list[dict]:
+def batch_documents(loader, index: int, first_tokens: int = FIRST_TOKENS) -> list[dict]:
     """One entry per row of global batch `index`: `row`, `dataset`, `shard`, `document` (within
     the shard), `offset` (token offset within that document), `first_tokens` (decoded text, or
     the ids when the dataset's tokenizer is missing)."""
-    rows = []
+    rows, dataset_dirs = [], loader.dataset_dirs
     for row, (source, start) in enumerate(loader.row_origins(index)):
         split = loader.split(source)
         shard, document, offset = split.locate(start)

@@ -2,14 +2,15 @@
 leave an incident report of each.
 
 `Recovery` owns the streak of skips in a row, the skip ledger's entries for skips and rollbacks,
-the incident reports, and the rollback itself. It acts on the trainer's parts only through what
-the trainer passes in (this package sits below `train`): the counters, the training loader, the
-checkpoints (`RollbackStore`), the guard, the LR back-off, and `restore(path)`, the resume path
-that loads every stateful component from a checkpoint. Events and console notices go to the
-`recorder` each call is given (`records.event` shapes, `notice(text)`).
+the incident reports, and the decision and bookkeeping of a rollback. It receives only what it
+uses (this package sits below `train`): the run it may rewind (`Rewindable`: its counters, and
+`rewind`, the one way in which it changes the run), the training loader (its position, the
+documents of a batch and the datasets they come from), the checkpoints (`RollbackStore`) and the
+drills (for the reports). Events and console notices go to the `recorder` each call is given
+(`records.event` shapes, `notice(text)`).
 
 Invariants: every skip is in the ledger (saved) before the iteration's incident report is
-written; a rollback changes nothing but the trainer state `restore` loads, the ledger, the LR
+written; a rollback changes nothing but the trainer state `rewind` loads, the ledger, the LR
 back-off and the checkpoints after its target, and keeps the iteration counter counting, so a
 rolled-back run equals the run trained with those batches in the ledger from the start.
 """
@@ -23,14 +24,13 @@ from typing import Any, Callable, Protocol
 
 from trinity_train.config import Config
 from trinity_train.data.ledger import LedgerKind, SkipLedger
-from trinity_train.data.loader import dataset_dirs
 from trinity_train.data.provenance import batch_documents
 from trinity_train.records import EventName, IncidentAction, event, fields_of, incident_report
 from trinity_train.rundir import RunDir
 from trinity_train.stability.drills import FaultInjector
-from trinity_train.stability.guard import StepGuard, TrainingDivergedError
+from trinity_train.stability.guard import TrainingDivergedError
 from trinity_train.stability.incidents import signal_rows, write_incident
-from trinity_train.stability.rollback import LRBackoff, plan_rollback
+from trinity_train.stability.rollback import plan_rollback
 
 # Train records kept for the incident reports (the signals before a skip).
 INCIDENT_CONTEXT = 24
@@ -44,6 +44,22 @@ class RollbackStore(Protocol):
     def discard_after(self, step: int) -> list[Path]: ...
 
 
+class Rewindable(Protocol):
+    """The run a rollback rewinds (the Trainer)."""
+
+    @property
+    def iteration(self) -> int: ...  # global batches drawn so far, skipped ones included
+
+    @property
+    def step(self) -> int: ...  # optimizer steps applied
+
+    def rewind(self, checkpoint: Path, lr_scale: float, ramp_steps: int) -> int:
+        """Load every stateful component from `checkpoint` as a resume does, except the iteration
+        counter (it keeps counting, so log lines stay unique) and the guard's windows (it judges on
+        from what it saw before); then scale the learning rates by `lr_scale`, ramping back to 1
+        over `ramp_steps` optimizer steps. Returns the iteration the checkpoint was taken at."""
+
+
 class Recorder(Protocol):
     def event(self, event: dict) -> None: ...
 
@@ -51,18 +67,13 @@ class Recorder(Protocol):
 
 
 class Recovery:
-    def __init__(self, cfg: Config, rundir: RunDir, ledger: SkipLedger, *, state: Any, loader: Any,
-                 checkpoints: RollbackStore, guard: StepGuard, lr_backoff: LRBackoff, faults: FaultInjector,
-                 restore: Callable[[Path], None], apply_lr: Callable[[], None], is_main: bool):
-        """`state`: the trainer's counters (`iteration`, `step`); `loader`: the training loader
-        (its `position`, the documents of a batch); `restore(path)`: load a checkpoint into every
-        stateful component, as a resume does; `apply_lr()`: set the learning rates of the current
-        step (schedule x back-off); `is_main`: this process writes the ledger and the reports."""
+    def __init__(self, cfg: Config, rundir: RunDir, ledger: SkipLedger, *, run: Rewindable, loader: Any,
+                 checkpoints: RollbackStore, faults: FaultInjector, is_main: bool):
+        """`loader`: the training loader (its `position`, the documents of a batch and its
+        `dataset_dirs`); `is_main`: this process writes the ledger and the reports."""
         self.cfg, self.rundir, self.ledger = cfg, rundir, ledger
-        self.state, self.loader, self.checkpoints = state, loader, checkpoints
-        self.guard, self.lr_backoff, self.faults = guard, lr_backoff, faults
-        self.restore, self.apply_lr, self.is_main = restore, apply_lr, is_main
-        self.dataset_dirs = dataset_dirs(cfg.data)
+        self.run, self.loader, self.checkpoints = run, loader, checkpoints
+        self.faults, self.is_main = faults, is_main
         self.recent: deque[dict] = deque(maxlen=INCIDENT_CONTEXT)  # the last train records
         self.skip_streak: list[int] = []  # batch indices of the skips in a row so far
 
@@ -74,7 +85,7 @@ class Recovery:
     def resumed(self) -> None:
         """After a resume: skips after the checkpoint are judged again, as the uninterrupted run
         judged them."""
-        self.ledger.forget_skips_after(self.state.iteration)
+        self.ledger.forget_skips_after(self.run.iteration)
 
     def start_events(self) -> list[dict]:
         """What a run starting with rollbacks asked for but impossible must say."""
@@ -83,7 +94,7 @@ class Recovery:
         if self.is_main:
             print("warning: stability.rollback_after is set but checkpoint.every = 0: with no checkpoints "
                   "to go back to, spikes are only skipped", file=sys.stderr)
-        return [event(EventName.ROLLBACK_UNAVAILABLE, iter=self.state.iteration, step=self.state.step,
+        return [event(EventName.ROLLBACK_UNAVAILABLE, iter=self.run.iteration, step=self.run.step,
                       reason="checkpoint.every = 0")]
 
     def after_step(self, result: Any, record: dict, batch_index: int, recorder: Recorder) -> None:
@@ -101,7 +112,7 @@ class Recovery:
         incident report; returns the rollback event, or None when the step was only skipped.
         Raises TrainingDivergedError (after writing a `halt` report) when the guard halts the run
         (too many skips in a row) or the rollbacks are spent."""
-        rollback, streak, step = None, list(self.skip_streak), self.state.step
+        rollback, streak, step = None, list(self.skip_streak), self.run.step
         if result.verdict.halt:
             self._report_incident(result, batch_index, step, IncidentAction.HALT, streak)
             raise TrainingDivergedError(result.verdict.halt)
@@ -122,12 +133,12 @@ class Recovery:
             self.ledger.save()
 
     def _record_skip(self, result: Any, batch_index: int, recorder: Recorder) -> None:
-        verdict, iteration = result.verdict, self.state.iteration
+        verdict, iteration = result.verdict, self.run.iteration
         self.ledger.add(batch_index, batch_index + 1, reason=f"skipped step: {verdict.reason}", kind=LedgerKind.SKIP,
                         iteration=iteration)
         self._save_ledger()
         report = self.rundir.incident(iteration)
-        recorder.event(event(EventName.SKIP, iter=iteration, step=self.state.step, batch=batch_index,
+        recorder.event(event(EventName.SKIP, iter=iteration, step=self.run.step, batch=batch_index,
                              reason=verdict.reason, loss=result.loss, grad_norm=result.grad_norm,
                              loss_z=verdict.loss_z, grad_norm_z=verdict.grad_norm_z,
                              incident=str(report.relative_to(self.rundir.path))))
@@ -142,12 +153,12 @@ class Recovery:
         (main process only)."""
         if not self.is_main:
             return
-        iteration = self.state.iteration
+        iteration = self.run.iteration
         report = incident_report(
             iter=iteration, step=step, action=action, reason=result.verdict.reason,
             onset_iter=result.verdict.onset_iter, signals=signal_rows(list(self.recent)),
             layer_grad_norms=result.layer_grad_norms,
-            batches=[{"index": b, "documents": batch_documents(self.loader, self.dataset_dirs, b)} for b in batches],
+            batches=[{"index": b, "documents": batch_documents(self.loader, b)} for b in batches],
             drill=self.faults.events(iteration, batch_index), lr=result.lrs,
             rollback=rollback and fields_of(rollback))
         write_incident(self.rundir, report)
@@ -158,11 +169,10 @@ class Recovery:
         or None when there is no checkpoint to go back to.
 
         Everything stateful comes back (weights, optimizer, schedule, loader position, guard,
-        RNG), as on a resume; the iteration counter alone keeps counting, so log lines stay unique.
-        The guard judges on from its windows of before the rollback (`StepGuard.keep_windows`).
+        RNG), as on a resume, but for what `Rewindable.rewind` keeps.
         """
-        cfg, verdict, state = self.cfg.stability, result.verdict, self.state
-        iteration, from_step = state.iteration, state.step
+        cfg, verdict, run = self.cfg.stability, result.verdict, self.run
+        iteration, from_step = run.iteration, run.step
         if self.cfg.checkpoint.every <= 0:
             recorder.event(event(EventName.ROLLBACK_UNAVAILABLE, iter=iteration, step=from_step,
                                  reason="checkpoint.every = 0"))
@@ -184,27 +194,22 @@ class Recovery:
             recorder.event(event(EventName.ROLLBACK_UNAVAILABLE, iter=iteration, step=from_step,
                                  reason=f"no sound checkpoint at or before step {plan.max_target_step}"))
             return None
-        windows = self.guard.windows()
-        self.restore(target)
-        self.guard.keep_windows(windows)
-        restored_iter, first_bad = state.iteration, self.loader.position
+        restored_iter = run.rewind(target, plan.lr_scale, cfg.lr_backoff_steps)
+        to_step, first_bad = run.step, self.loader.position
         skipped = [first_bad, last_bad_batch + 1 + plan.extra_batches]
-        self.ledger.add(*skipped, reason=f"rollback to step {state.step}", kind=LedgerKind.ROLLBACK,
-                        iteration=iteration, target_step=state.step, extra_batches=plan.extra_batches,
+        self.ledger.add(*skipped, reason=f"rollback to step {to_step}", kind=LedgerKind.ROLLBACK,
+                        iteration=iteration, target_step=to_step, extra_batches=plan.extra_batches,
                         repeat=plan.repeat, onset_iter=verdict.onset_iter)
         self._save_ledger()
         # Checkpoints after the target hold the timeline that was just undone: never resume from them.
-        discarded = self.checkpoints.discard_after(state.step)
-        self.lr_backoff.start(state.step, plan.lr_scale, cfg.lr_backoff_steps)
-        self.apply_lr()
-        state.iteration = iteration
-        rolled_back = event(EventName.ROLLBACK, iter=iteration, from_step=from_step, to_step=state.step,
+        discarded = self.checkpoints.discard_after(to_step)
+        rolled_back = event(EventName.ROLLBACK, iter=iteration, from_step=from_step, to_step=to_step,
                             to_iter=restored_iter, checkpoint=str(target), skipped_batches=skipped,
                             rollbacks=self.rollbacks, onset_iter=verdict.onset_iter, repeat=plan.repeat,
                             lr_scale=plan.lr_scale, discarded_checkpoints=[str(p) for p in discarded],
                             incident=str(self.rundir.incident(iteration).relative_to(self.rundir.path)))
         recorder.event(rolled_back)
-        recorder.notice(f"iteration {iteration}: rolled back from step {from_step} to step {state.step} "
+        recorder.notice(f"iteration {iteration}: rolled back from step {from_step} to step {to_step} "
                         f"({target.name}); batches {skipped[0]}-{skipped[1] - 1} will not be trained on"
                         + (f"; learning rate x{plan.lr_scale:g}" if plan.lr_scale < 1.0 else ""))
         if plan.lr_scale < 1.0:
