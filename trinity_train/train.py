@@ -225,6 +225,8 @@ class Trainer:
         self.guard = StepGuard.for_config(cfg)
         self.lr_backoff = LRBackoff()
         self.faults = FaultInjector(cfg.stability.inject, rank=self.dims.rank, vocab_size=cfg.model.vocab_size)
+        # Every save writes through the drills' writer, which fails those a `fail_save` covers.
+        self.checkpoints.storage_writer = lambda path: self.faults.storage_writer(path, self.state.iteration)
         self.state = TrainerState()
         # Batches skipped by this run are recorded in the ledger and never drawn again; a fresh
         # run starts with an empty one, a resumed run keeps what its predecessors recorded.
@@ -457,8 +459,7 @@ class Trainer:
             self._failed_saves = 0
             self.callbacks.after_checkpoint(self, step, iteration, path)
         with self.phase(Phase.CHECKPOINT_SAVE), self._saving():
-            self.checkpoints.save(step, self.checkpoint_state(), self.cfg, iteration=iteration, on_commit=committed,
-                                  fault=self.faults.failing_save(iteration))
+            self.checkpoints.save(step, self.checkpoint_state(), self.cfg, iteration=iteration, on_commit=committed)
 
     @contextlib.contextmanager
     def _saving(self):
