@@ -17,12 +17,13 @@ reduction must SUM rank gradients, not average them (FSDP2: `set_gradient_divide
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
+from trinity_train import signals
 from trinity_train.config import Config
 from trinity_train.model.loss import IGNORE_INDEX
 from trinity_train.observe.layer_stats import LayerStatsCollector, per_layer_grad_norms
@@ -52,6 +53,7 @@ class StepResult:
     verdict: Verdict
     layer_grad_norms: dict[str, list[float]] | None = None  # a skipped step's, for its incident report
     layer_stats: dict | None = None  # the `layers` record (without iter/step) on statistics iterations
+    signals: dict[str, float] = field(default_factory=dict)  # the guard's signals' values, by name
 
 
 def micro_batches(batch: Any, micro_batch_size: int) -> list[dict[str, torch.Tensor]]:
@@ -73,7 +75,7 @@ def _forward(model: nn.Module, mb: dict[str, torch.Tensor], cfg: Config, device:
 @dataclass
 class StepTotals:
     """What `TrainingStep.forward_backward` measured, global over ranks: the verdict and the
-    apply part read it."""
+    apply part read it (and the guard's signals, `signals.SIGNALS`, are read from it)."""
 
     loss: float  # mean cross entropy over the step's counted tokens
     aux_loss: float
@@ -155,7 +157,8 @@ class TrainingStep:
         cleared either way."""
         lr_drilled = self.faults.scale_lr(self.optimizer, iteration)
         lrs = self.learning_rates()
-        verdict = self.guard.judge(totals.loss, totals.grad_norm, iteration, steps_applied, totals.tokens_per_expert)
+        values = signals.measured(totals)
+        verdict = self.guard.judge_signals(values, iteration, steps_applied, totals.tokens_per_expert)
         layer_stats = totals.layer_stats
         layer_grad_norms = None  # a skipped step's, for its incident report
         if not verdict.apply and layer_stats is not None:
@@ -174,7 +177,7 @@ class TrainingStep:
         self.optimizer.zero_grad(set_to_none=True)
         return StepResult(totals.loss, totals.aux_loss, totals.z_loss, totals.grad_norm, totals.tokens,
                           totals.tokens_per_expert, lrs, self.lr_backoff.factor(steps_applied), verdict,
-                          layer_grad_norms, layer_stats)
+                          layer_grad_norms, layer_stats, values)
 
 
 @torch.no_grad()

@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from trinity_train import signals
 from trinity_train.callbacks import CallbackList, TrainerCallback
 from trinity_train.checkpoint import CheckpointManager, ModelState, OptimizerState, RNGState, load_checkpoint
 from trinity_train.checkpoint.compat import config_differences, config_from_meta, describe_differences
@@ -505,10 +506,10 @@ class Throughput:
 def step_record(result: StepResult, state: TrainerState, batch_index: int, throughput: dict[str, float]) -> dict[str, Any]:
     """One line of metrics.jsonl."""
     return train_record(
-        iter=state.iteration, step=state.step, batch=batch_index, loss=result.loss, aux_loss=result.aux_loss,
-        z_loss=result.z_loss, grad_norm=result.grad_norm, lr=result.lrs.get("adamw", next(iter(result.lrs.values()))),
+        iter=state.iteration, step=state.step, batch=batch_index, aux_loss=result.aux_loss, z_loss=result.z_loss,
+        lr=result.lrs.get("adamw", next(iter(result.lrs.values()))),
         lr_muon=result.lrs.get("muon"), tokens=result.tokens, tokens_seen=state.tokens_seen, **throughput,
-        skipped=not result.verdict.apply, loss_z=result.verdict.loss_z, grad_norm_z=result.verdict.grad_norm_z,
+        skipped=not result.verdict.apply, **signals.fields(result.signals, result.verdict.zscores),
         skip_reason=None if result.verdict.apply else result.verdict.reason,
         lr_scale=result.lr_scale if result.lr_scale != 1.0 else None, **expert_load_stats(result.tokens_per_expert))
 
