@@ -127,7 +127,7 @@ def test_a_save_without_dcp_metadata_is_never_given_its_final_name(tmp_path, mon
     model, opt, sched = trained_state()
     mgr, save = manager(tmp_path), dcp_io.save
 
-    def save_then_lose_metadata(state, path, fault=None):  # as when another process cleaned up our directory
+    def save_then_lose_metadata(state, path, storage_writer=None):  # as when another process cleaned up our directory
         save(state, path)
         (path / ".metadata").unlink()
 

@@ -19,7 +19,7 @@ LAYERS = [
     {"parallel", "checkpoint", "stability", "observe", "health", "interop", "dashboard", "runlock"},
     {"model", "optim", "data", "goodput"},
     {"config", "rundir", "columnar", "records", "callbacks"},
-    {"files", "rank_zero", "launcher_verdict"},
+    {"files", "rank_zero", "launcher_verdict", "signals"},
     {"errors", "__init__"},
     {"exit_codes"},  # the codes a process ends with: below the errors that carry them
 ]

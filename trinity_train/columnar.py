@@ -23,10 +23,13 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.json as pa_json
 
+from trinity_train import signals
 from trinity_train.files import temp_sibling
 
-# The plotted scalars of each record kind (contract: docs/CONTRACT.md "Run directory").
-TRAIN_SCALARS = ("loss", "grad_norm", "lr", "lr_muon", "tokens_per_s", "mfu")
+# The plotted scalars of each record kind (contract: docs/CONTRACT.md "Run directory"); the guard's
+# signals (their skipped steps' markers show their values) among them.
+TRAIN_SCALARS = tuple(dict.fromkeys(("loss", "grad_norm", *(s.name for s in signals.SIGNALS), "lr", "lr_muon",
+                                     "tokens_per_s", "mfu")))
 VAL_SCALARS = ("val_loss",)
 # Per-layer lists: train records carry one value per MoE layer, layers records one per layer.
 TRAIN_LISTS = ("moe_max_load_per_layer",)

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any, Iterable
 
+from trinity_train import signals
+
 
 class EventName(StrEnum):
     """The `event` of each line of events.jsonl."""
@@ -91,21 +93,39 @@ RUNNING, ENDED, HALTED = "running", "ended", "halted"
 FAILED = "failed"  # an attempt that ended with an error (timeline.jsonl's `end`)
 
 
+# Stand-ins in a shape for the guard's signals' fields (signals.SIGNALS, read when a record is
+# built): their values (those the shape does not name already) and their z-scores.
+SIGNAL_VALUES, SIGNAL_ZS = "<signals>", "<signals_z>"
+
+
 @dataclass(frozen=True)
 class Shape:
     """The fields of one kind of record, in the order they are written. An `optional` field given
     as None is left out (a train record has `lr_muon` only with Muon); every other field is
     written, null included."""
 
-    fields: tuple[str, ...]
+    template: tuple[str, ...]  # the fields, the signals' stand-ins included
     optional: frozenset[str] = frozenset()
 
+    @property
+    def fields(self) -> tuple[str, ...]:
+        out: list[str] = []
+        for name in self.template:
+            if name == SIGNAL_VALUES:
+                out += [s.name for s in signals.SIGNALS if s.name not in self.template]
+            elif name == SIGNAL_ZS:
+                out += [s.z for s in signals.SIGNALS]
+            else:
+                out.append(name)
+        return tuple(out)
+
     def build(self, what: str, values: dict[str, Any]) -> dict[str, Any]:
-        unknown = values.keys() - set(self.fields)
-        missing = set(self.fields) - self.optional - values.keys()
+        fields = self.fields
+        unknown = values.keys() - set(fields)
+        missing = set(fields) - self.optional - values.keys()
         if unknown or missing:
             raise TypeError(f"{what}: unknown fields {sorted(unknown)}, missing fields {sorted(missing)}")
-        return {k: values[k] for k in self.fields if k in values and not (k in self.optional and values[k] is None)}
+        return {k: values[k] for k in fields if k in values and not (k in self.optional and values[k] is None)}
 
 
 def _shape(fields: str, optional: str = "") -> Shape:
@@ -126,8 +146,8 @@ EVENTS: dict[EventName, Shape] = {
     EventName.INCIDENT_OPEN: _shape("iter step signal z"),
     EventName.INCIDENT_CLOSE: _shape("iter onset_iter calm_steps"),
     EventName.ROUTING_COLLAPSE: _shape("iter step layer max_load dead_experts"),
-    EventName.SKIP: _shape("iter step batch reason loss grad_norm loss_z grad_norm_z incident"),
-    EventName.GUARD_OBSERVED: _shape("iter step action reason loss grad_norm loss_z grad_norm_z onset_iter"),
+    EventName.SKIP: _shape(f"iter step batch reason {SIGNAL_VALUES} {SIGNAL_ZS} incident"),
+    EventName.GUARD_OBSERVED: _shape(f"iter step action reason {SIGNAL_VALUES} {SIGNAL_ZS} onset_iter"),
     EventName.ROLLBACK: _shape("iter from_step to_step to_iter checkpoint skipped_batches rollbacks onset_iter "
                                "repeat lr_scale discarded_checkpoints incident"),
     EventName.ROLLBACK_UNAVAILABLE: _shape("iter step reason"),
@@ -143,7 +163,8 @@ EVENTS: dict[EventName, Shape] = {
 _MOE_LOAD = "moe_max_load moe_min_load moe_cv moe_max_load_per_layer moe_min_load_per_layer moe_cv_per_layer"
 RECORDS: dict[RecordKind, Shape] = {
     RecordKind.TRAIN: _shape("iter step batch loss aux_loss z_loss grad_norm lr lr_muon tokens tokens_seen "
-                             f"tokens_per_s step_time_s mfu skipped loss_z grad_norm_z skip_reason lr_scale {_MOE_LOAD}",
+                             f"tokens_per_s step_time_s mfu skipped {SIGNAL_ZS} skip_reason lr_scale {_MOE_LOAD} "
+                             f"{SIGNAL_VALUES}",
                              optional=f"lr_muon skip_reason lr_scale {_MOE_LOAD}"),
     RecordKind.VAL: _shape("iter step val_loss val_ppl val_tokens"),
     RecordKind.LAYERS: _shape("iter step grad_norm_attn grad_norm_ffn residual_rms attn_out_rms attn_post_rms "

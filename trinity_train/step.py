@@ -1,10 +1,11 @@
 """One optimizer step and one validation pass (DESIGN §2): what `Trainer` runs every iteration.
 
-`TrainingStep`: forward + backward over the micro-batches, each scaled so the summed gradient is
-that of the token-weighted mean cross entropy of the whole global batch (plus aux and z losses) ->
-global loss, pre-clip gradient norm and tokens per expert -> `StepGuard` verdict (apply or skip) -> clip, optimizer
-step, expert-bias update from the step's tokens per expert, scheduler step (and the LR back-off
-after a rollback). Fault drills act here too (`stability.drills`).
+`TrainingStep` has two parts. `forward_backward`: forward + backward over the micro-batches, each
+scaled so the summed gradient is that of the token-weighted mean cross entropy of the whole global
+batch (plus aux and z losses) -> global loss, pre-clip gradient norm and tokens per expert
+(`StepTotals`). `apply`: `StepGuard` verdict (apply or skip) -> clip, optimizer step, expert-bias
+update from the step's tokens per expert, scheduler step (and the LR back-off after a rollback).
+Fault drills act through the `StepFaults` hooks (`stability.drills`), no-ops without drills.
 
 Every place where a distributed run must combine values across data-parallel ranks goes through
 `parallel.reductions` with the run's `ParallelDims` (marked "DP all-reduce"); in one process the
@@ -16,19 +17,20 @@ reduction must SUM rank gradients, not average them (FSDP2: `set_gradient_divide
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
+from trinity_train import signals
 from trinity_train.config import Config
 from trinity_train.model.loss import IGNORE_INDEX
 from trinity_train.observe.layer_stats import LayerStatsCollector, per_layer_grad_norms
 from trinity_train.parallel.mesh import ParallelDims
 from trinity_train.parallel.reductions import clip_grads_with_norm_, global_grad_norm, sum_over_data_parallel
 from trinity_train.stability import StepGuard, Verdict
-from trinity_train.stability.drills import FaultInjector, StepFaults
+from trinity_train.stability.drills import StepFaults
 from trinity_train.stability.rollback import LRBackoff
 
 
@@ -51,6 +53,7 @@ class StepResult:
     verdict: Verdict
     layer_grad_norms: dict[str, list[float]] | None = None  # a skipped step's, for its incident report
     layer_stats: dict | None = None  # the `layers` record (without iter/step) on statistics iterations
+    signals: dict[str, float] = field(default_factory=dict)  # the guard's signals' values, by name
 
 
 def micro_batches(batch: Any, micro_batch_size: int) -> list[dict[str, torch.Tensor]]:
@@ -69,12 +72,29 @@ def _forward(model: nn.Module, mb: dict[str, torch.Tensor], cfg: Config, device:
                      document_ids=mb.get("document_ids"))
 
 
+@dataclass
+class StepTotals:
+    """What `TrainingStep.forward_backward` measured, global over ranks: the verdict and the
+    apply part read it (and the guard's signals, `signals.SIGNALS`, are read from it)."""
+
+    loss: float  # mean cross entropy over the step's counted tokens
+    aux_loss: float
+    z_loss: float
+    tokens: int  # counted (label) tokens
+    tokens_per_expert: torch.Tensor  # [num_moe_layers, E], summed over micro-batches and ranks
+    grad_norm: float  # before clipping
+    grad_norm_tensor: torch.Tensor  # the same, as the clipping takes it
+    layer_stats: dict | None  # the `layers` record (without iter/step) on statistics iterations
+
+
 class TrainingStep:
-    """Forward/backward over micro-batches, the stability verdict, and the optimizer step."""
+    """Forward/backward over micro-batches (`forward_backward`, the part that context parallelism
+    or communication overlap replace or wrap), then the stability verdict and the optimizer step
+    (`apply`)."""
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, guard: StepGuard,
                  cfg: Config, device: torch.device, dims: ParallelDims | None = None,
-                 lr_backoff: LRBackoff | None = None, faults: FaultInjector | None = None):
+                 lr_backoff: LRBackoff | None = None, faults: StepFaults | None = None):
         self.model = model
         self.optimizer = optimizer
         self.scheduler = scheduler
@@ -83,7 +103,7 @@ class TrainingStep:
         self.device = device
         self.dims = dims or ParallelDims.one_process()
         self.lr_backoff = lr_backoff or LRBackoff()
-        self.faults = faults
+        self.faults = faults if faults is not None else StepFaults()  # the drills' hooks; no-ops without
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.layer_stats = LayerStatsCollector(model, cfg.metrics.layer_stats_every, self.dims)
 
@@ -95,10 +115,16 @@ class TrainingStep:
 
     def __call__(self, batch: Any, iteration: int, steps_applied: int) -> StepResult:
         """Train on `batch` as iteration `iteration`, after `steps_applied` optimizer steps."""
-        faults = self.faults.step_faults(iteration) if self.faults else StepFaults()
-        parts = micro_batches(batch, self.cfg.train.micro_batch_size)
+        totals = self.forward_backward(micro_batches(batch, self.cfg.train.micro_batch_size), iteration)
+        return self.apply(totals, iteration, steps_applied)
+
+    def forward_backward(self, parts: list[dict[str, torch.Tensor]], iteration: int) -> StepTotals:
+        """Forward and backward over this rank's micro-batches `parts`, leaving the summed
+        gradient of the global batch's token-weighted mean loss in the parameters; returns the
+        step's global totals (loss, token and expert counts, pre-clip gradient norm, and the
+        layer statistics where due)."""
         # The token-weighted mean needs the global token count before the first backward.
-        tokens = sum_over_data_parallel((batch.labels != IGNORE_INDEX).sum().to(self.device),
+        tokens = sum_over_data_parallel(sum((mb["labels"] != IGNORE_INDEX).sum() for mb in parts).to(self.device),
                                         self.dims)  # DP all-reduce
         # Aux and z losses are means per micro-batch: average them over micro-batches and ranks.
         per_part = 1.0 / (len(parts) * self.dims.dp)
@@ -109,28 +135,31 @@ class TrainingStep:
         for mb in parts:
             with self.layer_stats.recording(stats_due):  # the forward only: not recomputations in backward
                 out = _forward(self.model, mb, self.cfg, self.device)
-            ce_sum = out.ce_sum * faults.loss_factor if faults.loss_factor != 1.0 else out.ce_sum  # a drill
+            ce_sum = self.faults.scale_loss(out.ce_sum, iteration)
             loss = ce_sum / tokens.clamp_min(1) + (out.aux_loss + out.z_loss) * per_part
             loss.backward()
             totals += torch.stack([ce_sum.detach().float(), out.aux_loss.detach().float() * per_part,
                                    out.z_loss.detach().float() * per_part])
             counts = out.tokens_per_expert if counts is None else counts + out.tokens_per_expert
-        if faults.grad_factor != 1.0:  # a drill: this rank's gradients blow up
-            torch._foreach_mul_([p.grad for p in self.params if p.grad is not None], faults.grad_factor)
+        self.faults.scale_grads(self.params, iteration)
         totals = sum_over_data_parallel(totals, self.dims)  # DP all-reduce
         counts = sum_over_data_parallel(counts, self.dims)  # DP all-reduce
         ce_sum, aux_loss, z_loss = totals.tolist()
         num_tokens = int(tokens.item())
-        mean_loss = ce_sum / max(num_tokens, 1)
         grad_norm = global_grad_norm(self.params)  # global over ranks and shards
-        grad_norm_value = grad_norm.item()
         layer_stats = self.layer_stats.collect(counts) if stats_due else None  # pre-clip gradients
+        return StepTotals(ce_sum / max(num_tokens, 1), aux_loss, z_loss, num_tokens, counts, grad_norm.item(),
+                          grad_norm, layer_stats)
 
-        if faults.lr_factor != 1.0:  # a drill: this update's learning rates are off by the factor
-            for group in self.optimizer.param_groups:
-                group["lr"] *= faults.lr_factor
+    def apply(self, totals: StepTotals, iteration: int, steps_applied: int) -> StepResult:
+        """The guard's verdict on `totals`, then (if it applies the step) clipping, the optimizer
+        step, the expert-bias update, the scheduler step and the LR back-off; the gradients are
+        cleared either way."""
+        lr_drilled = self.faults.scale_lr(self.optimizer, iteration)
         lrs = self.learning_rates()
-        verdict = self.guard.judge(mean_loss, grad_norm_value, iteration, steps_applied, counts)
+        values = signals.measured(totals)
+        verdict = self.guard.judge_signals(values, iteration, steps_applied, totals.tokens_per_expert)
+        layer_stats = totals.layer_stats
         layer_grad_norms = None  # a skipped step's, for its incident report
         if not verdict.apply and layer_stats is not None:
             layer_grad_norms = {"attn": layer_stats["grad_norm_attn"], "ffn": layer_stats["grad_norm_ffn"]}
@@ -138,16 +167,17 @@ class TrainingStep:
             layer_grad_norms = per_layer_grad_norms(self.model, self.dims)
         if verdict.apply:
             if self.cfg.train.grad_clip > 0:
-                clip_grads_with_norm_(self.params, self.cfg.train.grad_clip, grad_norm)
+                clip_grads_with_norm_(self.params, self.cfg.train.grad_clip, totals.grad_norm_tensor)
             self.optimizer.step()
-            self.model.update_expert_biases(counts)
+            self.model.update_expert_biases(totals.tokens_per_expert)
             self.scheduler.step()
             self.lr_backoff.apply(self.optimizer, self.scheduler.get_last_lr(), steps_applied + 1)
-        elif faults.lr_factor != 1.0:  # not applied: the step's own rates again
+        elif lr_drilled:  # not applied: the step's own rates again
             self.lr_backoff.apply(self.optimizer, self.scheduler.get_last_lr(), steps_applied)
         self.optimizer.zero_grad(set_to_none=True)
-        return StepResult(mean_loss, aux_loss, z_loss, grad_norm_value, num_tokens, counts, lrs,
-                          self.lr_backoff.factor(steps_applied), verdict, layer_grad_norms, layer_stats)
+        return StepResult(totals.loss, totals.aux_loss, totals.z_loss, totals.grad_norm, totals.tokens,
+                          totals.tokens_per_expert, lrs, self.lr_backoff.factor(steps_applied), verdict,
+                          layer_grad_norms, layer_stats, values)
 
 
 @torch.no_grad()

@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from trinity_train import signals
 from trinity_train.callbacks import CallbackList, TrainerCallback
 from trinity_train.checkpoint import CheckpointManager, ModelState, OptimizerState, RNGState, load_checkpoint
 from trinity_train.checkpoint.compat import config_differences, config_from_meta, describe_differences
@@ -228,6 +229,8 @@ class Trainer:
         self.guard = StepGuard.for_config(cfg)
         self.lr_backoff = LRBackoff()
         self.faults = FaultInjector(cfg.stability.inject, rank=self.dims.rank, vocab_size=cfg.model.vocab_size)
+        # Every save writes through the drills' writer, which fails those a `fail_save` covers.
+        self.checkpoints.storage_writer = lambda path: self.faults.storage_writer(path, self.state.iteration)
         self.state = TrainerState()
         # Batches skipped by this run are recorded in the ledger and never drawn again; a fresh
         # run starts with an empty one, a resumed run keeps what its predecessors recorded.
@@ -479,8 +482,7 @@ class Trainer:
             self._failed_saves = 0
             self.callbacks.after_checkpoint(self, step, iteration, path)
         with self.phase(Phase.CHECKPOINT_SAVE), self._saving():
-            self.checkpoints.save(step, self.checkpoint_state(), self.cfg, iteration=iteration, on_commit=committed,
-                                  fault=self.faults.failing_save(iteration))
+            self.checkpoints.save(step, self.checkpoint_state(), self.cfg, iteration=iteration, on_commit=committed)
 
     @contextlib.contextmanager
     def _saving(self):
@@ -539,10 +541,10 @@ class Throughput:
 def step_record(result: StepResult, state: TrainerState, batch_index: int, throughput: dict[str, float]) -> dict[str, Any]:
     """One line of metrics.jsonl."""
     return train_record(
-        iter=state.iteration, step=state.step, batch=batch_index, loss=result.loss, aux_loss=result.aux_loss,
-        z_loss=result.z_loss, grad_norm=result.grad_norm, lr=result.lrs.get("adamw", next(iter(result.lrs.values()))),
+        iter=state.iteration, step=state.step, batch=batch_index, aux_loss=result.aux_loss, z_loss=result.z_loss,
+        lr=result.lrs.get("adamw", next(iter(result.lrs.values()))),
         lr_muon=result.lrs.get("muon"), tokens=result.tokens, tokens_seen=state.tokens_seen, **throughput,
-        skipped=not result.verdict.apply, loss_z=result.verdict.loss_z, grad_norm_z=result.verdict.grad_norm_z,
+        skipped=not result.verdict.apply, **signals.fields(result.signals, result.verdict.zscores),
         skip_reason=None if result.verdict.apply else result.verdict.reason,
         lr_scale=result.lr_scale if result.lr_scale != 1.0 else None, **expert_load_stats(result.tokens_per_expert))
 

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.storage import StorageWriter
 
 from trinity_train.errors import CheckpointError
 from trinity_train.files import disk_problem
@@ -94,34 +95,20 @@ def side_group(name: str, timeout_s: float | None):
     return _groups[name][1]
 
 
-class _FailingWriter(dcp.FileSystemWriter):
-    """A drill's storage writer (`fail_save`): this rank's write fails with `error` after DCP has
-    planned the save with every rank, so every rank learns of it as of a broken disk's."""
-
-    def __init__(self, path: Path, error: OSError):
-        super().__init__(str(path))
-        self.error = error
-
-    def write_data(self, plan, planner):
-        raise self.error
-
-
-def _writer(path: Path, fault: OSError | None) -> dcp.FileSystemWriter | None:
-    return None if fault is None else _FailingWriter(path, fault)
-
-
-def save(state: dict[str, Any], path: Path, fault: OSError | None = None) -> None:
-    """Write `state` to `path` (collective); `fault`: this rank's write fails with it (a drill)."""
+def save(state: dict[str, Any], path: Path, storage_writer: StorageWriter | None = None) -> None:
+    """Write `state` to `path` (collective); `storage_writer`: DCP's writer for it (None: its
+    file-system writer)."""
     try:
-        dcp.save(state, checkpoint_id=str(path), storage_writer=_writer(path, fault), no_dist=_no_dist())
+        dcp.save(state, checkpoint_id=str(path), storage_writer=storage_writer, no_dist=_no_dist())
     except (Exception, CheckpointException) as e:  # (a BaseException) every failure: one line naming it
         raise save_failure(e, path) from None
 
 
-def async_save(state: dict[str, Any], path: Path, timeout_s: float | None, fault: OSError | None = None) -> Future:
+def async_save(state: dict[str, Any], path: Path, timeout_s: float | None,
+               storage_writer: StorageWriter | None = None) -> Future:
     """Starts writing after staging a copy of `state`, so training may change it right away."""
     try:
-        return dcp.async_save(state, checkpoint_id=str(path), storage_writer=_writer(path, fault), no_dist=_no_dist(),
+        return dcp.async_save(state, checkpoint_id=str(path), storage_writer=storage_writer, no_dist=_no_dist(),
                               process_group=side_group("async", timeout_s))
     except (Exception, CheckpointException) as e:
         raise save_failure(e, path) from None

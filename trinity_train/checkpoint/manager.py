@@ -29,6 +29,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from torch.distributed.checkpoint.storage import StorageWriter
+
 from trinity_train.checkpoint import dcp_io
 from trinity_train.checkpoint.compat import check_model_compatible, config_from_meta
 from trinity_train.checkpoint.integrity import (SoundnessCache, candidate_checkpoints, check_integrity,
@@ -50,6 +52,9 @@ from trinity_train.rank_zero import barrier, decided_by_rank_zero, is_coordinato
 from trinity_train.rundir import RunDir
 
 OnCommit = Callable[[Path], None]
+# The storage writer of a save into a directory, or None for DCP's own: where a drill (or another
+# storage) plugs into every save at once (`CheckpointManager.storage_writer`).
+StorageWriters = Callable[[Path], StorageWriter | None]
 
 
 def torchrun_restart_count() -> int:
@@ -86,13 +91,13 @@ def _timeout_s(cfg: Config | None) -> float | None:
 
 
 def write_checkpoint(state: dict[str, Any], final_dir: Path, meta: dict, cfg: Config | None = None,
-                     fault: OSError | None = None) -> None:
-    """Synchronously write `state` to `final_dir` atomically (temp dir, meta.json, rename).
-    `fault`: this rank's write fails with it instead (a `fail_save` drill)."""
+                     storage_writer: StorageWriters | None = None) -> None:
+    """Synchronously write `state` to `final_dir` atomically (temp dir, meta.json, rename);
+    `storage_writer(tmp_dir)` gives DCP's writer (None: its own)."""
     tmp_dir = final_dir.with_name(final_dir.name + ".tmp")
     _prepare_tmp_dir(tmp_dir)
     try:
-        dcp_io.save(state, tmp_dir, fault=fault)
+        dcp_io.save(state, tmp_dir, storage_writer(tmp_dir) if storage_writer else None)
         digests = _own_digests(tmp_dir)
     except CheckpointError as e:
         digests = e
@@ -196,6 +201,7 @@ class CheckpointManager:
         self.passed_over: list[tuple[Path, str]] = []
         self._soundness = SoundnessCache()
         self.saving_step: int | None = None  # the step of the latest save begun
+        self.storage_writer: StorageWriters = lambda path: None  # DCP's own; a drill's fails (stability.drills)
 
     def list(self) -> list[tuple[int, Path]]:
         """(step, path) of every complete checkpoint, oldest first."""
@@ -279,11 +285,11 @@ class CheckpointManager:
         return path
 
     def save(self, step: int, state: dict[str, Any], cfg: Config, on_commit: OnCommit | None = None,
-             fault: OSError | None = None, **extra_meta: Any) -> Path:
+             **extra_meta: Any) -> Path:
         """Save `state` as checkpoint `step`; returns the directory it will have once complete.
         `on_commit(path)` runs when it is (at once for a synchronous save). A failed save raises
         CheckpointError on every rank (here, or from `poll`/`wait` for an asynchronous one) and
-        leaves no directory behind; `fault`: this rank's write fails with it (a drill)."""
+        leaves no directory behind. Each rank writes with `storage_writer`."""
         self.wait()
         self.saving_step = step
         self._timeout_s = _timeout_s(cfg)
@@ -292,11 +298,11 @@ class CheckpointManager:
         meta = checkpoint_meta("training", step, cfg, list(state), **extra_meta)
         if self.cfg.async_save:
             _prepare_tmp_dir(tmp_dir)
-            written = dcp_io.async_save(state, tmp_dir, self._timeout_s, fault=fault)
+            written = dcp_io.async_save(state, tmp_dir, self._timeout_s, self.storage_writer(tmp_dir))
             self._pending = _PendingSave(_digests_when_written(written, tmp_dir), tmp_dir, final_dir, meta,
                                          on_commit)
         else:
-            write_checkpoint(state, final_dir, meta, cfg, fault=fault)
+            write_checkpoint(state, final_dir, meta, cfg, self.storage_writer)
             self._after_commit(step, final_dir, on_commit)
         return final_dir
 

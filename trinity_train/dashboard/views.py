@@ -12,6 +12,7 @@ import warnings
 
 import numpy as np
 
+from trinity_train import signals
 from trinity_train.dashboard.downsample import bucket_max, minmax_indices, window
 from trinity_train.dashboard.runs import RunView
 from trinity_train.records import EventName, RecordKind
@@ -120,9 +121,8 @@ def markers(run: RunView) -> dict:
             for i, gone in zip(flagged.tolist(), abandoned.tolist()):
                 iteration = int(source["iter"][i])
                 event = skip_events.get(iteration, {})
-                skipped.append({"iter": iteration, "loss": numbers([source["loss"][i]])[0],
-                                "grad_norm": numbers([source["grad_norm"][i]])[0], "reason": event.get("reason"),
-                                "loss_z": event.get("loss_z"), "grad_norm_z": event.get("grad_norm_z"),
+                skipped.append({"iter": iteration, **{sig.name: numbers([source[sig.name][i]])[0] for sig in signals.SIGNALS},
+                                "reason": event.get("reason"), **{sig.z: event.get(sig.z) for sig in signals.SIGNALS},
                                 "incident": _incident_name(event), "abandoned": gone})
         rollbacks = [{**{k: e.get(k) for k in ("iter", "to_iter", "from_step", "to_step", "checkpoint",
                                                "skipped_batches", "rollbacks", "lr_scale")},

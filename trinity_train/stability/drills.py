@@ -45,9 +45,10 @@ import os
 import signal
 import sys
 import time
-from dataclasses import dataclass
+from pathlib import Path
 
 import torch
+import torch.distributed.checkpoint as dcp
 
 from trinity_train.callbacks import TrainerCallback
 from trinity_train.config import Config, FaultConfig, one_of, require
@@ -83,17 +84,34 @@ def check_fault_config(cfg: Config) -> None:
                 f"must be a token id below model.vocab_size ({cfg.model.vocab_size})")
 
 
-@dataclass(frozen=True)
 class StepFaults:
-    """What the drills do to one step on this rank."""
+    """The hooks by which drills act inside a step (`step.TrainingStep`), one per place they act;
+    each does nothing here, so a step without drills runs them as no-ops. `FaultInjector`
+    implements them from the config's faults."""
 
-    loss_factor: float = 1.0  # multiplies the summed cross entropy (NaN for nan_loss)
-    grad_factor: float = 1.0  # multiplies the gradients after backward
-    lr_factor: float = 1.0  # multiplies the learning rates of the update
+    def scale_loss(self, ce_sum: torch.Tensor, iteration: int) -> torch.Tensor:
+        """A micro-batch's summed cross entropy, as the step trains on it."""
+        return ce_sum
 
-    @property
-    def any(self) -> bool:
-        return self.loss_factor != 1.0 or self.grad_factor != 1.0 or self.lr_factor != 1.0
+    def scale_grads(self, params: list[torch.Tensor], iteration: int) -> None:
+        """Act on this rank's gradients after the backward of every micro-batch."""
+
+    def scale_lr(self, optimizer: torch.optim.Optimizer, iteration: int) -> bool:
+        """Act on the update's learning rates; True if they were changed (the step then restores
+        them when it is not applied)."""
+        return False
+
+
+class FailingWriter(dcp.FileSystemWriter):
+    """A `fail_save` drill's storage writer: this rank's write fails with `error` after DCP has
+    planned the save with every rank, so every rank learns of it as of a broken disk's."""
+
+    def __init__(self, path: Path, error: OSError):
+        super().__init__(str(path))
+        self.error = error
+
+    def write_data(self, plan, planner):
+        raise self.error
 
 
 def _run_wide_event(fault: FaultConfig, iteration: int, batch_index: int) -> dict:
@@ -149,7 +167,7 @@ def slow_rank(fault: FaultConfig) -> None:
 BEFORE_STEP = {"kill_rank": kill_rank, "hang_rank": hang_rank, "slow_rank": slow_rank}
 
 
-class FaultInjector:
+class FaultInjector(StepFaults):
     def __init__(self, faults: list[FaultConfig], rank: int, vocab_size: int):
         self.faults = list(faults)
         self.rank = rank
@@ -194,14 +212,16 @@ class FaultInjector:
         return [_run_wide_event(fault, iteration, batch_index)
                 for fault in self.faults if fault.fault == "fail_save" and _covers(fault, iteration)]
 
-    def failing_save(self, iteration: int) -> OSError | None:
-        """The I/O error this rank's write of a checkpoint taken at `iteration` fails with (a
-        `fail_save` drill covering it), or None."""
+    def storage_writer(self, path: Path, iteration: int) -> FailingWriter | None:
+        """The storage writer of this rank's save of a checkpoint taken at `iteration` to `path`:
+        one that fails with an I/O error where a `fail_save` drill covers it, else None (DCP's own)."""
         if any(f.fault == "fail_save" and self._here(f) and _covers(f, iteration) for f in self.faults):
-            return OSError(errno.EIO, f"input/output error (drill: fail_save at iteration {iteration})")
+            error = OSError(errno.EIO, f"input/output error (drill: fail_save at iteration {iteration})")
+            return FailingWriter(path, error)
         return None
 
-    def step_faults(self, iteration: int) -> StepFaults:
+    def _step_factors(self, iteration: int) -> tuple[float, float, float]:
+        """(loss, gradient, learning-rate) factors of the step faults acting on this rank."""
         loss_factor, grad_factor, lr_factor = 1.0, 1.0, 1.0
         for fault in self.faults:
             if fault.fault not in STEP_FAULTS or not self._here(fault) or not _covers(fault, iteration):
@@ -214,7 +234,23 @@ class FaultInjector:
                 lr_factor *= _factor(fault)
             else:
                 grad_factor *= _factor(fault)
-        return StepFaults(loss_factor, grad_factor, lr_factor)
+        return loss_factor, grad_factor, lr_factor
+
+    def scale_loss(self, ce_sum: torch.Tensor, iteration: int) -> torch.Tensor:
+        factor = self._step_factors(iteration)[0]
+        return ce_sum * factor if factor != 1.0 else ce_sum
+
+    def scale_grads(self, params: list[torch.Tensor], iteration: int) -> None:
+        factor = self._step_factors(iteration)[1]
+        if factor != 1.0:  # this rank's gradients blow up
+            torch._foreach_mul_([p.grad for p in params if p.grad is not None], factor)
+
+    def scale_lr(self, optimizer: torch.optim.Optimizer, iteration: int) -> bool:
+        factor = self._step_factors(iteration)[2]
+        if factor != 1.0:  # this update's learning rates are off by the factor
+            for group in optimizer.param_groups:
+                group["lr"] *= factor
+        return factor != 1.0
 
     def poison(self, batch) -> None:
         """Replace this rank's rows of `batch` (in place) where a poison fault covers its index."""
@@ -236,8 +272,8 @@ class DrillCallback(TrainerCallback):
     `fault_injected` event and a console notice, on the main process whichever rank it acts on),
     then poison this rank's rows of the batch where a poison fault covers it; then the machine
     faults of `BEFORE_STEP` acting on this rank, each announced by this rank first. The step's own
-    faults (loss and gradient factors) act inside `step.TrainingStep`. At the start, the machine
-    faults earlier attempts injected are spent."""
+    faults (loss, gradient and learning-rate factors) act inside `step.TrainingStep`, through the
+    `StepFaults` hooks. At the start, the machine faults earlier attempts injected are spent."""
 
     def __init__(self, faults: FaultInjector):
         self.faults = faults

@@ -10,9 +10,10 @@ communication.
   above the untrained model's, ln(vocab) + `loss_ceiling_margin`, is skipped at any step
   (`loss_ceiling`); while the gradient norm has no z verdict, a norm `warmup_grad_ratio` times
   the median of the normal norms so far is skipped (`grad_jump`).
-- Loss and gradient norm are each judged by a robust one-sided z-score on log values against the
-  course (a robust line) of the last `window` normal steps (`detector.RollingSignal`); a z of at
-  least `spike_zscore` on either skips the step. No z-based verdict during the learning-rate warm-up (`optim.warmup_steps`): the
+- Each signal (`signals.SIGNALS`: the loss and the gradient norm) is judged by a robust one-sided
+  z-score on log values against the course (a robust line) of its last `window` normal steps
+  (`detector.RollingSignal`, its own `sigma_floor`); a z of at least `spike_zscore` on any skips
+  the step (the reason: that signal's spike). No z-based verdict during the learning-rate warm-up (`optim.warmup_steps`): the
   windows start filling when it ends, and judge once they hold `min_history` values.
 - A step at `incident_zscore` or above (or any skip) opens an incident at that step, its onset;
   `calm_steps` normal steps in a row close it. While a signal is at incident level its values stay
@@ -51,7 +52,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
-from trinity_train import exit_codes
+from trinity_train import exit_codes, signals
 from trinity_train.config import StabilityConfig
 from trinity_train.errors import UserError
 from trinity_train.records import EventName, event
@@ -74,7 +75,7 @@ class Incident:
 
     onset_iter: int
     onset_step: int  # optimizer steps applied before the onset step
-    signal: str  # "nonfinite", "loss", "grad_norm" or "routing": what first looked wrong
+    signal: str  # "nonfinite", a signal's name ("loss", "grad_norm") or "routing": what first looked wrong
     z: float | None  # None where no z-score judged it (non-finite, ceiling, warm-up, routing)
     calm: int = 0  # normal steps in a row since the last abnormal one
     skips: int = 0  # skipped steps since the onset: skips that do not end it ask for a rollback
@@ -84,10 +85,9 @@ class Incident:
 @dataclass(frozen=True)
 class Verdict:
     apply: bool
-    reason: str = ""  # why a step is skipped: "nonfinite", "loss_spike", "grad_spike", "loss_ceiling"
-    #                   "grad_jump" or "drift"
-    loss_z: float | None = None
-    grad_norm_z: float | None = None
+    reason: str = ""  # why a step is skipped: "nonfinite", a signal's spike ("loss_spike", "grad_spike"),
+    #                   "loss_ceiling", "grad_jump" or "drift"
+    zscores: dict[str, float | None] = field(default_factory=dict, hash=False)  # by signal name; read as `<name>_z`
     rollback: bool = False  # skipped, and the streak of skips asks for a rollback
     onset_iter: int | None = None  # the open incident's onset, if any
     onset_step: int | None = None
@@ -95,6 +95,13 @@ class Verdict:
     halt: str = ""  # why this skip ends the run (`max_consecutive_skips`), once it is recorded
     observed: "Verdict | None" = field(default=None, compare=False)  # observe mode: the refusal it
     #                                                                  would have made (applied anyway)
+
+    def __getattr__(self, name: str) -> float | None:
+        """`<signal>_z` (`loss_z`, `grad_norm_z`): that signal's z-score, None where none judged it."""
+        signal = name[:-2] if name.endswith("_z") else None
+        if signal in {s.name for s in signals.SIGNALS}:
+            return self.zscores.get(signal)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     @property
     def action(self) -> str:
@@ -106,8 +113,8 @@ def _at_least(z: float | None, threshold: float) -> bool:
     return threshold > 0 and z is not None and z >= threshold
 
 
-def _first_signal(finite: bool, reason: str, z_odd: bool, loss_z: float | None,
-                  grad_z: float | None) -> tuple[str, float | None]:
+def _first_signal(finite: bool, reason: str, z_odd: bool,
+                  zscores: dict[str, float | None]) -> tuple[str, float | None]:
     """(signal, z) of an incident's onset: what looked wrong first, and its z if one judged it
     (`z_odd`: a z-score is at incident level, or skipped the step)."""
     if not finite:
@@ -118,7 +125,8 @@ def _first_signal(finite: bool, reason: str, z_odd: bool, loss_z: float | None,
         return "grad_norm", None
     if not (reason or z_odd):
         return "routing", None  # nothing else is abnormal
-    return ("loss", loss_z) if (loss_z or 0) >= (grad_z or 0) else ("grad_norm", grad_z)
+    highest = max(signals.SIGNALS, key=lambda s: zscores[s.name] or 0)  # the first of equals
+    return highest.name, zscores[highest.name]
 
 
 class StepGuard:
@@ -128,12 +136,20 @@ class StepGuard:
         the first row of the tokens per expert, so routing events name model layers."""
         self.cfg = cfg
         self.warmup_steps = warmup_steps
-        self.loss = RollingSignal(cfg.window, cfg.min_history, cfg.loss_sigma_floor)
-        self.grad_norm = RollingSignal(cfg.window, cfg.min_history, cfg.grad_norm_sigma_floor)
+        # Each signal's course of normal values (`signals.SIGNALS`), by name.
+        self.courses = {s.name: RollingSignal(cfg.window, cfg.min_history, getattr(cfg, s.sigma_floor))
+                        for s in signals.SIGNALS}
         self.early = EarlyChecks(cfg, vocab_size)
         self.routing = RoutingWatch(cfg, first_moe_layer)
         self.consecutive_skips = 0
         self.incident: Incident | None = None
+
+    def __getattr__(self, name: str) -> RollingSignal:
+        """A signal's course by the signal's name (`guard.loss`, `guard.grad_norm`)."""
+        courses = self.__dict__.get("courses", {})
+        if name in courses:
+            return courses[name]
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     @classmethod
     def for_config(cls, cfg) -> "StepGuard":
@@ -141,36 +157,40 @@ class StepGuard:
         return cls(cfg.stability, warmup_steps=cfg.optim.warmup_steps, vocab_size=cfg.model.vocab_size,
                    first_moe_layer=cfg.model.num_dense_layers)
 
-    def _reason(self, finite: bool, loss: float, grad_norm: float, loss_z: float | None,
-                grad_z: float | None) -> str:
+    def _reason(self, finite: bool, values: dict[str, float], zscores: dict[str, float | None]) -> str:
         """Why the step is skipped, or "": z-verdicts first, then the checks that need no course."""
         cfg = self.cfg
         if cfg.skip_nonfinite and not finite:
             return "nonfinite"
-        if _at_least(loss_z, cfg.spike_zscore):
-            return "loss_spike"
-        if _at_least(grad_z, cfg.spike_zscore):
-            return "grad_spike"
-        if finite and self.early.above_ceiling(loss):
+        for s in signals.SIGNALS:
+            if _at_least(zscores[s.name], cfg.spike_zscore):
+                return s.spike
+        if finite and self.early.above_ceiling(values["loss"]):
             return "loss_ceiling"
-        if finite and grad_z is None and self.early.grad_jump(grad_norm) is not None:
+        if finite and zscores["grad_norm"] is None and self.early.grad_jump(values["grad_norm"]) is not None:
             return "grad_jump"
         return ""
 
     def judge(self, loss: float, grad_norm: float, iteration: int, steps_applied: int,
               tokens_per_expert=None) -> Verdict:
-        """The verdict for one step (`_acting_verdict`); in observe mode a refusal is turned into
-        an applied step that carries it (`observed`) and says so in a `guard_observed` event."""
-        verdict = self._acting_verdict(loss, grad_norm, iteration, steps_applied, tokens_per_expert)
+        """`judge_signals` of a step measured by the loss and gradient norm alone."""
+        return self.judge_signals({"loss": loss, "grad_norm": grad_norm}, iteration, steps_applied, tokens_per_expert)
+
+    def judge_signals(self, values: dict[str, float], iteration: int, steps_applied: int,
+                      tokens_per_expert=None) -> Verdict:
+        """The verdict for one step with the signals' `values` (by name, `signals.SIGNALS`)
+        (`_acting_verdict`); in observe mode a refusal is turned into an applied step that carries
+        it (`observed`) and says so in a `guard_observed` event."""
+        verdict = self._acting_verdict(values, iteration, steps_applied, tokens_per_expert)
         if verdict.apply or self.cfg.mode != "observe":
             return verdict
         observed = event(EventName.GUARD_OBSERVED, iter=iteration, step=steps_applied, action=verdict.action,
-                         reason=verdict.reason, loss=loss, grad_norm=grad_norm, loss_z=verdict.loss_z,
-                         grad_norm_z=verdict.grad_norm_z, onset_iter=verdict.onset_iter)
+                         reason=verdict.reason, **signals.fields(values, verdict.zscores),
+                         onset_iter=verdict.onset_iter)
         return replace(verdict, apply=True, reason="", rollback=False, halt="", events=verdict.events + (observed,),
                        observed=verdict)
 
-    def _acting_verdict(self, loss: float, grad_norm: float, iteration: int, steps_applied: int,
+    def _acting_verdict(self, values: dict[str, float], iteration: int, steps_applied: int,
                         tokens_per_expert=None) -> Verdict:
         """The verdict for one step (`steps_applied` optimizer steps came before it;
         `tokens_per_expert` [MoE layers, experts], global, or None to not judge routing). The
@@ -178,23 +198,22 @@ class StepGuard:
         step is recorded like any skip (record, event, ledger, incident report), then the run
         raises TrainingDivergedError with it."""
         cfg = self.cfg
-        finite = math.isfinite(loss) and math.isfinite(grad_norm)
+        finite = all(math.isfinite(v) for v in values.values())
         judging = steps_applied >= self.warmup_steps
-        loss_z = self.loss.zscore(loss, steps_applied) if judging else None
-        grad_z = self.grad_norm.zscore(grad_norm, steps_applied) if judging else None
+        zscores = {name: course.zscore(values[name], steps_applied) if judging else None
+                   for name, course in self.courses.items()}
 
-        reason = self._reason(finite, loss, grad_norm, loss_z, grad_z)
+        reason = self._reason(finite, values, zscores)
         apply = not reason
-        loss_odd, grad_odd = _at_least(loss_z, cfg.incident_zscore), _at_least(grad_z, cfg.incident_zscore)
+        odd = {name for name, z in zscores.items() if _at_least(z, cfg.incident_zscore)}  # at incident level
         collapses = self.routing.observe(tokens_per_expert) if tokens_per_expert is not None else []
-        signal = _first_signal(finite, reason, loss_odd or grad_odd, loss_z, grad_z)
+        signal = _first_signal(finite, reason, bool(odd), zscores)
         events = self._follow_incident(iteration, steps_applied, signal, skipped=not apply,
-                                       abnormal=not finite or not apply or loss_odd or grad_odd
-                                       or self.routing.collapsed)
+                                       abnormal=not finite or not apply or bool(odd) or self.routing.collapsed)
         drift = False
         # A z-based refusal whose point is the rollback: off where z-scores skip nothing or
         # rollbacks are off.
-        if apply and (loss_odd or grad_odd) and cfg.spike_zscore > 0 and cfg.rollback_after > 0:
+        if apply and odd and cfg.spike_zscore > 0 and cfg.rollback_after > 0:
             drift = self._drifted()
         if drift:
             reason, apply = "drift", False
@@ -203,13 +222,12 @@ class StepGuard:
 
         if apply:
             self.consecutive_skips = 0
-            if grad_z is None:  # the course that judges gradient jumps until the z-score can
-                self.early.add(grad_norm)
+            if zscores["grad_norm"] is None:  # the course that judges gradient jumps until the z-score can
+                self.early.add(values["grad_norm"])
             if judging:  # only normal values of steps after warm-up judge later steps
-                if not loss_odd:
-                    self.loss.add(loss, steps_applied)
-                if not grad_odd:
-                    self.grad_norm.add(grad_norm, steps_applied)
+                for name, course in self.courses.items():
+                    if name not in odd:
+                        course.add(values[name], steps_applied)
         halt = ""
         if not apply:
             self.consecutive_skips += 1
@@ -220,7 +238,7 @@ class StepGuard:
                         "an earlier checkpoint with --checkpoint.resume=PATH")
         incident = self.incident
         unrecovered = max(self.consecutive_skips, incident.skips if incident else 0)
-        return Verdict(apply, reason, loss_z, grad_z,
+        return Verdict(apply, reason, zscores,
                        rollback=not apply and not halt and (drift or 0 < cfg.rollback_after <= unrecovered),
                        onset_iter=incident.onset_iter if incident else None,
                        onset_step=incident.onset_step if incident else None, events=tuple(events), halt=halt)
@@ -255,16 +273,16 @@ class StepGuard:
         return []
 
     def windows(self) -> dict:
-        """The normal history of both signals (to carry across a rollback)."""
-        return {"loss": self.loss.state_dict(), "grad_norm": self.grad_norm.state_dict(),
+        """The normal history of every signal, by its name (to carry across a rollback)."""
+        return {**{name: course.state_dict() for name, course in self.courses.items()},
                 "early": self.early.state_dict()}
 
     def keep_windows(self, windows: dict) -> None:
         """Judge on from `windows` rather than the restored ones: after a rollback the history
         up to the incident (normal steps the undone timeline took too) is the best baseline, and a
         checkpoint from early in the run may hold too little history to judge at all."""
-        self.loss.load_state_dict(windows["loss"])
-        self.grad_norm.load_state_dict(windows["grad_norm"])
+        for name, course in self.courses.items():
+            course.load_state_dict(windows[name])
         self.early.load_state_dict(windows["early"])
 
     def state_dict(self) -> dict:

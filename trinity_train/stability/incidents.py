@@ -14,17 +14,21 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from trinity_train import signals
 from trinity_train.errors import UserError
 from trinity_train.files import atomic_write_json, json_safe, read_json_object
 from trinity_train.records import ROLLBACK_OF, EventName, IncidentAction, named
 from trinity_train.rundir import RunDir
 
-SIGNAL_FIELDS = ("iter", "step", "loss", "grad_norm", "loss_z", "grad_norm_z", "skipped")
+def signal_fields() -> tuple[str, ...]:
+    """The fields of a report's `signals` rows: the guard's signals (`signals.SIGNALS`) and z-scores."""
+    return ("iter", "step", *(s.name for s in signals.SIGNALS), *(s.z for s in signals.SIGNALS), "skipped")
 
 
 def signal_rows(records: list[dict]) -> list[dict]:
     """The guard's view of train records: their signals only."""
-    return [{k: r.get(k) for k in SIGNAL_FIELDS} for r in records]
+    fields = signal_fields()
+    return [{k: r.get(k) for k in fields} for r in records]
 
 
 def write_incident(run: RunDir, report: dict) -> Path:
@@ -77,6 +81,11 @@ def _number(value, fmt: str) -> str:
     return f"{'-':>{width}}" if value is None else format(value, fmt)
 
 
+def _signal_columns(row: dict) -> str:
+    """The table's columns of the guard's signals in `row` (a report's `signals` row): value and z."""
+    return " ".join(f"{_number(row.get(s.name), s.fmt)} {_number(row.get(s.z), '7.1f')}" for s in signals.SIGNALS)
+
+
 def _data(report: dict) -> str:
     batches = report.get("batches") or []
     if not batches:
@@ -98,19 +107,20 @@ def format_table(reports: list[dict]) -> str:
     drill, data."""
     if not reports:
         return "no incidents"
-    header = f"{'iter':>7} {'step':>6}  {'action':<14} {'reason':<12} {'loss':>9} {'loss z':>7} " \
-             f"{'grad norm':>10} {'grad z':>7}  {'drill':<14} data"
+    titles = " ".join(f"{s.label:>{s.width}} {s.z_label:>7}" for s in signals.SIGNALS)
+    header = f"{'iter':>7} {'step':>6}  {'action':<14} {'reason':<12} {titles}  {'drill':<14} data"
+    none = _signal_columns({})
     lines = [header]
     for r in reports:
         if r["action"] == WATCHED:
             z = "" if r.get("z") is None else f"z {r['z']:.1f}, "
             until = "still open" if r.get("closed_iter") is None else f"closed at iteration {r['closed_iter']}"
             lines.append(f"{r['iter']:>7} {_number(r.get('step'), '6')}  {WATCHED:<14} {r.get('reason') or '-':<12} "
-                         f"{'-':>9} {'-':>7} {'-':>10} {'-':>7}  {'-':<14} {z}{until}, no step refused")
+                         f"{none}  {'-':<14} {z}{until}, no step refused")
             continue
         if r["action"] == STRAGGLER:
             lines.append(f"{r['iter']:>7} {_number(r.get('step'), '6')}  {STRAGGLER:<14} {'slow rank':<12} "
-                         f"{'-':>9} {'-':>7} {'-':>10} {'-':>7}  {'-':<14} rank {r['rank']} (host {r['host']}): "
+                         f"{none}  {'-':<14} rank {r['rank']} (host {r['host']}): "
                          f"compute {r['compute_s']:.3g} s per iteration, {r['ratio']:.1f}x the other ranks' median "
                          f"{r['median_s']:.3g} s, {r['reports']} reports in a row")
             continue
@@ -120,7 +130,5 @@ def format_table(reports: list[dict]) -> str:
         if action == IncidentAction.ROLLBACK and r.get(ROLLBACK_OF):
             action = f"{action}->{r[ROLLBACK_OF]['to_step']}"
         lines.append(f"{r['iter']:>7} {r['step']:>6}  {action:<14} {r.get('reason') or '-':<12} "
-                     f"{_number(current.get('loss'), '9.4f')} {_number(current.get('loss_z'), '7.1f')} "
-                     f"{_number(current.get('grad_norm'), '10.3g')} {_number(current.get('grad_norm_z'), '7.1f')}  "
-                     f"{drill:<14} {_data(r)}")
+                     f"{_signal_columns(current)}  {drill:<14} {_data(r)}")
     return "\n".join(lines)

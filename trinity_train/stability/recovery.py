@@ -22,6 +22,7 @@ from collections import deque
 from pathlib import Path
 from typing import Any, Callable, Protocol
 
+from trinity_train import signals
 from trinity_train.config import Config
 from trinity_train.data.ledger import LedgerKind, SkipLedger
 from trinity_train.data.provenance import batch_documents
@@ -139,13 +140,12 @@ class Recovery:
         self._save_ledger()
         report = self.rundir.incident(iteration)
         recorder.event(event(EventName.SKIP, iter=iteration, step=self.run.step, batch=batch_index,
-                             reason=verdict.reason, loss=result.loss, grad_norm=result.grad_norm,
-                             loss_z=verdict.loss_z, grad_norm_z=verdict.grad_norm_z,
+                             reason=verdict.reason, **signals.fields(result.signals, verdict.zscores),
                              incident=str(report.relative_to(self.rundir.path))))
-        z = max((v for v in (verdict.loss_z, verdict.grad_norm_z) if v is not None), default=None)
+        z = max((v for v in verdict.zscores.values() if v is not None), default=None)
+        values = ", ".join(f"{s.label} {result.signals[s.name]:{s.notice_fmt}}" for s in signals.SIGNALS)
         recorder.notice(f"iteration {iteration}: step skipped ({verdict.reason}"
-                        f"{f', z {z:.1f}' if z is not None else ''}; loss {result.loss:.4f}, grad norm "
-                        f"{result.grad_norm:.3g}); report {report}")
+                        f"{f', z {z:.1f}' if z is not None else ''}; {values}); report {report}")
 
     def _report_incident(self, result: Any, batch_index: int, step: int, action: IncidentAction,
                          batches: list[int], rollback: dict | None = None) -> None:

@@ -144,6 +144,12 @@
     return traces;
   }
 
+  // A skipped step's guard signals, each `<name>` with its `<name>_z` (the server sends them all).
+  function signalText(s) {
+    return Object.keys(s).filter((k) => k.endsWith("_z")).map((k) => k.slice(0, -2))
+      .map((name) => `<br>${name.replace(/_/g, " ")} ${fmt(s[name])} (z ${fmt(s[name + "_z"], 3)})`).join("");
+  }
+
   function markerTraces(run, valueKey) {
     const m = state.data[run.index].markers;
     const c = color(run.index);
@@ -152,7 +158,7 @@
     const finite = m.skipped.filter((s) => s[valueKey] !== null);
     const nonfinite = m.skipped.filter((s) => s[valueKey] === null);
     const skipText = (s) => `${label}<br><b>skipped step</b> iter ${s.iter}${s.abandoned ? " (abandoned)" : ""}<br>reason ${escapeHtml(s.reason || "?")}` +
-      `<br>loss ${fmt(s.loss)} (z ${fmt(s.loss_z, 3)})<br>grad norm ${fmt(s.grad_norm)} (z ${fmt(s.grad_norm_z, 3)})` +
+      signalText(s) +
       (s.incident ? "<br><i>click for the incident report</i>" : "");
     if (finite.length) traces.push({
       x: finite.map((s) => s.iter), y: finite.map((s) => s[valueKey]), type: "scatter", mode: "markers", name: `${label} skipped`,
@@ -401,7 +407,7 @@
     const parts = [element("h2", title), element("p", `${state.runs[run].name} · step ${report.step} · reason: ${report.reason}`)];
     if (Array.isArray(report.signals) && report.signals.length) {
       const table = element("table");
-      const keys = ["iter", "loss", "grad_norm", "loss_z", "grad_norm_z", "skipped"];
+      const keys = Object.keys(report.signals[0]).filter((k) => k !== "step");  // the guard's signals, as written
       table.appendChild(element("tr")).append(...keys.map((k) => element("th", k)));
       for (const s of report.signals) {
         const row = table.appendChild(element("tr", null, { className: s.skipped ? "flagged" : "" }));
