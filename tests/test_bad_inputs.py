@@ -120,7 +120,7 @@ def test_a_manifest_that_under_reports_its_largest_id_fails_at_the_batch(dataset
                                   model={"vocab_size": 300})
     assert_one_line_error(code, err, 1, "training batch 0 holds token id 310", "vocabulary of 300",
                           "prepare the dataset again")
-    # What README's failure table says the run directory holds: a start that failed, no metrics.
+    # What the failure table (docs/reference/failures.md) says the run directory holds: a start that failed, no metrics.
     run = RunDir(run_dir)
     assert sorted(p.name for p in run_dir.iterdir()) == [".lock", "config.toml", "events.jsonl",
                                                          "metrics.columns.arrow", "metrics.jsonl", "timeline.jsonl"]

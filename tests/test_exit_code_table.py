@@ -1,4 +1,4 @@
-"""One mistake, one exit code, whichever command it is made in (README "Exit codes"): an output
+"""One mistake, one exit code, whichever command it is made in (docs/reference/exit-codes.md): an output
 path that is a file, sits under a file or (for a new one) is not empty is a usage mistake (2) in
 prepare-data, export-hf, import-hf, ablate and report; a RUN_DIR that is not a run directory is
 one (2) in report, incidents and goodput; a dashboard --host that is not this machine's is one
