@@ -25,6 +25,10 @@ from trinity_train.parallel.mesh import ParallelDims
 from trinity_train.parallel.parallelize import build_parallel_model
 from trinity_train.parallel.reductions import sum_over_data_parallel
 
+# The Muon layout matrix (2- and 4-rank pools, the model built under every layout) is slow, like
+# the training layout matrix of test_parallel_equivalence.py.
+pytestmark = pytest.mark.slow
+
 STEPS = 3
 GLOBAL_ROWS = 4
 VOCAB = 256

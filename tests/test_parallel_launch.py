@@ -50,6 +50,7 @@ def test_multinode_script_explains_a_missing_head_address(tmp_path):
     assert "head address is missing" in done.stderr
 
 
+@pytest.mark.slow  # a torchrun launch of two workers
 def test_a_mistake_inside_the_workers_is_not_restarted(ep2_config, tmp_path):
     """A UserError every rank meets after torchrun started them (here a checkpoint to resume that
     does not exist) ends the job once, with the one line and its exit code, instead of being
