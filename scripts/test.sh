@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Run the test suite. On a fresh clone it first creates .venv and installs the package, exactly
-# as the README's set-up does (torch first, so pip takes the CPU build on this machine's disk).
+# as the README's set-up does (scripts/venv.sh).
 #
 #   scripts/test.sh [pytest arguments]      e.g. scripts/test.sh tests/test_config.py -x
 #
@@ -10,11 +10,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-if ! .venv/bin/python -c "import trinity_train.cli, pytest, xdist, matplotlib, mkdocs, material" 2>/dev/null; then
-    python3 -m venv .venv
-    .venv/bin/pip install torch==2.13.0
-    .venv/bin/pip install -e '.[dev]'
-fi
+scripts/venv.sh
 # Sleeping rather than spinning OpenMP waits: on a shared 2-core machine spinning threads make CPU
 # tests many times slower (see trinity_train/cli.py); the console script sets the same.
 export OMP_WAIT_POLICY="${OMP_WAIT_POLICY:-PASSIVE}"

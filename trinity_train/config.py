@@ -14,7 +14,6 @@ import dataclasses
 import difflib
 import math
 import os
-import re
 import tomllib
 import types
 import typing
@@ -327,7 +326,7 @@ def _finite(value: float, key: str) -> float:
     """Every float setting is a finite number: nan or inf would pass comparisons silently (nan) or
     break the run far from the config (JSON has no inf, so every checkpoint save would fail)."""
     if not math.isfinite(value):
-        spelling = NO_LIMIT_SPELLING.get(re.sub(r"\[\d+\]", "", key))
+        spelling = NO_LIMIT_SPELLING.get(key)
         raise ConfigError(f"{key}: must be a finite number, got {value}" + (f" ({spelling})" if spelling else ""))
     return value
 
