@@ -14,7 +14,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "trinity_train"
 # Top to bottom. A package may import its own layer's packages only where listed in SIDEWAYS.
 LAYERS = [
     {"cli"},
-    {"train", "study"},
+    {"train", "study", "plan"},
     {"step", "run_config"},
     {"parallel", "checkpoint", "stability", "observe", "health", "interop", "dashboard", "runlock"},
     {"model", "optim", "data", "goodput"},
@@ -24,7 +24,8 @@ LAYERS = [
     {"exit_codes"},  # the codes a process ends with: below the errors that carry them
 ]
 SIDEWAYS = {
-    ("observe", "parallel"),  # layer statistics are global values: they reduce through parallel.reductions
+    ("observe", "parallel"),
+    ("plan", "train"),  # a plan wraps the model as training does (train.apply_training_wrappers)  # layer statistics are global values: they reduce through parallel.reductions
 }
 
 

@@ -123,6 +123,20 @@ class TrainingStep:
         gradient of the global batch's token-weighted mean loss in the parameters; returns the
         step's global totals (loss, token and expert counts, pre-clip gradient norm, and the
         layer statistics where due)."""
+        stats_due = self.layer_stats.due(iteration)
+        tokens, totals, counts = self.accumulate_gradients(parts, iteration, stats_due)
+        ce_sum, aux_loss, z_loss = totals.tolist()
+        num_tokens = int(tokens.item())
+        grad_norm = global_grad_norm(self.params)  # global over ranks and shards
+        layer_stats = self.layer_stats.collect(counts) if stats_due else None  # pre-clip gradients
+        return StepTotals(ce_sum / max(num_tokens, 1), aux_loss, z_loss, num_tokens, counts, grad_norm.item(),
+                          grad_norm, layer_stats)
+
+    def accumulate_gradients(self, parts: list[dict[str, torch.Tensor]], iteration: int, stats_due: bool = False
+                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The tensor work of `forward_backward`, with no host sync (a planner runs it on fake
+        tensors): (global counted tokens, global [cross-entropy sum, aux loss, z loss], global
+        tokens per expert)."""
         # The token-weighted mean needs the global token count before the first backward.
         tokens = sum_over_data_parallel(sum((mb["labels"] != IGNORE_INDEX).sum() for mb in parts).to(self.device),
                                         self.dims)  # DP all-reduce
@@ -131,7 +145,6 @@ class TrainingStep:
 
         totals = torch.zeros(3, device=self.device)  # cross-entropy sum, aux loss, z loss
         counts = None
-        stats_due = self.layer_stats.due(iteration)
         for mb in parts:
             with self.layer_stats.recording(stats_due):  # the forward only: not recomputations in backward
                 out = _forward(self.model, mb, self.cfg, self.device)
@@ -144,12 +157,16 @@ class TrainingStep:
         self.faults.scale_grads(self.params, iteration)
         totals = sum_over_data_parallel(totals, self.dims)  # DP all-reduce
         counts = sum_over_data_parallel(counts, self.dims)  # DP all-reduce
-        ce_sum, aux_loss, z_loss = totals.tolist()
-        num_tokens = int(tokens.item())
-        grad_norm = global_grad_norm(self.params)  # global over ranks and shards
-        layer_stats = self.layer_stats.collect(counts) if stats_due else None  # pre-clip gradients
-        return StepTotals(ce_sum / max(num_tokens, 1), aux_loss, z_loss, num_tokens, counts, grad_norm.item(),
-                          grad_norm, layer_stats)
+        return tokens, totals, counts
+
+    def update(self, grad_norm: torch.Tensor, tokens_per_expert: torch.Tensor) -> None:
+        """An applied step's parameter update: clip by the pre-clip norm, the optimizer step,
+        the expert-bias update, the scheduler step."""
+        if self.cfg.train.grad_clip > 0:
+            clip_grads_with_norm_(self.params, self.cfg.train.grad_clip, grad_norm)
+        self.optimizer.step()
+        self.model.update_expert_biases(tokens_per_expert)
+        self.scheduler.step()
 
     def apply(self, totals: StepTotals, iteration: int, steps_applied: int) -> StepResult:
         """The guard's verdict on `totals`, then (if it applies the step) clipping, the optimizer
@@ -166,11 +183,7 @@ class TrainingStep:
         elif not verdict.apply:  # every rank has the same verdict, so all of them join the norms' collectives
             layer_grad_norms = per_layer_grad_norms(self.model, self.dims)
         if verdict.apply:
-            if self.cfg.train.grad_clip > 0:
-                clip_grads_with_norm_(self.params, self.cfg.train.grad_clip, totals.grad_norm_tensor)
-            self.optimizer.step()
-            self.model.update_expert_biases(totals.tokens_per_expert)
-            self.scheduler.step()
+            self.update(totals.grad_norm_tensor, totals.tokens_per_expert)
             self.lr_backoff.apply(self.optimizer, self.scheduler.get_last_lr(), steps_applied + 1)
         elif lr_drilled:  # not applied: the step's own rates again
             self.lr_backoff.apply(self.optimizer, self.scheduler.get_last_lr(), steps_applied)

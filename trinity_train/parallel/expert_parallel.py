@@ -31,6 +31,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle
 
+from trinity_train.parallel.assumed_routing import assumed_routing
 from trinity_train.parallel.local_shards import local_shards, wrap_forward
 
 # Which dim of each stacked expert weight holds the expert width I (split over tp).
@@ -50,6 +51,26 @@ def _exclusive_cumsum(x: torch.Tensor) -> torch.Tensor:
     return torch.cumsum(x, dim=0) - x
 
 
+def _exchange_counts(counts: torch.Tensor, group, ep: int, num_local: int, copies: int
+                     ) -> tuple[torch.Tensor, list[int], list[int]]:
+    """(received [ep, num_local]: copies rank s sends to my local expert j, rows sent to each
+    rank, rows received from each rank). Measured with an all-to-all of the counts; under
+    `assume_routing` (a data-free trace) taken from the assumption instead."""
+    assumed = assumed_routing()
+    if assumed is not None:
+        input_splits, output_splits, received = assumed.splits(copies, ep, num_local)
+        return torch.tensor(received, device=counts.device), input_splits, output_splits
+    with torch.no_grad():
+        # received[s * num_local + j]: copies that rank s sends to my local expert j
+        received = all_to_all_single(counts, None, None, group)
+        received = torch.ops._c10d_functional.wait_tensor(received)
+        per_rank_sent = counts.view(ep, num_local).sum(dim=1)
+        received = received.view(ep, num_local)
+        splits = torch.stack([per_rank_sent, received.sum(dim=1)]).cpu()  # one device sync
+    input_splits, output_splits = splits.tolist()
+    return received, input_splits, output_splits
+
+
 def dispatch_tokens(x_sorted: torch.Tensor, counts: torch.Tensor, group
                     ) -> tuple[torch.Tensor, torch.Tensor, DispatchPlan]:
     """Send each token copy to the rank that owns its expert.
@@ -59,14 +80,7 @@ def dispatch_tokens(x_sorted: torch.Tensor, counts: torch.Tensor, group
     """
     ep = group.size()
     num_local = counts.numel() // ep
-    with torch.no_grad():
-        # received[s * num_local + j]: copies that rank s sends to my local expert j
-        received = all_to_all_single(counts, None, None, group)
-        received = torch.ops._c10d_functional.wait_tensor(received)
-        per_rank_sent = counts.view(ep, num_local).sum(dim=1)
-        received = received.view(ep, num_local)
-        splits = torch.stack([per_rank_sent, received.sum(dim=1)]).cpu()  # one device sync
-    input_splits, output_splits = splits.tolist()
+    received, input_splits, output_splits = _exchange_counts(counts, group, ep, num_local, x_sorted.shape[0])
     tokens = all_to_all_single_autograd(x_sorted, output_splits, input_splits, group)
 
     # Arrived blocks are ordered (source s, expert j); gather them in (expert j, source s) order.

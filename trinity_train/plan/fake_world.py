@@ -1,0 +1,57 @@
+"""Being one rank of a large job inside this process: torch's fake process group, and the few
+switches that make a CPU-hosted trace behave as the job's GPUs would.
+
+- `fake_world(N, r)`: `init_process_group("fake")` as rank r of N; collectives move no data and
+  return at once, so the real mesh, FSDP, DTensor and EP code runs unchanged (left on exit).
+- `gpu_collectives()`: DTensor sends a redistribute between two shardings as an all-to-all on
+  NCCL, but as all-gather + chunk on a CPU mesh (gloo has no all-to-all there,
+  torch/distributed/tensor/_collective_utils.py); a plan for GPUs takes the NCCL path.
+- `CpuGroupedMatmul`: the fake (meta) kernel of `torch._grouped_mm` enforces the CUDA kernel's
+  bf16-only rule; the CPU kernel takes fp32 as well, so an fp32 trace (a CPU run's plan) gets
+  the output shape the CPU kernel gives.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from unittest import mock
+
+import torch
+import torch.distributed as dist
+from torch._meta_registrations import _create_grouped_mm_output_tensor
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import torch.distributed._tools.fake_collectives  # noqa: F401  (fake kernels of the c10d ops)
+
+
+@contextlib.contextmanager
+def fake_world(world_size: int, rank: int) -> Iterator[None]:
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        raise RuntimeError("a plan runs in a process of its own: a process group is already initialised")
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def gpu_collectives(enabled: bool = True) -> Iterator[None]:
+    if not enabled:
+        yield
+        return
+    # `local_tensor_mode()` is read by that module only to pick the CPU fallback.
+    with mock.patch("torch.distributed.tensor._collective_utils.local_tensor_mode", lambda: True):
+        yield
+
+
+class CpuGroupedMatmul(TorchDispatchMode):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.ops.aten._grouped_mm.default and args[0].dtype != torch.bfloat16:
+            offs = kwargs.get("offs", args[2] if len(args) > 2 else None)
+            return _create_grouped_mm_output_tensor(args[0], args[1], offs, kwargs.get("out_dtype") or args[0].dtype)
+        return func(*args, **kwargs)

@@ -1,0 +1,192 @@
+"""One training iteration of one rank of an N-rank job, traced on fake tensors.
+
+The real code runs: `build_model` on the meta device -> `split_model` (TP, EP) -> the training
+wrappers (activation checkpointing; compile is off in a trace) -> `apply_fsdp` (FSDP/HSDP) -> the
+real optimizer and scheduler -> `TrainingStep.accumulate_gradients` over every micro-batch of the
+step -> the global gradient norm -> `TrainingStep.update` (clip, optimizer step with distributed
+Muon's plan, expert biases). Only the data is missing: tensors are `FakeTensor`s (shapes, dtypes
+and devices, no storage), the process group is torch's fake one (`fake_world`), and the EP
+dispatch takes its token counts from a stated routing assumption (`parallel.assumed_routing`).
+
+What is recorded:
+- memory: `FSDPMemTracker` (torch.distributed._tools) follows every tensor the iteration makes,
+  by category, and keeps the peak; the optimizer is the real one with its default per-tensor
+  loops (a `foreach` optimizer under fake tensors is mislabelled by the tracker);
+- collectives: every call at the dispatch level (`plan.collectives.CollectiveLog`), with the
+  group's ranks and mesh dimension;
+- the checkpoint: this rank's share of the model and optimizer state, as DCP writes it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from dataclasses import dataclass, field
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+from torch.distributed.tensor import DTensor
+
+from trinity_train.config import Config, grad_accum_for
+from trinity_train.model import build_model
+from trinity_train.optim.groups import build_optimizer
+from trinity_train.optim.schedule import build_scheduler
+from trinity_train.parallel.assumed_routing import AssumedRouting, assume_routing
+from trinity_train.parallel.fsdp import apply_fsdp, mixed_precision_policy
+from trinity_train.parallel.mesh import ParallelDims
+from trinity_train.parallel.parallelize import split_model
+from trinity_train.parallel.reductions import global_grad_norm
+from trinity_train.plan.collectives import CollectiveCall, CollectiveLog
+from trinity_train.plan.fake_world import CpuGroupedMatmul, fake_world, gpu_collectives
+from trinity_train.stability import StepGuard
+from trinity_train.step import TrainingStep
+from trinity_train.train import apply_training_wrappers
+
+# FSDPMemTracker's categories -> the plan's.
+CATEGORY_OF = {
+    "Sharded Param": "parameters", "Buffer": "parameters",
+    "Unsharded Param": "gathered parameters",
+    "Sharded Grad": "gradients", "Unsharded Grad": "gradients",
+    "OptState": "optimizer state",
+    "Activation": "activations", "Inputs": "activations",
+    "All Gather": "communication buffers", "Reduce Scatter": "communication buffers",
+    "Temp": "temporaries",
+}
+CATEGORIES = ("parameters", "gathered parameters", "gradients", "optimizer state", "activations",
+              "communication buffers", "temporaries")
+
+
+@dataclass
+class RankTrace:
+    rank: int
+    coords: dict[str, int]  # this rank's coordinates in the dense and sparse meshes
+    memory: dict[str, int]  # bytes by category at the iteration's peak
+    collectives: list[CollectiveCall] = field(repr=False)
+    checkpoint_bytes: int  # this rank's share of the model and optimizer state
+    local_parameters: int  # parameter elements this rank holds (FSDP padding included)
+    seconds: float  # how long the trace took
+
+    @property
+    def peak(self) -> int:
+        return sum(self.memory.values())
+
+
+def _micro_batch(cfg: Config) -> dict[str, torch.Tensor]:
+    rows, seq = cfg.train.micro_batch_size, cfg.data.seq_len
+    mb = {"input_ids": torch.zeros(rows, seq, dtype=torch.long), "labels": torch.zeros(rows, seq, dtype=torch.long)}
+    if cfg.model.doc_masking:
+        mb["document_ids"] = torch.zeros(rows, seq, dtype=torch.long)
+        mb["position_ids"] = torch.arange(seq).expand(rows, seq)
+    return mb
+
+
+def _gpu_config(cfg: Config, gpu: bool) -> Config:
+    """The config a trace runs: compile off (nothing to compile on fake tensors) and, for a GPU
+    plan, the GPU's numerics (bf16 compute where the config asks for it)."""
+    import dataclasses
+
+    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, compile=False))
+
+
+def _local_numel(t: torch.Tensor) -> int:
+    return (t._local_tensor if isinstance(t, DTensor) else t).numel()
+
+
+def _local_bytes(t: torch.Tensor) -> int:
+    local = t._local_tensor if isinstance(t, DTensor) else t
+    return local.numel() * local.element_size()
+
+
+def mesh_coordinates(dims: ParallelDims) -> dict[str, int]:
+    coords = {}
+    for view in (dims._dense, dims._sparse):
+        for name, c in zip(view.mesh_dim_names, view.get_coordinate()):
+            coords[name] = c
+    return coords
+
+
+def group_dim_namer(dims: ParallelDims):
+    """A function from a group's ranks to the mesh dimension(s) it spans, for the collectives log."""
+    named: dict[tuple[int, ...], str] = {}
+    for view in (dims._dense, dims._sparse, dims._data):
+        names = view.mesh_dim_names
+        for i, name in enumerate(names):
+            if view.size(i) > 1:
+                import torch.distributed as dist
+                named.setdefault(tuple(dist.get_process_group_ranks(view.get_group(i))), name)
+    flat = (("dp_shard", "tp"), ("dp_replicate", "dp_shard", "tp"), ("efsdp", "ep"), ("efsdp", "ep", "tp"),
+            ("dp_replicate", "efsdp", "ep", "tp"), ("dp_replicate", "dp_shard"), ("dp_replicate", "efsdp"))
+    for dim_names in flat:
+        for view in (dims._dense, dims._sparse):
+            if set(dim_names) <= set(view.mesh_dim_names):
+                try:
+                    group = view[dim_names]._flatten().get_group()
+                except Exception:  # noqa: BLE001 (a combination the view cannot flatten: not used)
+                    continue
+                import torch.distributed as dist
+                named.setdefault(tuple(dist.get_process_group_ranks(group)), "x".join(dim_names))
+    return lambda ranks: named.get(tuple(ranks), "world" if len(ranks) == dims.world_size else None)
+
+
+def trace_rank(cfg: Config, world_size: int, rank: int, *, gpu: bool,
+               routing: AssumedRouting = AssumedRouting()) -> RankTrace:
+    """Trace one iteration of `cfg` as rank `rank` of `world_size` (see the module doc).
+    `gpu`: the job runs on GPUs (NCCL collectives; bf16 compute if `train.dtype` says so);
+    otherwise on CPUs with gloo, as this machine's runs do."""
+    started = time.perf_counter()
+    cfg = _gpu_config(cfg, gpu)
+    device = torch.device("cuda" if gpu else "cpu")  # only for the precision policy and autocast
+    with fake_world(world_size, rank), gpu_collectives(gpu):
+        dims = ParallelDims.from_config(cfg, world_size)
+        dims.build_mesh("cpu")
+        model = build_model(cfg.model, device="meta")
+        if dims.is_distributed:
+            split_model(model, dims)
+        model = apply_training_wrappers(model, cfg)
+        if dims.is_distributed:
+            apply_fsdp(model, dims, mixed_precision_policy(device, cfg.train.dtype))
+        coords = mesh_coordinates(dims) if dims.is_distributed else {}
+        namer = group_dim_namer(dims) if dims.is_distributed else (lambda ranks: None)
+        with FakeTensorMode(allow_non_fake_inputs=True), assume_routing(routing):
+            model.to_empty(device="cpu")
+            model.train()
+            optimizer = build_optimizer(model, cfg.optim)
+            step = TrainingStep(model, optimizer, build_scheduler(optimizer, cfg),
+                                StepGuard(cfg.stability), cfg, torch.device("cpu"), dims)
+            parts = [_micro_batch(cfg) for _ in range(grad_accum_for(cfg.train, dims.dp))]
+            tracker = FSDPMemTracker(model, optimizer) if dims.is_distributed else _plain_tracker(model, optimizer)
+            log = CollectiveLog(dim_of=namer)
+            autocast = (torch.autocast("cpu", dtype=torch.bfloat16) if gpu and cfg.train.dtype == "bf16"
+                        else contextlib.nullcontext())
+            with tracker, log, CpuGroupedMatmul():
+                with _cpu_autocast_for(autocast):
+                    _, _, counts = step.accumulate_gradients(parts, iteration=1)
+                step.update(global_grad_norm(step.params), counts)
+                optimizer.zero_grad(set_to_none=True)
+            peak = tracker.get_tracker_snapshot("peak")
+            memory = dict.fromkeys(CATEGORIES, 0)
+            for dev_stats in peak.values():
+                for name, value in dev_stats.items():
+                    if name in CATEGORY_OF:
+                        memory[CATEGORY_OF[name]] += int(value)
+            ckpt = sum(_local_bytes(t) for t in model.state_dict().values() if isinstance(t, torch.Tensor))
+            ckpt += sum(_local_bytes(t) for state in optimizer.state.values() for t in state.values()
+                        if isinstance(t, torch.Tensor) and t.ndim > 0)
+            local = sum(_local_numel(p) for p in model.parameters())
+    return RankTrace(rank, coords, memory, log.calls, ckpt, local, time.perf_counter() - started)
+
+
+@contextlib.contextmanager
+def _cpu_autocast_for(ctx):
+    with ctx:
+        yield
+
+
+def _plain_tracker(model, optimizer):
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    tracker = MemTracker()
+    tracker.track_external(model, optimizer)
+    return tracker
