@@ -157,6 +157,9 @@ def trace_rank(cfg: Config, world_size: int, rank: int, *, gpu: bool,
                                 StepGuard(cfg.stability), cfg, torch.device("cpu"), dims)
             parts = [_micro_batch(cfg) for _ in range(grad_accum_for(cfg.train, dims.dp))]
             tracker = FSDPMemTracker(model, optimizer) if dims.is_distributed else _plain_tracker(model, optimizer)
+            # The tracker keeps per-module statistics of one forward; the peak it keeps is global.
+            # Clearing the former before each micro-batch's forward lets it follow a whole step.
+            model.register_forward_pre_hook(lambda module, args: tracker.reset_mod_stats(), prepend=True)
             log = CollectiveLog(dim_of=namer)
             autocast = (torch.autocast("cpu", dtype=torch.bfloat16) if gpu and cfg.train.dtype == "bf16"
                         else contextlib.nullcontext())
