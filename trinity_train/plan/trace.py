@@ -38,7 +38,7 @@ from trinity_train.parallel.fsdp import apply_fsdp, mixed_precision_policy
 from trinity_train.parallel.mesh import ParallelDims
 from trinity_train.parallel.parallelize import split_model
 from trinity_train.parallel.reductions import global_grad_norm
-from trinity_train.plan.collectives import CollectiveCall, CollectiveLog
+from trinity_train.plan.collectives import EP_ALL_TO_ALL, CollectiveCall, CollectiveLog
 from trinity_train.plan.fake_world import CpuGroupedMatmul, fake_world, gpu_collectives
 from trinity_train.stability import StepGuard
 from trinity_train.step import TrainingStep
@@ -108,26 +108,37 @@ def mesh_coordinates(dims: ParallelDims) -> dict[str, int]:
 
 
 def group_dim_namer(dims: ParallelDims):
-    """A function from a group's ranks to the mesh dimension(s) it spans, for the collectives log."""
-    named: dict[tuple[int, ...], str] = {}
-    for view in (dims._dense, dims._sparse, dims._data):
-        names = view.mesh_dim_names
-        for i, name in enumerate(names):
+    """A function from a group's ranks to the mesh dimension(s) it spans, for the collectives log:
+    "dp_shard", "ep", a flattened "efsdp_ep", ...; where two dimensions are the same ranks (ep = 2
+    of dp_shard = 2) the one the caller's category uses (the EP dispatch's "ep")."""
+    import torch.distributed as dist
+
+    named: dict[tuple[int, ...], list[str]] = {}
+
+    def add(group, name: str) -> None:
+        names = named.setdefault(tuple(dist.get_process_group_ranks(group)), [])
+        if name not in names:
+            names.append(name)
+
+    for view in (dims._dense, dims._sparse):
+        for i, name in enumerate(view.mesh_dim_names):
             if view.size(i) > 1:
-                import torch.distributed as dist
-                named.setdefault(tuple(dist.get_process_group_ranks(view.get_group(i))), name)
-    flat = (("dp_shard", "tp"), ("dp_replicate", "dp_shard", "tp"), ("efsdp", "ep"), ("efsdp", "ep", "tp"),
-            ("dp_replicate", "efsdp", "ep", "tp"), ("dp_replicate", "dp_shard"), ("dp_replicate", "efsdp"))
-    for dim_names in flat:
-        for view in (dims._dense, dims._sparse):
-            if set(dim_names) <= set(view.mesh_dim_names):
-                try:
-                    group = view[dim_names]._flatten().get_group()
-                except Exception:  # noqa: BLE001 (a combination the view cannot flatten: not used)
-                    continue
-                import torch.distributed as dist
-                named.setdefault(tuple(dist.get_process_group_ranks(group)), "x".join(dim_names))
-    return lambda ranks: named.get(tuple(ranks), "world" if len(ranks) == dims.world_size else None)
+                add(view.get_group(i), name)
+    for view, flat in ((dims._dense, ("dp_shard", "tp")), (dims._dense, ("dp_replicate", "dp_shard", "tp")),
+                       (dims._sparse, ("efsdp", "ep")), (dims._sparse, ("efsdp", "ep", "tp")),
+                       (dims._sparse, ("dp_replicate", "efsdp", "ep", "tp"))):
+        if view[flat].size() > 1:
+            add(view[flat]._flatten("_".join(flat)).get_group(), "_".join(flat))  # the one build_mesh made
+
+    def dim_of(ranks: tuple[int, ...], category: str) -> str | None:
+        names = named.get(tuple(ranks))
+        if not names:
+            return None
+        if category == EP_ALL_TO_ALL and "ep" in names:
+            return "ep"
+        return names[0]  # the mesh's own dimensions were named first, then the flattened ones
+
+    return dim_of
 
 
 def trace_rank(cfg: Config, world_size: int, rank: int, *, gpu: bool,
@@ -148,7 +159,7 @@ def trace_rank(cfg: Config, world_size: int, rank: int, *, gpu: bool,
         if dims.is_distributed:
             apply_fsdp(model, dims, mixed_precision_policy(device, cfg.train.dtype))
         coords = mesh_coordinates(dims) if dims.is_distributed else {}
-        namer = group_dim_namer(dims) if dims.is_distributed else (lambda ranks: None)
+        namer = group_dim_namer(dims) if dims.is_distributed else (lambda ranks, category: None)
         with FakeTensorMode(allow_non_fake_inputs=True), assume_routing(routing):
             model.to_empty(device="cpu")
             model.train()
@@ -157,13 +168,10 @@ def trace_rank(cfg: Config, world_size: int, rank: int, *, gpu: bool,
                                 StepGuard(cfg.stability), cfg, torch.device("cpu"), dims)
             parts = [_micro_batch(cfg) for _ in range(grad_accum_for(cfg.train, dims.dp))]
             tracker = FSDPMemTracker(model, optimizer) if dims.is_distributed else _plain_tracker(model, optimizer)
-            # The tracker keeps per-module statistics of one forward; the peak it keeps is global.
-            # Clearing the former before each micro-batch's forward lets it follow a whole step.
-            model.register_forward_pre_hook(lambda module, args: tracker.reset_mod_stats(), prepend=True)
             log = CollectiveLog(dim_of=namer)
             autocast = (torch.autocast("cpu", dtype=torch.bfloat16) if gpu and cfg.train.dtype == "bf16"
                         else contextlib.nullcontext())
-            with tracker, log, CpuGroupedMatmul():
+            with _one_forward_at_a_time(model, tracker), tracker, log, CpuGroupedMatmul():
                 with _cpu_autocast_for(autocast):
                     _, _, counts = step.accumulate_gradients(parts, iteration=1)
                 step.update(global_grad_norm(step.params), counts)
@@ -179,6 +187,25 @@ def trace_rank(cfg: Config, world_size: int, rank: int, *, gpu: bool,
                         if isinstance(t, torch.Tensor) and t.ndim > 0)
             local = sum(_local_numel(p) for p in model.parameters())
     return RankTrace(rank, coords, memory, log.calls, ckpt, local, time.perf_counter() - started)
+
+
+@contextlib.contextmanager
+def _one_forward_at_a_time(model, tracker):
+    """FSDPMemTracker keeps per-module statistics of one forward and refuses a second forward of
+    the root (the next micro-batch); its peak is kept apart and is global. Clearing the former
+    before each forward of the root lets it follow a whole step. A global hook registered before
+    the tracker's own runs before them (global hooks run in registration order)."""
+    from torch.nn.modules.module import register_module_forward_pre_hook
+
+    def clear(module, args):
+        if module is model:
+            tracker.reset_mod_stats()
+
+    handle = register_module_forward_pre_hook(clear)
+    try:
+        yield
+    finally:
+        handle.remove()
 
 
 @contextlib.contextmanager
