@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from trinity_train.model.kernels import kernel_device
 from trinity_train.model.norms import RMSNorm
 
 
@@ -117,7 +118,8 @@ def scaled_dot_product(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        mask: torch.Tensor | None, scale: float) -> torch.Tensor:
     """SDPA of q [N, heads, Tq, hd] over k, v [N, kv_heads, Tk, hd] (grouped-query), causal when
     `mask` is None."""
-    if q.device.type == "cpu" and q.dtype == torch.bfloat16:
+    device = kernel_device(q)
+    if device == "cpu" and q.dtype == torch.bfloat16:
         # The fused CPU kernel takes about twice as long in bf16 as in fp32, forward + backward
         # (benchmarks/README.md), so bf16 runs attend in fp32 on CPUs (under autocast, which
         # would cast the inputs straight back).
@@ -129,7 +131,7 @@ def scaled_dot_product(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         # Causal without a mask tensor: the fused kernels handle GQA themselves.
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
                                               enable_gqa=groups > 1)
-    if groups > 1 and q.device.type != "cpu":
+    if groups > 1 and device != "cpu":
         # On GPUs only the memory-efficient/math kernels take a mask, and the efficient one does
         # not take enable_gqa, so the kv heads are expanded instead (the CPU kernel takes both).
         k = k.repeat_interleave(groups, dim=1)

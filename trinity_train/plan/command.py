@@ -45,8 +45,7 @@ def run_plan(args: argparse.Namespace, overrides: list[str]) -> int:
 
 
 def _world_from_layout(cfg) -> int:
+    """Without --world: the config's fixed layout, or one process where dp_shard = -1 leaves the
+    world open."""
     p = cfg.parallel
-    if p.dp_shard == -1:
-        raise ConfigError("--world is needed: parallel.dp_shard=-1 takes what is left of the world "
-                          "(e.g. trinity-train plan --config configs/nano.toml --world 512)")
-    return p.dp_replicate * p.dp_shard * p.tp
+    return p.dp_replicate * p.tp * (p.dp_shard if p.dp_shard != -1 else 1)

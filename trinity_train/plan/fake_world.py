@@ -3,9 +3,14 @@ switches that make a CPU-hosted trace behave as the job's GPUs would.
 
 - `fake_world(N, r)`: `init_process_group("fake")` as rank r of N; collectives move no data and
   return at once, so the real mesh, FSDP, DTensor and EP code runs unchanged (left on exit).
-- `gpu_collectives()`: DTensor sends a redistribute between two shardings as an all-to-all on
+- `gpu_collectives_and_kernels()`: DTensor sends a redistribute between two shardings as an all-to-all on
   NCCL, but as all-gather + chunk on a CPU mesh (gloo has no all-to-all there,
   torch/distributed/tensor/_collective_utils.py); a plan for GPUs takes the NCCL path.
+- `gpu_kernels()`: the model picks the GPU's attention path (`model.kernels`), and SDPA runs
+  as the fused GPU kernels it would pick there (flash attention for causal attention without a
+  mask, memory-efficient attention with a mask), whose fake kernels allocate what the GPU
+  kernels do (the output and its log-sum-exp, no T x T scores); a CPU trace would take the
+  CPU's math path and hold every score matrix.
 - `CpuGroupedMatmul`: the fake (meta) kernel of `torch._grouped_mm` enforces the CUDA kernel's
   bf16-only rule; the CPU kernel takes fp32 as well, so an fp32 trace (a CPU run's plan) gets
   the output shape the CPU kernel gives.
@@ -21,6 +26,8 @@ import torch
 import torch.distributed as dist
 from torch._meta_registrations import _create_grouped_mm_output_tensor
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from trinity_train.model.kernels import kernels_of
 
 import torch.distributed._tools.fake_collectives  # noqa: F401  (fake kernels of the c10d ops)
 
@@ -39,13 +46,28 @@ def fake_world(world_size: int, rank: int) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def gpu_collectives(enabled: bool = True) -> Iterator[None]:
+def gpu_collectives_and_kernels(enabled: bool = True) -> Iterator[None]:
     if not enabled:
         yield
         return
     # `local_tensor_mode()` is read by that module only to pick the CPU fallback.
-    with mock.patch("torch.distributed.tensor._collective_utils.local_tensor_mode", lambda: True):
+    with mock.patch("torch.distributed.tensor._collective_utils.local_tensor_mode", lambda: True), \
+            mock.patch("torch.nn.functional.scaled_dot_product_attention", gpu_attention), kernels_of("cuda"):
         yield
+
+
+def gpu_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    """`F.scaled_dot_product_attention` as a GPU runs it: flash attention (GQA native) when there
+    is no mask, else memory-efficient attention with the boolean mask turned into an additive
+    bias, as SDPA does on CUDA."""
+    if attn_mask is None:
+        return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, dropout_p, is_causal, False,
+                                                                  scale=scale)[0]
+    bias = attn_mask
+    if attn_mask.dtype == torch.bool:
+        bias = torch.zeros(attn_mask.shape, dtype=q.dtype).masked_fill_(attn_mask.logical_not(), float("-inf"))
+    return torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, bias, True, dropout_p, is_causal,
+                                                                  scale=scale)[0]
 
 
 class CpuGroupedMatmul(TorchDispatchMode):

@@ -116,5 +116,16 @@ def plan_job(cfg: Config, world_size: int, *, gpus_per_node: int, gpu: bool,
     for c in classes:
         if progress is not None:
             progress(f"tracing rank {c.rank} of {world_size} ({c.ranks} ranks like it)")
-        traces.append(trace_rank(cfg, world_size, c.rank, gpu=gpu, routing=routing))
+        traces.append(trace_in_own_process(cfg, world_size, c.rank, gpu=gpu, routing=routing))
     return JobPlan(cfg, dims, gpus_per_node, gpu, routing, classes, traces)
+
+
+def trace_in_own_process(cfg: Config, world_size: int, rank: int, *, gpu: bool,
+                         routing: AssumedRouting) -> RankTrace:
+    """`trace_rank` in a fresh process. Two ranks must not be traced in one process: DTensor
+    caches its redistribution plans by mesh and placements, not by rank, so the second rank
+    would reuse the first one's (uneven) shard sizes."""
+    import multiprocessing
+
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        return pool.apply(trace_rank, (cfg, world_size, rank), {"gpu": gpu, "routing": routing})

@@ -32,8 +32,8 @@ def positive_float(text: str) -> float:
 def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", type=user_path, help="TOML config file (default: configs/debug.toml)")
     parser.add_argument("--world", type=positive_int, default=None,
-                        help="ranks (GPUs) of the job (default: the config's layout with dp_shard=-1 needs it; "
-                             "one process otherwise)")
+                        help="ranks (GPUs) of the job (default: the config's parallel sizes, with "
+                             "dp_shard=-1 counted as 1)")
     parser.add_argument("--gpus-per-node", type=positive_int, default=8,
                         help="GPUs per node: which groups stay inside a node (default 8)")
     parser.add_argument("--gpu", choices=GPU_NAMES, default="h100",

@@ -39,7 +39,7 @@ from trinity_train.parallel.mesh import ParallelDims
 from trinity_train.parallel.parallelize import split_model
 from trinity_train.parallel.reductions import global_grad_norm
 from trinity_train.plan.collectives import EP_ALL_TO_ALL, CollectiveCall, CollectiveLog
-from trinity_train.plan.fake_world import CpuGroupedMatmul, fake_world, gpu_collectives
+from trinity_train.plan.fake_world import CpuGroupedMatmul, fake_world, gpu_collectives_and_kernels
 from trinity_train.stability import StepGuard
 from trinity_train.step import TrainingStep
 from trinity_train.train import apply_training_wrappers
@@ -149,7 +149,7 @@ def trace_rank(cfg: Config, world_size: int, rank: int, *, gpu: bool,
     started = time.perf_counter()
     cfg = _gpu_config(cfg, gpu)
     device = torch.device("cuda" if gpu else "cpu")  # only for the precision policy and autocast
-    with fake_world(world_size, rank), gpu_collectives(gpu):
+    with fake_world(world_size, rank), gpu_collectives_and_kernels(gpu):
         dims = ParallelDims.from_config(cfg, world_size)
         dims.build_mesh("cpu")
         model = build_model(cfg.model, device="meta")
@@ -166,6 +166,7 @@ def trace_rank(cfg: Config, world_size: int, rank: int, *, gpu: bool,
             optimizer = build_optimizer(model, cfg.optim)
             step = TrainingStep(model, optimizer, build_scheduler(optimizer, cfg),
                                 StepGuard(cfg.stability), cfg, torch.device("cpu"), dims)
+            _create_optimizer_state(step)
             parts = [_micro_batch(cfg) for _ in range(grad_accum_for(cfg.train, dims.dp))]
             tracker = FSDPMemTracker(model, optimizer) if dims.is_distributed else _plain_tracker(model, optimizer)
             log = CollectiveLog(dim_of=namer)
@@ -187,6 +188,16 @@ def trace_rank(cfg: Config, world_size: int, rank: int, *, gpu: bool,
                         if isinstance(t, torch.Tensor) and t.ndim > 0)
             local = sum(_local_numel(p) for p in model.parameters())
     return RankTrace(rank, coords, memory, log.calls, ckpt, local, time.perf_counter() - started)
+
+
+def _create_optimizer_state(step: TrainingStep) -> None:
+    """One optimizer step on zero gradients, untracked: the traced iteration is then a steady-state
+    one, whose optimizer state exists before its forward (the first iteration of a run creates it
+    in its optimizer step, after the activations are gone)."""
+    for p in step.params:
+        p.grad = torch.zeros_like(p)
+    step.optimizer.step()
+    step.optimizer.zero_grad(set_to_none=True)
 
 
 @contextlib.contextmanager
