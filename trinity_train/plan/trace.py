@@ -53,6 +53,8 @@ CATEGORY_OF = {
     "Activation": "activations", "Inputs": "activations",
     "All Gather": "communication buffers", "Reduce Scatter": "communication buffers",
     "Temp": "temporaries",
+    # MemTracker's names (one process, no FSDP); "Other" is what it cannot attribute.
+    "Parameter": "parameters", "Gradient": "gradients", "Optstate": "optimizer state", "Other": "temporaries",
 }
 CATEGORIES = ("parameters", "gathered parameters", "gradients", "optimizer state", "activations",
               "communication buffers", "temporaries")
@@ -157,13 +159,10 @@ def trace_rank(cfg: Config, world_size: int, rank: int, *, gpu: bool,
                                 StepGuard(cfg.stability), cfg, torch.device("cpu"), dims)
             parts = [_micro_batch(cfg) for _ in range(grad_accum_for(cfg.train, dims.dp))]
             tracker = FSDPMemTracker(model, optimizer) if dims.is_distributed else _plain_tracker(model, optimizer)
-            # The tracker keeps per-module statistics of one forward; the peak it keeps is global.
-            # Clearing the former before each micro-batch's forward lets it follow a whole step.
-            model.register_forward_pre_hook(lambda module, args: tracker.reset_mod_stats(), prepend=True)
             log = CollectiveLog(dim_of=namer)
             autocast = (torch.autocast("cpu", dtype=torch.bfloat16) if gpu and cfg.train.dtype == "bf16"
                         else contextlib.nullcontext())
-            with tracker, log, CpuGroupedMatmul():
+            with _one_forward_at_a_time(model, tracker), tracker, log, CpuGroupedMatmul():
                 with _cpu_autocast_for(autocast):
                     _, _, counts = step.accumulate_gradients(parts, iteration=1)
                 step.update(global_grad_norm(step.params), counts)
@@ -179,6 +178,25 @@ def trace_rank(cfg: Config, world_size: int, rank: int, *, gpu: bool,
                         if isinstance(t, torch.Tensor) and t.ndim > 0)
             local = sum(_local_numel(p) for p in model.parameters())
     return RankTrace(rank, coords, memory, log.calls, ckpt, local, time.perf_counter() - started)
+
+
+@contextlib.contextmanager
+def _one_forward_at_a_time(model, tracker):
+    """FSDPMemTracker keeps per-module statistics of one forward and refuses a second forward of
+    the root (the next micro-batch); its peak is kept apart and is global. Clearing the former
+    before each forward of the root lets it follow a whole step. A global hook registered before
+    the tracker's own runs before them (global hooks run in registration order)."""
+    from torch.nn.modules.module import register_module_forward_pre_hook
+
+    def clear(module, args):
+        if module is model:
+            tracker.reset_mod_stats()
+
+    handle = register_module_forward_pre_hook(clear)
+    try:
+        yield
+    finally:
+        handle.remove()
 
 
 @contextlib.contextmanager
