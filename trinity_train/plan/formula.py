@@ -28,6 +28,7 @@ all-gathers, bf16 Newton-Schulz and the NCCL all-to-all for Muon's redistributio
 from __future__ import annotations
 
 import math
+from collections import Counter
 from dataclasses import dataclass, field
 
 from trinity_train.config import Config, ModelConfig, grad_accum_for
@@ -94,8 +95,19 @@ def _block_params(m: ModelConfig, moe: bool, tp: int, ep: int) -> list[Param]:
     return out
 
 
+_PARAMS_CACHE: dict[tuple[str, int, int], list[list[Param]]] = {}
+
+
 def model_params(m: ModelConfig, tp: int, ep: int) -> list[list[Param]]:
-    """Every parameter of a tp/ep rank, grouped by layer: [embed], one list per block, [root]."""
+    """Every parameter of a tp/ep rank, grouped by layer: [embed], one list per block, [root]
+    (cached: the layout search asks for the same few thousands of times)."""
+    key = (repr(m), tp, ep)
+    if key not in _PARAMS_CACHE:
+        _PARAMS_CACHE[key] = _model_params(m, tp, ep)
+    return _PARAMS_CACHE[key]
+
+
+def _model_params(m: ModelConfig, tp: int, ep: int) -> list[list[Param]]:
     embed = [Param("embed.weight", "embed", (m.vocab_size // tp, m.hidden_size), m.vocab_size * m.hidden_size)]
     root = [Param("norm.weight", "root", (m.hidden_size,), m.hidden_size),
             Param("lm_head.weight", "root", (m.vocab_size // tp, m.hidden_size), m.vocab_size * m.hidden_size)]
@@ -260,7 +272,8 @@ def memory_per_rank(cfg: Config, dims: ParallelDims, *, gpu: bool,
     layers = model_params(m, dims.tp, dims.ep)
     flat = [p for layer in layers for p in layer]
     muon = cfg.optim.name == "muon"
-    shard = [(p, shard_numel(p, dims)) for p in flat]  # a list: equal parameters of two layers are two
+    # Equal parameters of equal layers counted once, times how many there are (the search's speed).
+    shard = [(p, shard_numel(p, dims) * count) for p, count in Counter(flat).items()]
     params = FP32 * sum(n for _, n in shard)
     params += FP32 * 2 * m.num_experts * (m.num_layers - m.num_dense_layers)  # expert_bias, bias_momentum
     grads = FP32 * sum(n for _, n in shard)
@@ -278,7 +291,8 @@ def memory_per_rank(cfg: Config, dims: ParallelDims, *, gpu: bool,
     distributed = dims.is_distributed
     ac = cfg.train.activation_checkpointing
     root = unit_bytes(layers[-1], ("root",)) if distributed else 0
-    blocks = sorted((unit_bytes(layer, ("block", "experts")) for layer in layers[1:-1]), reverse=True)
+    blocks = sorted((unit_bytes(layer, ("block", "experts")) for layer in {tuple(x) for x in layers[1:-1]}),
+                    reverse=True) * 2  # each kind of block at least twice: a block and the next one
     per_block = [block_activation_bytes(cfg, dims, i, a, routing.skew) for i in range(m.num_layers)]
     tokens = cfg.train.micro_batch_size * cfg.data.seq_len
     model_level = model_level_activation_bytes(cfg, dims, a)
@@ -298,7 +312,7 @@ def memory_per_rank(cfg: Config, dims: ParallelDims, *, gpu: bool,
 
     step = {"parameters": params, "gathered parameters": 0.0, "gradients": grads,
             "optimizer state": opt, "activations": 0.0, "communication buffers": 0.0,
-            "temporaries": muon_temporaries(cfg, dims, flat, nums) if muon else 0.0}
+            "temporaries": muon_temporaries(cfg, dims, list(set(flat)), nums) if muon else 0.0}
     moments = {"forward/backward": fb, "optimizer step": step}
     moment = max(moments, key=lambda k: sum(moments[k].values()))
     return MemoryModel(dict(moments[moment]), moment, moments)
@@ -369,8 +383,9 @@ def traffic_per_rank(cfg: Config, dims: ParallelDims, *, gpu: bool,
         names = ("experts",) if unit == "experts" else ("embed", "block", "root")
         units = [[p for p in layer if p.unit in names] for layer in layers]
         units = [u for u in units if u]
-        shards = [sum(shard_numel(p, dims) for p in u) for u in units]
-        rooted = [u[0].unit == "root" for u in units]
+        kinds = Counter(tuple(u) for u in units)  # equal units counted once, times their number
+        shards = [sum(shard_numel(p, dims) for p in u) * c for u, c in kinds.items()]
+        rooted = [u[0].unit == "root" for u in kinds]
         gathers = sum(1 if r else 2 for r in rooted) * accum  # forward, and again in backward (not the root)
         ag = sum(s * (1 if r else 2) for s, r in zip(shards, rooted)) * a * (n - 1) * accum
         rs = sum(shards) * FP32 * (n - 1) * accum  # fp32 gradients, (n-1)/n of the n-shard input
@@ -390,7 +405,7 @@ def traffic_per_rank(cfg: Config, dims: ParallelDims, *, gpu: bool,
         sent = (per_layer + (forwards - 1) * out_of_rank * (1 + routing.skew)) * moe_layers * accum
         flows.append(Flow(EP_ALL_TO_ALL, "all_to_all", "ep", dims.ep, calls, sent))
     if cfg.optim.name == "muon":
-        flows += _muon_flows(cfg, dims, [p for layer in layers for p in layer], nums, gpu)
+        flows += _muon_flows(cfg, dims, Counter(p for layer in layers for p in layer), nums, gpu)
     dp = dims.dp
     if dp > 1:  # token count, loss totals, tokens per expert
         small = (LONG + 3 * FP32 + FP32 * moe_layers * m.num_experts) * 2 * (dp - 1) / dp
@@ -398,16 +413,16 @@ def traffic_per_rank(cfg: Config, dims: ParallelDims, *, gpu: bool,
     return flows
 
 
-def _muon_flows(cfg: Config, dims: ParallelDims, params: list[Param], nums: Numerics, gpu: bool) -> list[Flow]:
+def _muon_flows(cfg: Config, dims: ParallelDims, params: Counter, nums: Numerics, gpu: bool) -> list[Flow]:
     """Muon's redistributions: per round of n matrices (n = the gather group), the stacked
     updates go to their owners and the results come back. On GPUs DTensor sends that as an
     all-to-all ((n-1)/n of the stack each way); on a CPU mesh as an all-gather of the stack
     and a chunk (the stack x (n-1) out, an all-gather back)."""
     buckets: dict[tuple, int] = {}
-    for p in params:
+    for p, count in params.items():
         if is_muon_param(p.name, cfg.optim.muon_router):
             key = (p.unit, p.shape, _gather_group(p, dims))
-            buckets[key] = buckets.get(key, 0) + 1
+            buckets[key] = buckets.get(key, 0) + count
     calls, sent = 0, 0.0
     for (unit, shape, n), count in buckets.items():
         if n == 1:
