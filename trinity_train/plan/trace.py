@@ -53,6 +53,8 @@ CATEGORY_OF = {
     "Activation": "activations", "Inputs": "activations",
     "All Gather": "communication buffers", "Reduce Scatter": "communication buffers",
     "Temp": "temporaries",
+    # MemTracker's names (one process, no FSDP); "Other" is what it cannot attribute.
+    "Parameter": "parameters", "Gradient": "gradients", "Optstate": "optimizer state", "Other": "temporaries",
 }
 CATEGORIES = ("parameters", "gathered parameters", "gradients", "optimizer state", "activations",
               "communication buffers", "temporaries")
@@ -198,6 +200,25 @@ def _create_optimizer_state(step: TrainingStep) -> None:
         p.grad = torch.zeros_like(p)
     step.optimizer.step()
     step.optimizer.zero_grad(set_to_none=True)
+
+
+@contextlib.contextmanager
+def _one_forward_at_a_time(model, tracker):
+    """FSDPMemTracker keeps per-module statistics of one forward and refuses a second forward of
+    the root (the next micro-batch); its peak is kept apart and is global. Clearing the former
+    before each forward of the root lets it follow a whole step. A global hook registered before
+    the tracker's own runs before them (global hooks run in registration order)."""
+    from torch.nn.modules.module import register_module_forward_pre_hook
+
+    def clear(module, args):
+        if module is model:
+            tracker.reset_mod_stats()
+
+    handle = register_module_forward_pre_hook(clear)
+    try:
+        yield
+    finally:
+        handle.remove()
 
 
 @contextlib.contextmanager

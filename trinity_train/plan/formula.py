@@ -1,0 +1,460 @@
+"""A closed-form model of one rank's memory and traffic per training step (docs/concepts/plan-model.md).
+
+The trace (`plan.trace`) runs the real code on fake tensors and is the reference; this model
+says *why* its numbers are what they are, prices a layout in microseconds (the layout search
+prices thousands), and is printed beside the trace so that a change to either shows up as a
+disagreement. It follows the code it models:
+
+- the parameters of every FSDP unit (`parallel/fsdp.py`: the embedding, one unit per block, the
+  routed experts their own unit over `efsdp` when ep > 1, the root = final norm + head), each
+  cut by TP/EP first (`parallel/tensor_parallel.py`, `parallel/expert_parallel.py`) and then
+  chunked on dim 0 by FSDP with torch.chunk semantics (ceil(S/n) rows per rank, the padded
+  slice allocated on every rank). Routed experts whose expert-FSDP group is larger than the
+  local experts are sharded on dim 1 instead (evenly, no padding: the sharding torchtitan uses
+  and `apply_fsdp` adopts for that case);
+- which parameters Muon steps (`optim/groups.py`: momentum, one fp32 state) and which AdamW
+  (exp_avg and exp_avg_sq, fp32);
+- the tensors each block saves for backward (`model/attention.py`, `model/moe.py`), the
+  block inputs only under activation checkpointing, plus one block recomputed in backward;
+- the chunked loss (`model/loss.py`): one chunk's fp32 logits at a time, and the fused path's
+  fp32 head gradient computed in the forward;
+- the collectives of `plan/collectives.py`'s byte rule: what this rank sends.
+
+Sizes are bytes; `gpu` selects the GPU's numerics (bf16 compute under autocast, bf16
+all-gathers, bf16 Newton-Schulz and the NCCL all-to-all for Muon's redistribution) when
+`train.dtype = "bf16"`, fp32 and gloo's all-gather path otherwise (a CPU job's plan).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from dataclasses import dataclass, field
+
+from trinity_train.config import Config, ModelConfig, grad_accum_for
+from trinity_train.model.blocks import block_style, is_global_layer
+from trinity_train.optim.groups import is_muon_param
+from trinity_train.parallel.assumed_routing import AssumedRouting
+from trinity_train.parallel.mesh import ParallelDims
+from trinity_train.plan.collectives import (EP_ALL_TO_ALL, FSDP_ALL_GATHER, FSDP_REDUCE_SCATTER,
+                                            MUON_REDISTRIBUTE)
+from trinity_train.plan.trace import CATEGORIES
+
+FP32, LONG = 4, 8
+
+
+# ------------------------------------------------------------------------------ parameters
+
+
+@dataclass(frozen=True)
+class Param:
+    """One parameter as this rank's FSDP unit sees it, after TP and EP have cut it."""
+
+    name: str  # CONTRACT.md name (decides Muon or AdamW)
+    unit: str  # the FSDP unit: "embed", "block", "experts", "root"
+    shape: tuple[int, ...]  # the TP/EP-local shape FSDP shards
+    global_numel: int  # elements of the whole (unsplit) parameter
+    batch: int = 1  # whole matrices stacked in dim 0 (experts), for Muon
+
+
+def _block_params(m: ModelConfig, moe: bool, tp: int, ep: int) -> list[Param]:
+    """A block's parameters, local to a tp (and ep) rank: column-split weights lose 1/tp of dim 0,
+    row-split ones of dim 1 (`tensor_parallel.py`); routed experts 1/ep of dim 0."""
+    style = block_style(m)
+    d, hd, h, kv = m.hidden_size, m.head_dim, m.num_heads, m.num_kv_heads
+
+    def w(name, rows, cols, split):  # split: 0 column-parallel, 1 row-parallel, None replicated
+        shape = (rows // tp, cols) if split == 0 else (rows, cols // tp) if split == 1 else (rows, cols)
+        return Param(name, "block", shape, rows * cols)
+
+    def v(name, size, split=False):
+        return Param(name, "block", (size // tp if split else size,), size)
+
+    out = [v("attn_norm.weight", d), w("attn.q_proj.weight", h * hd, d, 0), w("attn.k_proj.weight", kv * hd, d, 0),
+           w("attn.v_proj.weight", kv * hd, d, 0), w("attn.gate_proj.weight", h * hd, d, 0),
+           w("attn.o_proj.weight", d, h * hd, 1), v("attn.q_norm.weight", hd), v("attn.k_norm.weight", hd),
+           v("mlp_norm.weight", d)]
+    if style.post_norms:
+        out += [v("attn_post_norm.weight", d), v("mlp_post_norm.weight", d)]
+    if style.normformer:
+        out += [v("attn.head_scale", h, split=True), v("attn_post_norm.weight", d), v("attn_post_norm.bias", d)]
+    width = m.moe_intermediate_size * m.num_shared_experts if moe else m.intermediate_size
+    ffn = "mlp.shared_expert" if moe else "mlp"
+    if width:
+        out += [w(f"{ffn}.gate_proj.weight", width, d, 0), w(f"{ffn}.up_proj.weight", width, d, 0),
+                w(f"{ffn}.down_proj.weight", d, width, 1)]
+        if style.normformer:
+            out += [v(f"{ffn}.mid_norm.weight", width, split=True), v(f"{ffn}.mid_norm.bias", width, split=True)]
+    if moe:
+        e, i = m.num_experts, m.moe_intermediate_size
+        out.append(w("mlp.router.gate.weight", e, d, None))
+        unit = "experts" if ep > 1 else "block"
+        for name, rows, cols in (("gate_proj", i, d), ("up_proj", i, d), ("down_proj", d, i)):
+            shape = (e // ep, rows // tp, cols) if name != "down_proj" else (e // ep, rows, cols // tp)
+            out.append(Param(f"mlp.experts.{name}", unit, shape, e * rows * cols, batch=e // ep))
+    return out
+
+
+_PARAMS_CACHE: dict[tuple[str, int, int], list[list[Param]]] = {}
+
+
+def model_params(m: ModelConfig, tp: int, ep: int) -> list[list[Param]]:
+    """Every parameter of a tp/ep rank, grouped by layer: [embed], one list per block, [root]
+    (cached: the layout search asks for the same few thousands of times)."""
+    key = (repr(m), tp, ep)
+    if key not in _PARAMS_CACHE:
+        _PARAMS_CACHE[key] = _model_params(m, tp, ep)
+    return _PARAMS_CACHE[key]
+
+
+def _model_params(m: ModelConfig, tp: int, ep: int) -> list[list[Param]]:
+    embed = [Param("embed.weight", "embed", (m.vocab_size // tp, m.hidden_size), m.vocab_size * m.hidden_size)]
+    root = [Param("norm.weight", "root", (m.hidden_size,), m.hidden_size),
+            Param("lm_head.weight", "root", (m.vocab_size // tp, m.hidden_size), m.vocab_size * m.hidden_size)]
+    blocks = [_block_params(m, i >= m.num_dense_layers, tp, ep) for i in range(m.num_layers)]
+    return [embed, *blocks, root]
+
+
+def _rest(shape: tuple[int, ...]) -> int:
+    return math.prod(shape[1:])
+
+
+def shard_numel(p: Param, dims: ParallelDims) -> int:
+    """Elements this rank allocates for its FSDP shard of `p`, padding included."""
+    n = dims.efsdp if p.unit == "experts" else dims.dp_shard
+    if n == 1 or not dims.is_distributed:
+        return math.prod(p.shape)
+    if p.unit == "experts" and n > p.shape[0]:
+        return math.prod(p.shape) // n  # dim-1 sharding of the experts: even, no padding
+    return -(-p.shape[0] // n) * _rest(p.shape)  # torch.chunk: ceil(S/n) rows, padded on every rank
+
+
+def unsharded_numel(p: Param, dims: ParallelDims) -> int:
+    """Elements of `p` once all-gathered (FSDP's padded flat buffer)."""
+    n = dims.efsdp if p.unit == "experts" else dims.dp_shard
+    return shard_numel(p, dims) * n if dims.is_distributed else math.prod(p.shape)
+
+
+@dataclass(frozen=True)
+class Numerics:
+    """Element sizes the job computes and communicates in."""
+
+    compute: int  # activations and gathered parameters (bf16 on GPUs under train.dtype = bf16)
+    ns: int  # Newton-Schulz working precision
+
+    @staticmethod
+    def of(cfg: Config, gpu: bool) -> Numerics:
+        bf16 = gpu and cfg.train.dtype == "bf16"
+        ns = {"bf16": 2, "fp32": 4}.get(cfg.optim.muon_ns_dtype, 2 if gpu else 4)
+        return Numerics(2 if bf16 else 4, ns)
+
+
+# ------------------------------------------------------------------------------ activations
+
+
+def _attention_saved(m: ModelConfig, tokens: float, tp: int, a: int, seq_len: int, layer: int,
+                     batch: int) -> float:
+    """Bytes one attention sublayer keeps for backward, for `tokens` tokens of this tp rank's
+    heads. The norms compute in fp32 and keep their fp32 input; the sigmoid gate keeps its
+    output and the attention output, o_proj its input. SDPA depends on the mask:
+    - none (a causal global layer): the fused kernel keeps q, k, v, its output and the
+      log-sum-exp;
+    - a sliding window computed in blocks: the same, with (window + block) / block copies of
+      the keys and values;
+    - a dense boolean mask (a window over half the sequence or more, document masking): the
+      kernel the trace's CPU device picks for a mask with grouped-query heads is SDPA's math
+      path, which keeps the scaled q, the kv heads expanded to every head, and the softmax
+      probabilities [heads, T, T] (B x heads x T^2 elements: the term that grows with T^2)."""
+    d, hd = m.hidden_size, m.head_dim
+    h, kv = m.num_heads // tp, m.num_kv_heads // tp
+    window = m.sliding_window
+    is_local = not is_global_layer(m, layer) and window < seq_len
+    masked = is_local and seq_len <= 2 * window or (m.doc_masking and not (is_local and seq_len > 2 * window))
+    norms = FP32 * (2 * d / tp + (h + kv) * hd)  # attn_norm input, post-norm input (sequence-split), q/k norm inputs
+    proj_in = a * d  # the normed input of q/k/v/gate (whole sequence under TP)
+    if masked:
+        sdpa = a * hd * 3 * h + a * h * seq_len
+    else:
+        kv_copies = 1.0
+        if is_local:
+            block = window // 2 if window % 2 == 0 else window
+            kv_copies = (window + block) / block
+        sdpa = a * hd * (h + 2 * kv * kv_copies + h) + FP32 * h  # q, k, v, out, lse
+    gate = a * hd * h * 3  # out (reshaped copy), sigmoid(gate), their product (o_proj's input)
+    return tokens * (norms + proj_in + sdpa + gate)
+
+
+def _ffn_saved(tokens: float, d: int, width: int, a: int) -> float:
+    """A gated FFN's saved tensors: its input, gate and up outputs, the activation's output, and
+    the product down_proj takes."""
+    return tokens * (a * d + 4 * a * width)
+
+
+def _moe_saved(m: ModelConfig, tokens: float, dims: ParallelDims, a: int, skew: float) -> float:
+    """Bytes one MoE sublayer keeps: the fp32 router (logits, scores, the balance loss's
+    normalised scores), the sort's index, the routed token copies this rank's experts receive
+    (skew x the mean when ep > 1), their expert activations, the returned copies in fp32 for the
+    weighted sum, and the shared expert."""
+    d, e, k = m.hidden_size, m.num_experts, m.num_experts_per_tok
+    i = m.moe_intermediate_size // dims.tp
+    copies = tokens * k
+    received = copies * (skew if dims.ep > 1 else 1.0)
+    router = tokens * (FP32 * (3 * e + d) + (LONG + 2 * FP32) * k)
+    sort = copies * LONG * (2 if dims.ep > 1 else 1)
+    experts = received * (a * d + 4 * a * i) + (received * a * d if dims.ep > 1 else 0)  # + the dispatch's permuted copy
+    combine = copies * FP32 * d
+    shared = _ffn_saved(tokens, d, m.moe_intermediate_size * m.num_shared_experts // dims.tp, a) if m.num_shared_experts else 0
+    return router + sort + experts + combine + shared
+
+
+def block_activation_bytes(cfg: Config, dims: ParallelDims, layer: int, a: int, skew: float) -> float:
+    """Everything block `layer` keeps for backward for one micro-batch on this rank."""
+    m = cfg.model
+    tokens = cfg.train.micro_batch_size * cfg.data.seq_len
+    saved = _attention_saved(m, tokens, dims.tp, a, cfg.data.seq_len, layer, cfg.train.micro_batch_size)
+    saved += tokens * FP32 * 2 * m.hidden_size / dims.tp  # mlp_norm input, mlp_post_norm input
+    if layer >= m.num_dense_layers:
+        return saved + _moe_saved(m, tokens, dims, a, skew)
+    return saved + _ffn_saved(tokens, m.hidden_size, m.intermediate_size // dims.tp, a)
+
+
+def model_level_activation_bytes(cfg: Config, dims: ParallelDims, a: int) -> float:
+    """What the model keeps once per forward: the masks and rotary tables every layer shares,
+    the final norm's input, and the fused loss's gradients (hidden and the head's fp32 weight
+    gradient, computed in the forward)."""
+    m, b, t = cfg.model, cfg.train.micro_batch_size, cfg.data.seq_len
+    tokens = b * t
+    out = 2 * tokens * m.head_dim * a * (1 + (0 if m.block != "gemma3" else 1))  # cos, sin
+    if m.doc_masking or m.sliding_window < t:
+        out += (b if m.doc_masking else 1) * t * t  # a bool mask per layer kind
+    out += tokens * FP32 * m.hidden_size / dims.tp  # final norm input
+    if dims.tp == 1:  # the fused loss: grad_hidden and the head's fp32 weight gradient
+        out += tokens * a * m.hidden_size + FP32 * m.vocab_size * m.hidden_size
+    return out
+
+
+def loss_chunk_bytes(cfg: Config, dims: ParallelDims, a: int) -> float:
+    """One loss chunk's transient tensors: its logits in the compute dtype, their fp32 copy (the
+    gradient is built in place in it) and its cast back."""
+    rows = min(cfg.model.loss_chunk_tokens, cfg.train.micro_batch_size * cfg.data.seq_len)
+    if dims.tp > 1:
+        # The vocabulary-split head (ColwiseParallel, output Replicate) all-gathers each chunk's
+        # logits: its local slices, the gathered [rows, vocab] and cross entropy's fp32 work.
+        return rows * cfg.model.vocab_size * (2 * FP32 + a)
+    return rows * cfg.model.vocab_size * (FP32 + (2 * a if a < FP32 else 0))
+
+
+# ------------------------------------------------------------------------------ memory
+
+
+@dataclass
+class MemoryModel:
+    """Predicted bytes per category (`trace.CATEGORIES`) at the step's peak, and at the two
+    moments that compete for it."""
+
+    by_category: dict[str, float]
+    moment: str  # "forward/backward" or "optimizer step"
+    moments: dict[str, dict[str, float]] = field(repr=False, default_factory=dict)
+
+    @property
+    def peak(self) -> float:
+        return sum(self.by_category.values())
+
+
+def memory_per_rank(cfg: Config, dims: ParallelDims, *, gpu: bool,
+                    routing: AssumedRouting = AssumedRouting(), steady: bool = True) -> MemoryModel:
+    """Peak memory of one rank (the traced rank: the hottest experts under `routing`).
+
+    `steady`: a step after the first, whose optimizer state exists through forward and backward;
+    False models the first iteration, which the trace runs (the state is born in its step)."""
+    m, nums = cfg.model, Numerics.of(cfg, gpu)
+    a = nums.compute
+    layers = model_params(m, dims.tp, dims.ep)
+    flat = [p for layer in layers for p in layer]
+    muon = cfg.optim.name == "muon"
+    # Equal parameters of equal layers counted once, times how many there are (the search's speed).
+    shard = [(p, shard_numel(p, dims) * count) for p, count in Counter(flat).items()]
+    params = FP32 * sum(n for _, n in shard)
+    params += FP32 * 2 * m.num_experts * (m.num_layers - m.num_dense_layers)  # expert_bias, bias_momentum
+    grads = FP32 * sum(n for _, n in shard)
+    opt = FP32 * sum(n * (1 if muon and is_muon_param(p.name, cfg.optim.muon_router) else 2)
+                     for p, n in shard)
+
+    # The forward/backward peak comes at one of two moments. Without activation checkpointing:
+    # the last loss chunk of the last micro-batch's forward, every block's activations kept, the
+    # blocks resharded, only the root gathered. With it: the start of backward, one block
+    # recomputed (larger than a loss chunk) while it and the next one (prefetched) are gathered
+    # and its gradients reduce-scattered.
+    def unit_bytes(layer, unit_names):
+        return sum(unsharded_numel(p, dims) for p in layer if p.unit in unit_names) * a
+
+    distributed = dims.is_distributed
+    ac = cfg.train.activation_checkpointing
+    root = unit_bytes(layers[-1], ("root",)) if distributed else 0
+    blocks = sorted((unit_bytes(layer, ("block", "experts")) for layer in {tuple(x) for x in layers[1:-1]}),
+                    reverse=True) * 2  # each kind of block at least twice: a block and the next one
+    per_block = [block_activation_bytes(cfg, dims, i, a, routing.skew) for i in range(m.num_layers)]
+    tokens = cfg.train.micro_batch_size * cfg.data.seq_len
+    model_level = model_level_activation_bytes(cfg, dims, a)
+    chunk = loss_chunk_bytes(cfg, dims, a)
+    if ac:
+        kept = m.num_layers * tokens * a * m.hidden_size / dims.tp
+        activations = kept + model_level + max(chunk, max(per_block))
+    else:
+        activations = sum(per_block) + model_level + chunk
+    gathered = root + (sum(blocks[:2]) if distributed and ac else 0)
+    accum = grad_accum_for(cfg.train, dims.dp)
+    grads_fb = grads if accum > 1 else 0.0  # earlier micro-batches' gradients are kept
+    comm = blocks[0] * (FP32 / a) if distributed and ac else 0.0  # a unit's fp32 reduce-scatter input
+    fb = {"parameters": params, "gathered parameters": gathered, "gradients": grads_fb,
+          "optimizer state": opt if steady else 0.0, "activations": activations,
+          "communication buffers": comm, "temporaries": 0.0}
+
+    step = {"parameters": params, "gathered parameters": 0.0, "gradients": grads,
+            "optimizer state": opt, "activations": 0.0, "communication buffers": 0.0,
+            "temporaries": muon_temporaries(cfg, dims, list(set(flat)), nums) if muon else 0.0}
+    moments = {"forward/backward": fb, "optimizer step": step}
+    moment = max(moments, key=lambda k: sum(moments[k].values()))
+    return MemoryModel(dict(moments[moment]), moment, moments)
+
+
+def _gather_group(p: Param, dims: ParallelDims) -> int:
+    """Ranks over which Muon must assemble one of `p`'s matrices: the dims that split a matrix
+    dimension or replicate it (`optim/muon.py`, `_Layout`)."""
+    if not dims.is_distributed:
+        return 1
+    n = dims.tp if (dims.tp > 1 and p.unit in ("block", "experts") and "router" not in p.name) else 1
+    if p.unit == "experts":
+        # ep and dim-0 expert-FSDP split whole experts (no gathering); dim-1 sharding does not.
+        return n * dims.dp_replicate * (dims.efsdp if dims.efsdp > p.shape[0] else 1)
+    if p.batch > 1:  # experts inside their block's unit: FSDP's dim 0 is the expert dim
+        return n * dims.dp_replicate
+    return n * dims.dp_replicate * dims.dp_shard
+
+
+def muon_temporaries(cfg: Config, dims: ParallelDims, params: list[Param], nums: Numerics) -> float:
+    """Muon's working set for its largest matrix: the round's stack of n updates, the matrix
+    whole on its owner, and Newton-Schulz's iterate, Gram matrix and polynomial."""
+    worst = 0.0
+    for p in params:
+        if not is_muon_param(p.name, cfg.optim.muon_router):
+            continue
+        rows, cols = p.shape[-2:]
+        # The matrix (or this rank's expert stack) whole, as Newton-Schulz sees it.
+        whole = math.prod(p.shape) * dims.tp if p.batch > 1 else p.global_numel
+        small = min(rows, cols)
+        n = _gather_group(p, dims)
+        stack = nums.ns * whole * (2 if n > 1 else 0)  # the stacked round and its redistribution
+        ns = nums.ns * (3 * whole + 3 * max(1, p.batch) * small * small)
+        update = FP32 * shard_numel(p, dims)  # the Nesterov update before its cast
+        worst = max(worst, stack + ns + update)
+    return worst
+
+
+# ------------------------------------------------------------------------------ traffic
+
+
+@dataclass(frozen=True)
+class Flow:
+    """Bytes one rank sends per step in one kind of collective over one group."""
+
+    category: str  # as plan/collectives.py names the issuer
+    kind: str  # all_gather, reduce_scatter, all_to_all, all_reduce
+    dim: str  # the mesh dimension(s) of the group
+    group_size: int
+    calls: int
+    sent: float
+
+
+def traffic_per_rank(cfg: Config, dims: ParallelDims, *, gpu: bool,
+                     routing: AssumedRouting = AssumedRouting()) -> list[Flow]:
+    """What one rank sends per optimizer step, by collective (see the module doc)."""
+    if not dims.is_distributed:
+        return []
+    m, nums = cfg.model, Numerics.of(cfg, gpu)
+    a = nums.compute
+    accum = grad_accum_for(cfg.train, dims.dp)
+    layers = model_params(m, dims.tp, dims.ep)
+    flows: list[Flow] = []
+    dense_dim = "dp_shard"
+    for unit, n, dim in (("dense", dims.dp_shard, dense_dim), ("experts", dims.efsdp, "efsdp")):
+        if n == 1:
+            continue
+        names = ("experts",) if unit == "experts" else ("embed", "block", "root")
+        units = [[p for p in layer if p.unit in names] for layer in layers]
+        units = [u for u in units if u]
+        kinds = Counter(tuple(u) for u in units)  # equal units counted once, times their number
+        shards = [sum(shard_numel(p, dims) for p in u) * c for u, c in kinds.items()]
+        rooted = [u[0].unit == "root" for u in kinds]
+        gathers = sum(1 if r else 2 for r in rooted) * accum  # forward, and again in backward (not the root)
+        ag = sum(s * (1 if r else 2) for s, r in zip(shards, rooted)) * a * (n - 1) * accum
+        rs = sum(shards) * FP32 * (n - 1) * accum  # fp32 gradients, (n-1)/n of the n-shard input
+        flows += [Flow(FSDP_ALL_GATHER, "all_gather", dim, n, gathers, ag),
+                  Flow(FSDP_REDUCE_SCATTER, "reduce_scatter", dim, n, len(units) * accum, rs)]
+        if dims.dp_replicate > 1:  # HSDP: the shards' gradients are all-reduced over the replicas
+            r = dims.dp_replicate
+            flows.append(Flow("FSDP all-reduce", "all_reduce", "dp_replicate", r, len(units) * accum,
+                              sum(shards) * FP32 * 2 * (r - 1) / r * accum))
+    moe_layers = m.num_layers - m.num_dense_layers
+    if dims.ep > 1 and moe_layers:
+        tokens = cfg.train.micro_batch_size * cfg.data.seq_len
+        out_of_rank = tokens * m.num_experts_per_tok * (dims.ep - 1) / dims.ep * m.hidden_size * a
+        per_layer = 2 * out_of_rank * (1 + routing.skew)  # dispatch and combine, forward and backward
+        forwards = 2 if cfg.train.activation_checkpointing else 1  # the recomputation dispatches again
+        calls = 2 * (forwards + 1) * moe_layers * accum
+        sent = (per_layer + (forwards - 1) * out_of_rank * (1 + routing.skew)) * moe_layers * accum
+        flows.append(Flow(EP_ALL_TO_ALL, "all_to_all", "ep", dims.ep, calls, sent))
+    if cfg.optim.name == "muon":
+        flows += _muon_flows(cfg, dims, Counter(p for layer in layers for p in layer), nums, gpu)
+    dp = dims.dp
+    if dp > 1:  # token count, loss totals, tokens per expert
+        small = (LONG + 3 * FP32 + FP32 * moe_layers * m.num_experts) * 2 * (dp - 1) / dp
+        flows.append(Flow("other: all_reduce", "all_reduce", "dp", dp, 3, small))
+    return flows
+
+
+def _muon_flows(cfg: Config, dims: ParallelDims, params: Counter, nums: Numerics, gpu: bool) -> list[Flow]:
+    """Muon's redistributions: per round of n matrices (n = the gather group), the stacked
+    updates go to their owners and the results come back. On GPUs DTensor sends that as an
+    all-to-all ((n-1)/n of the stack each way); on a CPU mesh as an all-gather of the stack
+    and a chunk (the stack x (n-1) out, an all-gather back)."""
+    buckets: dict[tuple, int] = {}
+    for p, count in params.items():
+        if is_muon_param(p.name, cfg.optim.muon_router):
+            key = (p.unit, p.shape, _gather_group(p, dims))
+            buckets[key] = buckets.get(key, 0) + count
+    calls, sent = 0, 0.0
+    for (unit, shape, n), count in buckets.items():
+        if n == 1:
+            continue
+        rounds = -(-count // n)
+        local = nums.ns * math.prod(shape)  # the stack's slices on this rank: one TP-local matrix's worth
+        per_round = 2 * local * ((n - 1) / n if gpu else (n - 1))
+        calls += 2 * rounds
+        sent += rounds * per_round
+    kind = "all_to_all" if gpu else "all_gather"
+    return [Flow(MUON_REDISTRIBUTE, kind, "fsdp", dims.dp_shard, calls, sent)] if calls else []
+
+
+def communicators(dims: ParallelDims) -> int:
+    """NCCL communicators a rank uses (distinct groups of more than one rank): FSDP, TP, EP,
+    expert FSDP, the data-parallel group, the replicas, and the flattened FSDP x TP group of
+    the gradient norm."""
+    groups = {("dp_shard", dims.dp_shard), ("tp", dims.tp), ("ep", dims.ep), ("efsdp", dims.efsdp),
+              ("dp", dims.dp), ("dp_replicate", dims.dp_replicate), ("dp_shard_tp", dims.dp_shard * dims.tp)}
+    sizes = {}
+    for name, size in groups:
+        if size > 1:
+            sizes.setdefault((size, name if name != "dp" or dims.dp_replicate > 1 else "dp_shard"), 1)
+    return len(sizes)
+
+
+def category_totals(flows: list[Flow]) -> dict[str, float]:
+    totals: dict[str, float] = {}
+    for f in flows:
+        totals[f.category] = totals.get(f.category, 0.0) + f.sent
+    return totals
+
+
+__all__ = ["CATEGORIES", "Flow", "MemoryModel", "Numerics", "Param", "category_totals", "communicators",
+           "memory_per_rank", "model_params", "shard_numel", "traffic_per_rank"]

@@ -1,0 +1,113 @@
+"""The layouts that fit N GPUs, ranked by predicted step time (`trinity-train plan --search`).
+
+Every candidate is priced by the closed-form model alone (`formula.py`, `timing.py`): no
+tracing, so thousands of candidates cost seconds even at N = 2,048. A candidate is
+dp_replicate x dp_shard x tp x ep = N (ep inside dp_shard, dividing the experts; tp dividing the
+heads, the kv heads, the FFN widths and the sequence, and no wider than a node), a micro-batch
+size, activation checkpointing on or off, and a loss chunk size. The global batch stays the
+config's (`train.global_batch_size`, else micro_batch_size x grad_accum x its data-parallel
+ranks at N), so every candidate trains the same tokens per step and step times compare.
+A candidate fits when its formula peak plus the reserve (`hardware.Reserve`) is below the GPU's
+memory; the fitting ones are ranked by the step time with full overlap (ties: less memory).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from trinity_train.config import Config
+from trinity_train.errors import ConfigError
+from trinity_train.parallel.mesh import ParallelDims
+from trinity_train.plan.formula import communicators, memory_per_rank, traffic_per_rank
+from trinity_train.plan.hardware import DEFAULT_RESERVE, Hardware, Reserve
+from trinity_train.plan.timing import DEFAULT_MFU, StepTime, step_time
+
+MICRO_BATCH_SIZES = (1, 2, 4, 8)
+LOSS_CHUNKS = (2048, 4096, 8192)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    overrides: tuple[str, ...]  # ready `--section.key=value` overrides
+    dims: ParallelDims
+    memory_bytes: float  # formula peak + reserve
+    time: StepTime
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def global_batch(cfg: Config, world: int) -> int:
+    """The global batch in sequences that every candidate keeps."""
+    t, p = cfg.train, cfg.parallel
+    if t.global_batch_size:
+        return t.global_batch_size
+    return t.micro_batch_size * t.grad_accum * (world // p.tp)
+
+
+def _tp_fits(cfg: Config, tp: int, gpus_per_node: int) -> bool:
+    m = cfg.model
+    return (tp <= gpus_per_node and m.num_heads % tp == 0 and m.num_kv_heads % tp == 0
+            and m.intermediate_size % tp == 0 and m.moe_intermediate_size % tp == 0
+            and cfg.data.seq_len % tp == 0)
+
+
+def layouts(cfg: Config, world: int, gpus_per_node: int) -> list[tuple[int, int, int, int]]:
+    """Every (dp_replicate, dp_shard, tp, ep) of `world` ranks the rules admit, ep inside a node
+    (its groups' span, ep x tp ranks, within gpus_per_node)."""
+    out = []
+    for tp in _divisors(world):
+        if not _tp_fits(cfg, tp, gpus_per_node):
+            continue
+        for dp_replicate in _divisors(world // tp):
+            dp_shard = world // tp // dp_replicate
+            for ep in _divisors(dp_shard):
+                if cfg.model.num_experts % ep == 0 and ep * tp <= gpus_per_node:
+                    out.append((dp_replicate, dp_shard, tp, ep))
+    return out
+
+
+def _with(cfg: Config, dp_replicate: int, dp_shard: int, tp: int, ep: int, micro: int, ac: bool,
+          chunk: int, batch: int) -> Config:
+    return dataclasses.replace(
+        cfg,
+        parallel=dataclasses.replace(cfg.parallel, dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp, ep=ep),
+        train=dataclasses.replace(cfg.train, micro_batch_size=micro, grad_accum=1, global_batch_size=batch,
+                                  activation_checkpointing=ac),
+        model=dataclasses.replace(cfg.model, loss_chunk_tokens=chunk))
+
+
+def search(cfg: Config, world: int, hardware: Hardware, *, gpus_per_node: int = 8, top: int = 10,
+           mfu: float = DEFAULT_MFU, reserve: Reserve = DEFAULT_RESERVE, gpu: bool = True) -> list[Candidate]:
+    """The `top` fitting candidates for `world` GPUs, fastest first (see the module doc)."""
+    batch = global_batch(cfg, world)
+    found: list[Candidate] = []
+    for dp_replicate, dp_shard, tp, ep in layouts(cfg, world, gpus_per_node):
+        dp = dp_replicate * dp_shard
+        for micro in MICRO_BATCH_SIZES:
+            if batch % (micro * dp):
+                continue  # the global batch must split into whole micro-batches
+            for ac in (False, True):
+                for chunk in LOSS_CHUNKS:
+                    candidate = _with(cfg, dp_replicate, dp_shard, tp, ep, micro, ac, chunk, batch)
+                    try:
+                        dims = ParallelDims.from_config(candidate, world)
+                    except ConfigError:
+                        continue
+                    memory = memory_per_rank(candidate, dims, gpu=gpu)
+                    total = memory.peak + reserve.total(memory.peak, communicators(dims))
+                    if total > hardware.memory_bytes:
+                        continue
+                    flows = traffic_per_rank(candidate, dims, gpu=gpu)
+                    timing = step_time(candidate, dims, flows, hardware, gpus_per_node, mfu)
+                    overrides = (f"--parallel.dp_replicate={dp_replicate}", f"--parallel.dp_shard={dp_shard}",
+                                 f"--parallel.tp={tp}", f"--parallel.ep={ep}",
+                                 f"--train.micro_batch_size={micro}", "--train.grad_accum=1",
+                                 f"--train.global_batch_size={batch}",
+                                 f"--train.activation_checkpointing={str(ac).lower()}",
+                                 f"--model.loss_chunk_tokens={chunk}")
+                    found.append(Candidate(overrides, dims, total, timing))
+    found.sort(key=lambda c: (c.time.overlap_s, c.memory_bytes))
+    return found[:top]

@@ -1,0 +1,112 @@
+"""Predicted step time: compute at a stated MFU, communication priced per link class.
+
+Compute is `training_flops_per_token` (model/counting.py) x the tokens a rank trains per step /
+(peak x MFU). Activation checkpointing runs every block's forward again in backward: the block
+matmuls cost 8/6 of their training FLOPs (the head's do not).
+
+A collective goes at NVLink speed when every rank of its group sits in one node, else at the
+NIC's: the world's rank order is (dp_replicate, dp_shard, tp) with tp innermost, so rank r lives
+on node r // gpus_per_node, and a group of `size` consecutive-stride ranks stays inside a node
+when its span does. The time is bytes sent / link rate (the bytes already follow the ring
+algorithms of `plan/collectives.py`). Two bounds are reported: no overlap (compute + comm) and
+full overlap (max of the two); a real step lies between.
+
+`price_measured` prices a job whose compute was measured (a CPU/gloo run: the 2-host bed's
+one-host step) and whose links are slow, with a factor per collective kind for what the backend
+actually puts on the wire (gloo's reduce-scatter is an all-reduce: ~2x).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from trinity_train.config import Config, grad_accum_for
+from trinity_train.model.counting import training_flops_per_token
+from trinity_train.parallel.mesh import ParallelDims
+from trinity_train.plan.formula import Flow
+from trinity_train.plan.hardware import Hardware
+
+DEFAULT_MFU = 0.40  # a stated assumption: well-tuned MoE pretraining reaches 0.3-0.5 on H100s
+
+
+# The stride between neighbouring ranks of each mesh dimension's groups, in world order
+# (dp_replicate, dp_shard, tp); ep and efsdp split dp_shard as (efsdp, ep).
+def group_stride_and_size(dim: str, dims: ParallelDims) -> tuple[int, int]:
+    tp, ep = dims.tp, dims.ep
+    table = {"tp": (1, tp), "ep": (tp, ep), "efsdp": (tp * ep, dims.efsdp),
+             "dp_shard": (tp, dims.dp_shard), "fsdp": (tp, dims.dp_shard),
+             "dp_replicate": (tp * dims.dp_shard, dims.dp_replicate), "dp": (tp, dims.dp)}
+    return table.get(dim, (1, dims.world_size))
+
+
+def within_node(dim: str, dims: ParallelDims, gpus_per_node: int) -> bool:
+    """Whether the groups of mesh dimension `dim` fit in one node (every group has the same
+    shape, and rank 0's group starts at a node boundary)."""
+    stride, size = group_stride_and_size(dim, dims)
+    return (size - 1) * stride < gpus_per_node
+
+
+@dataclass(frozen=True)
+class StepTime:
+    compute_s: float
+    comm_s: float
+    intra_bytes: float  # bytes this rank sends inside its node per step
+    inter_bytes: float  # ... and across nodes
+    tokens_per_rank: float  # tokens each rank trains per step (all its micro-batches)
+
+    @property
+    def no_overlap_s(self) -> float:
+        return self.compute_s + self.comm_s
+
+    @property
+    def overlap_s(self) -> float:
+        return max(self.compute_s, self.comm_s)
+
+    def tokens_per_s_per_gpu(self, overlap: bool = True) -> float:
+        return self.tokens_per_rank / (self.overlap_s if overlap else self.no_overlap_s)
+
+
+def tokens_per_rank(cfg: Config, dims: ParallelDims) -> float:
+    """Tokens one rank trains per step: its micro-batches' (a tp group shares one slice)."""
+    return cfg.train.micro_batch_size * grad_accum_for(cfg.train, dims.dp) * cfg.data.seq_len
+
+
+def compute_seconds(cfg: Config, dims: ParallelDims, hardware: Hardware, mfu: float = DEFAULT_MFU) -> float:
+    """FLOPs of this rank's tokens / (peak x MFU); a tp rank does 1/tp of its group's work."""
+    m = cfg.model
+    per_token = training_flops_per_token(m, cfg.data.seq_len)
+    if cfg.train.activation_checkpointing:
+        head = 6 * m.vocab_size * m.hidden_size  # the head is outside the checkpointed blocks
+        blocks = per_token - head
+        per_token = head + blocks * 8 / 6  # one more forward (2 of the 6 FLOPs per multiply-add)
+    flops = per_token * tokens_per_rank(cfg, dims) / dims.tp
+    return flops / (hardware.peak_tflops * 1e12 * mfu)
+
+
+def split_by_link(flows: list[Flow], dims: ParallelDims, gpus_per_node: int) -> tuple[float, float]:
+    """(bytes inside a node, bytes across nodes) this rank sends per step."""
+    intra = sum(f.sent for f in flows if within_node(f.dim, dims, gpus_per_node))
+    return intra, sum(f.sent for f in flows) - intra
+
+
+def step_time(cfg: Config, dims: ParallelDims, flows: list[Flow], hardware: Hardware,
+              gpus_per_node: int = 8, mfu: float = DEFAULT_MFU) -> StepTime:
+    """The predicted step of one rank on `hardware` (see the module doc)."""
+    intra, inter = split_by_link(flows, dims, gpus_per_node)
+    comm = intra / hardware.intra_bytes_s + inter / hardware.inter_bytes_s
+    return StepTime(compute_seconds(cfg, dims, hardware, mfu), comm, intra, inter, tokens_per_rank(cfg, dims))
+
+
+# Bytes on the wire per byte of the textbook algorithm, by collective kind, for gloo (its
+# reduce-scatter is built from an all-reduce). benchmarks/multinode.py calibrates these.
+GLOO_WIRE_FACTORS = {"reduce_scatter": 2.0}
+
+
+def price_measured(flows: list[Flow], compute_s: float, link_gbits_s: float,
+                   wire_factors: dict[str, float] | None = None) -> StepTime:
+    """A job whose compute time was measured (`compute_s`, a one-host step) and whose every
+    collective crosses one link of `link_gbits_s` (the 2-host bed: 1 Gbit/s), each kind's bytes
+    scaled by `wire_factors` (default: gloo's)."""
+    factors = GLOO_WIRE_FACTORS if wire_factors is None else wire_factors
+    wire = sum(f.sent * factors.get(f.kind, 1.0) for f in flows)
+    return StepTime(compute_s, wire / (link_gbits_s * 1e9 / 8), 0.0, wire, 0.0)
