@@ -46,9 +46,9 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections import defaultdict
 from pathlib import Path
 
+from trinity_train.plan.collectives import EP_ALL_TO_ALL, FSDP_ALL_GATHER, FSDP_REDUCE_SCATTER, MUON_REDISTRIBUTE
 from trinity_train.records import EventName
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -74,104 +74,29 @@ COUNTER_ENV = "TRINITY_BENCH_COLLECTIVES"
 # --------------------------------------------------------------------------------------------
 # The collective counter, run inside each training rank (see `sitecustomize_text`).
 
-def _category(op: str, frames: list[str]) -> str:
-    if op.startswith("uncounted"):
-        return op
-    if any("/torch/distributed/fsdp/" in f for f in frames):
-        if "gather" in op:
-            return "FSDP all-gather"
-        if "reduce_scatter" in op:
-            return "FSDP reduce-scatter"
-        return f"FSDP {op}"
-    if "all_to_all" in op or "alltoall" in op:
-        return "EP all-to-all"
-    if any(f.endswith("optim/muon.py") for f in frames):
-        return "Muon redistribute"
-    where = next((Path(f).name for f in frames if "/trinity_train/" in f), "torch")
-    return f"other: {op} ({where})"
-
-
 def install_collective_counter(out_dir: str) -> None:
     """Count the bytes this rank sends in every collective, per training iteration, into
-    OUT_DIR/rank{RANK}.json (rewritten after every iteration)."""
-    import torch
-    import torch.distributed as dist
-    from torch.distributed.distributed_c10d import _resolve_process_group
-    from torch.utils._python_dispatch import TorchDispatchMode
+    OUT_DIR/rank{RANK}.json (rewritten after every iteration), by the planner's rule
+    (`trinity_train.plan.collectives`: the same bytes and categories a plan reports)."""
+    from trinity_train.plan.collectives import CollectiveLog
 
     rank = os.environ.get("RANK", "0")
     path = Path(out_dir) / f"rank{rank}.json"
-    state = {"iter": "setup"}
-    counts: dict = defaultdict(lambda: defaultdict(lambda: [0, 0]))
+    counts: dict = {}
+    log = CollectiveLog()
 
-    def nbytes(t) -> int:
-        if isinstance(t, torch.Tensor):
-            return t.numel() * t.element_size()
-        if isinstance(t, (list, tuple)):
-            return sum(nbytes(x) for x in t)
-        return 0
-
-    def group_of(value) -> tuple[int, int]:
-        """(size, this rank's index) of a process group or a group name."""
-        if isinstance(value, str):
-            value = _resolve_process_group(value)
-        elif isinstance(value, torch.ScriptObject):  # what the c10d ops receive
-            value = dist.ProcessGroup.unbox(value)
-        return value.size(), value.rank()
-
-    def sent_bytes(name: str, a: dict) -> tuple[str, float] | None:
-        """(kind, bytes this rank sends) of one collective."""
-        pg = a.get("process_group", a.get("group_name"))
-        if pg is None:
-            return None
-        n, me = group_of(pg)
-        if n <= 1:
-            return None
-        if name in ("_allgather_base_", "allgather_", "allgather_into_tensor_coalesced_"):
-            return "all_gather", nbytes(a.get("input_tensor", a.get("input_tensors", a.get("inputs")))) * (n - 1)
-        if name in ("all_gather_into_tensor", "all_gather_into_tensor_coalesced"):
-            return "all_gather", nbytes(a.get("input", a.get("inputs"))) * (n - 1)
-        if name in ("_reduce_scatter_base_", "reduce_scatter_", "reduce_scatter_tensor_coalesced_"):
-            return "reduce_scatter", nbytes(a.get("input_tensor", a.get("input_tensors", a.get("inputs")))) * (n - 1) / n
-        if name in ("reduce_scatter_tensor", "reduce_scatter_tensor_coalesced"):
-            return "reduce_scatter", nbytes(a.get("input", a.get("inputs"))) * (n - 1) / n
-        if name in ("allreduce_", "allreduce_coalesced_", "all_reduce", "all_reduce_", "all_reduce_coalesced"):
-            return "all_reduce", nbytes(a.get("tensors", a.get("input", a.get("inputs")))) * 2 * (n - 1) / n
-        if name in ("alltoall_base_", "all_to_all_single"):
-            tensor = a.get("input")
-            splits = a.get("input_split_sizes") or [tensor.shape[0] // n] * n
-            row = tensor.element_size() * (tensor[0].numel() if tensor.shape[0] else 0)
-            return "all_to_all", sum(int(s) for r, s in enumerate(splits) if r != me) * row
-        if name in ("broadcast_", "broadcast"):
-            src = a.get("root_rank", a.get("src"))
-            return "broadcast", nbytes(a.get("tensors", a.get("input"))) * (n - 1) if src == me else 0
-        if name in ("send",):
-            return "send", nbytes(a.get("tensors"))
-        return None
-
-    class CollectiveBytes(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            kwargs = kwargs or {}
-            if func.namespace in ("c10d", "_c10d_functional"):
-                try:
-                    names = [arg.name for arg in func._schema.arguments]
-                    found = sent_bytes(func._schema.name.split("::")[1], {**dict(zip(names, args)), **kwargs})
-                except Exception as e:  # noqa: BLE001 (never break the training for a count)
-                    found = (f"uncounted {func} ({type(e).__name__}: {e})", 0)
-                if found is not None:
-                    kind, sent = found
-                    frames, frame = [], sys._getframe(1)
-                    while frame is not None:
-                        frames.append(frame.f_code.co_filename)
-                        frame = frame.f_back
-                    entry = counts[state["iter"]][_category(kind, frames)]
-                    entry[0] += 1
-                    entry[1] += sent
-            return func(*args, **kwargs)
+    def file_calls(key) -> None:
+        """{category: [calls, bytes]} of the calls logged since the last filing, under `key`."""
+        entry = counts.setdefault(str(key), {})
+        for call in log.calls:
+            tally = entry.setdefault(call.category, [0, 0])
+            tally[0] += 1
+            tally[1] += call.sent
+        log.calls = []
 
     def dump() -> None:
         tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({str(k): dict(v) for k, v in counts.items()}))
+        tmp.write_text(json.dumps(counts))
         tmp.replace(path)
 
     import trinity_train.train as trainer_module
@@ -179,15 +104,15 @@ def install_collective_counter(out_dir: str) -> None:
     original = trainer_module.Trainer.train_one_iteration
 
     def counted_iteration(self):
-        state["iter"] = self.state.iteration + 1
+        file_calls("setup" if self.state.iteration == 0 else "between")
         try:
             return original(self)
         finally:
-            state["iter"] = "between"
+            file_calls(self.state.iteration)
             dump()
 
     trainer_module.Trainer.train_one_iteration = counted_iteration
-    CollectiveBytes().__enter__()  # for the rest of the process (its main thread)
+    log.__enter__()  # for the rest of the process (its main thread)
 
 
 def sitecustomize_text() -> str:
@@ -498,11 +423,11 @@ def calibrate(bench: Bench) -> dict:
 
 def kind_of(category: str) -> str:
     """The collective behind a counter category (for the calibration's wire factor)."""
-    if category in ("FSDP all-gather", "Muon redistribute"):
+    if category in (FSDP_ALL_GATHER, MUON_REDISTRIBUTE):
         return "all_gather"
-    if category == "FSDP reduce-scatter":
+    if category == FSDP_REDUCE_SCATTER:
         return "reduce_scatter"
-    if category == "EP all-to-all":
+    if category == EP_ALL_TO_ALL:
         return "all_to_all"
     return category.removeprefix("other: ").split(" ")[0]
 
@@ -552,8 +477,8 @@ def theory(overrides: tuple[str, ...], world: int) -> dict:
     all_to_all = 4 * moe_layers * tokens * m.num_experts_per_tok * m.hidden_size * 4 * (ep - 1) / ep
     muon = sum(p.numel() * 4 for name, p in model.named_parameters()
                if is_muon_param(name, cfg.optim.muon_router) and id(p) not in expert_ids) * 2 * share
-    return {"FSDP all-gather": gather, "FSDP reduce-scatter": scatter, "EP all-to-all": all_to_all,
-            "Muon redistribute": muon, "params": sum(p.numel() for p in model.parameters()),
+    return {FSDP_ALL_GATHER: gather, FSDP_REDUCE_SCATTER: scatter, EP_ALL_TO_ALL: all_to_all,
+            MUON_REDISTRIBUTE: muon, "params": sum(p.numel() for p in model.parameters()),
             "sharded_params": sum(p for p, _ in units), "expert_params": expert_params, "tokens_per_rank": tokens}
 
 
@@ -602,7 +527,7 @@ def report_bytes(counted: dict, sizes: dict, factors: dict, step_s: float, wire_
         counted_sum = [t + x for t, x in zip(counted_sum, sent)]
         expected = [t + x * factor for t, x in zip(expected, sent)]
         th = sizes.get(kind)
-        floor = ">=" if kind == "Muon redistribute" else ""
+        floor = ">=" if kind == MUON_REDISTRIBUTE else ""
         lines.append(f"  {kind:<36} {calls:>5.0f} {floor + mb(th) if th is not None else '':>8} {mb(sent[0]):>8} "
                      f"{mb(sent[1]):>8} {factor:>6.2f} {mb(max(sent) * factor):>8}")
     lines.append(f"  {'all collectives':<36} {'':>5} {'':>8} {mb(counted_sum[0]):>8} {mb(counted_sum[1]):>8} "
