@@ -28,6 +28,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 from torch.distributed.tensor import DTensor
+from torch.nn.modules.module import register_module_forward_pre_hook
 
 from trinity_train.config import Config, grad_accum_for
 from trinity_train.model import build_model
@@ -156,24 +157,15 @@ def trace_rank(cfg: Config, world_size: int, rank: int, *, gpu: bool,
             step = TrainingStep(model, optimizer, build_scheduler(optimizer, cfg),
                                 StepGuard(cfg.stability), cfg, torch.device("cpu"), dims)
             parts = [_micro_batch(cfg) for _ in range(grad_accum_for(cfg.train, dims.dp))]
-            tracker = FSDPMemTracker(model, optimizer) if dims.is_distributed else _plain_tracker(model, optimizer)
-            # The tracker keeps per-module statistics of one forward; the peak it keeps is global.
-            # Clearing the former before each micro-batch's forward lets it follow a whole step.
-            model.register_forward_pre_hook(lambda module, args: tracker.reset_mod_stats(), prepend=True)
             log = CollectiveLog(dim_of=namer)
             autocast = (torch.autocast("cpu", dtype=torch.bfloat16) if gpu and cfg.train.dtype == "bf16"
                         else contextlib.nullcontext())
-            with tracker, log, CpuGroupedMatmul():
+            with tracking_memory(model, optimizer, dims.is_distributed) as tracker, log, CpuGroupedMatmul():
                 with _cpu_autocast_for(autocast):
                     _, _, counts = step.accumulate_gradients(parts, iteration=1)
                 step.update(global_grad_norm(step.params), counts)
                 optimizer.zero_grad(set_to_none=True)
-            peak = tracker.get_tracker_snapshot("peak")
-            memory = dict.fromkeys(CATEGORIES, 0)
-            for dev_stats in peak.values():
-                for name, value in dev_stats.items():
-                    if name in CATEGORY_OF:
-                        memory[CATEGORY_OF[name]] += int(value)
+            memory = peak_by_category(tracker)
             ckpt = sum(_local_bytes(t) for t in model.state_dict().values() if isinstance(t, torch.Tensor))
             ckpt += sum(_local_bytes(t) for state in optimizer.state.values() for t in state.values()
                         if isinstance(t, torch.Tensor) and t.ndim > 0)
@@ -187,9 +179,39 @@ def _cpu_autocast_for(ctx):
         yield
 
 
-def _plain_tracker(model, optimizer):
-    from torch.distributed._tools.mem_tracker import MemTracker
+@contextlib.contextmanager
+def tracking_memory(model, optimizer, distributed: bool):
+    """One iteration's memory followed by category: `FSDPMemTracker` for an FSDP model,
+    `MemTracker` for one process. A trace and a real run's measurement use the same one."""
+    if distributed:
+        tracker = FSDPMemTracker(model, optimizer)
+    else:
+        from torch.distributed._tools.mem_tracker import MemTracker
 
-    tracker = MemTracker()
-    tracker.track_external(model, optimizer)
-    return tracker
+        tracker = MemTracker()
+        tracker.track_external(model, optimizer)
+
+    # The tracker keeps per-module statistics of one forward; the peak it keeps is global.
+    # Clearing the former before each micro-batch's forward lets it follow a whole step. The hook
+    # must run before the tracker's own: a global hook registered first runs before the global
+    # ones the tracker registers and before FSDP's module hooks it re-registers on entering.
+    def clear_before_the_model(module, args):
+        if module is model:
+            tracker.reset_mod_stats()
+
+    handle = register_module_forward_pre_hook(clear_before_the_model)
+    try:
+        with tracker:
+            yield tracker
+    finally:
+        handle.remove()
+
+
+def peak_by_category(tracker) -> dict[str, int]:
+    """Bytes by the plan's categories at the tracker's peak."""
+    memory = dict.fromkeys(CATEGORIES, 0)
+    for dev_stats in tracker.get_tracker_snapshot("peak").values():
+        for name, value in dev_stats.items():
+            if name in CATEGORY_OF:
+                memory[CATEGORY_OF[name]] += int(value)
+    return memory
