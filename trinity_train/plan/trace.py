@@ -10,7 +10,8 @@ dispatch takes its token counts from a stated routing assumption (`parallel.assu
 
 What is recorded:
 - memory: `FSDPMemTracker` (torch.distributed._tools) follows every tensor the iteration makes,
-  by category, and keeps the peak; the optimizer is the real one with its default per-tensor
+  by category, and keeps the peak; the optimizer state exists before the iteration, as in every
+  step of a run after its first (`create_optimizer_state`); the optimizer is the real one with its default per-tensor
   loops (a `foreach` optimizer under fake tensors is mislabelled by the tracker);
 - collectives: every call at the dispatch level (`plan.collectives.CollectiveLog`), with the
   group's ranks and mesh dimension;
@@ -45,9 +46,10 @@ from trinity_train.stability import StepGuard
 from trinity_train.step import TrainingStep
 from trinity_train.train import apply_training_wrappers
 
-# FSDPMemTracker's categories -> the plan's.
+# FSDPMemTracker's and (one process) MemTracker's categories -> the plan's.
 CATEGORY_OF = {
-    "Sharded Param": "parameters", "Buffer": "parameters",
+    "Sharded Param": "parameters", "Buffer": "parameters", "Parameter": "parameters",
+    "Gradient": "gradients", "Optstate": "optimizer state", "Other": "temporaries",
     "Unsharded Param": "gathered parameters",
     "Sharded Grad": "gradients", "Unsharded Grad": "gradients",
     "OptState": "optimizer state",
@@ -81,6 +83,17 @@ def _micro_batch(cfg: Config) -> dict[str, torch.Tensor]:
         mb["document_ids"] = torch.zeros(rows, seq, dtype=torch.long)
         mb["position_ids"] = torch.arange(seq).expand(rows, seq)
     return mb
+
+
+def create_optimizer_state(model, optimizer) -> None:
+    """Every step of a run but its first starts with the optimizer state alive (the first step
+    creates it), so a traced first iteration would peak without it: one untraced optimizer step
+    on zero gradients creates it first, and the traced iteration is a steady-state one."""
+    for p in model.parameters():
+        if p.requires_grad:
+            p.grad = torch.zeros_like(p)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
 
 
 def _gpu_config(cfg: Config, gpu: bool) -> Config:
@@ -157,6 +170,7 @@ def trace_rank(cfg: Config, world_size: int, rank: int, *, gpu: bool,
             step = TrainingStep(model, optimizer, build_scheduler(optimizer, cfg),
                                 StepGuard(cfg.stability), cfg, torch.device("cpu"), dims)
             parts = [_micro_batch(cfg) for _ in range(grad_accum_for(cfg.train, dims.dp))]
+            create_optimizer_state(model, optimizer)
             log = CollectiveLog(dim_of=namer)
             autocast = (torch.autocast("cpu", dtype=torch.bfloat16) if gpu and cfg.train.dtype == "bf16"
                         else contextlib.nullcontext())
