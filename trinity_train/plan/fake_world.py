@@ -36,6 +36,22 @@ def fake_world(world_size: int, rank: int) -> Iterator[None]:
         yield
     finally:
         dist.destroy_process_group()
+        forget_sharding_decisions()
+
+
+def forget_sharding_decisions() -> None:
+    """DTensor caches its sharding and redistribution decisions by mesh, and a mesh of the next
+    trace compares equal to this one's while naming other process groups (names restart at 0 in
+    each world, in the order that trace created them): a cached decision would then send a
+    collective to a group of the dead world ("Could not resolve the process group")."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._redistribute import _gen_transform_infos
+
+    torch._C._clear_DTensor_sharding_propagator_cache()  # the C++ dispatch path's
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    propagator.propagate_op_sharding.cache_clear()
+    propagator._propagate_tensor_meta_cached.cache_clear()
+    _gen_transform_infos.cache_clear()
 
 
 @contextlib.contextmanager
