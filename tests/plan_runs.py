@@ -9,11 +9,13 @@ the optimizer state exists, as in every step of a long run), is measured three w
 - its memory by the planner's own tracker (`plan.trace.tracking_memory`: FSDPMemTracker or
   MemTracker) on the real tensors: the same accounting as the trace, so a difference is a
   difference in which tensors live when;
-- its memory as the operating system sees it (for the benchmark): the peak RSS during the step (VmHWM, reset just
-  before it through /proc/self/clear_refs) above the RSS before it, plus the bytes of the
-  parameters, gradients and optimizer state alive before it. glibc is set to map every
-  allocation of 64 KiB or more on its own and to unmap it when freed (`mallopt`), so RSS follows
-  the live tensors instead of what the allocator keeps cached.
+- its memory as the operating system sees it (for the benchmark): the peak RSS during the step
+  (VmHWM, reset just before it through /proc/self/clear_refs) above the RSS before it, plus the
+  bytes of the parameters, gradients and optimizer state alive before it. glibc is set to map
+  every allocation of 64 KiB or more on its own and to unmap it when freed (`mallopt`), so RSS
+  follows the live tensors instead of what the allocator keeps cached. RSS also sees what the
+  tracker cannot: buffers an ATen kernel allocates inside one op (the loss's `logsumexp` makes
+  a logits-sized one: 32 MiB at 1,024 tokens x 8,192), the libraries' own buffers.
 """
 
 from __future__ import annotations
