@@ -37,6 +37,7 @@ only to loopback and the bed's own addresses. The bed is taken down on exit, Ctr
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -46,6 +47,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from trinity_train.plan.collectives import EP_ALL_TO_ALL, FSDP_ALL_GATHER, FSDP_REDUCE_SCATTER, MUON_REDISTRIBUTE
@@ -569,13 +571,41 @@ def main(argv: list[str]) -> int:
     if args.steps <= WARMUP_ITERS + 2 or args.count_steps <= WARMUP_ITERS + 2:
         parser.error(f"--steps and --count-steps must be above {WARMUP_ITERS + 2} (the first {WARMUP_ITERS} are warm-up)")
 
-    sys.path.insert(0, str(ROOT / "tests"))  # the cluster bed's Python wrapper
-    from cluster_bed import ClusterBed, bed_unavailable
-
     reason = bed_unavailable()
     if reason is not None:
         print(f"benchmarks/multinode.py: {reason}", file=sys.stderr)
         return 2
+    print(f"# load: {Path('/proc/loadavg').read_text().strip()}", flush=True)
+    print(f"# train args: {' '.join(COMMON)} (default model, configs/debug.toml; OMP_NUM_THREADS=1 per rank)")
+    out: dict = {"load_start": Path("/proc/loadavg").read_text().strip(), "args": vars(args), "common": COMMON}
+    try:
+        with bench_on_bed() as bench:
+            bench_body(bench, args, out)
+    except KeyboardInterrupt as e:
+        print(f"benchmarks/multinode.py: interrupted ({e or 'SIGINT'}); the bed and every job are taken down",
+              file=sys.stderr)
+        return 130
+    out["load_end"] = Path("/proc/loadavg").read_text().strip()
+    print(f"# load after: {out['load_end']}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=2, default=str))
+    return 0
+
+
+def bed_unavailable() -> str | None:
+    """Why the cluster bed cannot be brought up here (no root, no iproute2), or None."""
+    sys.path.insert(0, str(ROOT / "tests"))  # the cluster bed's Python wrapper
+    from cluster_bed import bed_unavailable as reason
+
+    return reason()
+
+
+@contextlib.contextmanager
+def bench_on_bed() -> Iterator[Bench]:
+    """The bed's two hosts up and a `Bench` over them; every job and the bed taken down on exit,
+    a signal (SIGINT, SIGTERM, SIGHUP: KeyboardInterrupt) included."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    from cluster_bed import ClusterBed
 
     def stop(signum, frame):
         raise KeyboardInterrupt(signal.Signals(signum).name)
@@ -584,9 +614,6 @@ def main(argv: list[str]) -> int:
 
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
            "OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
-    print(f"# load: {Path('/proc/loadavg').read_text().strip()}", flush=True)
-    print(f"# train args: {' '.join(COMMON)} (default model, configs/debug.toml; OMP_NUM_THREADS=1 per rank)")
-    out: dict = {"load_start": Path("/proc/loadavg").read_text().strip(), "args": vars(args), "common": COMMON}
     work = Path(tempfile.mkdtemp(prefix="trinity-multinode-bench-"))
     bed = ClusterBed(2, PREFIX, SUBNET, env=env)
     bench = Bench(bed, work, env)
@@ -594,91 +621,87 @@ def main(argv: list[str]) -> int:
         bed.up()
         print(f"# bed: {bed.host(0)} {bed.addr(0)}, {bed.host(1)} {bed.addr(1)} (namespaces joined by a bridge)",
               flush=True)
-        if not args.skip_throughput:
-            rows = []
-            for rnd in range(1, args.rounds + 1):
-                for name, settings in CONDITIONS:
-                    row = bench.throughput_job(name, settings, args.steps)
-                    row["round"] = rnd
-                    rows.append(row)
-                    ref = next(r for r in rows if r["round"] == rnd and r["shaping"] == "loopback")
-                    row["ratio"] = row["tokens_per_s"] / ref["tokens_per_s"]
-                    wire = (f"  wire/step rx {mb(row['wire_rx_per_step'])} MB tx {mb(row['wire_tx_per_step'])} MB"
-                            if "wire_rx_per_step" in row else "")
-                    print(f"round {rnd} {name:<27} shaping {row['shaping']:<12} {row['tokens_per_s']:>7,.0f} tokens/s "
-                          f"step {row['step_s']:.2f} s  ratio {row['ratio']:.2f}  load {row['load_start']} -> "
-                          f"{row['load_end']}{wire}", flush=True)
-            if bench.netem is False:
-                print(f"# note: delays not shaped: {bench.shape_note}")
-            print()
-            print("| round | condition | link shaped (host 1, both directions) | tokens/s | step s | ratio to a | load start -> end |")
-            print("|---|---|---|---|---|---|---|")
-            for r in rows:
-                print(f"| {r['round']} | {r['condition']} | {r['shaping']} | {r['tokens_per_s']:,.0f} | {r['step_s']:.2f} | "
-                      f"{r['ratio']:.2f} | {r['load_start']} -> {r['load_end']} |")
-            print()
-            print("| condition | median tokens/s over rounds | ratios to a, per round |")
-            print("|---|---|---|")
-            for name, _ in CONDITIONS:
-                mine = [r for r in rows if r["condition"] == name]
-                print(f"| {name} | {statistics.median(r['tokens_per_s'] for r in mine):,.0f} | "
-                      f"{', '.join(format(r['ratio'], '.2f') for r in mine)} |")
-            out["throughput"] = rows
-            out["netem"] = bench.netem
-            out["shape_note"] = bench.shape_note
-            print(flush=True)
-
-            factors = calibrate(bench)
-            counted = count_job(bench, args.count_steps)
-            sizes = theory(COMMON, 2)
-            print(f"# model: {sizes['params']:,} parameters: {sizes['sharded_params']:,} in FSDP units (sharded over "
-                  f"the 2 ranks), {sizes['expert_params']:,} routed-expert weights (split by EP, not sharded); "
-                  f"{sizes['tokens_per_rank']} tokens per rank and step")
-            ref_step = statistics.median(r["step_s"] for r in rows if r["shaping"] == "loopback")
-            for line in report_bytes(counted, sizes, factors, ref_step, [r for r in rows if "wire_tx_per_step" in r]):
-                print(line)
-            print(f"  (the counting job: {counted['tokens_per_s']:,.0f} tokens/s with the counter's overhead; not a "
-                  "throughput figure)")
-            out.update(collectives=counted, theory=sizes, gloo_factors=factors)
-            print(flush=True)
-        if not args.skip_recovery:
-            rec = bench.recovery(args.recovery_steps)
-            print(f"recovery, 2 hosts x 1 rank, --checkpoint.every=1 --parallel.collective_timeout_s="
-                  f"{COLLECTIVE_TIMEOUT_S} --train.steps={args.recovery_steps}, MAX_RESTARTS=5 "
-                  f"(load {rec['load_start']} -> {rec['load_end']}; median step {rec['step_s']:.2f} s)")
-            waits = {  # what the fault itself makes everyone wait, before any restart can begin
-                "node loss": (0, ("none: the killed rank's sockets close and rank 0 fails at once; the rest is the "
-                                  "new launcher's start, the rendezvous, worker start and restore")),
-                "partition": (2 * COLLECTIVE_TIMEOUT_S, (f"the link's {2 * COLLECTIVE_TIMEOUT_S} s down (the ranks time "
-                                                         f"out after {COLLECTIVE_TIMEOUT_S} s; the rendezvous needs host 1 "
-                                                         "back)")),
-                "frozen rank": (COLLECTIVE_TIMEOUT_S + 30, (f"the {COLLECTIVE_TIMEOUT_S} s collective timeout + torchrun's "
-                                                            "30 s SIGTERM grace before it SIGKILLs the stopped worker")),
-            }
-            print(f"  {'fault':<12} {'-> run_start':>12} {'-> next step':>12} {'fixed wait':>10} {'restart':>8}  "
-                  "resumed at  the fixed wait")
-            for fault in ("node loss", "partition", "frozen rank"):
-                r = rec[fault]
-                wait_s, why = waits[fault]
-                r["fixed_wait_s"] = wait_s
-                print(f"  {fault:<12} {r['to_run_start_s']:>10.1f} s {r['to_step_s']:>10.1f} s {wait_s:>8.0f} s "
-                      f"{r['to_step_s'] - wait_s:>6.1f} s  step {r['resumed_from_step']!s:<6} {why}")
-            print(f"  the job finished {rec['finished_steps']} / {args.recovery_steps} steps after {rec['restarts']} restarts, "
-                  f"exit codes {rec['exit codes']}")
-            out["recovery"] = rec
-    except KeyboardInterrupt as e:
-        print(f"benchmarks/multinode.py: interrupted ({e or 'SIGINT'}); the bed and every job are taken down",
-              file=sys.stderr)
-        return 130
+        yield bench
     finally:
         bench.kill_local()
         bed.down()
         shutil.rmtree(work, ignore_errors=True)
-    out["load_end"] = Path("/proc/loadavg").read_text().strip()
-    print(f"# load after: {out['load_end']}")
-    if args.json:
-        Path(args.json).write_text(json.dumps(out, indent=2, default=str))
-    return 0
+
+
+def bench_body(bench: Bench, args, out: dict) -> None:
+    """The throughput rounds, the bytes per step and the recovery drills, printed and put in `out`."""
+    if not args.skip_throughput:
+        rows = []
+        for rnd in range(1, args.rounds + 1):
+            for name, settings in CONDITIONS:
+                row = bench.throughput_job(name, settings, args.steps)
+                row["round"] = rnd
+                rows.append(row)
+                ref = next(r for r in rows if r["round"] == rnd and r["shaping"] == "loopback")
+                row["ratio"] = row["tokens_per_s"] / ref["tokens_per_s"]
+                wire = (f"  wire/step rx {mb(row['wire_rx_per_step'])} MB tx {mb(row['wire_tx_per_step'])} MB"
+                        if "wire_rx_per_step" in row else "")
+                print(f"round {rnd} {name:<27} shaping {row['shaping']:<12} {row['tokens_per_s']:>7,.0f} tokens/s "
+                      f"step {row['step_s']:.2f} s  ratio {row['ratio']:.2f}  load {row['load_start']} -> "
+                      f"{row['load_end']}{wire}", flush=True)
+        if bench.netem is False:
+            print(f"# note: delays not shaped: {bench.shape_note}")
+        print()
+        print("| round | condition | link shaped (host 1, both directions) | tokens/s | step s | ratio to a | load start -> end |")
+        print("|---|---|---|---|---|---|---|")
+        for r in rows:
+            print(f"| {r['round']} | {r['condition']} | {r['shaping']} | {r['tokens_per_s']:,.0f} | {r['step_s']:.2f} | "
+                  f"{r['ratio']:.2f} | {r['load_start']} -> {r['load_end']} |")
+        print()
+        print("| condition | median tokens/s over rounds | ratios to a, per round |")
+        print("|---|---|---|")
+        for name, _ in CONDITIONS:
+            mine = [r for r in rows if r["condition"] == name]
+            print(f"| {name} | {statistics.median(r['tokens_per_s'] for r in mine):,.0f} | "
+                  f"{', '.join(format(r['ratio'], '.2f') for r in mine)} |")
+        out["throughput"] = rows
+        out["netem"] = bench.netem
+        out["shape_note"] = bench.shape_note
+        print(flush=True)
+
+        factors = calibrate(bench)
+        counted = count_job(bench, args.count_steps)
+        sizes = theory(COMMON, 2)
+        print(f"# model: {sizes['params']:,} parameters: {sizes['sharded_params']:,} in FSDP units (sharded over "
+              f"the 2 ranks), {sizes['expert_params']:,} routed-expert weights (split by EP, not sharded); "
+              f"{sizes['tokens_per_rank']} tokens per rank and step")
+        ref_step = statistics.median(r["step_s"] for r in rows if r["shaping"] == "loopback")
+        for line in report_bytes(counted, sizes, factors, ref_step, [r for r in rows if "wire_tx_per_step" in r]):
+            print(line)
+        print(f"  (the counting job: {counted['tokens_per_s']:,.0f} tokens/s with the counter's overhead; not a "
+              "throughput figure)")
+        out.update(collectives=counted, theory=sizes, gloo_factors=factors)
+        print(flush=True)
+    if not args.skip_recovery:
+        rec = bench.recovery(args.recovery_steps)
+        print(f"recovery, 2 hosts x 1 rank, --checkpoint.every=1 --parallel.collective_timeout_s="
+              f"{COLLECTIVE_TIMEOUT_S} --train.steps={args.recovery_steps}, MAX_RESTARTS=5 "
+              f"(load {rec['load_start']} -> {rec['load_end']}; median step {rec['step_s']:.2f} s)")
+        waits = {  # what the fault itself makes everyone wait, before any restart can begin
+            "node loss": (0, ("none: the killed rank's sockets close and rank 0 fails at once; the rest is the "
+                              "new launcher's start, the rendezvous, worker start and restore")),
+            "partition": (2 * COLLECTIVE_TIMEOUT_S, (f"the link's {2 * COLLECTIVE_TIMEOUT_S} s down (the ranks time "
+                                                     f"out after {COLLECTIVE_TIMEOUT_S} s; the rendezvous needs host 1 "
+                                                     "back)")),
+            "frozen rank": (COLLECTIVE_TIMEOUT_S + 30, (f"the {COLLECTIVE_TIMEOUT_S} s collective timeout + torchrun's "
+                                                        "30 s SIGTERM grace before it SIGKILLs the stopped worker")),
+        }
+        print(f"  {'fault':<12} {'-> run_start':>12} {'-> next step':>12} {'fixed wait':>10} {'restart':>8}  "
+              "resumed at  the fixed wait")
+        for fault in ("node loss", "partition", "frozen rank"):
+            r = rec[fault]
+            wait_s, why = waits[fault]
+            r["fixed_wait_s"] = wait_s
+            print(f"  {fault:<12} {r['to_run_start_s']:>10.1f} s {r['to_step_s']:>10.1f} s {wait_s:>8.0f} s "
+                  f"{r['to_step_s'] - wait_s:>6.1f} s  step {r['resumed_from_step']!s:<6} {why}")
+        print(f"  the job finished {rec['finished_steps']} / {args.recovery_steps} steps after {rec['restarts']} restarts, "
+              f"exit codes {rec['exit codes']}")
+        out["recovery"] = rec
 
 
 if __name__ == "__main__":
