@@ -75,11 +75,11 @@ def memory_table(models: list[str], work: Path) -> None:
           "RSS growth | load |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for model in models:
-        for layout, (world, settings) in LAYOUTS.items():
+        for index, (layout, (world, settings)) in enumerate(LAYOUTS.items()):
             for checkpointing in ("false", "true"):
                 overrides = (*MODELS[model], *MEMORY_BATCH, *settings,
                              f"--train.activation_checkpointing={checkpointing}")
-                run_dir = work / f"{model}-{world}-{len(settings)}-{checkpointing}"
+                run_dir = work / f"{model}-{index}-{checkpointing}"
                 real = run_ranks(world, measure_rank, overrides, run_dir / "run", True, True)[0]
                 traced = trace_measured(overrides, run_dir / "trace", world, 0).peak
                 print(f"| {model} | {layout} | {world} | {checkpointing} | {mib(traced)} | {mib(real['tracked_peak'])} | "
