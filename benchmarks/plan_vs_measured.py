@@ -113,11 +113,11 @@ def time_check(rounds: int, steps: int, work: Path) -> None:
     print(f"step time of benchmarks/multinode.py's job, --train.steps={steps}: the trace's {wire_bytes / 1e6:.2f} MB "
           f"per step and direction on the wire (gloo factors {GLOO_WIRE_FACTOR}, others 1) = {wire_s:.3f} s at "
           f"{LINK_BYTES_PER_S / 1e6:.0f} MB/s, nothing overlapped")
-    print("| round | one host, 2 ranks: step s | predicted 2 hosts at 1 Gbit s | measured s | measured / predicted | "
-          "wire MB per step (host 1 tx / rx) | load |")
-    print("|---|---|---|---|---|---|---|")
     ratios = []
     with bench_on_bed() as bench:
+        print("| round | one host, 2 ranks: step s | predicted 2 hosts at 1 Gbit s | measured s | measured / predicted | "
+              "wire MB per step (host 1 tx / rx) | load |")
+        print("|---|---|---|---|---|---|---|")
         for rnd in range(1, rounds + 1):
             one = bench.throughput_job(ONE_HOST, None, steps)
             two = bench.throughput_job(ONE_GBIT, ("rate=1gbit",), steps)
