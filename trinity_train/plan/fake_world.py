@@ -6,6 +6,8 @@ switches that make a CPU-hosted trace behave as the job's GPUs would.
 - `gpu_collectives()`: DTensor sends a redistribute between two shardings as an all-to-all on
   NCCL, but as all-gather + chunk on a CPU mesh (gloo has no all-to-all there,
   torch/distributed/tensor/_collective_utils.py); a plan for GPUs takes the NCCL path.
+- `sharding_metadata_apart()`: DTensor's shape propagation out of the trace's fake mode, as
+  in a real run (the memory tracker counted its global-shape tensors).
 - `CpuGroupedMatmul`: the fake (meta) kernel of `torch._grouped_mm` enforces the CUDA kernel's
   bf16-only rule; the CPU kernel takes fp32 as well, so an fp32 trace (a CPU run's plan) gets
   the output shape the CPU kernel gives.
@@ -61,6 +63,17 @@ def gpu_collectives(enabled: bool = True) -> Iterator[None]:
         return
     # `local_tensor_mode()` is read by that module only to pick the CPU fallback.
     with mock.patch("torch.distributed.tensor._collective_utils.local_tensor_mode", lambda: True):
+        yield
+
+
+@contextlib.contextmanager
+def sharding_metadata_apart() -> Iterator[None]:
+    """DTensor derives an op's output shape by running it on fake tensors of the *global* shapes;
+    it reuses the fake mode in force, which in a trace is the trace's own, so the memory tracker
+    counted those global-shape tensors as the rank's (2 x the sharded gradients at the gradient
+    norm: the 100M model's FSDP peak 23 % high). In a real run they live in a fake mode of their
+    own, which the tracker skips; so here."""
+    with mock.patch("torch.distributed.tensor._sharding_prop.detect_fake_mode", lambda: None):
         yield
 
 

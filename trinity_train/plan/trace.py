@@ -41,7 +41,8 @@ from trinity_train.parallel.mesh import ParallelDims
 from trinity_train.parallel.parallelize import split_model
 from trinity_train.parallel.reductions import global_grad_norm
 from trinity_train.plan.collectives import CollectiveCall, CollectiveLog
-from trinity_train.plan.fake_world import CpuGroupedMatmul, fake_world, gpu_collectives
+from trinity_train.plan.fake_world import (CpuGroupedMatmul, fake_world, gpu_collectives,
+                                          sharding_metadata_apart)
 from trinity_train.stability import StepGuard
 from trinity_train.step import TrainingStep
 from trinity_train.train import apply_training_wrappers
@@ -152,7 +153,7 @@ def trace_rank(cfg: Config, world_size: int, rank: int, *, gpu: bool,
     started = time.perf_counter()
     cfg = _gpu_config(cfg, gpu)
     device = torch.device("cuda" if gpu else "cpu")  # only for the precision policy and autocast
-    with fake_world(world_size, rank), gpu_collectives(gpu):
+    with fake_world(world_size, rank), gpu_collectives(gpu), sharding_metadata_apart():
         dims = ParallelDims.from_config(cfg, world_size)
         dims.build_mesh("cpu")
         model = build_model(cfg.model, device="meta")
