@@ -145,7 +145,9 @@ def layout_config(corpus: Path, run_dir: Path, changes: dict, world: int) -> Con
 # The layouts the distributed tests compare with one process (name: the config sections it
 # changes): FSDP, TP and EP on two ranks, with TP also for the block variants whose norms TP
 # treats specially (NormFormer's width and head norms, Gemma 3's (1 + g) norms); HSDP and the
-# combinations on four (ep taken from dp_shard=4; TP x EP with activation checkpointing).
+# combinations on four (ep taken from dp_shard=4; TP x EP with activation checkpointing), and EP
+# of six experts over dp_shard=4, whose three local experts FSDP shards along dim 1 (dim 0 would
+# split them 2 + 1, padded).
 TWO_RANK_LAYOUTS = {
     "fsdp2": {"parallel": {"dp_shard": 2}},
     "tp2": {"parallel": {"tp": 2}},
@@ -158,12 +160,18 @@ FOUR_RANK_LAYOUTS = {
     "tp2_fsdp2": {"parallel": {"tp": 2}},
     "ep2_fsdp2": {"parallel": {"ep": 2}},
     "tp2_ep2": {"parallel": {"tp": 2, "ep": 2}, "train": {"activation_checkpointing": True}},
+    "ep2_six_experts": {"parallel": {"ep": 2}, "model": {"num_experts": 6}},
 }
-LAYOUT_BLOCKS = ("trinity", "normformer", "gemma3")  # the blocks of the layouts above
+# The single-process runs the layouts above are compared with (name: the model section): one per
+# block variant, and the model with six experts.
+LAYOUT_REFERENCES = {"trinity": {}, "normformer": {"block": "normformer"},
+                     "gemma3": {"block": "gemma3"}, "six_experts": {"num_experts": 6}}
 
 
-def layout_block(layout: str) -> str:
-    return {**TWO_RANK_LAYOUTS, **FOUR_RANK_LAYOUTS}[layout].get("model", {}).get("block", "trinity")
+def layout_reference(layout: str) -> str:
+    """The name of the reference whose model `layout` trains."""
+    model = {**TWO_RANK_LAYOUTS, **FOUR_RANK_LAYOUTS}[layout].get("model", {})
+    return next(name for name, changes in LAYOUT_REFERENCES.items() if changes == model)
 
 
 def merge_sections(base: dict, changes: dict) -> dict:

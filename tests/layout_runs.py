@@ -2,8 +2,8 @@
 
 `tests/test_parallel_equivalence.py` asserts on the losses, gradient norms, parameters, expert
 biases and `"layers"` records of the same runs: each layout of conftest's TWO_RANK_LAYOUTS /
-FOUR_RANK_LAYOUTS and a single-process reference per block variant, three AdamW steps
-(`layout_config`) with layer statistics on every step. Training them once for all of it (they
+FOUR_RANK_LAYOUTS and a single-process reference per model (conftest's LAYOUT_REFERENCES), three
+AdamW steps (`layout_config`) with layer statistics on every step. Training them once for all of it (they
 were trained twice, in two files) halves the suite's largest cost. `recorded(trainer)` is what
 every rank keeps of its run.
 """

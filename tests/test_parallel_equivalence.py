@@ -4,7 +4,8 @@ acceptance): three AdamW steps on the same global batches give the same losses a
 same layer statistics. Each layout is trained once for all of these checks (`tests/layout_runs.py`).
 
 Layouts (conftest.py): FSDP 2, TP 2, EP 2 on two gloo ranks; HSDP 2x2, TP 2 x FSDP 2, EP 2 x FSDP 2
-(ep taken from dp_shard=4) and TP 2 x EP 2 (with activation checkpointing) on four; and TP 2 for
+(ep taken from dp_shard=4), TP 2 x EP 2 (with activation checkpointing) and EP 2 of six experts
+over dp_shard=4 (three local experts, which FSDP shards along dim 1) on four; and TP 2 for
 the block variants whose norms TP treats specially (NormFormer's width and head norms, Gemma 3's
 (1 + g) norms). The global batch is 4 sequences everywhere (grad_accum makes up for fewer
 data-parallel ranks), so every run reads exactly the same tokens. The sharded initialisation is
@@ -24,7 +25,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import (FOUR_RANK_LAYOUTS, LAYOUT_BLOCKS, TWO_RANK_LAYOUTS, layout_block, layout_config,
+from conftest import (FOUR_RANK_LAYOUTS, LAYOUT_REFERENCES, TWO_RANK_LAYOUTS, layout_config, layout_reference,
                       merge_sections, run_layouts)
 from helpers import assert_values_close
 from layout_runs import COMMON, STEPS, recorded
@@ -36,19 +37,19 @@ pytestmark = pytest.mark.slow  # every layout on 2 and 4 gloo ranks: the suite's
 @pytest.fixture(scope="module")
 def layout_runs(corpus, tmp_path_factory, rank_pool) -> dict:
     """Every layout of the matrix and its single-process references, trained once
-    (`tests/layout_runs.py`): {"references": {block: run}, 2: [rank results], 4: [...]}, each rank's
+    (`tests/layout_runs.py`): {"references": {name: run}, 2: [rank results], 4: [...]}, each rank's
     result being {layout: run}."""
     root = tmp_path_factory.mktemp("layouts")
-    references = {block: recorded(Trainer(layout_config(corpus, root / block,
-                                                        merge_sections(COMMON, {"model": {"block": block}}), 1)))
-                  for block in LAYOUT_BLOCKS}
+    references = {name: recorded(Trainer(layout_config(corpus, root / name,
+                                                       merge_sections(COMMON, {"model": model}), 1)))
+                  for name, model in LAYOUT_REFERENCES.items()}
     return {"references": references,
             2: rank_pool(2).run(run_layouts, corpus, root / "two", TWO_RANK_LAYOUTS, recorded, COMMON),
             4: rank_pool(4).run(run_layouts, corpus, root / "four", FOUR_RANK_LAYOUTS, recorded, COMMON)}
 
 
 def assert_matches_reference(ranks: list[dict], layout: str, references: dict) -> None:
-    reference = references[layout_block(layout)]
+    reference = references[layout_reference(layout)]
     ours = ranks[0][layout]
     for name, want in reference["initial"].items():
         assert torch.equal(ours["initial"][name], want), f"{layout}: {name} starts differently"
@@ -66,9 +67,9 @@ def assert_matches_reference(ranks: list[dict], layout: str, references: dict) -
         assert err <= 1e-4, f"{layout}: {name} differs from the single process by {err}"
 
 
-@pytest.mark.parametrize("block", LAYOUT_BLOCKS)
-def test_reference_run_learns_and_balances(layout_runs, block):
-    reference = layout_runs["references"][block]
+@pytest.mark.parametrize("name", list(LAYOUT_REFERENCES))
+def test_reference_run_learns_and_balances(layout_runs, name):
+    reference = layout_runs["references"][name]
     assert reference["losses"][-1] < reference["losses"][0]
     assert reference["biases"].abs().sum() > 0, "expert biases never moved"
 
@@ -99,7 +100,7 @@ def assert_like_one_process(ranks: list[dict], layout: str, references: dict) ->
     assert len(ours) == STEPS and all(r is not None for r in ours)
     for rank, results in enumerate(ranks[1:], start=1):
         assert results[layout]["layer_stats"] == ours, f"{layout}: rank {rank} computed another record"
-    want_records = references[layout_block(layout)]["layer_stats"]
+    want_records = references[layout_reference(layout)]["layer_stats"]
     for step, (got, want) in enumerate(zip(ours, want_records), start=1):
         for key in ("moe_layers", "tokens_per_expert", "experts_without_tokens"):
             assert got[key] == want[key], f"{layout} step {step}: {key}"
@@ -107,10 +108,10 @@ def assert_like_one_process(ranks: list[dict], layout: str, references: dict) ->
 
 
 def test_reference_records_are_complete(layout_runs):
-    for block, run in layout_runs["references"].items():
+    for name, run in layout_runs["references"].items():
         first = run["layer_stats"][0]
-        assert None not in first["attn_post_rms"]  # every block of LAYOUT_BLOCKS has one
-        assert (None in first["ffn_post_rms"]) == (block == "normformer")
+        assert None not in first["attn_post_rms"]  # every block of LAYOUT_REFERENCES has one
+        assert (None in first["ffn_post_rms"]) == (name == "normformer")
         assert all(v > 0 for v in first["grad_norm_attn"] + first["grad_norm_ffn"] + first["residual_rms"])
         assert sum(map(sum, first["tokens_per_expert"])) > 0
 

@@ -11,10 +11,11 @@ import torch.distributed as dist
 from ranks import init_gloo
 from trinity_train.run_config import load_run_config
 from trinity_train.errors import ConfigError, UserError
-from trinity_train.parallel.mesh import ParallelDims
+from trinity_train.parallel.mesh import ParallelDims, expert_shard_dim
 from trinity_train.parallel.process_group import init_distributed
 
 DEBUG = Path(__file__).parents[1] / "configs" / "debug.toml"
+LARGE = Path(__file__).parents[1] / "configs" / "large.toml"
 
 
 def cfg_with(**parallel):
@@ -43,6 +44,36 @@ def test_ep_must_divide_the_expert_data_parallel_size():
         ParallelDims.from_config(cfg_with(ep=4, tp=2), world_size=4)
     with pytest.raises(ConfigError, match=r"parallel.ep: ep=4 must divide the expert-data-parallel"):
         cfg_with(ep=4, dp_shard=2)  # known without a world size: rejected at load
+
+
+@pytest.mark.parametrize("local_experts, efsdp, width, dim", [
+    (32, 64, 3072, 1),  # configs/large.toml on 512 ranks: dim 0 would pad 32 experts to 64 slices
+    (1, 2, 16, 1),      # one expert per ep rank over two FSDP ranks
+    (3, 2, 16, 1),      # fewer ranks than experts, but uneven: dim 0 pads 3 to 4
+    (3, 2, 15, 0),      # ... and dim 1 cannot be split evenly either: FSDP pads dim 0
+    (1, 2, 15, 0),
+    (32, 8, 3072, 0),   # even: whole experts on every rank
+    (4, 4, 16, 0),
+    (5, 1, 7, 0),       # one FSDP rank: nothing is split
+])
+def test_experts_shard_along_dim_1_only_where_dim_0_would_pad(local_experts, efsdp, width, dim):
+    assert expert_shard_dim(local_experts, efsdp, width) == dim
+
+
+def test_layout_description_says_how_experts_are_sharded():
+    large = load_run_config(LARGE, {})
+    dims = ParallelDims.from_config(large, world_size=512)
+    assert dims.expert_shard_dims(large.model) == {"gate_proj": 1, "up_proj": 1, "down_proj": 1}
+    assert dims.describe(large.model).endswith(
+        "(ep=8 x efsdp=64) tp=1; 32 experts per ep rank, FSDP-sharded along dim 1 over 64 ranks")
+    dims = ParallelDims.from_config(large, world_size=64)
+    assert dims.describe(large.model).endswith("32 experts per ep rank, FSDP-sharded along dim 0 over 8 ranks")
+    assert dims.describe() == "world=64 dp_replicate=1 dp_shard=64 (ep=8 x efsdp=8) tp=1"
+    # dim 1 of gate/up is the expert width I / tp; of down, the model width d
+    cfg = load_run_config(DEBUG, {"parallel": {"tp": 2}, "model": {"num_experts": 6, "hidden_size": 258}})
+    dims = ParallelDims.from_config(cfg, world_size=8)
+    assert dims.expert_shard_dims(cfg.model) == {"gate_proj": 1, "up_proj": 1, "down_proj": 0}
+    assert "gate_proj dim 1, up_proj dim 1, down_proj dim 0 over 4 ranks" in dims.describe(cfg.model)
 
 
 @pytest.mark.parametrize("overrides, message", [

@@ -1,4 +1,4 @@
-"""`trinity-train <command>`: train, prepare-data, export-hf, import-hf, ckpt inspect|verify,
+"""`trinity-train <command>`: train, plan, prepare-data, export-hf, import-hf, ckpt inspect|verify,
 incidents, goodput, dashboard, report, ablate.
 
 A user mistake (any `UserError`) ends with one line `error: <message>` on stderr and the error's
@@ -33,6 +33,12 @@ def cmd_train(args: argparse.Namespace, overrides: list[str], callbacks: list | 
     if os.environ.get("RANK", "0") == "0":  # under torchrun, one summary for the whole job
         print(summary.describe())
     return exit_codes.DONE
+
+
+def cmd_plan(args: argparse.Namespace, overrides: list[str]) -> int:
+    from trinity_train.plan.command import run_plan
+
+    return run_plan(args, overrides)
 
 
 def cmd_prepare_data(args: argparse.Namespace) -> int:
@@ -186,6 +192,19 @@ def _add_dashboard(sub) -> None:
     report.add_argument("--title", help="page title (default: the run names)")
 
 
+def _add_plan(subparsers) -> None:
+    from trinity_train.plan.options import add_plan_arguments
+
+    plan = subparsers.add_parser(
+        "plan", allow_abbrev=False, help="rehearse a job of N GPUs in this process: memory, traffic, time",
+        description="Trace one training iteration of each kind of rank of an N-rank job on fake tensors "
+                    "(torch's fake process group: the real model, parallel and optimizer code, no data) "
+                    "and report memory per GPU by category, the bytes each collective sends inside and "
+                    "across nodes, the checkpoint, and the predicted step time; --search ranks the layouts "
+                    "that fit. Config keys can be overridden: --section.key=value.")
+    add_plan_arguments(plan)
+
+
 def _add_prepare_data(subparsers) -> None:
     parser = subparsers.add_parser("prepare-data", help="tokenize a dataset into packed token shards")
     from trinity_train.data.prepare import add_prepare_arguments
@@ -202,6 +221,8 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
                            description="Train. Any config key can be overridden: --section.key=value "
                                        "(e.g. --train.steps=50 --run.dir=runs/x).")
     train.add_argument("--config", type=user_path, help="TOML config file (default: configs/debug.toml)")
+
+    _add_plan(sub)
 
     # Only the command being run imports its dependencies; prepare-data's options come from the
     # data package, so it is loaded only for that command (and for the top-level --help).
@@ -255,6 +276,8 @@ def run(argv: list[str], callbacks: list | None = None) -> int:
     args, extra = parser.parse_known_args(argv)
     if args.command == "train":
         return cmd_train(args, extra, callbacks)
+    if args.command == "plan":
+        return cmd_plan(args, extra)
     if extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     handlers = {"prepare-data": cmd_prepare_data, "export-hf": cmd_export_hf,

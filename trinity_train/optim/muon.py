@@ -17,6 +17,10 @@ split into two sets:
 - *gather* dims shard a matrix dimension, or replicate the tensor: the matrix must be assembled
   on one rank of the gather group before Newton-Schulz can run.
 
+FSDP shards routed experts along the expert dim where they split evenly (a batch dim) and along
+dim 1, a matrix dim, where they do not (`parallel.mesh.expert_shard_dim`): then its dim is a
+gather dim like TP's, and a rank's expert stack is assembled whole before Newton-Schulz.
+
 Matrices are dealt to the ranks of their gather group largest first, each to the rank with
 the least Newton-Schulz work so far (round-robin while loads tie), so the work is balanced and
 nobody repeats anybody's work. Matrices of one layout and shape then go in rounds of at most one

@@ -5,6 +5,14 @@ the head, which stay gathered through the forward because the chunked loss calls
 chunk. Routed experts that expert parallelism already splits over `ep` are their own unit, sharded
 over the remaining data-parallel ranks (`efsdp`, and replicated over `dp_replicate`).
 
+Routed-expert weights (`[E, I, d]` gate/up, `[E, d, I]` down; this rank's whole experts after
+EP) are sharded along the expert dim 0 when this rank's experts split evenly over the FSDP ranks,
+and along dim 1 (I of gate/up, d of down) otherwise, when dim 1 does (`mesh.expert_shard_dim`):
+FSDP's default dim 0 would pad an uneven split, e.g. 32 local experts over efsdp=64 ranks leave
+half the ranks holding a padded slice of nothing, and every all-gather and reduce-scatter moves 64
+slices for 32 real ones (torchtitan shards dim 1 for the same reason). The same rule applies
+without EP, where the experts sit in their block's unit, sharded over `dp_shard` (= efsdp).
+
 Gradients are summed, not averaged, over the data-parallel ranks (divide factor 1): the loss of
 each rank must be its summed token loss divided by the global token count. That one rule is right
 for every parameter, whatever subset of ranks its gradient is reduced over (experts see the tokens
@@ -13,11 +21,32 @@ of their whole ep group, other weights only the local ones).
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor, Shard
 
-from trinity_train.parallel.mesh import ParallelDims
+from trinity_train.parallel.mesh import ParallelDims, expert_shard_dim
+
+
+def expert_placement(efsdp: int) -> Callable[[nn.Parameter], Shard]:
+    """`fully_shard`'s `shard_placement_fn` for routed-expert weights sharded over `efsdp` ranks,
+    each weight judged by its local (post-EP/TP) shape."""
+
+    def placement(param: nn.Parameter) -> Shard:
+        local = param.to_local() if isinstance(param, DTensor) else param
+        return Shard(expert_shard_dim(local.shape[0], efsdp, local.shape[1]))
+
+    return placement
+
+
+def _for_params(params, placement: Callable[[nn.Parameter], Shard]
+                ) -> Callable[[nn.Parameter], Shard | None]:
+    """`placement` for `params`, FSDP's default (dim 0) for any other parameter of the unit."""
+    ids = {id(p) for p in params}
+    return lambda p: placement(p) if id(p) in ids else None
 
 
 def mixed_precision_policy(device: torch.device, dtype: str) -> MixedPrecisionPolicy:
@@ -31,11 +60,16 @@ def mixed_precision_policy(device: torch.device, dtype: str) -> MixedPrecisionPo
 def apply_fsdp(model: nn.Module, dims: ParallelDims, mp_policy: MixedPrecisionPolicy) -> None:
     """Shard a TrinityModel (after TP/EP, before its weights are materialised)."""
     mesh = dims.fsdp_mesh
+    placement = expert_placement(dims.efsdp)
     fully_shard(model.embed, mesh=mesh, mp_policy=mp_policy)
     for block in model.layers:
-        if dims.ep > 1 and block.is_moe:
-            fully_shard(block.mlp.experts, mesh=dims.expert_fsdp_mesh, mp_policy=mp_policy)
-        fully_shard(block, mesh=mesh, mp_policy=mp_policy)
+        block_placement = None
+        if block.is_moe and dims.ep > 1:
+            fully_shard(block.mlp.experts, mesh=dims.expert_fsdp_mesh, mp_policy=mp_policy,
+                        shard_placement_fn=placement)
+        elif block.is_moe:  # the experts are in the block's unit, sharded over dp_shard (= efsdp)
+            block_placement = _for_params(block.mlp.experts.parameters(), placement)
+        fully_shard(block, mesh=mesh, mp_policy=mp_policy, shard_placement_fn=block_placement)
     fully_shard(model, mesh=mesh, mp_policy=mp_policy)
     for module in model.modules():
         if isinstance(module, FSDPModule):

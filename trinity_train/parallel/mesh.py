@@ -4,7 +4,10 @@ DeviceMesh that names those groups.
 The world is `dp_replicate x dp_shard x tp` ranks. Expert parallelism borrows its ranks from
 `dp_shard` (as in torchtitan): the `ep` ranks of a group see different data in attention and the
 dense layers, and exchange tokens so that each routed expert lives whole on one of them. What is
-left of `dp_shard` after `ep` (`efsdp = dp_shard / ep`) shards the experts FSDP-style.
+left of `dp_shard` after `ep` (`efsdp = dp_shard / ep`) shards the experts FSDP-style: along the
+expert dim when each rank's `num_experts / ep` experts split evenly over `efsdp`, otherwise along
+dim 1 of each weight, so that no rank holds padding (`expert_shard_dim`, applied by
+`parallel/fsdp.py`).
 
 Three views of one world mesh name the groups the rest of the code asks for, tp innermost so a
 tensor-parallel group sits on neighbouring ranks (one node):
@@ -22,12 +25,29 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from trinity_train.config import Config, grad_accum_for, require
+from trinity_train.config import Config, ModelConfig, grad_accum_for, require
 from trinity_train.errors import ConfigError
 from trinity_train.model.alignment import GROUPED_MM_ALIGNMENT
 
 if TYPE_CHECKING:  # torch is imported by build_mesh: the launchers' preflight checks a layout without it
     from torch.distributed.device_mesh import DeviceMesh
+
+
+def expert_shard_dim(num_local_experts: int, efsdp: int, width: int) -> int:
+    """The dim FSDP shards a stacked routed-expert weight along over its `efsdp` ranks.
+
+    `num_local_experts` and `width` are dims 0 and 1 of this rank's `[E / ep, width, ...]` shard
+    after EP and TP (width: I / tp for gate/up, d for down). 0 (whole experts on every rank) when
+    the experts split evenly; otherwise 1 when the width does; otherwise 0 all the same (FSDP
+    cannot split a dim > 0 unevenly, and pads dim 0). torchtitan's rule, dim 1 when
+    `efsdp * ep > num_experts`, is the first uneven case: 32 local experts over efsdp = 64 would
+    leave half the ranks a padded slice of nothing, and every all-gather and reduce-scatter would
+    move 64 slices for 32 real ones. An uneven split with fewer ranks than experts (3 experts on 2
+    ranks) also pads, and goes to dim 1 too. Dim 0 stays first where it is even because a rank then
+    holds whole expert matrices, which Muon orthogonalises where they are, with no gather."""
+    if num_local_experts % efsdp == 0 or width % efsdp:
+        return 0
+    return 1
 
 
 def check_layout_config(cfg: Config) -> None:
@@ -192,7 +212,24 @@ class ParallelDims:
         """The process that writes the run directory's files."""
         return self.rank == 0
 
-    def describe(self) -> str:
-        return (f"world={self.world_size} dp_replicate={self.dp_replicate} dp_shard={self.dp_shard} "
+    def expert_shard_dims(self, model: ModelConfig) -> dict[str, int]:
+        """FSDP's shard dim of each routed-expert weight of `model` under this layout."""
+        local = model.num_experts // self.ep
+        inner = expert_shard_dim(local, self.efsdp, model.moe_intermediate_size // self.tp)
+        return {"gate_proj": inner, "up_proj": inner,
+                "down_proj": expert_shard_dim(local, self.efsdp, model.hidden_size)}
+
+    def describe(self, model: ModelConfig | None = None) -> str:
+        """The layout in one line; with `model`, also how its routed experts are sharded."""
+        line = (f"world={self.world_size} dp_replicate={self.dp_replicate} dp_shard={self.dp_shard} "
                 f"(ep={self.ep} x efsdp={self.efsdp}) tp={self.tp}")
+        if model is None or self.efsdp == 1 or model.num_layers <= model.num_dense_layers:
+            return line
+        shard_dims = self.expert_shard_dims(model)
+        if len(set(shard_dims.values())) == 1:
+            how = f"dim {shard_dims['gate_proj']}"
+        else:
+            how = ", ".join(f"{name} dim {dim}" for name, dim in shard_dims.items())
+        return (f"{line}; {model.num_experts // self.ep} experts per ep rank, FSDP-sharded along "
+                f"{how} over {self.efsdp} ranks")
 

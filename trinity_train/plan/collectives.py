@@ -105,10 +105,10 @@ class CollectiveCall:
 @dataclass
 class CollectiveLog(TorchDispatchMode):
     """Records every collective this process issues while entered (the dispatch level, so it
-    sees FSDP's, DTensor's and the EP dispatch's collectives alike). `dim_of` names a group's
-    mesh dimension from its ranks (the planner passes the mesh's groups)."""
+    sees FSDP's, DTensor's and the EP dispatch's collectives alike). `dim_of(ranks, category)`
+    names a group's mesh dimension (the planner passes one that knows the mesh's groups)."""
 
-    dim_of: Callable[[tuple[int, ...]], str | None] = lambda ranks: None
+    dim_of: Callable[[tuple[int, ...], str], str | None] = lambda ranks, category: None
     calls: list[CollectiveCall] = field(default_factory=list)
 
     def __post_init__(self):
@@ -134,13 +134,13 @@ class CollectiveLog(TorchDispatchMode):
                 try:
                     found = sent_bytes(func._schema.name.split("::")[1], a, n, me) if n > 1 else None
                 except Exception as e:  # noqa: BLE001 (a call the rule cannot read is shown, never fatal)
-                    self.calls.append(CollectiveCall(f"uncounted {func} ({type(e).__name__}: {e})", "uncounted",
-                                                     ranks, 0, self.dim_of(ranks)))
+                    who = f"uncounted {func} ({type(e).__name__}: {e})"
+                    self.calls.append(CollectiveCall(who, "uncounted", ranks, 0, self.dim_of(ranks, who)))
                     found = None
                 if found is not None:
                     kind, sent = found
-                    self.calls.append(CollectiveCall(category(kind, _stack_files()), kind, ranks, sent,
-                                                     self.dim_of(ranks)))
+                    who = category(kind, _stack_files())
+                    self.calls.append(CollectiveCall(who, kind, ranks, sent, self.dim_of(ranks, who)))
         return out
 
 

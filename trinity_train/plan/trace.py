@@ -29,7 +29,6 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 from torch.distributed.tensor import DTensor
-from torch.nn.modules.module import register_module_forward_pre_hook
 
 from trinity_train.config import Config, grad_accum_for
 from trinity_train.model import build_model
@@ -40,7 +39,7 @@ from trinity_train.parallel.fsdp import apply_fsdp, mixed_precision_policy
 from trinity_train.parallel.mesh import ParallelDims
 from trinity_train.parallel.parallelize import split_model
 from trinity_train.parallel.reductions import global_grad_norm
-from trinity_train.plan.collectives import CollectiveCall, CollectiveLog
+from trinity_train.plan.collectives import EP_ALL_TO_ALL, CollectiveCall, CollectiveLog
 from trinity_train.plan.fake_world import (CpuGroupedMatmul, fake_world, gpu_collectives,
                                           sharding_metadata_apart)
 from trinity_train.stability import StepGuard
@@ -123,26 +122,37 @@ def mesh_coordinates(dims: ParallelDims) -> dict[str, int]:
 
 
 def group_dim_namer(dims: ParallelDims):
-    """A function from a group's ranks to the mesh dimension(s) it spans, for the collectives log."""
-    named: dict[tuple[int, ...], str] = {}
-    for view in (dims._dense, dims._sparse, dims._data):
-        names = view.mesh_dim_names
-        for i, name in enumerate(names):
+    """A function from a group's ranks to the mesh dimension(s) it spans, for the collectives log:
+    "dp_shard", "ep", a flattened "efsdp_ep", ...; where two dimensions are the same ranks (ep = 2
+    of dp_shard = 2) the one the caller's category uses (the EP dispatch's "ep")."""
+    import torch.distributed as dist
+
+    named: dict[tuple[int, ...], list[str]] = {}
+
+    def add(group, name: str) -> None:
+        names = named.setdefault(tuple(dist.get_process_group_ranks(group)), [])
+        if name not in names:
+            names.append(name)
+
+    for view in (dims._dense, dims._sparse):
+        for i, name in enumerate(view.mesh_dim_names):
             if view.size(i) > 1:
-                import torch.distributed as dist
-                named.setdefault(tuple(dist.get_process_group_ranks(view.get_group(i))), name)
-    flat = (("dp_shard", "tp"), ("dp_replicate", "dp_shard", "tp"), ("efsdp", "ep"), ("efsdp", "ep", "tp"),
-            ("dp_replicate", "efsdp", "ep", "tp"), ("dp_replicate", "dp_shard"), ("dp_replicate", "efsdp"))
-    for dim_names in flat:
-        for view in (dims._dense, dims._sparse):
-            if set(dim_names) <= set(view.mesh_dim_names):
-                try:
-                    group = view[dim_names]._flatten().get_group()
-                except Exception:  # noqa: BLE001 (a combination the view cannot flatten: not used)
-                    continue
-                import torch.distributed as dist
-                named.setdefault(tuple(dist.get_process_group_ranks(group)), "x".join(dim_names))
-    return lambda ranks: named.get(tuple(ranks), "world" if len(ranks) == dims.world_size else None)
+                add(view.get_group(i), name)
+    for view, flat in ((dims._dense, ("dp_shard", "tp")), (dims._dense, ("dp_replicate", "dp_shard", "tp")),
+                       (dims._sparse, ("efsdp", "ep")), (dims._sparse, ("efsdp", "ep", "tp")),
+                       (dims._sparse, ("dp_replicate", "efsdp", "ep", "tp"))):
+        if view[flat].size() > 1:
+            add(view[flat]._flatten("_".join(flat)).get_group(), "_".join(flat))  # the one build_mesh made
+
+    def dim_of(ranks: tuple[int, ...], category: str) -> str | None:
+        names = named.get(tuple(ranks))
+        if not names:
+            return None
+        if category == EP_ALL_TO_ALL and "ep" in names:
+            return "ep"
+        return names[0]  # the mesh's own dimensions were named first, then the flattened ones
+
+    return dim_of
 
 
 def trace_rank(cfg: Config, world_size: int, rank: int, *, gpu: bool,
@@ -163,7 +173,7 @@ def trace_rank(cfg: Config, world_size: int, rank: int, *, gpu: bool,
         if dims.is_distributed:
             apply_fsdp(model, dims, mixed_precision_policy(device, cfg.train.dtype))
         coords = mesh_coordinates(dims) if dims.is_distributed else {}
-        namer = group_dim_namer(dims) if dims.is_distributed else (lambda ranks: None)
+        namer = group_dim_namer(dims) if dims.is_distributed else (lambda ranks, category: None)
         with FakeTensorMode(allow_non_fake_inputs=True), assume_routing(routing):
             model.to_empty(device="cpu")
             model.train()
@@ -189,6 +199,25 @@ def trace_rank(cfg: Config, world_size: int, rank: int, *, gpu: bool,
 
 
 @contextlib.contextmanager
+def _one_forward_at_a_time(model, tracker):
+    """FSDPMemTracker keeps per-module statistics of one forward and refuses a second forward of
+    the root (the next micro-batch); its peak is kept apart and is global. Clearing the former
+    before each forward of the root lets it follow a whole step. A global hook registered before
+    the tracker's own runs before them (global hooks run in registration order)."""
+    from torch.nn.modules.module import register_module_forward_pre_hook
+
+    def clear(module, args):
+        if module is model:
+            tracker.reset_mod_stats()
+
+    handle = register_module_forward_pre_hook(clear)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+@contextlib.contextmanager
 def _cpu_autocast_for(ctx):
     with ctx:
         yield
@@ -206,20 +235,8 @@ def tracking_memory(model, optimizer, distributed: bool):
         tracker = MemTracker()
         tracker.track_external(model, optimizer)
 
-    # The tracker keeps per-module statistics of one forward; the peak it keeps is global.
-    # Clearing the former before each micro-batch's forward lets it follow a whole step. The hook
-    # must run before the tracker's own: a global hook registered first runs before the global
-    # ones the tracker registers and before FSDP's module hooks it re-registers on entering.
-    def clear_before_the_model(module, args):
-        if module is model:
-            tracker.reset_mod_stats()
-
-    handle = register_module_forward_pre_hook(clear_before_the_model)
-    try:
-        with tracker:
-            yield tracker
-    finally:
-        handle.remove()
+    with _one_forward_at_a_time(model, tracker), tracker:
+        yield tracker
 
 
 def peak_by_category(tracker) -> dict[str, int]:
