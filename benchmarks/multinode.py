@@ -37,6 +37,7 @@ only to loopback and the bed's own addresses. The bed is taken down on exit, Ctr
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -46,9 +47,10 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections import defaultdict
+from collections.abc import Iterator
 from pathlib import Path
 
+from trinity_train.plan.collectives import EP_ALL_TO_ALL, FSDP_ALL_GATHER, FSDP_REDUCE_SCATTER, MUON_REDISTRIBUTE
 from trinity_train.records import EventName
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -74,104 +76,29 @@ COUNTER_ENV = "TRINITY_BENCH_COLLECTIVES"
 # --------------------------------------------------------------------------------------------
 # The collective counter, run inside each training rank (see `sitecustomize_text`).
 
-def _category(op: str, frames: list[str]) -> str:
-    if op.startswith("uncounted"):
-        return op
-    if any("/torch/distributed/fsdp/" in f for f in frames):
-        if "gather" in op:
-            return "FSDP all-gather"
-        if "reduce_scatter" in op:
-            return "FSDP reduce-scatter"
-        return f"FSDP {op}"
-    if "all_to_all" in op or "alltoall" in op:
-        return "EP all-to-all"
-    if any(f.endswith("optim/muon.py") for f in frames):
-        return "Muon redistribute"
-    where = next((Path(f).name for f in frames if "/trinity_train/" in f), "torch")
-    return f"other: {op} ({where})"
-
-
 def install_collective_counter(out_dir: str) -> None:
     """Count the bytes this rank sends in every collective, per training iteration, into
-    OUT_DIR/rank{RANK}.json (rewritten after every iteration)."""
-    import torch
-    import torch.distributed as dist
-    from torch.distributed.distributed_c10d import _resolve_process_group
-    from torch.utils._python_dispatch import TorchDispatchMode
+    OUT_DIR/rank{RANK}.json (rewritten after every iteration), by the planner's rule
+    (`trinity_train.plan.collectives`: the same bytes and categories a plan reports)."""
+    from trinity_train.plan.collectives import CollectiveLog
 
     rank = os.environ.get("RANK", "0")
     path = Path(out_dir) / f"rank{rank}.json"
-    state = {"iter": "setup"}
-    counts: dict = defaultdict(lambda: defaultdict(lambda: [0, 0]))
+    counts: dict = {}
+    log = CollectiveLog()
 
-    def nbytes(t) -> int:
-        if isinstance(t, torch.Tensor):
-            return t.numel() * t.element_size()
-        if isinstance(t, (list, tuple)):
-            return sum(nbytes(x) for x in t)
-        return 0
-
-    def group_of(value) -> tuple[int, int]:
-        """(size, this rank's index) of a process group or a group name."""
-        if isinstance(value, str):
-            value = _resolve_process_group(value)
-        elif isinstance(value, torch.ScriptObject):  # what the c10d ops receive
-            value = dist.ProcessGroup.unbox(value)
-        return value.size(), value.rank()
-
-    def sent_bytes(name: str, a: dict) -> tuple[str, float] | None:
-        """(kind, bytes this rank sends) of one collective."""
-        pg = a.get("process_group", a.get("group_name"))
-        if pg is None:
-            return None
-        n, me = group_of(pg)
-        if n <= 1:
-            return None
-        if name in ("_allgather_base_", "allgather_", "allgather_into_tensor_coalesced_"):
-            return "all_gather", nbytes(a.get("input_tensor", a.get("input_tensors", a.get("inputs")))) * (n - 1)
-        if name in ("all_gather_into_tensor", "all_gather_into_tensor_coalesced"):
-            return "all_gather", nbytes(a.get("input", a.get("inputs"))) * (n - 1)
-        if name in ("_reduce_scatter_base_", "reduce_scatter_", "reduce_scatter_tensor_coalesced_"):
-            return "reduce_scatter", nbytes(a.get("input_tensor", a.get("input_tensors", a.get("inputs")))) * (n - 1) / n
-        if name in ("reduce_scatter_tensor", "reduce_scatter_tensor_coalesced"):
-            return "reduce_scatter", nbytes(a.get("input", a.get("inputs"))) * (n - 1) / n
-        if name in ("allreduce_", "allreduce_coalesced_", "all_reduce", "all_reduce_", "all_reduce_coalesced"):
-            return "all_reduce", nbytes(a.get("tensors", a.get("input", a.get("inputs")))) * 2 * (n - 1) / n
-        if name in ("alltoall_base_", "all_to_all_single"):
-            tensor = a.get("input")
-            splits = a.get("input_split_sizes") or [tensor.shape[0] // n] * n
-            row = tensor.element_size() * (tensor[0].numel() if tensor.shape[0] else 0)
-            return "all_to_all", sum(int(s) for r, s in enumerate(splits) if r != me) * row
-        if name in ("broadcast_", "broadcast"):
-            src = a.get("root_rank", a.get("src"))
-            return "broadcast", nbytes(a.get("tensors", a.get("input"))) * (n - 1) if src == me else 0
-        if name in ("send",):
-            return "send", nbytes(a.get("tensors"))
-        return None
-
-    class CollectiveBytes(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            kwargs = kwargs or {}
-            if func.namespace in ("c10d", "_c10d_functional"):
-                try:
-                    names = [arg.name for arg in func._schema.arguments]
-                    found = sent_bytes(func._schema.name.split("::")[1], {**dict(zip(names, args)), **kwargs})
-                except Exception as e:  # noqa: BLE001 (never break the training for a count)
-                    found = (f"uncounted {func} ({type(e).__name__}: {e})", 0)
-                if found is not None:
-                    kind, sent = found
-                    frames, frame = [], sys._getframe(1)
-                    while frame is not None:
-                        frames.append(frame.f_code.co_filename)
-                        frame = frame.f_back
-                    entry = counts[state["iter"]][_category(kind, frames)]
-                    entry[0] += 1
-                    entry[1] += sent
-            return func(*args, **kwargs)
+    def file_calls(key) -> None:
+        """{category: [calls, bytes]} of the calls logged since the last filing, under `key`."""
+        entry = counts.setdefault(str(key), {})
+        for call in log.calls:
+            tally = entry.setdefault(call.category, [0, 0])
+            tally[0] += 1
+            tally[1] += call.sent
+        log.calls = []
 
     def dump() -> None:
         tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({str(k): dict(v) for k, v in counts.items()}))
+        tmp.write_text(json.dumps(counts))
         tmp.replace(path)
 
     import trinity_train.train as trainer_module
@@ -179,15 +106,15 @@ def install_collective_counter(out_dir: str) -> None:
     original = trainer_module.Trainer.train_one_iteration
 
     def counted_iteration(self):
-        state["iter"] = self.state.iteration + 1
+        file_calls("setup" if self.state.iteration == 0 else "between")
         try:
             return original(self)
         finally:
-            state["iter"] = "between"
+            file_calls(self.state.iteration)
             dump()
 
     trainer_module.Trainer.train_one_iteration = counted_iteration
-    CollectiveBytes().__enter__()  # for the rest of the process (its main thread)
+    log.__enter__()  # for the rest of the process (its main thread)
 
 
 def sitecustomize_text() -> str:
@@ -498,11 +425,11 @@ def calibrate(bench: Bench) -> dict:
 
 def kind_of(category: str) -> str:
     """The collective behind a counter category (for the calibration's wire factor)."""
-    if category in ("FSDP all-gather", "Muon redistribute"):
+    if category in (FSDP_ALL_GATHER, MUON_REDISTRIBUTE):
         return "all_gather"
-    if category == "FSDP reduce-scatter":
+    if category == FSDP_REDUCE_SCATTER:
         return "reduce_scatter"
-    if category == "EP all-to-all":
+    if category == EP_ALL_TO_ALL:
         return "all_to_all"
     return category.removeprefix("other: ").split(" ")[0]
 
@@ -552,8 +479,8 @@ def theory(overrides: tuple[str, ...], world: int) -> dict:
     all_to_all = 4 * moe_layers * tokens * m.num_experts_per_tok * m.hidden_size * 4 * (ep - 1) / ep
     muon = sum(p.numel() * 4 for name, p in model.named_parameters()
                if is_muon_param(name, cfg.optim.muon_router) and id(p) not in expert_ids) * 2 * share
-    return {"FSDP all-gather": gather, "FSDP reduce-scatter": scatter, "EP all-to-all": all_to_all,
-            "Muon redistribute": muon, "params": sum(p.numel() for p in model.parameters()),
+    return {FSDP_ALL_GATHER: gather, FSDP_REDUCE_SCATTER: scatter, EP_ALL_TO_ALL: all_to_all,
+            MUON_REDISTRIBUTE: muon, "params": sum(p.numel() for p in model.parameters()),
             "sharded_params": sum(p for p, _ in units), "expert_params": expert_params, "tokens_per_rank": tokens}
 
 
@@ -602,7 +529,7 @@ def report_bytes(counted: dict, sizes: dict, factors: dict, step_s: float, wire_
         counted_sum = [t + x for t, x in zip(counted_sum, sent)]
         expected = [t + x * factor for t, x in zip(expected, sent)]
         th = sizes.get(kind)
-        floor = ">=" if kind == "Muon redistribute" else ""
+        floor = ">=" if kind == MUON_REDISTRIBUTE else ""
         lines.append(f"  {kind:<36} {calls:>5.0f} {floor + mb(th) if th is not None else '':>8} {mb(sent[0]):>8} "
                      f"{mb(sent[1]):>8} {factor:>6.2f} {mb(max(sent) * factor):>8}")
     lines.append(f"  {'all collectives':<36} {'':>5} {'':>8} {mb(counted_sum[0]):>8} {mb(counted_sum[1]):>8} "
@@ -644,13 +571,41 @@ def main(argv: list[str]) -> int:
     if args.steps <= WARMUP_ITERS + 2 or args.count_steps <= WARMUP_ITERS + 2:
         parser.error(f"--steps and --count-steps must be above {WARMUP_ITERS + 2} (the first {WARMUP_ITERS} are warm-up)")
 
-    sys.path.insert(0, str(ROOT / "tests"))  # the cluster bed's Python wrapper
-    from cluster_bed import ClusterBed, bed_unavailable
-
     reason = bed_unavailable()
     if reason is not None:
         print(f"benchmarks/multinode.py: {reason}", file=sys.stderr)
         return 2
+    print(f"# load: {Path('/proc/loadavg').read_text().strip()}", flush=True)
+    print(f"# train args: {' '.join(COMMON)} (default model, configs/debug.toml; OMP_NUM_THREADS=1 per rank)")
+    out: dict = {"load_start": Path("/proc/loadavg").read_text().strip(), "args": vars(args), "common": COMMON}
+    try:
+        with bench_on_bed() as bench:
+            bench_body(bench, args, out)
+    except KeyboardInterrupt as e:
+        print(f"benchmarks/multinode.py: interrupted ({e or 'SIGINT'}); the bed and every job are taken down",
+              file=sys.stderr)
+        return 130
+    out["load_end"] = Path("/proc/loadavg").read_text().strip()
+    print(f"# load after: {out['load_end']}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=2, default=str))
+    return 0
+
+
+def bed_unavailable() -> str | None:
+    """Why the cluster bed cannot be brought up here (no root, no iproute2), or None."""
+    sys.path.insert(0, str(ROOT / "tests"))  # the cluster bed's Python wrapper
+    from cluster_bed import bed_unavailable as reason
+
+    return reason()
+
+
+@contextlib.contextmanager
+def bench_on_bed() -> Iterator[Bench]:
+    """The bed's two hosts up and a `Bench` over them; every job and the bed taken down on exit,
+    a signal (SIGINT, SIGTERM, SIGHUP: KeyboardInterrupt) included."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    from cluster_bed import ClusterBed
 
     def stop(signum, frame):
         raise KeyboardInterrupt(signal.Signals(signum).name)
@@ -659,9 +614,6 @@ def main(argv: list[str]) -> int:
 
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
            "OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
-    print(f"# load: {Path('/proc/loadavg').read_text().strip()}", flush=True)
-    print(f"# train args: {' '.join(COMMON)} (default model, configs/debug.toml; OMP_NUM_THREADS=1 per rank)")
-    out: dict = {"load_start": Path("/proc/loadavg").read_text().strip(), "args": vars(args), "common": COMMON}
     work = Path(tempfile.mkdtemp(prefix="trinity-multinode-bench-"))
     bed = ClusterBed(2, PREFIX, SUBNET, env=env)
     bench = Bench(bed, work, env)
@@ -669,91 +621,87 @@ def main(argv: list[str]) -> int:
         bed.up()
         print(f"# bed: {bed.host(0)} {bed.addr(0)}, {bed.host(1)} {bed.addr(1)} (namespaces joined by a bridge)",
               flush=True)
-        if not args.skip_throughput:
-            rows = []
-            for rnd in range(1, args.rounds + 1):
-                for name, settings in CONDITIONS:
-                    row = bench.throughput_job(name, settings, args.steps)
-                    row["round"] = rnd
-                    rows.append(row)
-                    ref = next(r for r in rows if r["round"] == rnd and r["shaping"] == "loopback")
-                    row["ratio"] = row["tokens_per_s"] / ref["tokens_per_s"]
-                    wire = (f"  wire/step rx {mb(row['wire_rx_per_step'])} MB tx {mb(row['wire_tx_per_step'])} MB"
-                            if "wire_rx_per_step" in row else "")
-                    print(f"round {rnd} {name:<27} shaping {row['shaping']:<12} {row['tokens_per_s']:>7,.0f} tokens/s "
-                          f"step {row['step_s']:.2f} s  ratio {row['ratio']:.2f}  load {row['load_start']} -> "
-                          f"{row['load_end']}{wire}", flush=True)
-            if bench.netem is False:
-                print(f"# note: delays not shaped: {bench.shape_note}")
-            print()
-            print("| round | condition | link shaped (host 1, both directions) | tokens/s | step s | ratio to a | load start -> end |")
-            print("|---|---|---|---|---|---|---|")
-            for r in rows:
-                print(f"| {r['round']} | {r['condition']} | {r['shaping']} | {r['tokens_per_s']:,.0f} | {r['step_s']:.2f} | "
-                      f"{r['ratio']:.2f} | {r['load_start']} -> {r['load_end']} |")
-            print()
-            print("| condition | median tokens/s over rounds | ratios to a, per round |")
-            print("|---|---|---|")
-            for name, _ in CONDITIONS:
-                mine = [r for r in rows if r["condition"] == name]
-                print(f"| {name} | {statistics.median(r['tokens_per_s'] for r in mine):,.0f} | "
-                      f"{', '.join(format(r['ratio'], '.2f') for r in mine)} |")
-            out["throughput"] = rows
-            out["netem"] = bench.netem
-            out["shape_note"] = bench.shape_note
-            print(flush=True)
-
-            factors = calibrate(bench)
-            counted = count_job(bench, args.count_steps)
-            sizes = theory(COMMON, 2)
-            print(f"# model: {sizes['params']:,} parameters: {sizes['sharded_params']:,} in FSDP units (sharded over "
-                  f"the 2 ranks), {sizes['expert_params']:,} routed-expert weights (split by EP, not sharded); "
-                  f"{sizes['tokens_per_rank']} tokens per rank and step")
-            ref_step = statistics.median(r["step_s"] for r in rows if r["shaping"] == "loopback")
-            for line in report_bytes(counted, sizes, factors, ref_step, [r for r in rows if "wire_tx_per_step" in r]):
-                print(line)
-            print(f"  (the counting job: {counted['tokens_per_s']:,.0f} tokens/s with the counter's overhead; not a "
-                  "throughput figure)")
-            out.update(collectives=counted, theory=sizes, gloo_factors=factors)
-            print(flush=True)
-        if not args.skip_recovery:
-            rec = bench.recovery(args.recovery_steps)
-            print(f"recovery, 2 hosts x 1 rank, --checkpoint.every=1 --parallel.collective_timeout_s="
-                  f"{COLLECTIVE_TIMEOUT_S} --train.steps={args.recovery_steps}, MAX_RESTARTS=5 "
-                  f"(load {rec['load_start']} -> {rec['load_end']}; median step {rec['step_s']:.2f} s)")
-            waits = {  # what the fault itself makes everyone wait, before any restart can begin
-                "node loss": (0, ("none: the killed rank's sockets close and rank 0 fails at once; the rest is the "
-                                  "new launcher's start, the rendezvous, worker start and restore")),
-                "partition": (2 * COLLECTIVE_TIMEOUT_S, (f"the link's {2 * COLLECTIVE_TIMEOUT_S} s down (the ranks time "
-                                                         f"out after {COLLECTIVE_TIMEOUT_S} s; the rendezvous needs host 1 "
-                                                         "back)")),
-                "frozen rank": (COLLECTIVE_TIMEOUT_S + 30, (f"the {COLLECTIVE_TIMEOUT_S} s collective timeout + torchrun's "
-                                                            "30 s SIGTERM grace before it SIGKILLs the stopped worker")),
-            }
-            print(f"  {'fault':<12} {'-> run_start':>12} {'-> next step':>12} {'fixed wait':>10} {'restart':>8}  "
-                  "resumed at  the fixed wait")
-            for fault in ("node loss", "partition", "frozen rank"):
-                r = rec[fault]
-                wait_s, why = waits[fault]
-                r["fixed_wait_s"] = wait_s
-                print(f"  {fault:<12} {r['to_run_start_s']:>10.1f} s {r['to_step_s']:>10.1f} s {wait_s:>8.0f} s "
-                      f"{r['to_step_s'] - wait_s:>6.1f} s  step {r['resumed_from_step']!s:<6} {why}")
-            print(f"  the job finished {rec['finished_steps']} / {args.recovery_steps} steps after {rec['restarts']} restarts, "
-                  f"exit codes {rec['exit codes']}")
-            out["recovery"] = rec
-    except KeyboardInterrupt as e:
-        print(f"benchmarks/multinode.py: interrupted ({e or 'SIGINT'}); the bed and every job are taken down",
-              file=sys.stderr)
-        return 130
+        yield bench
     finally:
         bench.kill_local()
         bed.down()
         shutil.rmtree(work, ignore_errors=True)
-    out["load_end"] = Path("/proc/loadavg").read_text().strip()
-    print(f"# load after: {out['load_end']}")
-    if args.json:
-        Path(args.json).write_text(json.dumps(out, indent=2, default=str))
-    return 0
+
+
+def bench_body(bench: Bench, args, out: dict) -> None:
+    """The throughput rounds, the bytes per step and the recovery drills, printed and put in `out`."""
+    if not args.skip_throughput:
+        rows = []
+        for rnd in range(1, args.rounds + 1):
+            for name, settings in CONDITIONS:
+                row = bench.throughput_job(name, settings, args.steps)
+                row["round"] = rnd
+                rows.append(row)
+                ref = next(r for r in rows if r["round"] == rnd and r["shaping"] == "loopback")
+                row["ratio"] = row["tokens_per_s"] / ref["tokens_per_s"]
+                wire = (f"  wire/step rx {mb(row['wire_rx_per_step'])} MB tx {mb(row['wire_tx_per_step'])} MB"
+                        if "wire_rx_per_step" in row else "")
+                print(f"round {rnd} {name:<27} shaping {row['shaping']:<12} {row['tokens_per_s']:>7,.0f} tokens/s "
+                      f"step {row['step_s']:.2f} s  ratio {row['ratio']:.2f}  load {row['load_start']} -> "
+                      f"{row['load_end']}{wire}", flush=True)
+        if bench.netem is False:
+            print(f"# note: delays not shaped: {bench.shape_note}")
+        print()
+        print("| round | condition | link shaped (host 1, both directions) | tokens/s | step s | ratio to a | load start -> end |")
+        print("|---|---|---|---|---|---|---|")
+        for r in rows:
+            print(f"| {r['round']} | {r['condition']} | {r['shaping']} | {r['tokens_per_s']:,.0f} | {r['step_s']:.2f} | "
+                  f"{r['ratio']:.2f} | {r['load_start']} -> {r['load_end']} |")
+        print()
+        print("| condition | median tokens/s over rounds | ratios to a, per round |")
+        print("|---|---|---|")
+        for name, _ in CONDITIONS:
+            mine = [r for r in rows if r["condition"] == name]
+            print(f"| {name} | {statistics.median(r['tokens_per_s'] for r in mine):,.0f} | "
+                  f"{', '.join(format(r['ratio'], '.2f') for r in mine)} |")
+        out["throughput"] = rows
+        out["netem"] = bench.netem
+        out["shape_note"] = bench.shape_note
+        print(flush=True)
+
+        factors = calibrate(bench)
+        counted = count_job(bench, args.count_steps)
+        sizes = theory(COMMON, 2)
+        print(f"# model: {sizes['params']:,} parameters: {sizes['sharded_params']:,} in FSDP units (sharded over "
+              f"the 2 ranks), {sizes['expert_params']:,} routed-expert weights (split by EP, not sharded); "
+              f"{sizes['tokens_per_rank']} tokens per rank and step")
+        ref_step = statistics.median(r["step_s"] for r in rows if r["shaping"] == "loopback")
+        for line in report_bytes(counted, sizes, factors, ref_step, [r for r in rows if "wire_tx_per_step" in r]):
+            print(line)
+        print(f"  (the counting job: {counted['tokens_per_s']:,.0f} tokens/s with the counter's overhead; not a "
+              "throughput figure)")
+        out.update(collectives=counted, theory=sizes, gloo_factors=factors)
+        print(flush=True)
+    if not args.skip_recovery:
+        rec = bench.recovery(args.recovery_steps)
+        print(f"recovery, 2 hosts x 1 rank, --checkpoint.every=1 --parallel.collective_timeout_s="
+              f"{COLLECTIVE_TIMEOUT_S} --train.steps={args.recovery_steps}, MAX_RESTARTS=5 "
+              f"(load {rec['load_start']} -> {rec['load_end']}; median step {rec['step_s']:.2f} s)")
+        waits = {  # what the fault itself makes everyone wait, before any restart can begin
+            "node loss": (0, ("none: the killed rank's sockets close and rank 0 fails at once; the rest is the "
+                              "new launcher's start, the rendezvous, worker start and restore")),
+            "partition": (2 * COLLECTIVE_TIMEOUT_S, (f"the link's {2 * COLLECTIVE_TIMEOUT_S} s down (the ranks time "
+                                                     f"out after {COLLECTIVE_TIMEOUT_S} s; the rendezvous needs host 1 "
+                                                     "back)")),
+            "frozen rank": (COLLECTIVE_TIMEOUT_S + 30, (f"the {COLLECTIVE_TIMEOUT_S} s collective timeout + torchrun's "
+                                                        "30 s SIGTERM grace before it SIGKILLs the stopped worker")),
+        }
+        print(f"  {'fault':<12} {'-> run_start':>12} {'-> next step':>12} {'fixed wait':>10} {'restart':>8}  "
+              "resumed at  the fixed wait")
+        for fault in ("node loss", "partition", "frozen rank"):
+            r = rec[fault]
+            wait_s, why = waits[fault]
+            r["fixed_wait_s"] = wait_s
+            print(f"  {fault:<12} {r['to_run_start_s']:>10.1f} s {r['to_step_s']:>10.1f} s {wait_s:>8.0f} s "
+                  f"{r['to_step_s'] - wait_s:>6.1f} s  step {r['resumed_from_step']!s:<6} {why}")
+        print(f"  the job finished {rec['finished_steps']} / {args.recovery_steps} steps after {rec['restarts']} restarts, "
+              f"exit codes {rec['exit codes']}")
+        out["recovery"] = rec
 
 
 if __name__ == "__main__":

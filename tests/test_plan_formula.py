@@ -20,8 +20,8 @@ def test_formula_agrees_with_the_trace(overrides):
     cfg = load_config(None, overrides)
     traced = trace_rank(cfg, 2, 0, gpu=False)
     dims = ParallelDims.from_config(cfg, 2)
-    # The trace is a first iteration: the optimizer state is born in its step.
-    model = memory_per_rank(cfg, dims, gpu=False, steady=False)
+    # The trace is a steady-state iteration: the optimizer state exists before its forward.
+    model = memory_per_rank(cfg, dims, gpu=False)
     assert model.peak == pytest.approx(traced.peak, rel=0.10)
     sent: dict[str, float] = {}
     for call in traced.collectives:

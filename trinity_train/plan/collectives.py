@@ -131,7 +131,12 @@ class CollectiveLog(TorchDispatchMode):
             group = a.get("process_group", a.get("group_name"))
             if group is not None:
                 n, me, ranks = self._group(group)
-                found = sent_bytes(func._schema.name.split("::")[1], a, n, me) if n > 1 else None
+                try:
+                    found = sent_bytes(func._schema.name.split("::")[1], a, n, me) if n > 1 else None
+                except Exception as e:  # noqa: BLE001 (a call the rule cannot read is shown, never fatal)
+                    who = f"uncounted {func} ({type(e).__name__}: {e})"
+                    self.calls.append(CollectiveCall(who, "uncounted", ranks, 0, self.dim_of(ranks, who)))
+                    found = None
                 if found is not None:
                     kind, sent = found
                     who = category(kind, _stack_files())

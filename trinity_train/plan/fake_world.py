@@ -11,6 +11,8 @@ switches that make a CPU-hosted trace behave as the job's GPUs would.
   mask, memory-efficient attention with a mask), whose fake kernels allocate what the GPU
   kernels do (the output and its log-sum-exp, no T x T scores); a CPU trace would take the
   CPU's math path and hold every score matrix.
+- `sharding_metadata_apart()`: DTensor's shape propagation out of the trace's fake mode, as
+  in a real run (the memory tracker counted its global-shape tensors).
 - `CpuGroupedMatmul`: the fake (meta) kernel of `torch._grouped_mm` enforces the CUDA kernel's
   bf16-only rule; the CPU kernel takes fp32 as well, so an fp32 trace (a CPU run's plan) gets
   the output shape the CPU kernel gives.
@@ -43,6 +45,22 @@ def fake_world(world_size: int, rank: int) -> Iterator[None]:
         yield
     finally:
         dist.destroy_process_group()
+        forget_sharding_decisions()
+
+
+def forget_sharding_decisions() -> None:
+    """DTensor caches its sharding and redistribution decisions by mesh, and a mesh of the next
+    trace compares equal to this one's while naming other process groups (names restart at 0 in
+    each world, in the order that trace created them): a cached decision would then send a
+    collective to a group of the dead world ("Could not resolve the process group")."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._redistribute import _gen_transform_infos
+
+    torch._C._clear_DTensor_sharding_propagator_cache()  # the C++ dispatch path's
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    propagator.propagate_op_sharding.cache_clear()
+    propagator._propagate_tensor_meta_cached.cache_clear()
+    _gen_transform_infos.cache_clear()
 
 
 @contextlib.contextmanager
@@ -68,6 +86,17 @@ def gpu_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale
         bias = torch.zeros(attn_mask.shape, dtype=q.dtype).masked_fill_(attn_mask.logical_not(), float("-inf"))
     return torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, bias, True, dropout_p, is_causal,
                                                                   scale=scale)[0]
+
+
+@contextlib.contextmanager
+def sharding_metadata_apart() -> Iterator[None]:
+    """DTensor derives an op's output shape by running it on fake tensors of the *global* shapes;
+    it reuses the fake mode in force, which in a trace is the trace's own, so the memory tracker
+    counted those global-shape tensors as the rank's (2 x the sharded gradients at the gradient
+    norm: the 100M model's FSDP peak 23 % high). In a real run they live in a fake mode of their
+    own, which the tracker skips; so here."""
+    with mock.patch("torch.distributed.tensor._sharding_prop.detect_fake_mode", lambda: None):
+        yield
 
 
 class CpuGroupedMatmul(TorchDispatchMode):

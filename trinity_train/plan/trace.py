@@ -10,7 +10,8 @@ dispatch takes its token counts from a stated routing assumption (`parallel.assu
 
 What is recorded:
 - memory: `FSDPMemTracker` (torch.distributed._tools) follows every tensor the iteration makes,
-  by category, and keeps the peak; the optimizer is the real one with its default per-tensor
+  by category, and keeps the peak; the optimizer state exists before the iteration, as in every
+  step of a run after its first (`create_optimizer_state`); the optimizer is the real one with its default per-tensor
   loops (a `foreach` optimizer under fake tensors is mislabelled by the tracker);
 - collectives: every call at the dispatch level (`plan.collectives.CollectiveLog`), with the
   group's ranks and mesh dimension;
@@ -39,14 +40,16 @@ from trinity_train.parallel.mesh import ParallelDims
 from trinity_train.parallel.parallelize import split_model
 from trinity_train.parallel.reductions import global_grad_norm
 from trinity_train.plan.collectives import EP_ALL_TO_ALL, CollectiveCall, CollectiveLog
-from trinity_train.plan.fake_world import CpuGroupedMatmul, fake_world, gpu_collectives_and_kernels
+from trinity_train.plan.fake_world import (CpuGroupedMatmul, fake_world, gpu_collectives_and_kernels,
+                                          sharding_metadata_apart)
 from trinity_train.stability import StepGuard
 from trinity_train.step import TrainingStep
 from trinity_train.train import apply_training_wrappers
 
-# FSDPMemTracker's categories -> the plan's.
+# FSDPMemTracker's and (one process) MemTracker's categories -> the plan's.
 CATEGORY_OF = {
-    "Sharded Param": "parameters", "Buffer": "parameters",
+    "Sharded Param": "parameters", "Buffer": "parameters", "Parameter": "parameters",
+    "Gradient": "gradients", "Optstate": "optimizer state", "Other": "temporaries",
     "Unsharded Param": "gathered parameters",
     "Sharded Grad": "gradients", "Unsharded Grad": "gradients",
     "OptState": "optimizer state",
@@ -82,6 +85,17 @@ def _micro_batch(cfg: Config) -> dict[str, torch.Tensor]:
         mb["document_ids"] = torch.zeros(rows, seq, dtype=torch.long)
         mb["position_ids"] = torch.arange(seq).expand(rows, seq)
     return mb
+
+
+def create_optimizer_state(model, optimizer) -> None:
+    """Every step of a run but its first starts with the optimizer state alive (the first step
+    creates it), so a traced first iteration would peak without it: one untraced optimizer step
+    on zero gradients creates it first, and the traced iteration is a steady-state one."""
+    for p in model.parameters():
+        if p.requires_grad:
+            p.grad = torch.zeros_like(p)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
 
 
 def _gpu_config(cfg: Config, gpu: bool) -> Config:
@@ -151,7 +165,7 @@ def trace_rank(cfg: Config, world_size: int, rank: int, *, gpu: bool,
     started = time.perf_counter()
     cfg = _gpu_config(cfg, gpu)
     device = torch.device("cuda" if gpu else "cpu")  # only for the precision policy and autocast
-    with fake_world(world_size, rank), gpu_collectives_and_kernels(gpu):
+    with fake_world(world_size, rank), gpu_collectives_and_kernels(gpu), sharding_metadata_apart():
         dims = ParallelDims.from_config(cfg, world_size)
         dims.build_mesh("cpu")
         model = build_model(cfg.model, device="meta")
@@ -168,57 +182,22 @@ def trace_rank(cfg: Config, world_size: int, rank: int, *, gpu: bool,
             optimizer = build_optimizer(model, cfg.optim)
             step = TrainingStep(model, optimizer, build_scheduler(optimizer, cfg),
                                 StepGuard(cfg.stability), cfg, torch.device("cpu"), dims)
-            _create_optimizer_state(step)
             parts = [_micro_batch(cfg) for _ in range(grad_accum_for(cfg.train, dims.dp))]
-            tracker = FSDPMemTracker(model, optimizer) if dims.is_distributed else _plain_tracker(model, optimizer)
+            create_optimizer_state(model, optimizer)
             log = CollectiveLog(dim_of=namer)
             autocast = (torch.autocast("cpu", dtype=torch.bfloat16) if gpu and cfg.train.dtype == "bf16"
                         else contextlib.nullcontext())
-            with _one_forward_at_a_time(model, tracker), tracker, log, CpuGroupedMatmul():
+            with tracking_memory(model, optimizer, dims.is_distributed) as tracker, log, CpuGroupedMatmul():
                 with _cpu_autocast_for(autocast):
                     _, _, counts = step.accumulate_gradients(parts, iteration=1)
                 step.update(global_grad_norm(step.params), counts)
                 optimizer.zero_grad(set_to_none=True)
-            peak = tracker.get_tracker_snapshot("peak")
-            memory = dict.fromkeys(CATEGORIES, 0)
-            for dev_stats in peak.values():
-                for name, value in dev_stats.items():
-                    if name in CATEGORY_OF:
-                        memory[CATEGORY_OF[name]] += int(value)
+            memory = peak_by_category(tracker)
             ckpt = sum(_local_bytes(t) for t in model.state_dict().values() if isinstance(t, torch.Tensor))
             ckpt += sum(_local_bytes(t) for state in optimizer.state.values() for t in state.values()
                         if isinstance(t, torch.Tensor) and t.ndim > 0)
             local = sum(_local_numel(p) for p in model.parameters())
     return RankTrace(rank, coords, memory, log.calls, ckpt, local, time.perf_counter() - started)
-
-
-def _create_optimizer_state(step: TrainingStep) -> None:
-    """One optimizer step on zero gradients, untracked: the traced iteration is then a steady-state
-    one, whose optimizer state exists before its forward (the first iteration of a run creates it
-    in its optimizer step, after the activations are gone)."""
-    for p in step.params:
-        p.grad = torch.zeros_like(p)
-    step.optimizer.step()
-    step.optimizer.zero_grad(set_to_none=True)
-
-
-@contextlib.contextmanager
-def _one_forward_at_a_time(model, tracker):
-    """FSDPMemTracker keeps per-module statistics of one forward and refuses a second forward of
-    the root (the next micro-batch); its peak is kept apart and is global. Clearing the former
-    before each forward of the root lets it follow a whole step. A global hook registered before
-    the tracker's own runs before them (global hooks run in registration order)."""
-    from torch.nn.modules.module import register_module_forward_pre_hook
-
-    def clear(module, args):
-        if module is model:
-            tracker.reset_mod_stats()
-
-    handle = register_module_forward_pre_hook(clear)
-    try:
-        yield
-    finally:
-        handle.remove()
 
 
 @contextlib.contextmanager
@@ -246,9 +225,27 @@ def _cpu_autocast_for(ctx):
         yield
 
 
-def _plain_tracker(model, optimizer):
-    from torch.distributed._tools.mem_tracker import MemTracker
+@contextlib.contextmanager
+def tracking_memory(model, optimizer, distributed: bool):
+    """One iteration's memory followed by category: `FSDPMemTracker` for an FSDP model,
+    `MemTracker` for one process. A trace and a real run's measurement use the same one."""
+    if distributed:
+        tracker = FSDPMemTracker(model, optimizer)
+    else:
+        from torch.distributed._tools.mem_tracker import MemTracker
 
-    tracker = MemTracker()
-    tracker.track_external(model, optimizer)
-    return tracker
+        tracker = MemTracker()
+        tracker.track_external(model, optimizer)
+
+    with _one_forward_at_a_time(model, tracker), tracker:
+        yield tracker
+
+
+def peak_by_category(tracker) -> dict[str, int]:
+    """Bytes by the plan's categories at the tracker's peak."""
+    memory = dict.fromkeys(CATEGORIES, 0)
+    for dev_stats in tracker.get_tracker_snapshot("peak").values():
+        for name, value in dev_stats.items():
+            if name in CATEGORY_OF:
+                memory[CATEGORY_OF[name]] += int(value)
+    return memory

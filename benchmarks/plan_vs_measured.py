@@ -1,0 +1,159 @@
+"""`trinity-train plan`'s trace against what this machine measures (issue 29, "Checked against
+what can be measured here"): memory, traffic and step time.
+
+    python benchmarks/plan_vs_measured.py [--models default,100m] [--skip-memory] [--skip-traffic]
+                                          [--skip-time] [--rounds 2] [--steps 8]
+
+1. Memory: rank 0's traced peak (`trace_rank(..., gpu=False)`) against a real step of the same
+   config (tests/plan_runs.py: iteration 2 of a real Trainer on fresh gloo ranks, one OpenMP
+   thread each), for the default model and a ~100M-parameter one (`HUNDRED_M`), one process,
+   FSDP 2, FSDP 2 x EP 2 and TP 2 x FSDP 2 x EP 2 (4 ranks: ep must divide dp_shard), each with
+   and without activation checkpointing, 4 x 256 tokens a step (micro-batch 2). The real peak is
+   measured twice: by the planner's tracker on the real tensors (the same accounting: does the
+   trace reproduce the real tensors' lifetimes?) and by the OS (peak RSS over the step above the
+   RSS before it, + the parameters, gradients and optimizer state alive before it; glibc set to
+   unmap freed allocations of 64 KiB or more, so RSS follows the live tensors).
+2. Traffic: bytes per collective category of benchmarks/multinode.py's job (`COMMON`), traced
+   against the job's real ranks on loopback (`CollectiveLog` over iteration 2).
+3. Time: the job on the cluster bed (benchmarks/multinode.py's `Bench`): predicted two-host step
+   at 1 Gbit/s = the measured one-host step (2 ranks on loopback) + the traced bytes a rank sends
+   per step x gloo's wire factor per kind / 125 MB/s, nothing overlapped (the training code
+   overlaps no communication with compute today), against the measured two-host step with host
+   1's link shaped to 1 Gbit/s. Rounds of (one host, two hosts), `--steps` each; the step time is
+   the median after the warm-up. Needs root (the bed); skipped with a note otherwise.
+
+Ratios are traced / measured (memory, traffic) and measured / predicted (time).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))  # the rank harness and the measured runs
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from multinode import COMMON as MULTINODE_JOB  # noqa: E402
+from multinode import CONDITIONS, bed_unavailable, bench_on_bed, loadavg  # noqa: E402
+from plan_runs import LAYOUTS, MEMORY_BATCH, measure_rank, sent_by_category, trace_measured  # noqa: E402
+from ranks import run_ranks  # noqa: E402
+
+from trinity_train.plan.collectives import (EP_ALL_TO_ALL, FSDP_ALL_GATHER, FSDP_REDUCE_SCATTER,  # noqa: E402
+                                            MUON_REDISTRIBUTE)
+
+# ~100M parameters (99.4M: 8 x 16 experts of 512 x 512 in 6 MoE layers, hidden 512).
+HUNDRED_M = ("--model.hidden_size=512", "--model.num_layers=7", "--model.num_heads=8", "--model.num_kv_heads=4",
+             "--model.intermediate_size=2048", "--model.num_experts=16", "--model.moe_intermediate_size=512")
+MODELS = {"default": (), "100m": HUNDRED_M}
+LINK_BYTES_PER_S = 125e6  # the bed's shaped link: 1 Gbit/s
+ONE_HOST, ONE_GBIT = CONDITIONS[0][0], "c: 2 hosts, 1 Gbit"
+# What gloo puts on the wire per byte the rule credits, by kind: its reduce-scatter is built from an
+# all-reduce and sends the whole tensor (benchmarks/README.md section 12 measured 2.03; the rest
+# 1.00-1.01). To merge with trinity_train/plan/timing.py's link pricing.
+GLOO_WIRE_FACTOR = {"reduce_scatter": 2.0}
+CATEGORIES = (FSDP_ALL_GATHER, FSDP_REDUCE_SCATTER, EP_ALL_TO_ALL, MUON_REDISTRIBUTE)
+
+
+def mib(x: float) -> str:
+    return f"{x / 2**20:,.1f}"
+
+
+def link_seconds(calls, bytes_per_s: float) -> float:
+    """Seconds a rank's collectives keep one link direction busy, nothing overlapped: every
+    byte it sends crosses the link (2 hosts x 1 rank), times gloo's wire factor for its kind."""
+    return sum(c.sent * GLOO_WIRE_FACTOR.get(c.kind, 1.0) for c in calls if len(c.group_ranks) > 1) / bytes_per_s
+
+
+def memory_table(models: list[str], work: Path) -> None:
+    print("memory of rank 0 at the step's peak (MiB = 2^20 B): traced against a real step "
+          f"({' '.join(MEMORY_BATCH)}, --train.compile=false)")
+    print("| model | layout | ranks | act. ckpt | traced | tracker on the real step | ratio | RSS estimate | ratio | "
+          "RSS growth | load |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for model in models:
+        for index, (layout, (world, settings)) in enumerate(LAYOUTS.items()):
+            for checkpointing in ("false", "true"):
+                overrides = (*MODELS[model], *MEMORY_BATCH, *settings,
+                             f"--train.activation_checkpointing={checkpointing}")
+                run_dir = work / f"{model}-{index}-{checkpointing}"
+                real = run_ranks(world, measure_rank, overrides, run_dir / "run", True, True)[0]
+                traced = trace_measured(overrides, run_dir / "trace", world, 0).peak
+                print(f"| {model} | {layout} | {world} | {checkpointing} | {mib(traced)} | {mib(real['tracked_peak'])} | "
+                      f"{traced / real['tracked_peak']:.3f} | {mib(real['rss_peak_estimate'])} | "
+                      f"{traced / real['rss_peak_estimate']:.3f} | {mib(real['rss_growth'])} | {loadavg()} |", flush=True)
+    print()
+
+
+def traffic_table(work: Path) -> None:
+    print(f"bytes per step by collective (MB = 1e6 B), benchmarks/multinode.py's job ({' '.join(MULTINODE_JOB)}), "
+          "2 gloo ranks on loopback, iteration 2")
+    real = run_ranks(2, measure_rank, MULTINODE_JOB, work / "traffic", False)
+    print("| rank | collective | traced | measured | ratio |")
+    print("|---|---|---|---|---|")
+    for rank, measured in enumerate(real):
+        traced = sent_by_category(trace_measured(MULTINODE_JOB, work / "traffic-trace", 2, rank).collectives)
+        for category in CATEGORIES:
+            got, want = traced.get(category, 0.0), measured["traffic"].get(category, 0.0)
+            print(f"| {rank} | {category} | {got / 1e6:,.3f} | {want / 1e6:,.3f} | {got / want:.3f} |")
+    print(f"(load {loadavg()})\n", flush=True)
+
+
+def time_check(rounds: int, steps: int, work: Path) -> None:
+    reason = bed_unavailable()
+    if reason is not None:
+        print(f"time check skipped: {reason}")
+        return
+    calls = trace_measured(MULTINODE_JOB, work / "time-trace", 2, 0).collectives
+    wire_s = link_seconds(calls, LINK_BYTES_PER_S)
+    wire_bytes = wire_s * LINK_BYTES_PER_S
+    print(f"step time of benchmarks/multinode.py's job, --train.steps={steps}: the trace's {wire_bytes / 1e6:.2f} MB "
+          f"per step and direction on the wire (gloo factors {GLOO_WIRE_FACTOR}, others 1) = {wire_s:.3f} s at "
+          f"{LINK_BYTES_PER_S / 1e6:.0f} MB/s, nothing overlapped")
+    ratios = []
+    with bench_on_bed() as bench:
+        print("| round | one host, 2 ranks: step s | predicted 2 hosts at 1 Gbit s | measured s | measured / predicted | "
+              "wire MB per step (host 1 tx / rx) | load |")
+        print("|---|---|---|---|---|---|---|")
+        for rnd in range(1, rounds + 1):
+            one = bench.throughput_job(ONE_HOST, None, steps)
+            two = bench.throughput_job(ONE_GBIT, ("rate=1gbit",), steps)
+            predicted = one["step_s"] + wire_s
+            ratios.append(two["step_s"] / predicted)
+            wire = (f"{two['wire_tx_per_step'] / 1e6:.2f} / {two['wire_rx_per_step'] / 1e6:.2f}"
+                    if "wire_tx_per_step" in two else "-")
+            print(f"| {rnd} | {one['step_s']:.3f} | {predicted:.3f} | {two['step_s']:.3f} | {ratios[-1]:.3f} | {wire} | "
+                  f"{one['load_start']} -> {two['load_end']} |", flush=True)
+    print(f"median measured / predicted: {statistics.median(ratios):.3f} (target: within 20 %)\n")
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", default="default,100m", help="comma-separated: default, 100m")
+    parser.add_argument("--skip-memory", action="store_true")
+    parser.add_argument("--skip-traffic", action="store_true")
+    parser.add_argument("--skip-time", action="store_true")
+    parser.add_argument("--rounds", type=int, default=2, help="rounds of (one host, two hosts at 1 Gbit)")
+    parser.add_argument("--steps", type=int, default=8, help="steps per bed job (the first 3 are warm-up)")
+    args = parser.parse_args(argv)
+    models = args.models.split(",")
+    if unknown := set(models) - set(MODELS):
+        parser.error(f"--models: unknown {sorted(unknown)}; choose from {sorted(MODELS)}")
+    print(f"# load: {Path('/proc/loadavg').read_text().strip()}", flush=True)
+    with tempfile.TemporaryDirectory(prefix="trinity-plan-vs-measured-") as tmp:
+        work = Path(tmp)
+        if not args.skip_traffic:
+            traffic_table(work)
+        if not args.skip_memory:
+            memory_table(models, work)
+        if not args.skip_time:
+            time_check(args.rounds, args.steps, work)
+    print(f"# load after: {Path('/proc/loadavg').read_text().strip()}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
