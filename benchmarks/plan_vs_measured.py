@@ -39,33 +39,27 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from multinode import COMMON as MULTINODE_JOB  # noqa: E402
 from multinode import CONDITIONS, bed_unavailable, bench_on_bed, loadavg  # noqa: E402
-from plan_runs import LAYOUTS, MEMORY_BATCH, measure_rank, sent_by_category, trace_measured  # noqa: E402
+from plan_runs import LAYOUTS, MEMORY_BATCH, measure_rank, trace_measured  # noqa: E402
 from ranks import run_ranks  # noqa: E402
 
 from trinity_train.plan.collectives import (EP_ALL_TO_ALL, FSDP_ALL_GATHER, FSDP_REDUCE_SCATTER,  # noqa: E402
-                                            MUON_REDISTRIBUTE)
+                                            MUON_REDISTRIBUTE, sent_by_category)
+from trinity_train.plan.timing import GLOO_WIRE_FACTORS, price_measured  # noqa: E402
 
 # ~100M parameters (99.4M: 8 x 16 experts of 512 x 512 in 6 MoE layers, hidden 512).
 HUNDRED_M = ("--model.hidden_size=512", "--model.num_layers=7", "--model.num_heads=8", "--model.num_kv_heads=4",
              "--model.intermediate_size=2048", "--model.num_experts=16", "--model.moe_intermediate_size=512")
 MODELS = {"default": (), "100m": HUNDRED_M}
-LINK_BYTES_PER_S = 125e6  # the bed's shaped link: 1 Gbit/s
+LINK_GBITS_S = 1.0  # the bed's shaped link
 ONE_HOST, ONE_GBIT = CONDITIONS[0][0], "c: 2 hosts, 1 Gbit"
 # What gloo puts on the wire per byte the rule credits, by kind: its reduce-scatter is built from an
 # all-reduce and sends the whole tensor (benchmarks/README.md section 12 measured 2.03; the rest
 # 1.00-1.01). To merge with trinity_train/plan/timing.py's link pricing.
-GLOO_WIRE_FACTOR = {"reduce_scatter": 2.0}
 CATEGORIES = (FSDP_ALL_GATHER, FSDP_REDUCE_SCATTER, EP_ALL_TO_ALL, MUON_REDISTRIBUTE)
 
 
 def mib(x: float) -> str:
     return f"{x / 2**20:,.1f}"
-
-
-def link_seconds(calls, bytes_per_s: float) -> float:
-    """Seconds a rank's collectives keep one link direction busy, nothing overlapped: every
-    byte it sends crosses the link (2 hosts x 1 rank), times gloo's wire factor for its kind."""
-    return sum(c.sent * GLOO_WIRE_FACTOR.get(c.kind, 1.0) for c in calls if len(c.group_ranks) > 1) / bytes_per_s
 
 
 def memory_table(models: list[str], work: Path) -> None:
@@ -108,11 +102,12 @@ def time_check(rounds: int, steps: int, work: Path) -> None:
         print(f"time check skipped: {reason}")
         return
     calls = trace_measured(MULTINODE_JOB, work / "time-trace", 2, 0).collectives
-    wire_s = link_seconds(calls, LINK_BYTES_PER_S)
-    wire_bytes = wire_s * LINK_BYTES_PER_S
+    # Every byte a rank sends crosses the link (2 hosts x 1 rank), times gloo's wire factor.
+    link = price_measured(calls, 0.0, LINK_GBITS_S)
+    wire_s, wire_bytes = link.comm_s, link.inter_bytes
     print(f"step time of benchmarks/multinode.py's job, --train.steps={steps}: the trace's {wire_bytes / 1e6:.2f} MB "
-          f"per step and direction on the wire (gloo factors {GLOO_WIRE_FACTOR}, others 1) = {wire_s:.3f} s at "
-          f"{LINK_BYTES_PER_S / 1e6:.0f} MB/s, nothing overlapped")
+          f"per step and direction on the wire (gloo factors {GLOO_WIRE_FACTORS}, others 1) = {wire_s:.3f} s at "
+          f"{LINK_GBITS_S:g} Gbit/s, nothing overlapped")
     ratios = []
     with bench_on_bed() as bench:
         print("| round | one host, 2 ranks: step s | predicted 2 hosts at 1 Gbit s | measured s | measured / predicted | "

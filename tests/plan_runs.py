@@ -27,12 +27,11 @@ import os
 from pathlib import Path
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from trinity_train.callbacks import TrainerCallback
 from trinity_train.config import Config, default_config_path, load_config
-from trinity_train.plan.collectives import CollectiveLog
-from trinity_train.plan.trace import RankTrace, peak_by_category, trace_rank, tracking_memory
+from trinity_train.plan.collectives import CollectiveLog, sent_by_category
+from trinity_train.plan.trace import RankTrace, local_bytes, peak_by_category, trace_rank, tracking_memory
 
 MEASURED_ITERATION = 2
 # What every measured run sets beside its layout: no validation, checkpoints, layer statistics or
@@ -65,25 +64,12 @@ def _status_kib(field: str) -> int:
     raise KeyError(field)
 
 
-def _local_bytes(t: torch.Tensor) -> int:
-    local = t._local_tensor if isinstance(t, DTensor) else t
-    return local.numel() * local.element_size()
-
-
 def resident_state_bytes(model, optimizer) -> int:
     """Parameters, gradients and optimizer state this rank holds (local shards)."""
-    total = sum(_local_bytes(p) + (_local_bytes(p.grad) if p.grad is not None else 0) for p in model.parameters())
-    total += sum(_local_bytes(b) for b in model.buffers())
-    return total + sum(_local_bytes(t) for state in optimizer.state.values() for t in state.values()
+    total = sum(local_bytes(p) + (local_bytes(p.grad) if p.grad is not None else 0) for p in model.parameters())
+    total += sum(local_bytes(b) for b in model.buffers())
+    return total + sum(local_bytes(t) for state in optimizer.state.values() for t in state.values()
                        if isinstance(t, torch.Tensor))
-
-
-def sent_by_category(calls) -> dict[str, float]:
-    """Bytes sent per category of a list of `CollectiveCall`s."""
-    sent: dict[str, float] = {}
-    for call in calls:
-        sent[call.category] = sent.get(call.category, 0.0) + call.sent
-    return sent
 
 
 class MeasureIteration(TrainerCallback):

@@ -19,9 +19,10 @@ import importlib.util
 import pytest
 
 from conftest import ROOT
-from plan_runs import LAYOUTS, MEMORY_BATCH, measure_rank, sent_by_category, trace_measured
+from plan_runs import LAYOUTS, MEMORY_BATCH, measure_rank, trace_measured
 from ranks import run_ranks
-from trinity_train.plan.collectives import EP_ALL_TO_ALL, FSDP_ALL_GATHER, FSDP_REDUCE_SCATTER, MUON_REDISTRIBUTE
+from trinity_train.plan.collectives import (EP_ALL_TO_ALL, FSDP_ALL_GATHER, FSDP_REDUCE_SCATTER, MUON_REDISTRIBUTE,
+                                            sent_by_category)
 
 TRAFFIC_MARGIN, MEMORY_MARGIN = 0.05, 0.10
 

@@ -5,8 +5,9 @@ import pytest
 
 from trinity_train.config import load_config
 from trinity_train.parallel.mesh import ParallelDims
-from trinity_train.plan.collectives import EP_ALL_TO_ALL, FSDP_ALL_GATHER, FSDP_REDUCE_SCATTER, MUON_REDISTRIBUTE
-from trinity_train.plan.formula import category_totals, memory_per_rank, traffic_per_rank
+from trinity_train.plan.collectives import (EP_ALL_TO_ALL, FSDP_ALL_GATHER, FSDP_REDUCE_SCATTER, MUON_REDISTRIBUTE,
+                                            sent_by_category)
+from trinity_train.plan.formula import memory_per_rank, traffic_per_rank
 from trinity_train.plan.trace import trace_rank
 
 CASES = [
@@ -23,10 +24,8 @@ def test_formula_agrees_with_the_trace(overrides):
     # The trace is a steady-state iteration: the optimizer state exists before its forward.
     model = memory_per_rank(cfg, dims, gpu=False)
     assert model.peak == pytest.approx(traced.peak, rel=0.10)
-    sent: dict[str, float] = {}
-    for call in traced.collectives:
-        sent[call.category] = sent.get(call.category, 0.0) + call.sent
-    predicted = category_totals(traffic_per_rank(cfg, dims, gpu=False))
+    sent = sent_by_category(traced.collectives)
+    predicted = sent_by_category(traffic_per_rank(cfg, dims, gpu=False))
     for category in (FSDP_ALL_GATHER, FSDP_REDUCE_SCATTER, EP_ALL_TO_ALL, MUON_REDISTRIBUTE):
         assert predicted[category] == pytest.approx(sent[category], rel=0.10), category
 

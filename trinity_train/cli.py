@@ -196,12 +196,11 @@ def _add_plan(subparsers) -> None:
     from trinity_train.plan.options import add_plan_arguments
 
     plan = subparsers.add_parser(
-        "plan", allow_abbrev=False, help="rehearse a job of N GPUs in this process: memory, traffic, time",
+        "plan", allow_abbrev=False, help="rehearse a job of N GPUs in this process: memory and traffic per rank",
         description="Trace one training iteration of each kind of rank of an N-rank job on fake tensors "
                     "(torch's fake process group: the real model, parallel and optimizer code, no data) "
                     "and report memory per GPU by category, the bytes each collective sends inside and "
-                    "across nodes, the checkpoint, and the predicted step time; --search ranks the layouts "
-                    "that fit. Config keys can be overridden: --section.key=value.")
+                    "across nodes, and the checkpoint. Config keys can be overridden: --section.key=value.")
     add_plan_arguments(plan)
 
 

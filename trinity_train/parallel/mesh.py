@@ -152,14 +152,16 @@ class ParallelDims:
         self._data = world._unflatten(0, (self.dp, self.tp), ("dp", "tp"))
         # Flattened groups for reductions over several dims at once (a global gradient norm of a
         # weight sharded over FSDP and TP is one all-reduce over both, not one per dim).
-        for view, dims in ((self._dense, ("dp_shard", "tp")),
-                           (self._dense, ("dp_replicate", "dp_shard", "tp")),
-                           (self._sparse, ("efsdp", "ep")),
-                           (self._sparse, ("efsdp", "ep", "tp")),
-                           (self._sparse, ("dp_replicate", "efsdp", "ep", "tp"))):
+        for view, dims in self.flattened_views():
             view[dims]._flatten("_".join(dims))
         self.mesh = world
         return world
+
+    def flattened_views(self) -> list[tuple[DeviceMesh, tuple[str, ...]]]:
+        """(view, dims) of every group `build_mesh` flattens (named "_".join(dims))."""
+        return [(self._dense, ("dp_shard", "tp")), (self._dense, ("dp_replicate", "dp_shard", "tp")),
+                (self._sparse, ("efsdp", "ep")), (self._sparse, ("efsdp", "ep", "tp")),
+                (self._sparse, ("dp_replicate", "efsdp", "ep", "tp"))]
 
     def _require_mesh(self) -> None:
         if self.mesh is None:

@@ -144,6 +144,14 @@ class CollectiveLog(TorchDispatchMode):
         return out
 
 
+def sent_by_category(calls) -> dict[str, float]:
+    """Bytes sent per category of `CollectiveCall`s (or of anything with `category` and `sent`)."""
+    sent: dict[str, float] = {}
+    for call in calls:
+        sent[call.category] = sent.get(call.category, 0.0) + call.sent
+    return sent
+
+
 def _stack_files() -> list[str]:
     files, frame = [], sys._getframe(2)
     while frame is not None:

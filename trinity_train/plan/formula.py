@@ -449,12 +449,5 @@ def communicators(dims: ParallelDims) -> int:
     return len(sizes)
 
 
-def category_totals(flows: list[Flow]) -> dict[str, float]:
-    totals: dict[str, float] = {}
-    for f in flows:
-        totals[f.category] = totals.get(f.category, 0.0) + f.sent
-    return totals
-
-
-__all__ = ["CATEGORIES", "Flow", "MemoryModel", "Numerics", "Param", "category_totals", "communicators",
+__all__ = ["CATEGORIES", "Flow", "MemoryModel", "Numerics", "Param", "communicators",
            "memory_per_rank", "model_params", "shard_numel", "traffic_per_rank"]

@@ -98,7 +98,7 @@ def find_rank_classes(cfg: Config, dims: ParallelDims) -> list[RankClass]:
     """Build the model on the meta device and split it (TP, EP) as rank 0 of the job would, then
     group the ranks by the FSDP chunks they would hold."""
     if not dims.is_distributed:
-        return [RankClass(0, (0,), 1, 0)]
+        return [RankClass(0, 1, 0)]
     with fake_world(dims.world_size, 0):
         probe = ParallelDims.from_config(cfg, dims.world_size)
         probe.build_mesh("cpu")
@@ -109,23 +109,14 @@ def find_rank_classes(cfg: Config, dims: ParallelDims) -> list[RankClass]:
 
 def plan_job(cfg: Config, world_size: int, *, gpus_per_node: int, gpu: bool,
              routing: AssumedRouting = AssumedRouting(), progress=None) -> JobPlan:
-    """Check the layout, find the rank classes and trace one rank of each."""
+    """Check the layout, find the rank classes and trace one rank of each (one after another in
+    this process: `fake_world` forgets DTensor's cached decisions between them)."""
     dims = layout_for(cfg, world_size)
     classes = find_rank_classes(cfg, dims)
     traces = []
     for c in classes:
         if progress is not None:
             progress(f"tracing rank {c.rank} of {world_size} ({c.ranks} ranks like it)")
-        traces.append(trace_in_own_process(cfg, world_size, c.rank, gpu=gpu, routing=routing))
+        traces.append(trace_rank(cfg, world_size, c.rank, gpu=gpu, routing=routing))
     return JobPlan(cfg, dims, gpus_per_node, gpu, routing, classes, traces)
 
-
-def trace_in_own_process(cfg: Config, world_size: int, rank: int, *, gpu: bool,
-                         routing: AssumedRouting) -> RankTrace:
-    """`trace_rank` in a fresh process. Two ranks must not be traced in one process: DTensor
-    caches its redistribution plans by mesh and placements, not by rank, so the second rank
-    would reuse the first one's (uneven) shard sizes."""
-    import multiprocessing
-
-    with multiprocessing.get_context("spawn").Pool(1) as pool:
-        return pool.apply(trace_rank, (cfg, world_size, rank), {"gpu": gpu, "routing": routing})

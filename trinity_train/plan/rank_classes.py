@@ -22,7 +22,6 @@ MAX_TRACED = 4  # more classes than this: trace the first, the last and the extr
 @dataclass(frozen=True)
 class RankClass:
     rank: int  # the representative's global rank
-    dp_shard_indices: tuple[int, ...]  # the dp_shard coordinates in the class
     ranks: int  # how many ranks of the world the class holds
     local_elements: int  # parameter elements one of its ranks holds (without FSDP's padding)
 
@@ -54,9 +53,9 @@ def _signature(units, dims: ParallelDims, d: int) -> tuple[int, ...]:
 
 
 def rank_classes(model, dims: ParallelDims) -> list[RankClass]:
-    """The classes of ranks with equal local shapes (see the module doc), largest local size
-    first among equals; at most `MAX_TRACED` returned (the first, the last, the largest and the
-    smallest)."""
+    """The classes of ranks with equal local shapes (see the module doc), in the order of their
+    first dp_shard index; beyond `MAX_TRACED` classes only the first, the last, the largest and
+    the smallest are returned (the others are left out of a plan's tables and totals)."""
     units = fsdp_units(model, dims)
     by_signature: dict[tuple[int, ...], list[int]] = {}
     sizes: dict[tuple[int, ...], int] = {}
@@ -67,7 +66,7 @@ def rank_classes(model, dims: ParallelDims) -> list[RankClass]:
             sizes[signature] = sum(length * math.prod(shape) // max(shape[dim], 1)
                                    for length, (shape, dim, _) in zip(signature, units))
     per_index = dims.world_size // dims.dp_shard
-    classes = [RankClass(indices[0] * dims.tp, tuple(indices), len(indices) * per_index, sizes[sig])
+    classes = [RankClass(indices[0] * dims.tp, len(indices) * per_index, sizes[sig])
                for sig, indices in by_signature.items()]
     if len(classes) <= MAX_TRACED:
         return classes

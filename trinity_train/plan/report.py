@@ -1,11 +1,8 @@
-"""`trinity-train plan`'s tables: memory per GPU by category (trace beside the closed form),
-traffic per step by collective and mesh dimension (inside a node and across nodes), the
-checkpoint, and the predicted step time. One function builds the JSON-able summary and one
-prints it, so the text and `--json` say the same."""
+"""`trinity-train plan`'s tables: memory per GPU by category, traffic per step by collective and
+mesh dimension (inside a node and across nodes), and the checkpoint. One function builds the
+JSON-able summary and one prints it, so the text and `--json` say the same."""
 
 from __future__ import annotations
-
-from collections import defaultdict
 
 from trinity_train.model.counting import count_parameters
 from trinity_train.plan.job import JobPlan
@@ -29,11 +26,11 @@ def traffic_rows(plan: JobPlan, trace_index: int = 0) -> list[dict]:
     return sorted(rows.values(), key=lambda r: -(r["inside_bytes"] + r["across_bytes"]))
 
 
-def summary(plan: JobPlan, extra: dict | None = None) -> dict:
+def summary(plan: JobPlan) -> dict:
     """Everything the plan found, as plain data (what `--json` prints)."""
     cfg, dims = plan.cfg, plan.dims
     counts = count_parameters(cfg.model)
-    out = {
+    return {
         "layout": {"world": dims.world_size, "dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard,
                    "tp": dims.tp, "ep": dims.ep, "efsdp": dims.efsdp, "gpus_per_node": plan.gpus_per_node,
                    "describe": dims.describe(cfg.model)},
@@ -45,7 +42,7 @@ def summary(plan: JobPlan, extra: dict | None = None) -> dict:
         "numerics": "bf16 compute, fp32 master weights (GPU)" if plan.gpu and cfg.train.dtype == "bf16" else "fp32",
         "activation_checkpointing": cfg.train.activation_checkpointing,
         "rank_classes": [
-            {"rank": c.rank, "ranks": c.ranks, "local_parameters": t.local_parameters,
+            {"rank": c.rank, "coords": t.coords, "ranks": c.ranks, "local_parameters": t.local_parameters,
              "memory": t.memory, "peak": t.peak, "checkpoint_bytes": t.checkpoint_bytes,
              "trace_seconds": round(t.seconds, 1)}
             for c, t in zip(plan.classes, plan.traces)],
@@ -53,9 +50,6 @@ def summary(plan: JobPlan, extra: dict | None = None) -> dict:
         "checkpoint": {"files": dims.world_size + 1, "total_bytes": plan.checkpoint_bytes,
                        "bytes_per_rank_max": max(t.checkpoint_bytes for t in plan.traces)},
     }
-    if extra:
-        out.update(extra)
-    return out
 
 
 def render(data: dict) -> str:
@@ -69,22 +63,12 @@ def render(data: dict) -> str:
              f"{batch['tokens_per_step'] / 1e6:.2f}M tokens per step (micro-batch {batch['micro_batch_size']} x "
              f"{batch['grad_accum']} per rank)", ""]
     classes = data["rank_classes"]
-    formula = data.get("formula_memory")
     head = "".join(f"{'rank ' + str(c['rank']):>12}" for c in classes)
-    lines.append(f"memory per GPU at the step's peak (GiB){'':<4}{head}"
-                 + (f"{'formula':>10}" if formula else ""))
+    lines.append(f"memory per GPU at the step's peak (GiB){'':<4}{head}")
     for cat in CATEGORIES:
-        row = "".join(f"{c['memory'][cat] / GIB:>12.2f}" for c in classes)
-        lines.append(f"  {cat:<42}{row}" + (f"{formula[cat] / GIB:>10.2f}" if formula else ""))
-    lines.append(f"  {'total (traced peak)':<42}" + "".join(f"{c['peak'] / GIB:>12.2f}" for c in classes)
-                 + (f"{sum(formula.values()) / GIB:>10.2f}" if formula else ""))
-    for reserve in data.get("reserve", []):
-        lines.append(f"  {'+ ' + reserve['what']:<42}{reserve['bytes'] / GIB:>12.2f}")
-    if "fits" in data:
-        lines.append(f"  {data['fits']}")
+        lines.append(f"  {cat:<42}" + "".join(f"{c['memory'][cat] / GIB:>12.2f}" for c in classes))
+    lines.append(f"  {'total (traced peak)':<42}" + "".join(f"{c['peak'] / GIB:>12.2f}" for c in classes))
     lines.append("  ranks in each class: " + ", ".join(f"rank {c['rank']}: {c['ranks']}" for c in classes))
-    for warning in data.get("warnings", []):
-        lines.append(f"  warning: {warning}")
     lines.append("")
     lines.append(f"traffic per step, sent by rank {classes[0]['rank']} (GB = 1e9 B)")
     lines.append(f"  {'collective':<28}{'mesh dim':<18}{'group':>6}{'calls':>7}{'inside node':>13}{'across nodes':>14}")
@@ -98,13 +82,5 @@ def render(data: dict) -> str:
     ck = data["checkpoint"]
     lines += ["", f"checkpoint: {ck['total_bytes'] / GB:,.1f} GB in up to {ck['files']:,} files (one per rank "
                   f"+ .metadata); at most {ck['bytes_per_rank_max'] / GB:.2f} GB written by one rank"]
-    if "time" in data:
-        lines += [""] + data["time"]["lines"]
     return "\n".join(lines)
 
-
-def by_category(calls) -> dict[str, float]:
-    out: dict[str, float] = defaultdict(float)
-    for call in calls:
-        out[call.category] += call.sent
-    return dict(out)

@@ -21,11 +21,12 @@ What is recorded:
 from __future__ import annotations
 
 import contextlib
-import math
+import dataclasses
 import time
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 from torch.distributed.tensor import DTensor
@@ -46,18 +47,15 @@ from trinity_train.stability import StepGuard
 from trinity_train.step import TrainingStep
 from trinity_train.train import apply_training_wrappers
 
-# FSDPMemTracker's and (one process) MemTracker's categories -> the plan's.
+# FSDPMemTracker's categories and (one process, no FSDP) MemTracker's -> the plan's.
 CATEGORY_OF = {
     "Sharded Param": "parameters", "Buffer": "parameters", "Parameter": "parameters",
-    "Gradient": "gradients", "Optstate": "optimizer state", "Other": "temporaries",
     "Unsharded Param": "gathered parameters",
-    "Sharded Grad": "gradients", "Unsharded Grad": "gradients",
-    "OptState": "optimizer state",
+    "Sharded Grad": "gradients", "Unsharded Grad": "gradients", "Gradient": "gradients",
+    "OptState": "optimizer state", "Optstate": "optimizer state",
     "Activation": "activations", "Inputs": "activations",
     "All Gather": "communication buffers", "Reduce Scatter": "communication buffers",
-    "Temp": "temporaries",
-    # MemTracker's names (one process, no FSDP); "Other" is what it cannot attribute.
-    "Parameter": "parameters", "Gradient": "gradients", "Optstate": "optimizer state", "Other": "temporaries",
+    "Temp": "temporaries", "Other": "temporaries",  # "Other": what MemTracker cannot attribute
 }
 CATEGORIES = ("parameters", "gathered parameters", "gradients", "optimizer state", "activations",
               "communication buffers", "temporaries")
@@ -98,11 +96,8 @@ def create_optimizer_state(model, optimizer) -> None:
     optimizer.zero_grad(set_to_none=True)
 
 
-def _gpu_config(cfg: Config, gpu: bool) -> Config:
-    """The config a trace runs: compile off (nothing to compile on fake tensors) and, for a GPU
-    plan, the GPU's numerics (bf16 compute where the config asks for it)."""
-    import dataclasses
-
+def _without_compile(cfg: Config) -> Config:
+    """The config a trace runs: compile off (nothing to compile on fake tensors)."""
     return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, compile=False))
 
 
@@ -110,7 +105,7 @@ def _local_numel(t: torch.Tensor) -> int:
     return (t._local_tensor if isinstance(t, DTensor) else t).numel()
 
 
-def _local_bytes(t: torch.Tensor) -> int:
+def local_bytes(t: torch.Tensor) -> int:
     local = t._local_tensor if isinstance(t, DTensor) else t
     return local.numel() * local.element_size()
 
@@ -127,8 +122,6 @@ def group_dim_namer(dims: ParallelDims):
     """A function from a group's ranks to the mesh dimension(s) it spans, for the collectives log:
     "dp_shard", "ep", a flattened "efsdp_ep", ...; where two dimensions are the same ranks (ep = 2
     of dp_shard = 2) the one the caller's category uses (the EP dispatch's "ep")."""
-    import torch.distributed as dist
-
     named: dict[tuple[int, ...], list[str]] = {}
 
     def add(group, name: str) -> None:
@@ -140,9 +133,7 @@ def group_dim_namer(dims: ParallelDims):
         for i, name in enumerate(view.mesh_dim_names):
             if view.size(i) > 1:
                 add(view.get_group(i), name)
-    for view, flat in ((dims._dense, ("dp_shard", "tp")), (dims._dense, ("dp_replicate", "dp_shard", "tp")),
-                       (dims._sparse, ("efsdp", "ep")), (dims._sparse, ("efsdp", "ep", "tp")),
-                       (dims._sparse, ("dp_replicate", "efsdp", "ep", "tp"))):
+    for view, flat in dims.flattened_views():
         if view[flat].size() > 1:
             add(view[flat]._flatten("_".join(flat)).get_group(), "_".join(flat))  # the one build_mesh made
 
@@ -163,8 +154,8 @@ def trace_rank(cfg: Config, world_size: int, rank: int, *, gpu: bool,
     `gpu`: the job runs on GPUs (NCCL collectives; bf16 compute if `train.dtype` says so);
     otherwise on CPUs with gloo, as this machine's runs do."""
     started = time.perf_counter()
-    cfg = _gpu_config(cfg, gpu)
-    device = torch.device("cuda" if gpu else "cpu")  # only for the precision policy and autocast
+    cfg = _without_compile(cfg)
+    device = torch.device("cuda" if gpu else "cpu")  # only for the precision policy
     with fake_world(world_size, rank), gpu_collectives_and_kernels(gpu), sharding_metadata_apart():
         dims = ParallelDims.from_config(cfg, world_size)
         dims.build_mesh("cpu")
@@ -185,16 +176,14 @@ def trace_rank(cfg: Config, world_size: int, rank: int, *, gpu: bool,
             parts = [_micro_batch(cfg) for _ in range(grad_accum_for(cfg.train, dims.dp))]
             create_optimizer_state(model, optimizer)
             log = CollectiveLog(dim_of=namer)
-            autocast = (torch.autocast("cpu", dtype=torch.bfloat16) if gpu and cfg.train.dtype == "bf16"
-                        else contextlib.nullcontext())
+            # The step's own autocast (train.dtype = "bf16") gives the traced tensors bf16 compute.
             with tracking_memory(model, optimizer, dims.is_distributed) as tracker, log, CpuGroupedMatmul():
-                with _cpu_autocast_for(autocast):
-                    _, _, counts = step.accumulate_gradients(parts, iteration=1)
+                _, _, counts = step.accumulate_gradients(parts, iteration=1)
                 step.update(global_grad_norm(step.params), counts)
                 optimizer.zero_grad(set_to_none=True)
             memory = peak_by_category(tracker)
-            ckpt = sum(_local_bytes(t) for t in model.state_dict().values() if isinstance(t, torch.Tensor))
-            ckpt += sum(_local_bytes(t) for state in optimizer.state.values() for t in state.values()
+            ckpt = sum(local_bytes(t) for t in model.state_dict().values() if isinstance(t, torch.Tensor))
+            ckpt += sum(local_bytes(t) for state in optimizer.state.values() for t in state.values()
                         if isinstance(t, torch.Tensor) and t.ndim > 0)
             local = sum(_local_numel(p) for p in model.parameters())
     return RankTrace(rank, coords, memory, log.calls, ckpt, local, time.perf_counter() - started)
@@ -217,12 +206,6 @@ def _one_forward_at_a_time(model, tracker):
         yield
     finally:
         handle.remove()
-
-
-@contextlib.contextmanager
-def _cpu_autocast_for(ctx):
-    with ctx:
-        yield
 
 
 @contextlib.contextmanager
