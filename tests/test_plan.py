@@ -71,3 +71,24 @@ def test_an_impossible_layout_is_refused_with_valid_ones_near_it():
 def test_a_bad_routing_assumption_is_one_line():
     done = run_cli("plan", "--routing", "skew=0.5", ok=False)
     assert_one_line_error(done.returncode, done.stderr, 2, "--routing", "skew=F")
+
+
+def test_two_traced_micro_batches_stand_for_the_whole_step():
+    from trinity_train.config import load_config
+    from trinity_train.plan.trace import trace_rank
+
+    cfg = load_config(None, ["--parallel.ep=2", "--train.grad_accum=4", "--train.micro_batch_size=2"])
+    full = trace_rank(cfg, 4, 1, gpu=True, micro_batches=4)
+    short = trace_rank(cfg, 4, 1, gpu=True)
+    assert (full.micro_batches_traced, short.micro_batches_traced) == (4, 2)
+
+    def calls(trace):
+        return sorted((c.category, c.kind, c.dim or "", c.group_ranks, c.sent) for c in trace.collectives)
+
+    assert len(full.collectives) > 4 * 12 and calls(short) == calls(full)
+    # The untraced micro-batches' token ids (2 x 256 int64 inputs and labels each) are all the
+    # memory a full trace sees more: a few KiB of a ~110 MB step.
+    untraced_inputs = 2 * (2 * 256 * 8 * 2)
+    assert 0 <= full.memory["activations"] - short.memory["activations"] <= untraced_inputs + 256
+    assert {k: v for k, v in short.memory.items() if k != "activations"} == \
+        {k: v for k, v in full.memory.items() if k != "activations"}

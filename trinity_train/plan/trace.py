@@ -2,8 +2,8 @@
 
 The real code runs: `build_model` on the meta device -> `split_model` (TP, EP) -> the training
 wrappers (activation checkpointing; compile is off in a trace) -> `apply_fsdp` (FSDP/HSDP) -> the
-real optimizer and scheduler -> `TrainingStep.accumulate_gradients` over every micro-batch of the
-step -> the global gradient norm -> `TrainingStep.update` (clip, optimizer step with distributed
+real optimizer and scheduler -> `TrainingStep.accumulate_gradients` over the step's micro-batches
+-> the global gradient norm -> `TrainingStep.update` (clip, optimizer step with distributed
 Muon's plan, expert biases). Only the data is missing: tensors are `FakeTensor`s (shapes, dtypes
 and devices, no storage), the process group is torch's fake one (`fake_world`), and the EP
 dispatch takes its token counts from a stated routing assumption (`parallel.assumed_routing`).
@@ -15,6 +15,11 @@ What is recorded:
   loops (a `foreach` optimizer under fake tensors is mislabelled by the tracker);
 - collectives: every call at the dispatch level (`plan.collectives.CollectiveLog`), with the
   group's ranks and mesh dimension;
+- only the first two micro-batches of a longer step are traced (`TRACED_MICRO_BATCHES`): every
+  later one repeats the second's memory (the first finds no sharded gradients yet; FSDP
+  reduce-scatters each micro-batch's) and the first's collectives, so the first's calls are
+  counted once more for each untraced micro-batch (`repeat_micro_batches`). A trace costs two
+  micro-batches whatever the gradient accumulation; tests check the shortcut against a full trace;
 - the checkpoint: this rank's share of the model and optimizer state, as DCP writes it.
 """
 
@@ -61,6 +66,10 @@ CATEGORIES = ("parameters", "gathered parameters", "gradients", "optimizer state
               "communication buffers", "temporaries")
 
 
+# Micro-batches a trace runs; the step's others repeat them (see the module doc).
+TRACED_MICRO_BATCHES = 2
+
+
 @dataclass
 class RankTrace:
     rank: int
@@ -70,6 +79,7 @@ class RankTrace:
     checkpoint_bytes: int  # this rank's share of the model and optimizer state
     local_parameters: int  # parameter elements this rank holds (FSDP padding included)
     seconds: float  # how long the trace took
+    micro_batches_traced: int = 0  # of the step's grad_accum (the rest repeat them)
 
     @property
     def peak(self) -> int:
@@ -149,10 +159,11 @@ def group_dim_namer(dims: ParallelDims):
 
 
 def trace_rank(cfg: Config, world_size: int, rank: int, *, gpu: bool,
-               routing: AssumedRouting = AssumedRouting()) -> RankTrace:
+               routing: AssumedRouting = AssumedRouting(), micro_batches: int = TRACED_MICRO_BATCHES) -> RankTrace:
     """Trace one iteration of `cfg` as rank `rank` of `world_size` (see the module doc).
     `gpu`: the job runs on GPUs (NCCL collectives; bf16 compute if `train.dtype` says so);
-    otherwise on CPUs with gloo, as this machine's runs do."""
+    otherwise on CPUs with gloo, as this machine's runs do. `micro_batches` (>= 2): how many of
+    the step's micro-batches run; the others repeat them."""
     started = time.perf_counter()
     cfg = _without_compile(cfg)
     device = torch.device("cuda" if gpu else "cpu")  # only for the precision policy
@@ -173,20 +184,45 @@ def trace_rank(cfg: Config, world_size: int, rank: int, *, gpu: bool,
             optimizer = build_optimizer(model, cfg.optim)
             step = TrainingStep(model, optimizer, build_scheduler(optimizer, cfg),
                                 StepGuard(cfg.stability), cfg, torch.device("cpu"), dims)
-            parts = [_micro_batch(cfg) for _ in range(grad_accum_for(cfg.train, dims.dp))]
+            grad_accum = grad_accum_for(cfg.train, dims.dp)
+            parts = [_micro_batch(cfg) for _ in range(min(grad_accum, micro_batches))]
             create_optimizer_state(model, optimizer)
             log = CollectiveLog(dim_of=namer)
             # The step's own autocast (train.dtype = "bf16") gives the traced tensors bf16 compute.
-            with tracking_memory(model, optimizer, dims.is_distributed) as tracker, log, CpuGroupedMatmul():
+            with (tracking_memory(model, optimizer, dims.is_distributed) as tracker, log, CpuGroupedMatmul(),
+                  marking_forwards(model, log.calls) as forward_starts):
                 _, _, counts = step.accumulate_gradients(parts, iteration=1)
                 step.update(global_grad_norm(step.params), counts)
                 optimizer.zero_grad(set_to_none=True)
+            calls = repeat_micro_batches(log.calls, forward_starts, grad_accum)
             memory = peak_by_category(tracker)
             ckpt = sum(local_bytes(t) for t in model.state_dict().values() if isinstance(t, torch.Tensor))
             ckpt += sum(local_bytes(t) for state in optimizer.state.values() for t in state.values()
                         if isinstance(t, torch.Tensor) and t.ndim > 0)
             local = sum(_local_numel(p) for p in model.parameters())
-    return RankTrace(rank, coords, memory, log.calls, ckpt, local, time.perf_counter() - started)
+    return RankTrace(rank, coords, memory, calls, ckpt, local, time.perf_counter() - started, len(parts))
+
+
+@contextlib.contextmanager
+def marking_forwards(model, calls: list):
+    """Yields a list that receives len(`calls`) at every forward of the root `model`: where each
+    micro-batch's collectives begin."""
+    starts: list[int] = []
+    handle = model.register_forward_pre_hook(lambda module, args: starts.append(len(calls)), prepend=True)
+    try:
+        yield starts
+    finally:
+        handle.remove()
+
+
+def repeat_micro_batches(calls: list, forward_starts: list[int], grad_accum: int) -> list:
+    """A step of `grad_accum` micro-batches from a trace of fewer: the first micro-batch's calls
+    (from its forward to the second's) once more for each micro-batch not traced."""
+    missing = grad_accum - len(forward_starts)
+    if missing <= 0:
+        return calls
+    first, second = forward_starts[0], forward_starts[1]
+    return calls[:second] + calls[first:second] * missing + calls[second:]
 
 
 @contextlib.contextmanager
