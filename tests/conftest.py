@@ -154,6 +154,8 @@ TWO_RANK_LAYOUTS = {
     "ep2": {"parallel": {"ep": 2}},
     "tp2_normformer": {"parallel": {"tp": 2}, "model": {"block": "normformer"}},
     "tp2_gemma3": {"parallel": {"tp": 2}, "model": {"block": "gemma3"}},
+    # HSDP with two micro-batches per rank: the all-reduce across replicas waits for the last one.
+    "hsdp2_accum": {"parallel": {"dp_replicate": 2, "dp_shard": 1}},
 }
 FOUR_RANK_LAYOUTS = {
     "hsdp2x2": {"parallel": {"dp_replicate": 2, "dp_shard": 2}},

@@ -92,3 +92,13 @@ def test_two_traced_micro_batches_stand_for_the_whole_step():
     assert 0 <= full.memory["activations"] - short.memory["activations"] <= untraced_inputs + 256
     assert {k: v for k, v in short.memory.items() if k != "activations"} == \
         {k: v for k, v in full.memory.items() if k != "activations"}
+
+
+def test_hsdp_all_reduces_across_replicas_once_per_step():
+    def calls(grad_accum: int) -> dict:
+        plan = plan_json("--world", "4", "--parallel.dp_replicate=2", f"--train.grad_accum={grad_accum}")
+        return {r["collective"]: r["calls"] for r in plan["traffic"]}
+
+    one, four = calls(1), calls(4)
+    assert four["FSDP reduce-scatter"] == 4 * one["FSDP reduce-scatter"]  # inside the shard group, each micro-batch
+    assert four["FSDP all_reduce"] == one["FSDP all_reduce"] > 0  # across replicas, the last micro-batch only

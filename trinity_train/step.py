@@ -27,6 +27,7 @@ from trinity_train import signals
 from trinity_train.config import Config
 from trinity_train.model.loss import IGNORE_INDEX
 from trinity_train.observe.layer_stats import LayerStatsCollector, per_layer_grad_norms
+from trinity_train.parallel.fsdp import all_reduce_across_replicas
 from trinity_train.parallel.mesh import ParallelDims
 from trinity_train.parallel.reductions import clip_grads_with_norm_, global_grad_norm, sum_over_data_parallel
 from trinity_train.stability import StepGuard, Verdict
@@ -145,7 +146,9 @@ class TrainingStep:
 
         totals = torch.zeros(3, device=self.device)  # cross-entropy sum, aux loss, z loss
         counts = None
-        for mb in parts:
+        for i, mb in enumerate(parts):
+            if self.dims.dp_replicate > 1:
+                all_reduce_across_replicas(self.model, now=i == len(parts) - 1)
             with self.layer_stats.recording(stats_due):  # the forward only: not recomputations in backward
                 out = _forward(self.model, mb, self.cfg, self.device)
             ce_sum = self.faults.scale_loss(out.ce_sum, iteration)

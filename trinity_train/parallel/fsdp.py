@@ -76,3 +76,13 @@ def apply_fsdp(model: nn.Module, dims: ParallelDims, mp_policy: MixedPrecisionPo
             module.set_gradient_divide_factor(1.0)
             # A plain SUM: no pre-multiplied sum, which gloo lacks and a factor of 1 does not need.
             module.set_force_sum_reduction_for_comms(True)
+
+
+def all_reduce_across_replicas(model: nn.Module, now: bool) -> None:
+    """HSDP: whether this backward all-reduces the gradients across replica groups. The step turns
+    it off for every micro-batch but the last: each still reduce-scatters inside its shard group,
+    FSDP keeps the partial sums, and the last micro-batch's all-reduce carries all of them, so the
+    traffic across nodes is one all-reduce per step instead of one per micro-batch (FSDP2's
+    `set_requires_all_reduce`). A no-op without FSDP."""
+    if isinstance(model, FSDPModule):
+        model.set_requires_all_reduce(now)
