@@ -63,3 +63,25 @@ def test_backward_recomputes_chunk_logits_instead_of_keeping_them():
     assert sum(saved) < logits_numel
     ce_sum.backward()
     assert hidden.grad is not None
+
+
+def _fused_loss_peak(tokens: int, chunk: int, vocab: int = 4000, width: int = 8) -> int:
+    """Peak bytes the fused loss's forward allocates (MemTracker, torch.distributed._tools)."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    head = torch.nn.Linear(width, vocab, bias=False)
+    hidden = torch.randn(tokens, width, requires_grad=True)
+    labels = torch.randint(0, vocab, (tokens,))
+    tracker = MemTracker()
+    tracker.track_external(head, hidden)
+    with tracker:
+        chunked_cross_entropy(hidden, labels, head, chunk)
+    return sum(tracker.get_tracker_snapshot("peak")[torch.device("cpu")].values())
+
+
+def test_one_chunk_of_logits_lives_at_a_time():
+    # Four chunks of 64 tokens peak like one: each chunk frees its [64, 4000] fp32 logits and
+    # their cast before the next allocates its own (about 1.5 MB a chunk).
+    one, four = _fused_loss_peak(64, 64), _fused_loss_peak(256, 64)
+    per_chunk = 64 * 4000 * (4 + 4)
+    assert four - one < per_chunk / 4, (one, four)
