@@ -19,13 +19,13 @@ LAYERS = [
     {"parallel", "checkpoint", "stability", "observe", "health", "interop", "dashboard", "runlock"},
     {"model", "optim", "data", "goodput"},
     {"config", "rundir", "columnar", "records", "callbacks"},
-    {"files", "rank_zero", "launcher_verdict", "signals"},
+    {"files", "rank_zero", "launcher_verdict", "signals", "kernel_device"},
     {"errors", "__init__"},
     {"exit_codes"},  # the codes a process ends with: below the errors that carry them
 ]
 SIDEWAYS = {
-    ("observe", "parallel"),
-    ("plan", "train"),  # a plan wraps the model as training does (train.apply_training_wrappers)  # layer statistics are global values: they reduce through parallel.reductions
+    ("observe", "parallel"),  # layer statistics are global values: they reduce through parallel.reductions
+    ("plan", "train"),  # a plan wraps the model as training does (train.apply_training_wrappers)
 }
 
 
@@ -78,8 +78,9 @@ def test_imports_go_downward(module):
 
 
 def test_the_model_package_imports_only_config_errors_and_itself():
+    # kernel_device: which device's kernels a tensor takes (a planner's fake CPU tensors stand for a GPU's)
     for module in (PACKAGE / "model").rglob("*.py"):
-        assert imported_packages(module) <= {"model", "config", "errors"}, module.name
+        assert imported_packages(module) <= {"model", "config", "errors", "kernel_device"}, module.name
 
 
 def test_the_walk_sees_imports():

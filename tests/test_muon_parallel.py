@@ -38,7 +38,9 @@ STEPS = 3
 GLOBAL_ROWS = 4
 VOCAB = 256
 TWO_RANKS = {"fsdp2": {"dp_shard": 2}, "tp2": {"tp": 2}, "ep2": {"ep": 2}, "ep2_idle_rank": {"ep": 2}}
-FOUR_RANKS = {"tp2_ep2": {"tp": 2, "ep": 2}, "tp2_fsdp2": {"tp": 2}, "ep2_fsdp2": {"ep": 2}}
+FOUR_RANKS = {"tp2_ep2": {"tp": 2, "ep": 2}, "tp2_fsdp2": {"tp": 2}, "ep2_fsdp2": {"ep": 2},
+              # HSDP: each replica group orthogonalises on its own (optim/muon.py REPLICA_DIMS)
+              "hsdp2x2_ep2": {"dp_replicate": 2, "dp_shard": 2, "ep": 2}}
 
 
 # Two experts: one per ep rank under ep=2 x efsdp=2 (the padded layout of configs/large.toml at

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from trinity_train.model.kernels import kernel_device
+from trinity_train.kernel_device import kernel_device
 from trinity_train.model.norms import RMSNorm
 
 

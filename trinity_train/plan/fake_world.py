@@ -6,7 +6,7 @@ switches that make a CPU-hosted trace behave as the job's GPUs would.
 - `gpu_collectives_and_kernels()`: DTensor sends a redistribute between two shardings as an all-to-all on
   NCCL, but as all-gather + chunk on a CPU mesh (gloo has no all-to-all there,
   torch/distributed/tensor/_collective_utils.py); a plan for GPUs takes the NCCL path.
-- `gpu_kernels()`: the model picks the GPU's attention path (`model.kernels`), and SDPA runs
+- `gpu_kernels()`: the model picks the GPU's attention path (`kernel_device`), and SDPA runs
   as the fused GPU kernels it would pick there (flash attention for causal attention without a
   mask, memory-efficient attention with a mask), whose fake kernels allocate what the GPU
   kernels do (the output and its log-sum-exp, no T x T scores); a CPU trace would take the
@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch._meta_registrations import _create_grouped_mm_output_tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from trinity_train.model.kernels import kernels_of
+from trinity_train.kernel_device import kernels_of
 
 import torch.distributed._tools.fake_collectives  # noqa: F401  (fake kernels of the c10d ops)
 
