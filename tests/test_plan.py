@@ -101,4 +101,10 @@ def test_hsdp_all_reduces_across_replicas_once_per_step():
 
     one, four = calls(1), calls(4)
     assert four["FSDP reduce-scatter"] == 4 * one["FSDP reduce-scatter"]  # inside the shard group, each micro-batch
-    assert four["FSDP all_reduce"] == one["FSDP all_reduce"] > 0  # across replicas, the last micro-batch only
+    assert four["FSDP all-reduce"] == one["FSDP all-reduce"] > 0  # across replicas, the last micro-batch only
+
+
+def test_muon_sends_nothing_across_hsdp_replicas():
+    plan = plan_json("--world", "4", "--parallel.dp_replicate=2")
+    muon = [r for r in plan["traffic"] if r["collective"] == "Muon redistribute"]
+    assert muon and all("dp_replicate" not in r["dim"] for r in muon)

@@ -26,6 +26,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 FSDP_ALL_GATHER = "FSDP all-gather"
 FSDP_REDUCE_SCATTER = "FSDP reduce-scatter"
+FSDP_ALL_REDUCE = "FSDP all-reduce"  # HSDP: across the replica groups
 EP_ALL_TO_ALL = "EP all-to-all"
 MUON_REDISTRIBUTE = "Muon redistribute"
 
@@ -83,6 +84,8 @@ def category(kind: str, frames: list[str]) -> str:
             return FSDP_ALL_GATHER
         if kind == "reduce_scatter":
             return FSDP_REDUCE_SCATTER
+        if kind == "all_reduce":
+            return FSDP_ALL_REDUCE
         return f"FSDP {kind}"
     if any(f.endswith("optim/muon.py") for f in frames):
         return MUON_REDISTRIBUTE

@@ -34,9 +34,10 @@ from dataclasses import dataclass, field
 from trinity_train.config import Config, ModelConfig, grad_accum_for
 from trinity_train.model.blocks import block_style, is_global_layer
 from trinity_train.optim.groups import is_muon_param
+from trinity_train.optim.muon import deal_rounds, ns_cost
 from trinity_train.parallel.assumed_routing import AssumedRouting
 from trinity_train.parallel.mesh import ParallelDims
-from trinity_train.plan.collectives import (EP_ALL_TO_ALL, FSDP_ALL_GATHER, FSDP_REDUCE_SCATTER,
+from trinity_train.plan.collectives import (EP_ALL_TO_ALL, FSDP_ALL_GATHER, FSDP_ALL_REDUCE, FSDP_REDUCE_SCATTER,
                                             MUON_REDISTRIBUTE)
 from trinity_train.plan.trace import CATEGORIES
 
@@ -234,14 +235,18 @@ def model_level_activation_bytes(cfg: Config, dims: ParallelDims, a: int) -> flo
 
 
 def loss_chunk_bytes(cfg: Config, dims: ParallelDims, a: int) -> float:
-    """One loss chunk's transient tensors: its logits in the compute dtype, their fp32 copy (the
-    gradient is built in place in it) and its cast back."""
-    rows = min(cfg.model.loss_chunk_tokens, cfg.train.micro_batch_size * cfg.data.seq_len)
+    """One loss chunk's transient tensors. Fused (no TP): its fp32 logits (the gradient is built
+    in place in them) with their cast back to the compute dtype, and, in a compute dtype
+    narrower than fp32, the head-gradient product and its fp32 copy (`model/loss.py`)."""
+    m = cfg.model
+    rows = min(m.loss_chunk_tokens, cfg.train.micro_batch_size * cfg.data.seq_len)
     if dims.tp > 1:
         # The vocabulary-split head (ColwiseParallel, output Replicate) all-gathers each chunk's
         # logits: its local slices, the gathered [rows, vocab] and cross entropy's fp32 work.
-        return rows * cfg.model.vocab_size * (2 * FP32 + a)
-    return rows * cfg.model.vocab_size * (FP32 + (2 * a if a < FP32 else 0))
+        return rows * m.vocab_size * (2 * FP32 + a)
+    if a == FP32:
+        return rows * m.vocab_size * FP32
+    return rows * m.vocab_size * (FP32 + a) + m.vocab_size * m.hidden_size * (a + FP32)
 
 
 # ------------------------------------------------------------------------------ memory
@@ -320,16 +325,17 @@ def memory_per_rank(cfg: Config, dims: ParallelDims, *, gpu: bool,
 
 def _gather_group(p: Param, dims: ParallelDims) -> int:
     """Ranks over which Muon must assemble one of `p`'s matrices: the dims that split a matrix
-    dimension or replicate it (`optim/muon.py`, `_Layout`)."""
+    dimension or replicate it (`optim/muon.py`, `_Layout`); HSDP's replica groups each run the
+    whole step, so dp_replicate is never one of them."""
     if not dims.is_distributed:
         return 1
     n = dims.tp if (dims.tp > 1 and p.unit in ("block", "experts") and "router" not in p.name) else 1
     if p.unit == "experts":
         # ep and dim-0 expert-FSDP split whole experts (no gathering); dim-1 sharding does not.
-        return n * dims.dp_replicate * (dims.efsdp if dims.efsdp > p.shape[0] else 1)
+        return n * (dims.efsdp if dims.efsdp > p.shape[0] else 1)
     if p.batch > 1:  # experts inside their block's unit: FSDP's dim 0 is the expert dim
-        return n * dims.dp_replicate
-    return n * dims.dp_replicate * dims.dp_shard
+        return n
+    return n * dims.dp_shard
 
 
 def muon_temporaries(cfg: Config, dims: ParallelDims, params: list[Param], nums: Numerics) -> float:
@@ -391,10 +397,10 @@ def traffic_per_rank(cfg: Config, dims: ParallelDims, *, gpu: bool,
         rs = sum(shards) * FP32 * (n - 1) * accum  # fp32 gradients, (n-1)/n of the n-shard input
         flows += [Flow(FSDP_ALL_GATHER, "all_gather", dim, n, gathers, ag),
                   Flow(FSDP_REDUCE_SCATTER, "reduce_scatter", dim, n, len(units) * accum, rs)]
-        if dims.dp_replicate > 1:  # HSDP: the shards' gradients are all-reduced over the replicas
+        if dims.dp_replicate > 1:  # HSDP: the shards' gradients, all-reduced over the replicas once a step
             r = dims.dp_replicate
-            flows.append(Flow("FSDP all-reduce", "all_reduce", "dp_replicate", r, len(units) * accum,
-                              sum(shards) * FP32 * 2 * (r - 1) / r * accum))
+            flows.append(Flow(FSDP_ALL_REDUCE, "all_reduce", "dp_replicate", r, len(units),
+                              sum(shards) * FP32 * 2 * (r - 1) / r))
     moe_layers = m.num_layers - m.num_dense_layers
     if dims.ep > 1 and moe_layers:
         tokens = cfg.train.micro_batch_size * cfg.data.seq_len
@@ -405,7 +411,7 @@ def traffic_per_rank(cfg: Config, dims: ParallelDims, *, gpu: bool,
         sent = (per_layer + (forwards - 1) * out_of_rank * (1 + routing.skew)) * moe_layers * accum
         flows.append(Flow(EP_ALL_TO_ALL, "all_to_all", "ep", dims.ep, calls, sent))
     if cfg.optim.name == "muon":
-        flows += _muon_flows(cfg, dims, Counter(p for layer in layers for p in layer), nums, gpu)
+        flows += _muon_flows(cfg, dims, [p for layer in layers for p in layer], nums, gpu)
     dp = dims.dp
     if dp > 1:  # token count, loss totals, tokens per expert
         small = (LONG + 3 * FP32 + FP32 * moe_layers * m.num_experts) * 2 * (dp - 1) / dp
@@ -413,25 +419,29 @@ def traffic_per_rank(cfg: Config, dims: ParallelDims, *, gpu: bool,
     return flows
 
 
-def _muon_flows(cfg: Config, dims: ParallelDims, params: Counter, nums: Numerics, gpu: bool) -> list[Flow]:
-    """Muon's redistributions: per round of n matrices (n = the gather group), the stacked
-    updates go to their owners and the results come back. On GPUs DTensor sends that as an
-    all-to-all ((n-1)/n of the stack each way); on a CPU mesh as an all-gather of the stack
-    and a chunk (the stack x (n-1) out, an all-gather back)."""
-    buckets: dict[tuple, int] = {}
-    for p, count in params.items():
+def _muon_flows(cfg: Config, dims: ParallelDims, params: list[Param], nums: Numerics, gpu: bool) -> list[Flow]:
+    """Muon's redistributions, dealt as `optim/muon.py` deals them: matrices of one layout and
+    shape go in rounds (`deal_rounds`, largest shapes first, each to the least-loaded rank of its
+    gather group of n); a round stacks n slots of this rank's shard of one matrix, sends the
+    stack to the owners and takes the results back. On GPUs DTensor sends each as an all-to-all
+    ((n-1)/n of the stack each way); on a CPU mesh as an all-gather of the stack and a chunk (the
+    stack x (n-1) out, an all-gather back)."""
+    buckets: dict[tuple, list[Param]] = {}
+    for p in params:
         if is_muon_param(p.name, cfg.optim.muon_router):
-            key = (p.unit, p.shape, _gather_group(p, dims))
-            buckets[key] = buckets.get(key, 0) + count
+            mesh = "experts" if p.unit == "experts" else "dense"
+            buckets.setdefault((mesh, p.shape, _gather_group(p, dims)), []).append(p)
+    loads: dict[tuple[str, int], list[int]] = {}
     calls, sent = 0, 0.0
-    for (unit, shape, n), count in buckets.items():
+    for key in sorted(buckets, key=lambda k: -ns_cost(k[1])):  # stable: ties keep the model's order
+        mesh, shape, n = key
         if n == 1:
             continue
-        rounds = -(-count // n)
-        local = nums.ns * math.prod(shape)  # the stack's slices on this rank: one TP-local matrix's worth
-        per_round = 2 * local * ((n - 1) / n if gpu else (n - 1))
+        members = buckets[key]
+        rounds = len(deal_rounds(len(members), ns_cost(shape), loads.setdefault((mesh, n), [0] * n)))
+        stack = n * shard_numel(members[0], dims) * nums.ns  # this rank's slice of every slot
         calls += 2 * rounds
-        sent += rounds * per_round
+        sent += rounds * 2 * stack * ((n - 1) / n if gpu else (n - 1))
     kind = "all_to_all" if gpu else "all_gather"
     return [Flow(MUON_REDISTRIBUTE, kind, "fsdp", dims.dp_shard, calls, sent)] if calls else []
 
