@@ -309,11 +309,14 @@ def memory_per_rank(cfg: Config, dims: ParallelDims, *, gpu: bool,
         activations = sum(per_block) + model_level + chunk
     gathered = root + (sum(blocks[:2]) if distributed and ac else 0)
     accum = grad_accum_for(cfg.train, dims.dp)
-    grads_fb = grads if accum > 1 else 0.0  # earlier micro-batches' gradients are kept
+    kept_grads = grads if accum > 1 else 0.0  # earlier micro-batches' gradients are kept
+    # Under HSDP they are FSDP's partial-reduce buffers until the last micro-batch all-reduces
+    # them into .grad: tensors the memory tracker files under temporaries.
+    hsdp = dims.dp_replicate > 1
     comm = blocks[0] * (FP32 / a) if distributed and ac else 0.0  # a unit's fp32 reduce-scatter input
-    fb = {"parameters": params, "gathered parameters": gathered, "gradients": grads_fb,
+    fb = {"parameters": params, "gathered parameters": gathered, "gradients": 0.0 if hsdp else kept_grads,
           "optimizer state": opt if steady else 0.0, "activations": activations,
-          "communication buffers": comm, "temporaries": 0.0}
+          "communication buffers": comm, "temporaries": kept_grads if hsdp else 0.0}
 
     step = {"parameters": params, "gathered parameters": 0.0, "gradients": grads,
             "optimizer state": opt, "activations": 0.0, "communication buffers": 0.0,
