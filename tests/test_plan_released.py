@@ -37,7 +37,8 @@ def test_every_rank_of_the_hsdp_layout_is_alike(nano_512):
 
 
 def test_only_the_once_a_step_all_reduce_crosses_nodes(nano_512):
-    across = [r for r in nano_512["traffic"] if r["across_bytes"] > 0]
+    # Besides the step's few scalars (loss totals, token and expert counts: kilobytes).
+    across = [r for r in nano_512["traffic"] if r["across_bytes"] > 0 and not r["collective"].startswith("other")]
     assert {(r["collective"], r["dim"], r["group"]) for r in across} == {("FSDP all-reduce", "dp_replicate", 64)}
     # Each micro-batch reduce-scatters every FSDP unit inside the node; only the last all-reduces.
     (scatters,) = [r for r in nano_512["traffic"] if r["collective"] == "FSDP reduce-scatter"]
