@@ -107,6 +107,27 @@ def model_params(m: ModelConfig, tp: int, ep: int) -> list[list[Param]]:
     return _PARAMS_CACHE[key]
 
 
+_KINDS_CACHE: dict[tuple[str, int, int], tuple[Counter, list[tuple[Param, ...]]]] = {}
+
+
+def _kinds(m: ModelConfig, tp: int, ep: int) -> tuple[Counter, list[tuple[Param, ...]]]:
+    key = (repr(m), tp, ep)
+    if key not in _KINDS_CACHE:
+        layers = model_params(m, tp, ep)
+        _KINDS_CACHE[key] = (Counter(p for layer in layers for p in layer), list({tuple(x) for x in layers[1:-1]}))
+    return _KINDS_CACHE[key]
+
+
+def param_counts(m: ModelConfig, tp: int, ep: int) -> Counter:
+    """How many of each distinct parameter a tp/ep rank holds (cached, as `model_params`)."""
+    return _kinds(m, tp, ep)[0]
+
+
+def block_kinds(m: ModelConfig, tp: int, ep: int) -> list[tuple[Param, ...]]:
+    """The distinct blocks of a tp/ep rank (dense, MoE), each once (cached)."""
+    return _kinds(m, tp, ep)[1]
+
+
 def _model_params(m: ModelConfig, tp: int, ep: int) -> list[list[Param]]:
     embed = [Param("embed.weight", "embed", (m.vocab_size // tp, m.hidden_size), m.vocab_size * m.hidden_size)]
     root = [Param("norm.weight", "root", (m.hidden_size,), m.hidden_size),
@@ -270,10 +291,10 @@ def memory_per_rank(cfg: Config, dims: ParallelDims, *, gpu: bool,
     m, nums = cfg.model, Numerics.of(cfg, gpu)
     a = nums.compute
     layers = model_params(m, dims.tp, dims.ep)
-    flat = [p for layer in layers for p in layer]
+    counts = param_counts(m, dims.tp, dims.ep)
     muon = cfg.optim.name == "muon"
     # Equal parameters of equal layers counted once, times how many there are (the search's speed).
-    shard = [(p, shard_numel(p, dims) * count) for p, count in Counter(flat).items()]
+    shard = [(p, shard_numel(p, dims) * count) for p, count in counts.items()]
     params = FP32 * sum(n for _, n in shard)
     params += FP32 * 2 * m.num_experts * (m.num_layers - m.num_dense_layers)  # expert_bias, bias_momentum
     grads = FP32 * sum(n for _, n in shard)
@@ -291,7 +312,7 @@ def memory_per_rank(cfg: Config, dims: ParallelDims, *, gpu: bool,
     distributed = dims.is_distributed
     ac = cfg.train.activation_checkpointing
     root = unit_bytes(layers[-1], ("root",)) if distributed else 0
-    blocks = sorted((unit_bytes(layer, ("block", "experts")) for layer in {tuple(x) for x in layers[1:-1]}),
+    blocks = sorted((unit_bytes(layer, ("block", "experts")) for layer in block_kinds(m, dims.tp, dims.ep)),
                     reverse=True) * 2  # each kind of block at least twice: a block and the next one
     per_block = [block_activation_bytes(cfg, dims, i, a, routing.skew) for i in range(m.num_layers)]
     tokens = cfg.train.micro_batch_size * cfg.data.seq_len
@@ -312,7 +333,7 @@ def memory_per_rank(cfg: Config, dims: ParallelDims, *, gpu: bool,
 
     step = {"parameters": params, "gathered parameters": 0.0, "gradients": grads,
             "optimizer state": opt, "activations": 0.0, "communication buffers": 0.0,
-            "temporaries": muon_temporaries(cfg, dims, list(set(flat)), nums) if muon else 0.0}
+            "temporaries": muon_temporaries(cfg, dims, list(counts), nums) if muon else 0.0}
     moments = {"forward/backward": fb, "optimizer step": step}
     moment = max(moments, key=lambda k: sum(moments[k].values()))
     return MemoryModel(dict(moments[moment]), moment, moments)
@@ -405,7 +426,7 @@ def traffic_per_rank(cfg: Config, dims: ParallelDims, *, gpu: bool,
         sent = (per_layer + (forwards - 1) * out_of_rank * (1 + routing.skew)) * moe_layers * accum
         flows.append(Flow(EP_ALL_TO_ALL, "all_to_all", "ep", dims.ep, calls, sent))
     if cfg.optim.name == "muon":
-        flows += _muon_flows(cfg, dims, Counter(p for layer in layers for p in layer), nums, gpu)
+        flows += _muon_flows(cfg, dims, param_counts(m, dims.tp, dims.ep), nums, gpu)
     dp = dims.dp
     if dp > 1:  # token count, loss totals, tokens per expert
         small = (LONG + 3 * FP32 + FP32 * moe_layers * m.num_experts) * 2 * (dp - 1) / dp
