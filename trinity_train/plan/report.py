@@ -58,46 +58,54 @@ def traffic_rows(plan: JobPlan, trace_index: int = 0) -> list[dict]:
     return sorted(rows.values(), key=lambda r: -(r["inside_bytes"] + r["across_bytes"]))
 
 
-def memory_comparison(plan: JobPlan, reserve: Reserve = DEFAULT_RESERVE) -> tuple[dict, list[str]]:
-    """The formula's memory per rank beside the traced classes', with the reserve lines of each
-    (a GPU plan only), and the lines where trace and formula disagree (`RULE`)."""
+def formula_memory(plan: JobPlan, reserve: Reserve = DEFAULT_RESERVE) -> dict:
+    """The closed form's memory per rank (the hottest rank under the plan's routing), with its
+    reserve lines on a GPU plan."""
     model = memory_per_rank(plan.cfg, plan.dims, gpu=plan.gpu, routing=plan.routing)
-    n_comms = communicators(plan.dims)
     formula = {"memory": model.by_category, "peak": model.peak, "moment": model.moment}
     if plan.gpu:
+        n_comms = communicators(plan.dims)
         formula["reserve"] = reserve.lines(model.peak, n_comms)
         formula["total_with_reserve"] = model.peak + reserve.total(model.peak, n_comms)
-    warnings = []
-    for c, t in zip(plan.classes, plan.traces):
-        lines = [(cat, t.memory[cat], model.by_category[cat]) for cat in CATEGORIES]
-        for what, traced, predicted in [*lines, ("total", t.peak, model.peak)]:
-            if disagrees(traced, predicted, t.peak):
-                warnings.append(_warning(f"memory, rank {c.rank}, {what}", traced, predicted, GIB, "GiB"))
-    return formula, warnings
+    return formula
 
 
-def traffic_comparison(plan: JobPlan, rows: list[dict]) -> tuple[dict, list[str]]:
-    """The formula's bytes per step inside and across nodes beside the traced rows' totals."""
+def traffic_totals(plan: JobPlan, rows: list[dict]) -> dict:
+    """The traced rows' bytes per step inside and across nodes, and the closed form's."""
     flows = traffic_per_rank(plan.cfg, plan.dims, gpu=plan.gpu, routing=plan.routing)
     inside, across = split_by_link(flows, plan.dims, plan.gpus_per_node)
     traced = {"inside_bytes": sum(r["inside_bytes"] for r in rows),
               "across_bytes": sum(r["across_bytes"] for r in rows)}
+    return {"traced": traced, "formula": {"inside_bytes": inside, "across_bytes": across}}
+
+
+def comparison_warnings(data: dict) -> list[str]:
+    """The lines of a summary where trace and formula disagree (`RULE`): each memory category
+    and the total of every rank class, and the traffic inside and across nodes."""
+    warnings = []
+    predicted = data["formula"]
+    for c in data["rank_classes"]:
+        lines = [(cat, c["memory"][cat], predicted["memory"][cat]) for cat in CATEGORIES]
+        for what, traced, formula in [*lines, ("total", c["peak"], predicted["peak"])]:
+            if disagrees(traced, formula, c["peak"]):
+                warnings.append(_warning(f"memory, rank {c['rank']}, {what}", traced, formula, GIB, "GiB"))
+    traced, formula = data["traffic_totals"]["traced"], data["traffic_totals"]["formula"]
     scale = traced["inside_bytes"] + traced["across_bytes"]
-    warnings = [_warning(f"traffic, {key.split('_')[0]} nodes", traced[key], value, GB, "GB")
-                for key, value in (("inside_bytes", inside), ("across_bytes", across))
-                if disagrees(traced[key], value, scale)]
-    return {"traced": traced, "formula": {"inside_bytes": inside, "across_bytes": across}}, warnings
+    for key, where in (("inside_bytes", "inside nodes"), ("across_bytes", "across nodes")):
+        if disagrees(traced[key], formula[key], scale):
+            warnings.append(_warning(f"traffic {where}", traced[key], formula[key], GB, "GB"))
+    return warnings
 
 
-def fit_verdict(plan: JobPlan, hardware: Hardware, reserve: Reserve = DEFAULT_RESERVE) -> dict:
-    """Each rank class's traced peak plus the reserve, against the GPU's memory."""
-    n_comms = communicators(plan.dims)
-    classes = [{"rank": c.rank, "reserve": reserve.lines(t.peak, n_comms),
-                "total_with_reserve": t.peak + reserve.total(t.peak, n_comms)}
-               for c, t in zip(plan.classes, plan.traces)]
-    needed = max(c["total_with_reserve"] for c in classes)
-    return {"gpu": hardware.name, "memory_bytes": hardware.memory_bytes, "communicators": n_comms,
-            "classes": classes, "needed_bytes": needed, "fits": needed <= hardware.memory_bytes}
+def fit_verdict(classes: list[dict], communicators: int, hardware: Hardware,
+                reserve: Reserve = DEFAULT_RESERVE) -> dict:
+    """Each rank class's traced peak (`classes`: a summary's "rank_classes") plus the reserve of
+    a rank using `communicators` NCCL communicators, against the GPU's memory."""
+    lines = [{"rank": c["rank"], "reserve": reserve.lines(c["peak"], communicators),
+              "total_with_reserve": c["peak"] + reserve.total(c["peak"], communicators)} for c in classes]
+    needed = max(c["total_with_reserve"] for c in lines)
+    return {"gpu": hardware.name, "memory_bytes": hardware.memory_bytes, "communicators": communicators,
+            "classes": lines, "needed_bytes": needed, "fits": needed <= hardware.memory_bytes}
 
 
 def timing_summary(plan: JobPlan, traffic: dict, hardware: Hardware, mfu: float) -> dict:
@@ -119,10 +127,9 @@ def summary(plan: JobPlan, hardware: Hardware | None = None, mfu: float = DEFAUL
     cfg, dims = plan.cfg, plan.dims
     counts = count_parameters(cfg.model)
     rows = traffic_rows(plan)
-    formula, memory_warnings = memory_comparison(plan, reserve)
-    traffic, traffic_warnings = traffic_comparison(plan, rows)
+    traffic = traffic_totals(plan, rows)
     priced = hardware is not None and plan.gpu
-    return {
+    data = {
         "layout": {"world": dims.world_size, "dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard,
                    "tp": dims.tp, "ep": dims.ep, "efsdp": dims.efsdp, "gpus_per_node": plan.gpus_per_node,
                    "describe": dims.describe(cfg.model)},
@@ -138,16 +145,19 @@ def summary(plan: JobPlan, hardware: Hardware | None = None, mfu: float = DEFAUL
              "memory": t.memory, "peak": t.peak, "checkpoint_bytes": t.checkpoint_bytes,
              "trace_seconds": round(t.seconds, 1)}
             for c, t in zip(plan.classes, plan.traces)],
-        "formula": formula,
-        "fit": fit_verdict(plan, hardware, reserve) if priced else None,
+        "formula": formula_memory(plan, reserve),
+        "fit": None,  # below: from the classes' peaks
         "traffic": rows,
         "traffic_totals": traffic,
         "checkpoint": {"files": dims.world_size + 1, "total_bytes": plan.checkpoint_bytes,
                        "bytes_per_rank_max": max(t.checkpoint_bytes for t in plan.traces)},
         "step_time": timing_summary(plan, traffic["traced"], hardware, mfu) if priced else None,
         "comparison_rule": RULE,
-        "warnings": memory_warnings + traffic_warnings,
+        "warnings": [],  # below: from the memory and traffic above
     }
+    data["fit"] = fit_verdict(data["rank_classes"], communicators(dims), hardware, reserve) if priced else None
+    data["warnings"] = comparison_warnings(data)
+    return data
 
 
 def render(data: dict) -> str:
