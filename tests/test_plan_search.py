@@ -53,6 +53,9 @@ def test_large_on_2048_gpus_through_the_cli_fast_and_ready_to_run(capsys):
         assert (dims.dp_replicate, dims.dp_shard, dims.tp, dims.ep) == (
             lay["dp_replicate"], lay["dp_shard"], lay["tp"], lay["ep"])
     assert [c["overlap_s"] for c in data["candidates"]] == sorted(c["overlap_s"] for c in data["candidates"])
+    # A smaller loss chunk that saves nothing is not listed beside the larger one.
+    alike = [(tuple(c["overrides"][:-1]), c["memory_with_reserve_bytes"]) for c in data["candidates"]]
+    assert len(set(alike)) == len(alike)
 
 
 def test_the_search_table_and_a_gpu_nothing_fits(capsys):
