@@ -165,3 +165,12 @@ def test_a_bad_gpu_or_pricing_option_is_one_line(capsys, args, fragments):
 def test_a_bad_option_through_the_console_script():
     done = run_cli("plan", "--mfu", "2", ok=False)
     assert_one_line_error(done.returncode, done.stderr, exit_codes.CONFIG, "--mfu")
+
+
+def test_a_cpu_plan_has_no_gpu_lines(eight_ranks):
+    data = copy.deepcopy(eight_ranks)  # what summary() builds without a GPU (--cpu)
+    data["fit"] = data["step_time"] = None
+    del data["formula"]["reserve"], data["formula"]["total_with_reserve"]
+    text = render(data)
+    assert "a CPU plan (--cpu): no GPU reserve, fit or step time" in text
+    assert "fit on" not in text and "reserve:" not in text and "tokens/s" not in text

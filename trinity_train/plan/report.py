@@ -27,6 +27,10 @@ RULE = (f"a warning marks a line where trace and formula differ by more than {TO
         f"value, on lines of at least {FLOOR:.0%} of the traced peak (traffic: of the traced total)")
 
 
+def _count(n: float) -> str:
+    return f"{n / 1e9:.1f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
+
+
 def seconds(s: float) -> str:
     """A duration as a person reads it: milliseconds below a second."""
     return f"{s * 1e3:.1f} ms" if s < 1 else f"{s:.3f} s"
@@ -164,7 +168,7 @@ def render(data: dict) -> str:
     """The text tables of a `summary`."""
     lay, batch = data["layout"], data["batch"]
     lines = [f"layout: {lay['describe']}; {lay['gpus_per_node']} GPUs per node",
-             f"model: {data['model']['parameters'] / 1e9:.1f}B parameters ({data['model']['active'] / 1e9:.2f}B "
+             f"model: {_count(data['model']['parameters'])} parameters ({_count(data['model']['active'])} "
              f"active); {data['numerics']}; activation checkpointing "
              f"{'on' if data['activation_checkpointing'] else 'off'}; routing {data['routing']}",
              f"batch: {batch['global_batch']} sequences x {batch['seq_len']} tokens = "
