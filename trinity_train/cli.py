@@ -196,7 +196,9 @@ def _add_plan(subparsers) -> None:
     from trinity_train.plan.options import add_plan_arguments
 
     plan = subparsers.add_parser(
-        "plan", allow_abbrev=False, help="rehearse a job of N GPUs in this process: memory, traffic and step time per rank, and the layouts that fit",
+        "plan", allow_abbrev=False,
+        help="rehearse a job of N GPUs in this process: memory, traffic and step time per rank, and the layouts "
+             "that fit",
         description="Trace one training iteration of each kind of rank of an N-rank job on fake tensors "
                     "(torch's fake process group: the real model, parallel and optimizer code, no data) "
                     "and report memory per GPU by category beside the closed-form model's (warning where "

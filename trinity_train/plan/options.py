@@ -116,4 +116,5 @@ def top_option(args: argparse.Namespace) -> int:
     try:
         return positive_int(args.top)
     except argparse.ArgumentTypeError:
-        raise ConfigError(f"--top {args.top!r} must be a whole number >= 1 (how many layouts --search prints)") from None
+        raise ConfigError(f"--top {args.top!r} must be a whole number >= 1 (how many layouts --search "
+                          "prints)") from None

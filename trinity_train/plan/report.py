@@ -101,14 +101,14 @@ def comparison_warnings(data: dict) -> list[str]:
     return warnings
 
 
-def fit_verdict(classes: list[dict], communicators: int, hardware: Hardware,
+def fit_verdict(classes: list[dict], n_communicators: int, hardware: Hardware,
                 reserve: Reserve = DEFAULT_RESERVE) -> dict:
     """Each rank class's traced peak (`classes`: a summary's "rank_classes") plus the reserve of
-    a rank using `communicators` NCCL communicators, against the GPU's memory."""
-    lines = [{"rank": c["rank"], "reserve": reserve.lines(c["peak"], communicators),
-              "total_with_reserve": c["peak"] + reserve.total(c["peak"], communicators)} for c in classes]
+    a rank using `n_communicators` NCCL communicators, against the GPU's memory."""
+    lines = [{"rank": c["rank"], "reserve": reserve.lines(c["peak"], n_communicators),
+              "total_with_reserve": c["peak"] + reserve.total(c["peak"], n_communicators)} for c in classes]
     needed = max(c["total_with_reserve"] for c in lines)
-    return {"gpu": hardware.name, "memory_bytes": hardware.memory_bytes, "communicators": communicators,
+    return {"gpu": hardware.name, "memory_bytes": hardware.memory_bytes, "communicators": n_communicators,
             "classes": lines, "needed_bytes": needed, "fits": needed <= hardware.memory_bytes}
 
 
@@ -210,7 +210,8 @@ def render(data: dict) -> str:
                      f"{r['inside_bytes'] / GB:>13.3f}{r['across_bytes'] / GB:>14.3f}")
     lines.append(f"  {'total':<59}{inside / GB:>13.3f}{across / GB:>14.3f}")
     predicted = data["traffic_totals"]["formula"]
-    lines.append(f"  {'total (formula)':<59}{predicted['inside_bytes'] / GB:>13.3f}{predicted['across_bytes'] / GB:>14.3f}")
+    lines.append(f"  {'total (formula)':<59}{predicted['inside_bytes'] / GB:>13.3f}"
+                 f"{predicted['across_bytes'] / GB:>14.3f}")
     ck = data["checkpoint"]
     lines += ["", f"checkpoint: {ck['total_bytes'] / GB:,.1f} GB in up to {ck['files']:,} files (one per rank "
                   f"+ .metadata); at most {ck['bytes_per_rank_max'] / GB:.2f} GB written by one rank"]
@@ -219,11 +220,10 @@ def render(data: dict) -> str:
         lines += ["", f"step time on {st['gpu']} at MFU {st['mfu']:.2f} ({st['peak_tflops']:,.0f} TFLOPS peak; rank "
                       f"{classes[0]['rank']}'s traced traffic at {st['intra_gbytes_s']:g} GB/s inside a node, "
                       f"{st['inter_gbits_s']:g} Gbit/s across)",
-                  f"  compute {seconds(st['compute_s'])}, communication {seconds(st['comm_s'])}",
-                  f"  {'no overlap':<14}{seconds(st['no_overlap_s']):>12}{st['tokens_per_s_per_gpu']['no_overlap']:>14,.0f} "
-                  "tokens/s per GPU",
-                  f"  {'full overlap':<14}{seconds(st['overlap_s']):>12}{st['tokens_per_s_per_gpu']['overlap']:>14,.0f} "
-                  "tokens/s per GPU"]
+                  f"  compute {seconds(st['compute_s'])}, communication {seconds(st['comm_s'])}"]
+        for label, key in (("no overlap", "no_overlap"), ("full overlap", "overlap")):
+            lines.append(f"  {label:<14}{seconds(st[key + '_s']):>12}{st['tokens_per_s_per_gpu'][key]:>14,.0f} "
+                         "tokens/s per GPU")
     lines += ["", f"trace vs formula: {data['comparison_rule']}"]
     lines += [f"warning: {w}" for w in data["warnings"]] or ["  they agree on every line"]
     return "\n".join(lines)
