@@ -5,13 +5,20 @@ agreement with measured runs is tests/test_plan_checks.py's."""
 
 from __future__ import annotations
 
+import copy
 import json
 
 import pytest
 import torch
 
-from conftest import assert_one_line_error, run_cli
+from conftest import assert_one_line_error, cli_in_process, run_cli
+from trinity_train import exit_codes
+from trinity_train.cli import build_parser
+from trinity_train.plan.hardware import DEFAULT_GPU, DEFAULT_MFU, GIB, GPUS
+from trinity_train.plan.options import hardware_option
 from trinity_train.plan.rank_classes import chunk_length
+from trinity_train.plan.report import RULE, TOLERANCE, comparison_warnings, disagrees, fit_verdict, render
+from trinity_train.plan.trace import CATEGORIES
 
 
 def plan_json(*args) -> dict:
@@ -108,3 +115,99 @@ def test_muon_sends_nothing_across_hsdp_replicas():
     plan = plan_json("--world", "4", "--parallel.dp_replicate=2")
     muon = [r for r in plan["traffic"] if r["collective"] == "Muon redistribute"]
     assert muon and all("dp_replicate" not in r["dim"] for r in muon)
+
+
+# ------------------------------------------------------------------ the formula, the GPU, the step time
+
+
+def test_the_formula_is_printed_beside_the_trace_and_agrees_with_it(eight_ranks):
+    (only,) = eight_ranks["rank_classes"]
+    formula, totals = eight_ranks["formula"], eight_ranks["traffic_totals"]
+    assert set(formula["memory"]) == set(only["memory"]) == set(CATEGORIES)
+    assert formula["peak"] == pytest.approx(only["peak"], rel=TOLERANCE)
+    for key in ("inside_bytes", "across_bytes"):
+        assert totals["formula"][key] == pytest.approx(totals["traced"][key], rel=TOLERANCE)
+    assert totals["traced"]["inside_bytes"] == sum(r["inside_bytes"] for r in eight_ranks["traffic"])
+    assert eight_ranks["warnings"] == [] and eight_ranks["comparison_rule"] == RULE
+    text = render(eight_ranks)
+    assert "rank 0     formula" in text and "total (formula)" in text
+    assert f"trace vs formula: {RULE}" in text and "they agree on every line" in text
+
+
+def test_every_line_where_trace_and_formula_disagree_is_a_warning(eight_ranks):
+    data = copy.deepcopy(eight_ranks)
+    data["formula"]["memory"]["activations"] *= 1.5
+    data["formula"]["peak"] = sum(data["formula"]["memory"].values())
+    data["traffic_totals"]["formula"]["inside_bytes"] *= 0.5
+    data["warnings"] = comparison_warnings(data)
+    assert [w.split(":")[0] for w in data["warnings"]] == [
+        "memory, rank 0, activations", "memory, rank 0, total", "traffic inside nodes"]
+    assert render(data).count("\nwarning: ") == 3
+
+
+def test_the_rule_tolerates_ten_percent_and_ignores_small_lines():
+    assert not disagrees(100, 109, 1000) and disagrees(100, 112, 1000) and disagrees(100, 88, 1000)
+    assert not disagrees(5, 50, 10_000)  # both below 1 % of the peak
+    assert disagrees(0, 50, 1000)  # the trace has none of what the formula puts at 5 % of the peak
+
+
+def test_the_reserve_the_fit_and_the_step_time_on_the_default_gpu(eight_ranks):
+    (only,) = eight_ranks["rank_classes"]
+    fit, st = eight_ranks["fit"], eight_ranks["step_time"]
+    assert fit["gpu"] == DEFAULT_GPU and fit["fits"] and fit["memory_bytes"] == GPUS[DEFAULT_GPU].memory_bytes
+    (priced,) = fit["classes"]
+    assert set(priced["reserve"]) == {"CUDA context", "NCCL buffers", "allocator headroom"}
+    assert priced["total_with_reserve"] == pytest.approx(only["peak"] + sum(priced["reserve"].values()))
+    hw, traced = GPUS[DEFAULT_GPU], eight_ranks["traffic_totals"]["traced"]
+    assert st["mfu"] == DEFAULT_MFU
+    assert st["comm_s"] == pytest.approx(traced["inside_bytes"] / hw.intra_bytes_s + traced["across_bytes"]
+                                         / hw.inter_bytes_s)
+    assert st["overlap_s"] == max(st["compute_s"], st["comm_s"])
+    assert st["no_overlap_s"] == pytest.approx(st["compute_s"] + st["comm_s"])
+    assert st["tokens_per_s_per_gpu"]["overlap"] > st["tokens_per_s_per_gpu"]["no_overlap"] > 0
+    text = render(eight_ranks)
+    assert f"reserve: NCCL buffers ({fit['communicators']} communicators)" in text and "total with reserve" in text
+    assert f"fits on {DEFAULT_GPU} (" in text
+    assert f"step time on {DEFAULT_GPU} at MFU {DEFAULT_MFU:.2f}" in text and "tokens/s per GPU" in text
+
+
+def test_the_fit_flips_on_a_gpu_given_tiny_memory(eight_ranks):
+    args, _ = build_parser(["plan"]).parse_known_args(
+        ["plan", "--gpu-memory", "0.5", "--peak-tflops", "989", "--intra-gbps", "450", "--inter-gbps", "400"])
+    tiny = hardware_option(args)
+    assert tiny.memory_bytes == GIB // 2
+    data = copy.deepcopy(eight_ranks)
+    data["fit"] = fit_verdict(data["rank_classes"], data["fit"]["communicators"], tiny)
+    assert not data["fit"]["fits"]
+    assert "does NOT fit on custom: needs" in render(data)
+
+
+@pytest.mark.parametrize("args,fragments", [
+    (["--gpu", "a100"], ["--gpu", "h100, h200, b200, b300"]),
+    (["--gpu-memory", "80"], ["--peak-tflops, --intra-gbps, --inter-gbps", "together"]),
+    (["--gpu-memory", "lots", "--peak-tflops", "989", "--intra-gbps", "450", "--inter-gbps", "400"],
+     ["--gpu-memory 'lots'", "GiB"]),
+    (["--mfu", "1.5"], ["--mfu '1.5'", "(0, 1]"]),
+    (["--mfu", "0"], ["--mfu '0'", "(0, 1]"]),
+    (["--search", "--top", "0"], ["--top '0'", ">= 1"]),
+    (["--top", "3"], ["--top", "add --search"]),
+    (["--cpu", "--gpu", "h100"], ["--gpu", "--cpu plans a CPU job"]),
+    (["--cpu", "--search"], ["--search", "drop --cpu"]),
+])
+def test_a_bad_gpu_or_pricing_option_is_one_line(capsys, args, fragments):
+    code, err = cli_in_process(capsys, "plan", *args)
+    assert_one_line_error(code, err, exit_codes.CONFIG, *fragments)
+
+
+def test_a_bad_option_through_the_console_script():
+    done = run_cli("plan", "--mfu", "2", ok=False)
+    assert_one_line_error(done.returncode, done.stderr, exit_codes.CONFIG, "--mfu")
+
+
+def test_a_cpu_plan_has_no_gpu_lines(eight_ranks):
+    data = copy.deepcopy(eight_ranks)  # what summary() builds without a GPU (--cpu)
+    data["fit"] = data["step_time"] = None
+    del data["formula"]["reserve"], data["formula"]["total_with_reserve"]
+    text = render(data)
+    assert "a CPU plan (--cpu): no GPU reserve, fit or step time" in text
+    assert "fit on" not in text and "reserve:" not in text and "tokens/s" not in text

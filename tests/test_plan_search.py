@@ -1,9 +1,12 @@
 """The layout search (plan/search.py): layouts for the released Nano on 512 H100s, every one
 valid, ranked by predicted step time, printed as overrides the config parser takes."""
 
+import json
+import time
+
 from trinity_train.config import load_config, parse_overrides
 from trinity_train.parallel.mesh import ParallelDims
-from trinity_train.plan.hardware import GPUS
+from trinity_train.plan.hardware import DEFAULT_GPU, GPUS
 from trinity_train.plan.search import layouts, search
 
 
@@ -29,3 +32,38 @@ def test_every_enumerated_layout_is_valid():
                      "--train.micro_batch_size=1", "--train.grad_accum=1"]
         dims = ParallelDims.from_config(load_config("configs/nano.toml", overrides), 64)
         assert (dims.dp_replicate, dims.dp_shard, dims.tp, dims.ep) == (dp_replicate, dp_shard, tp, ep)
+
+
+def test_large_on_2048_gpus_through_the_cli_fast_and_ready_to_run(capsys):
+    from trinity_train import cli
+
+    started = time.perf_counter()
+    code = cli.main(["plan", "--config", "configs/large.toml", "--world", "2048", "--search", "--top", "4",
+                     "--json"])
+    seconds = time.perf_counter() - started
+    data = json.loads(capsys.readouterr().out)
+    assert code == 0 and data["gpu"] == DEFAULT_GPU and data["world"] == 2048 and seconds < 30
+    assert 0 < len(data["candidates"]) <= 4
+    for c in data["candidates"]:
+        assert c["memory_with_reserve_bytes"] <= GPUS[DEFAULT_GPU].memory_bytes
+        assert c["command"].startswith("trinity-train plan --config configs/large.toml --world 2048 ")
+        assert c["command"].endswith(" ".join(c["overrides"]))
+        dims = ParallelDims.from_config(load_config("configs/large.toml", c["overrides"]), 2048)
+        lay = c["layout"]
+        assert (dims.dp_replicate, dims.dp_shard, dims.tp, dims.ep) == (
+            lay["dp_replicate"], lay["dp_shard"], lay["tp"], lay["ep"])
+    assert [c["overlap_s"] for c in data["candidates"]] == sorted(c["overlap_s"] for c in data["candidates"])
+    # A smaller loss chunk that saves nothing is not listed beside the larger one.
+    alike = [(tuple(c["overrides"][:-1]), c["memory_with_reserve_bytes"]) for c in data["candidates"]]
+    assert len(set(alike)) == len(alike)
+
+
+def test_the_search_table_and_a_gpu_nothing_fits(capsys):
+    from trinity_train import cli
+
+    assert cli.main(["plan", "--config", "configs/nano.toml", "--world", "64", "--search", "--top", "2"]) == 0
+    text = capsys.readouterr().out
+    assert "fit on h200" in text and "--parallel.dp_replicate=" in text and "tokens/s/GPU" in text
+    tiny = ["--gpu-memory", "1", "--peak-tflops", "989", "--intra-gbps", "450", "--inter-gbps", "400"]
+    assert cli.main(["plan", "--config", "configs/nano.toml", "--world", "64", "--search", *tiny]) == 0
+    assert "no layout fits on custom" in capsys.readouterr().out

@@ -196,11 +196,16 @@ def _add_plan(subparsers) -> None:
     from trinity_train.plan.options import add_plan_arguments
 
     plan = subparsers.add_parser(
-        "plan", allow_abbrev=False, help="rehearse a job of N GPUs in this process: memory and traffic per rank",
+        "plan", allow_abbrev=False,
+        help="rehearse a job of N GPUs in this process: memory, traffic and step time per rank, and the layouts "
+             "that fit",
         description="Trace one training iteration of each kind of rank of an N-rank job on fake tensors "
                     "(torch's fake process group: the real model, parallel and optimizer code, no data) "
-                    "and report memory per GPU by category, the bytes each collective sends inside and "
-                    "across nodes, and the checkpoint. Config keys can be overridden: --section.key=value.")
+                    "and report memory per GPU by category beside the closed-form model's (warning where "
+                    "they differ by more than 10 %), the reserve and whether it fits the GPU, the bytes each "
+                    "collective sends inside and across nodes, the checkpoint, and the predicted step time "
+                    "and tokens/s per GPU at a stated MFU. --search ranks the layouts that fit by the closed "
+                    "form alone (no trace). Config keys can be overridden: --section.key=value.")
     add_plan_arguments(plan)
 
 

@@ -44,6 +44,7 @@ DCP reshards it when the parallel layout changes.
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -275,10 +276,15 @@ def deal_rounds(count: int, cost: int, loads: list[int]) -> list[list[tuple[int,
     r-th matrix of every slot that got more than r.
     """
     per_slot: list[list[int]] = [[] for _ in loads]
+    # A heap of (load, slot): the least-loaded slot, the lowest on ties, in log time (a plan's
+    # layout search deals the matrices of thousands of candidate layouts over up to 2,048 slots).
+    heap = [(load, j) for j, load in enumerate(loads)]
+    heapq.heapify(heap)
     for i in range(count):
-        slot = min(range(len(loads)), key=lambda j: (loads[j], j))
-        loads[slot] += cost
+        load, slot = heapq.heappop(heap)
+        loads[slot] = load + cost
         per_slot[slot].append(i)
+        heapq.heappush(heap, (loads[slot], slot))
     rounds = max(len(q) for q in per_slot)
     return [[(q[r], slot) for slot, q in enumerate(per_slot) if r < len(q)] for r in range(rounds)]
 

@@ -1,4 +1,5 @@
-"""`trinity-train plan`: load the config, plan the job, print the tables (or JSON)."""
+"""`trinity-train plan`: load the config, plan the job, print the tables (or JSON); with
+`--search`, rank the layouts that fit by the closed form instead (no trace)."""
 
 from __future__ import annotations
 
@@ -10,17 +11,31 @@ from trinity_train import exit_codes
 from trinity_train.config import default_config_path
 from trinity_train.errors import ConfigError
 from trinity_train.parallel.assumed_routing import parse_routing
+from trinity_train.plan.options import hardware_option, mfu_option, top_option
 
 
 def run_plan(args: argparse.Namespace, overrides: list[str]) -> int:
     from trinity_train.run_config import load_run_config
 
-    cfg = load_run_config(args.config or default_config_path(), overrides)
+    # Every option is checked before the config is loaded or anything traced.
+    hardware, mfu, top = hardware_option(args), mfu_option(args), top_option(args)
     try:
         routing = parse_routing(args.routing)
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    config = args.config or default_config_path()
+    cfg = load_run_config(config, overrides)
     world = args.world or _world_from_layout(cfg)
+
+    if args.search:
+        from trinity_train.plan.report import render_search, search_summary
+        from trinity_train.plan.search import search
+
+        found = search(cfg, world, hardware, gpus_per_node=args.gpus_per_node, top=top, mfu=mfu, routing=routing)
+        data = search_summary(cfg, world, hardware, found, gpus_per_node=args.gpus_per_node, mfu=mfu,
+                              routing=routing, config=str(config))
+        print(json.dumps(data, indent=1) if args.json else render_search(data))
+        return exit_codes.DONE
 
     import logging
     import warnings
@@ -39,7 +54,7 @@ def run_plan(args: argparse.Namespace, overrides: list[str]) -> int:
 
     plan = plan_job(cfg, world, gpus_per_node=args.gpus_per_node, gpu=not args.cpu, routing=routing,
                     progress=progress)
-    data = summary(plan)
+    data = summary(plan, hardware, mfu)
     print(json.dumps(data, indent=1) if args.json else render(data))
     return exit_codes.DONE
 

@@ -108,6 +108,27 @@ def model_params(m: ModelConfig, tp: int, ep: int) -> list[list[Param]]:
     return _PARAMS_CACHE[key]
 
 
+_KINDS_CACHE: dict[tuple[str, int, int], tuple[Counter, list[tuple[Param, ...]]]] = {}
+
+
+def _kinds(m: ModelConfig, tp: int, ep: int) -> tuple[Counter, list[tuple[Param, ...]]]:
+    key = (repr(m), tp, ep)
+    if key not in _KINDS_CACHE:
+        layers = model_params(m, tp, ep)
+        _KINDS_CACHE[key] = (Counter(p for layer in layers for p in layer), list({tuple(x) for x in layers[1:-1]}))
+    return _KINDS_CACHE[key]
+
+
+def param_counts(m: ModelConfig, tp: int, ep: int) -> Counter:
+    """How many of each distinct parameter a tp/ep rank holds (cached, as `model_params`)."""
+    return _kinds(m, tp, ep)[0]
+
+
+def block_kinds(m: ModelConfig, tp: int, ep: int) -> list[tuple[Param, ...]]:
+    """The distinct blocks of a tp/ep rank (dense, MoE), each once (cached)."""
+    return _kinds(m, tp, ep)[1]
+
+
 def _model_params(m: ModelConfig, tp: int, ep: int) -> list[list[Param]]:
     embed = [Param("embed.weight", "embed", (m.vocab_size // tp, m.hidden_size), m.vocab_size * m.hidden_size)]
     root = [Param("norm.weight", "root", (m.hidden_size,), m.hidden_size),
@@ -275,10 +296,10 @@ def memory_per_rank(cfg: Config, dims: ParallelDims, *, gpu: bool,
     m, nums = cfg.model, Numerics.of(cfg, gpu)
     a = nums.compute
     layers = model_params(m, dims.tp, dims.ep)
-    flat = [p for layer in layers for p in layer]
+    counts = param_counts(m, dims.tp, dims.ep)
     muon = cfg.optim.name == "muon"
     # Equal parameters of equal layers counted once, times how many there are (the search's speed).
-    shard = [(p, shard_numel(p, dims) * count) for p, count in Counter(flat).items()]
+    shard = [(p, shard_numel(p, dims) * count) for p, count in counts.items()]
     params = FP32 * sum(n for _, n in shard)
     params += FP32 * 2 * m.num_experts * (m.num_layers - m.num_dense_layers)  # expert_bias, bias_momentum
     grads = FP32 * sum(n for _, n in shard)
@@ -296,7 +317,7 @@ def memory_per_rank(cfg: Config, dims: ParallelDims, *, gpu: bool,
     distributed = dims.is_distributed
     ac = cfg.train.activation_checkpointing
     root = unit_bytes(layers[-1], ("root",)) if distributed else 0
-    blocks = sorted((unit_bytes(layer, ("block", "experts")) for layer in {tuple(x) for x in layers[1:-1]}),
+    blocks = sorted((unit_bytes(layer, ("block", "experts")) for layer in block_kinds(m, dims.tp, dims.ep)),
                     reverse=True) * 2  # each kind of block at least twice: a block and the next one
     per_block = [block_activation_bytes(cfg, dims, i, a, routing.skew) for i in range(m.num_layers)]
     tokens = cfg.train.micro_batch_size * cfg.data.seq_len
@@ -320,7 +341,7 @@ def memory_per_rank(cfg: Config, dims: ParallelDims, *, gpu: bool,
 
     step = {"parameters": params, "gathered parameters": 0.0, "gradients": grads,
             "optimizer state": opt, "activations": 0.0, "communication buffers": 0.0,
-            "temporaries": muon_temporaries(cfg, dims, list(set(flat)), nums) if muon else 0.0}
+            "temporaries": muon_temporaries(cfg, dims, list(counts), nums) if muon else 0.0}
     moments = {"forward/backward": fb, "optimizer step": step}
     moment = max(moments, key=lambda k: sum(moments[k].values()))
     return MemoryModel(dict(moments[moment]), moment, moments)
@@ -414,7 +435,7 @@ def traffic_per_rank(cfg: Config, dims: ParallelDims, *, gpu: bool,
         sent = (per_layer + (forwards - 1) * out_of_rank * (1 + routing.skew)) * moe_layers * accum
         flows.append(Flow(EP_ALL_TO_ALL, "all_to_all", "ep", dims.ep, calls, sent))
     if cfg.optim.name == "muon":
-        flows += _muon_flows(cfg, dims, [p for layer in layers for p in layer], nums, gpu)
+        flows += _muon_flows(cfg, dims, param_counts(m, dims.tp, dims.ep), nums, gpu)
     dp = dims.dp
     if dp > 1:  # token count, loss totals, tokens per expert
         small = (LONG + 3 * FP32 + FP32 * moe_layers * m.num_experts) * 2 * (dp - 1) / dp
@@ -422,27 +443,27 @@ def traffic_per_rank(cfg: Config, dims: ParallelDims, *, gpu: bool,
     return flows
 
 
-def _muon_flows(cfg: Config, dims: ParallelDims, params: list[Param], nums: Numerics, gpu: bool) -> list[Flow]:
+def _muon_flows(cfg: Config, dims: ParallelDims, params: Counter, nums: Numerics, gpu: bool) -> list[Flow]:
     """Muon's redistributions, dealt as `optim/muon.py` deals them: matrices of one layout and
     shape go in rounds (`deal_rounds`, largest shapes first, each to the least-loaded rank of its
     gather group of n); a round stacks n slots of this rank's shard of one matrix, sends the
     stack to the owners and takes the results back. On GPUs DTensor sends each as an all-to-all
     ((n-1)/n of the stack each way); on a CPU mesh as an all-gather of the stack and a chunk (the
     stack x (n-1) out, an all-gather back)."""
-    buckets: dict[tuple, list[Param]] = {}
-    for p in params:
+    buckets: dict[tuple, tuple[Param, int]] = {}  # (mesh, shape, n) -> (a member, how many), in model order
+    for p, count in params.items():
         if is_muon_param(p.name, cfg.optim.muon_router):
-            mesh = "experts" if p.unit == "experts" else "dense"
-            buckets.setdefault((mesh, p.shape, _gather_group(p, dims)), []).append(p)
+            key = ("experts" if p.unit == "experts" else "dense", p.shape, _gather_group(p, dims))
+            buckets[key] = (p, buckets.get(key, (p, 0))[1] + count)
     loads: dict[tuple[str, int], list[int]] = {}
     calls, sent = 0, 0.0
     for key in sorted(buckets, key=lambda k: -ns_cost(k[1])):  # stable: ties keep the model's order
         mesh, shape, n = key
         if n == 1:
             continue
-        members = buckets[key]
-        rounds = len(deal_rounds(len(members), ns_cost(shape), loads.setdefault((mesh, n), [0] * n)))
-        stack = n * shard_numel(members[0], dims) * nums.ns  # this rank's slice of every slot
+        member, count = buckets[key]
+        rounds = len(deal_rounds(count, ns_cost(shape), loads.setdefault((mesh, n), [0] * n)))
+        stack = n * shard_numel(member, dims) * nums.ns  # this rank's slice of every slot
         calls += 2 * rounds
         sent += rounds * 2 * stack * ((n - 1) / n if gpu else (n - 1))
     kind = "all_to_all" if gpu else "all_gather"

@@ -52,6 +52,10 @@ GPUS: dict[str, Hardware] = {
 }
 
 
+DEFAULT_GPU = "h200"  # what `trinity-train plan` prices a job on without --gpu
+DEFAULT_MFU = 0.40  # a stated assumption: well-tuned MoE pretraining reaches 0.3-0.5 on H100s
+
+
 def custom_hardware(memory_gib: float, peak_tflops: float, intra_gbytes_s: float,
                     inter_gbits_s: float, name: str = "custom") -> Hardware:
     """A GPU given by its numbers (`--gpu-memory GiB --peak-tflops T --intra-gbps B

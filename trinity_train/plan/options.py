@@ -1,10 +1,18 @@
-"""`trinity-train plan`'s command-line options (argparse; no torch, so `--help` is instant)."""
+"""`trinity-train plan`'s command-line options (argparse; no torch, so `--help` is instant), and
+the checks that turn the hardware and pricing options into values or one clear error."""
 
 from __future__ import annotations
 
 import argparse
+import math
 
+from trinity_train.errors import ConfigError
 from trinity_train.files import user_path
+from trinity_train.plan.hardware import DEFAULT_GPU, DEFAULT_MFU, GPUS, Hardware, custom_hardware, hardware_named
+
+# The custom GPU's options, in the order custom_hardware takes them, and their units.
+CUSTOM_HARDWARE = {"gpu_memory": "GiB", "peak_tflops": "TFLOPS", "intra_gbps": "GB/s one way",
+                   "inter_gbps": "Gbit/s"}
 
 
 def positive_int(text: str) -> int:
@@ -29,5 +37,84 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
                              "experts receive F x the mean; default balanced)")
     parser.add_argument("--cpu", action="store_true",
                         help="plan a CPU job with gloo, as this machine's runs (the CPU's attention kernels, DTensor's "
-                             "gloo fallbacks) instead of a GPU job")
-    parser.add_argument("--json", action="store_true", help="print the plan as JSON")
+                             "gloo fallbacks) instead of a GPU job; no GPU, so no fit, reserve or step time")
+    gpu = parser.add_argument_group("the GPU the job is priced on (memory fit, step time)")
+    gpu.add_argument("--gpu", default=None, metavar="NAME",
+                     help=f"one of {', '.join(GPUS)} (default {DEFAULT_GPU}); the four options below, "
+                          "given together, describe another GPU instead")
+    gpu.add_argument("--gpu-memory", default=None, metavar="GiB", help="a custom GPU's memory, GiB")
+    gpu.add_argument("--peak-tflops", default=None, metavar="T",
+                     help="a custom GPU's dense bf16 peak, TFLOPS")
+    gpu.add_argument("--intra-gbps", default=None, metavar="B",
+                     help="a custom GPU's NVLink bandwidth inside a node, GB/s one way")
+    gpu.add_argument("--inter-gbps", default=None, metavar="B",
+                     help="a custom GPU's NIC rate across nodes, Gbit/s")
+    gpu.add_argument("--mfu", default=None, metavar="F",
+                     help=f"model FLOPs utilisation the step time assumes, in (0, 1] (default {DEFAULT_MFU})")
+    search = parser.add_argument_group("layout search")
+    search.add_argument("--search", action="store_true",
+                        help="rank the layouts of --world GPUs that fit the GPU by predicted step time (closed "
+                             "form, no trace) and print them as ready overrides; plan the one you pick without "
+                             "--search to trace it")
+    search.add_argument("--top", default=None, metavar="N", help="how many layouts --search prints (default 10)")
+    parser.add_argument("--json", action="store_true", help="print the plan (or the search) as JSON")
+
+
+def _number(args: argparse.Namespace, dest: str) -> float:
+    text = getattr(args, dest)
+    option = "--" + dest.replace("_", "-")
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (value > 0 and math.isfinite(value)):
+        raise ConfigError(f"{option} {text!r} is not a number > 0: give it as a plain number of "
+                          f"{CUSTOM_HARDWARE[dest]}")
+    return value
+
+
+def hardware_option(args: argparse.Namespace) -> Hardware | None:
+    """The GPU `args` name: the four custom values (all or none of them), else `--gpu` (default
+    h200); None for a --cpu plan, which refuses the GPU options."""
+    given = [d for d in CUSTOM_HARDWARE if getattr(args, d) is not None]
+    if args.cpu:
+        named = [o for o, v in (("--gpu", args.gpu), ("--mfu", args.mfu), ("--search", args.search or None))
+                 if v is not None] + ["--" + d.replace("_", "-") for d in given]
+        if named:
+            raise ConfigError(f"{', '.join(named)} only apply to a GPU job, but --cpu plans a CPU job: drop "
+                              f"--cpu, or drop {', '.join(named)}")
+        return None
+    if given:
+        missing = ["--" + d.replace("_", "-") for d in CUSTOM_HARDWARE if d not in given]
+        if missing:
+            raise ConfigError(f"a custom GPU needs --gpu-memory, --peak-tflops, --intra-gbps and --inter-gbps "
+                              f"together; missing {', '.join(missing)} (or name one with --gpu {'|'.join(GPUS)})")
+        return custom_hardware(*(_number(args, d) for d in CUSTOM_HARDWARE))
+    try:
+        return hardware_named(args.gpu or DEFAULT_GPU)
+    except ValueError as e:
+        raise ConfigError(f"--gpu: {e}") from None
+
+
+def mfu_option(args: argparse.Namespace) -> float:
+    if args.mfu is None:
+        return DEFAULT_MFU
+    try:
+        value = float(args.mfu)
+    except ValueError:
+        value = math.nan
+    if not 0 < value <= 1:
+        raise ConfigError(f"--mfu {args.mfu!r} must be a fraction in (0, 1] (e.g. 0.4 for 40 % of the peak)")
+    return value
+
+
+def top_option(args: argparse.Namespace) -> int:
+    if args.top is None:
+        return 10
+    if not args.search:
+        raise ConfigError("--top only counts --search's layouts: add --search, or drop --top")
+    try:
+        return positive_int(args.top)
+    except argparse.ArgumentTypeError:
+        raise ConfigError(f"--top {args.top!r} must be a whole number >= 1 (how many layouts --search "
+                          "prints)") from None

@@ -1,15 +1,51 @@
-"""`trinity-train plan`'s tables: memory per GPU by category, traffic per step by collective and
-mesh dimension (inside a node and across nodes), and the checkpoint. One function builds the
-JSON-able summary and one prints it, so the text and `--json` say the same."""
+"""`trinity-train plan`'s tables: memory per GPU by category (traced, and the closed form beside
+it), the reserve and whether it fits the GPU, traffic per step by collective and mesh dimension
+(inside a node and across nodes), the checkpoint, and the predicted step time; and `--search`'s
+ranked layouts. One function builds the JSON-able summary and one prints it, so the text and
+`--json` say the same."""
 
 from __future__ import annotations
 
+from trinity_train.config import Config
 from trinity_train.model.counting import count_parameters
+from trinity_train.parallel.assumed_routing import AssumedRouting
+from trinity_train.plan.formula import communicators, memory_per_rank, traffic_per_rank
+from trinity_train.plan.hardware import DEFAULT_MFU, DEFAULT_RESERVE, Hardware, Reserve
 from trinity_train.plan.job import JobPlan
+from trinity_train.plan.search import Candidate
+from trinity_train.plan.timing import split_by_link, step_time_of_bytes
 from trinity_train.plan.trace import CATEGORIES
 
 GIB = 2 ** 30
 GB = 1e9
+
+# Trace and formula disagree on a line when they differ by more than TOLERANCE of the traced
+# value, on lines of at least FLOOR of the scale (the traced peak; the traced traffic total):
+# smaller lines are noise next to the total.
+TOLERANCE, FLOOR = 0.10, 0.01
+RULE = (f"a warning marks a line where trace and formula differ by more than {TOLERANCE:.0%} of the traced "
+        f"value, on lines of at least {FLOOR:.0%} of the traced peak (traffic: of the traced total)")
+
+
+def _count(n: float) -> str:
+    return f"{n / 1e9:.1f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
+
+
+def seconds(s: float) -> str:
+    """A duration as a person reads it: milliseconds below a second."""
+    return f"{s * 1e3:.1f} ms" if s < 1 else f"{s:.3f} s"
+
+
+def disagrees(traced: float, formula: float, scale: float) -> bool:
+    """Whether a formula value is off its traced value by the rule `RULE` states."""
+    if max(traced, formula) < FLOOR * scale:
+        return False
+    return abs(formula - traced) > TOLERANCE * traced
+
+
+def _warning(what: str, traced: float, formula: float, unit: float, unit_name: str) -> str:
+    off = f"{(formula - traced) / traced:+.0%}" if traced else "traced 0"
+    return f"{what}: traced {traced / unit:.3f} {unit_name}, formula {formula / unit:.3f} {unit_name} ({off})"
 
 
 def traffic_rows(plan: JobPlan, trace_index: int = 0) -> list[dict]:
@@ -26,11 +62,78 @@ def traffic_rows(plan: JobPlan, trace_index: int = 0) -> list[dict]:
     return sorted(rows.values(), key=lambda r: -(r["inside_bytes"] + r["across_bytes"]))
 
 
-def summary(plan: JobPlan) -> dict:
-    """Everything the plan found, as plain data (what `--json` prints)."""
+def formula_memory(plan: JobPlan, reserve: Reserve = DEFAULT_RESERVE) -> dict:
+    """The closed form's memory per rank (the hottest rank under the plan's routing), with its
+    reserve lines on a GPU plan."""
+    model = memory_per_rank(plan.cfg, plan.dims, gpu=plan.gpu, routing=plan.routing)
+    formula = {"memory": model.by_category, "peak": model.peak, "moment": model.moment}
+    if plan.gpu:
+        n_comms = communicators(plan.dims)
+        formula["reserve"] = reserve.lines(model.peak, n_comms)
+        formula["total_with_reserve"] = model.peak + reserve.total(model.peak, n_comms)
+    return formula
+
+
+def traffic_totals(plan: JobPlan, rows: list[dict]) -> dict:
+    """The traced rows' bytes per step inside and across nodes, and the closed form's."""
+    flows = traffic_per_rank(plan.cfg, plan.dims, gpu=plan.gpu, routing=plan.routing)
+    inside, across = split_by_link(flows, plan.dims, plan.gpus_per_node)
+    traced = {"inside_bytes": sum(r["inside_bytes"] for r in rows),
+              "across_bytes": sum(r["across_bytes"] for r in rows)}
+    return {"traced": traced, "formula": {"inside_bytes": inside, "across_bytes": across}}
+
+
+def comparison_warnings(data: dict) -> list[str]:
+    """The lines of a summary where trace and formula disagree (`RULE`): each memory category
+    and the total of every rank class, and the traffic inside and across nodes."""
+    warnings = []
+    predicted = data["formula"]
+    for c in data["rank_classes"]:
+        lines = [(cat, c["memory"][cat], predicted["memory"][cat]) for cat in CATEGORIES]
+        for what, traced, formula in [*lines, ("total", c["peak"], predicted["peak"])]:
+            if disagrees(traced, formula, c["peak"]):
+                warnings.append(_warning(f"memory, rank {c['rank']}, {what}", traced, formula, GIB, "GiB"))
+    traced, formula = data["traffic_totals"]["traced"], data["traffic_totals"]["formula"]
+    scale = traced["inside_bytes"] + traced["across_bytes"]
+    for key, where in (("inside_bytes", "inside nodes"), ("across_bytes", "across nodes")):
+        if disagrees(traced[key], formula[key], scale):
+            warnings.append(_warning(f"traffic {where}", traced[key], formula[key], GB, "GB"))
+    return warnings
+
+
+def fit_verdict(classes: list[dict], n_communicators: int, hardware: Hardware,
+                reserve: Reserve = DEFAULT_RESERVE) -> dict:
+    """Each rank class's traced peak (`classes`: a summary's "rank_classes") plus the reserve of
+    a rank using `n_communicators` NCCL communicators, against the GPU's memory."""
+    lines = [{"rank": c["rank"], "reserve": reserve.lines(c["peak"], n_communicators),
+              "total_with_reserve": c["peak"] + reserve.total(c["peak"], n_communicators)} for c in classes]
+    needed = max(c["total_with_reserve"] for c in lines)
+    return {"gpu": hardware.name, "memory_bytes": hardware.memory_bytes, "communicators": n_communicators,
+            "classes": lines, "needed_bytes": needed, "fits": needed <= hardware.memory_bytes}
+
+
+def timing_summary(plan: JobPlan, traffic: dict, hardware: Hardware, mfu: float) -> dict:
+    """The predicted step of the traced rank: its traced bytes inside and across nodes priced on
+    `hardware`, its compute at `mfu`."""
+    t = step_time_of_bytes(plan.cfg, plan.dims, traffic["inside_bytes"], traffic["across_bytes"], hardware, mfu)
+    return {"gpu": hardware.name, "mfu": mfu, "compute_s": t.compute_s, "comm_s": t.comm_s,
+            "no_overlap_s": t.no_overlap_s, "overlap_s": t.overlap_s,
+            "tokens_per_s_per_gpu": {"overlap": t.tokens_per_s_per_gpu(True),
+                                     "no_overlap": t.tokens_per_s_per_gpu(False)},
+            "intra_gbytes_s": hardware.intra_gbytes_s, "inter_gbits_s": hardware.inter_gbits_s,
+            "peak_tflops": hardware.peak_tflops}
+
+
+def summary(plan: JobPlan, hardware: Hardware | None = None, mfu: float = DEFAULT_MFU,
+            reserve: Reserve = DEFAULT_RESERVE) -> dict:
+    """Everything the plan found, as plain data (what `--json` prints). `hardware`: the GPU the
+    fit and the step time are priced on (None for a CPU plan: neither is)."""
     cfg, dims = plan.cfg, plan.dims
     counts = count_parameters(cfg.model)
-    return {
+    rows = traffic_rows(plan)
+    traffic = traffic_totals(plan, rows)
+    priced = hardware is not None and plan.gpu
+    data = {
         "layout": {"world": dims.world_size, "dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard,
                    "tp": dims.tp, "ep": dims.ep, "efsdp": dims.efsdp, "gpus_per_node": plan.gpus_per_node,
                    "describe": dims.describe(cfg.model)},
@@ -46,29 +149,56 @@ def summary(plan: JobPlan) -> dict:
              "memory": t.memory, "peak": t.peak, "checkpoint_bytes": t.checkpoint_bytes,
              "trace_seconds": round(t.seconds, 1)}
             for c, t in zip(plan.classes, plan.traces)],
-        "traffic": traffic_rows(plan),
+        "formula": formula_memory(plan, reserve),
+        "fit": None,  # below: from the classes' peaks
+        "traffic": rows,
+        "traffic_totals": traffic,
         "checkpoint": {"files": dims.world_size + 1, "total_bytes": plan.checkpoint_bytes,
                        "bytes_per_rank_max": max(t.checkpoint_bytes for t in plan.traces)},
+        "step_time": timing_summary(plan, traffic["traced"], hardware, mfu) if priced else None,
+        "comparison_rule": RULE,
+        "warnings": [],  # below: from the memory and traffic above
     }
+    data["fit"] = fit_verdict(data["rank_classes"], communicators(dims), hardware, reserve) if priced else None
+    data["warnings"] = comparison_warnings(data)
+    return data
 
 
 def render(data: dict) -> str:
     """The text tables of a `summary`."""
     lay, batch = data["layout"], data["batch"]
     lines = [f"layout: {lay['describe']}; {lay['gpus_per_node']} GPUs per node",
-             f"model: {data['model']['parameters'] / 1e9:.1f}B parameters ({data['model']['active'] / 1e9:.2f}B "
+             f"model: {_count(data['model']['parameters'])} parameters ({_count(data['model']['active'])} "
              f"active); {data['numerics']}; activation checkpointing "
              f"{'on' if data['activation_checkpointing'] else 'off'}; routing {data['routing']}",
              f"batch: {batch['global_batch']} sequences x {batch['seq_len']} tokens = "
              f"{batch['tokens_per_step'] / 1e6:.2f}M tokens per step (micro-batch {batch['micro_batch_size']} x "
              f"{batch['grad_accum']} per rank)", ""]
-    classes = data["rank_classes"]
-    head = "".join(f"{'rank ' + str(c['rank']):>12}" for c in classes)
+    classes, formula, fit = data["rank_classes"], data["formula"], data["fit"]
+    head = "".join(f"{'rank ' + str(c['rank']):>12}" for c in classes) + f"{'formula':>12}"
     lines.append(f"memory per GPU at the step's peak (GiB){'':<4}{head}")
+
+    def row(label: str, traced: list[float], predicted: float | None) -> str:
+        cells = "".join(f"{v / GIB:>12.2f}" for v in traced)
+        return f"  {label:<42}{cells}" + (f"{predicted / GIB:>12.2f}" if predicted is not None else "")
+
     for cat in CATEGORIES:
-        lines.append(f"  {cat:<42}" + "".join(f"{c['memory'][cat] / GIB:>12.2f}" for c in classes))
-    lines.append(f"  {'total (traced peak)':<42}" + "".join(f"{c['peak'] / GIB:>12.2f}" for c in classes))
-    lines.append("  ranks in each class: " + ", ".join(f"rank {c['rank']}: {c['ranks']}" for c in classes))
+        lines.append(row(cat, [c["memory"][cat] for c in classes], formula["memory"][cat]))
+    lines.append(row("total (peak)", [c["peak"] for c in classes], formula["peak"]))
+    if fit is not None:
+        for name in fit["classes"][0]["reserve"]:
+            label = f"reserve: {name}" + (f" ({fit['communicators']} communicators)" if name == "NCCL buffers" else "")
+            lines.append(row(label, [c["reserve"][name] for c in fit["classes"]], formula["reserve"][name]))
+        lines.append(row("total with reserve", [c["total_with_reserve"] for c in fit["classes"]],
+                         formula["total_with_reserve"]))
+    lines.append("  ranks in each class: " + ", ".join(f"rank {c['rank']}: {c['ranks']}" for c in classes)
+                 + f"; the formula's peak is at its {formula['moment']}")
+    if fit is not None:
+        needed, have = fit["needed_bytes"] / GIB, fit["memory_bytes"] / GIB
+        lines.append(f"fits on {fit['gpu']} ({needed:.1f} of {have:.1f} GiB with the reserve)" if fit["fits"] else
+                     f"does NOT fit on {fit['gpu']}: needs {needed:.1f} GiB with the reserve, the GPU has {have:.1f}")
+    else:
+        lines.append("a CPU plan (--cpu): no GPU reserve, fit or step time")
     lines.append("")
     lines.append(f"traffic per step, sent by rank {classes[0]['rank']} (GB = 1e9 B)")
     lines.append(f"  {'collective':<28}{'mesh dim':<18}{'group':>6}{'calls':>7}{'inside node':>13}{'across nodes':>14}")
@@ -79,8 +209,66 @@ def render(data: dict) -> str:
         lines.append(f"  {r['collective'][:27]:<28}{r['dim'][:17]:<18}{r['group']:>6}{r['calls']:>7}"
                      f"{r['inside_bytes'] / GB:>13.3f}{r['across_bytes'] / GB:>14.3f}")
     lines.append(f"  {'total':<59}{inside / GB:>13.3f}{across / GB:>14.3f}")
+    predicted = data["traffic_totals"]["formula"]
+    lines.append(f"  {'total (formula)':<59}{predicted['inside_bytes'] / GB:>13.3f}"
+                 f"{predicted['across_bytes'] / GB:>14.3f}")
     ck = data["checkpoint"]
     lines += ["", f"checkpoint: {ck['total_bytes'] / GB:,.1f} GB in up to {ck['files']:,} files (one per rank "
                   f"+ .metadata); at most {ck['bytes_per_rank_max'] / GB:.2f} GB written by one rank"]
+    st = data["step_time"]
+    if st is not None:
+        lines += ["", f"step time on {st['gpu']} at MFU {st['mfu']:.2f} ({st['peak_tflops']:,.0f} TFLOPS peak; rank "
+                      f"{classes[0]['rank']}'s traced traffic at {st['intra_gbytes_s']:g} GB/s inside a node, "
+                      f"{st['inter_gbits_s']:g} Gbit/s across)",
+                  f"  compute {seconds(st['compute_s'])}, communication {seconds(st['comm_s'])}"]
+        for label, key in (("no overlap", "no_overlap"), ("full overlap", "overlap")):
+            lines.append(f"  {label:<14}{seconds(st[key + '_s']):>12}{st['tokens_per_s_per_gpu'][key]:>14,.0f} "
+                         "tokens/s per GPU")
+    lines += ["", f"trace vs formula: {data['comparison_rule']}"]
+    lines += [f"warning: {w}" for w in data["warnings"]] or ["  they agree on every line"]
+    return "\n".join(lines)
+
+
+def search_summary(cfg: Config, world: int, hardware: Hardware, candidates: list[Candidate], *,
+                   gpus_per_node: int, mfu: float, routing: AssumedRouting, config: str) -> dict:
+    """`--search`'s ranked layouts as plain data (what `--search --json` prints); `config`: the
+    config file the overrides apply to, for the ready command."""
+    return {
+        "world": world, "gpus_per_node": gpus_per_node, "gpu": hardware.name,
+        "memory_bytes": hardware.memory_bytes, "mfu": mfu, "routing": routing.describe(),
+        "model": {"parameters": count_parameters(cfg.model).total},
+        "candidates": [
+            {"overrides": list(c.overrides),
+             "command": f"trinity-train plan --config {config} --world {world} --gpus-per-node {gpus_per_node} "
+                        + " ".join(c.overrides),
+             "layout": {"dp_replicate": c.dims.dp_replicate, "dp_shard": c.dims.dp_shard, "tp": c.dims.tp,
+                        "ep": c.dims.ep, "efsdp": c.dims.efsdp},
+             "memory_with_reserve_bytes": c.memory_bytes, "compute_s": c.time.compute_s, "comm_s": c.time.comm_s,
+             "overlap_s": c.time.overlap_s, "no_overlap_s": c.time.no_overlap_s,
+             "tokens_per_s_per_gpu": {"overlap": c.time.tokens_per_s_per_gpu(True),
+                                      "no_overlap": c.time.tokens_per_s_per_gpu(False)}}
+            for c in candidates],
+    }
+
+
+def render_search(data: dict) -> str:
+    """The text table of a `search_summary`."""
+    have = data["memory_bytes"] / GIB
+    lines = [f"layouts of {data['world']} GPUs ({data['gpus_per_node']} per node) that fit on {data['gpu']} "
+             f"({have:.1f} GiB), fastest first: closed form (no trace), MFU {data['mfu']:.2f}, routing "
+             f"{data['routing']}, the config's global batch",
+             "plan one without --search to trace it and check the formula", ""]
+    if not data["candidates"]:
+        return "\n".join(lines + [f"no layout fits on {data['gpu']}: try more GPUs or a GPU with more memory"])
+    lines.append(f"  {'#':>3}  {'step (overlap)':>15}{'(none)':>12}{'tokens/s/GPU':>14}{'GiB':>8}  "
+                 "dp_replicate x dp_shard x tp x ep (efsdp)")
+    for i, c in enumerate(data["candidates"], 1):
+        lay = c["layout"]
+        lines.append(f"  {i:>3}  {seconds(c['overlap_s']):>15}{seconds(c['no_overlap_s']):>12}"
+                     f"{c['tokens_per_s_per_gpu']['overlap']:>14,.0f}"
+                     f"{c['memory_with_reserve_bytes'] / GIB:>8.1f}  {lay['dp_replicate']} x {lay['dp_shard']} x "
+                     f"{lay['tp']} x {lay['ep']} ({lay['efsdp']})")
+        lines.append(f"       {' '.join(c['overrides'])}")
+    lines += ["", "GiB: the formula's peak plus the reserve (CUDA context, NCCL buffers, allocator headroom)"]
     return "\n".join(lines)
 

@@ -9,6 +9,9 @@ config's (`train.global_batch_size`, else micro_batch_size x grad_accum x its da
 ranks at N), so every candidate trains the same tokens per step and step times compare.
 A candidate fits when its formula peak plus the reserve (`hardware.Reserve`) is below the GPU's
 memory; the fitting ones are ranked by the step time with full overlap (ties: less memory).
+A smaller loss chunk is listed only where the formula says it saves memory (under activation
+checkpointing a recomputed block usually outweighs the chunk): otherwise the largest, which
+launches the fewest head matmuls, stands for them.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from dataclasses import dataclass
 
 from trinity_train.config import Config
 from trinity_train.errors import ConfigError
+from trinity_train.parallel.assumed_routing import AssumedRouting
 from trinity_train.parallel.mesh import ParallelDims
 from trinity_train.plan.formula import communicators, memory_per_rank, traffic_per_rank
 from trinity_train.plan.hardware import DEFAULT_RESERVE, Hardware, Reserve
@@ -80,8 +84,10 @@ def _with(cfg: Config, dp_replicate: int, dp_shard: int, tp: int, ep: int, micro
 
 
 def search(cfg: Config, world: int, hardware: Hardware, *, gpus_per_node: int = 8, top: int = 10,
-           mfu: float = DEFAULT_MFU, reserve: Reserve = DEFAULT_RESERVE, gpu: bool = True) -> list[Candidate]:
-    """The `top` fitting candidates for `world` GPUs, fastest first (see the module doc)."""
+           mfu: float = DEFAULT_MFU, reserve: Reserve = DEFAULT_RESERVE, gpu: bool = True,
+           routing: AssumedRouting = AssumedRouting()) -> list[Candidate]:
+    """The `top` fitting candidates for `world` GPUs, fastest first (see the module doc); each
+    priced at the routing assumption `routing` (the hottest rank's experts)."""
     batch = global_batch(cfg, world)
     found: list[Candidate] = []
     for dp_replicate, dp_shard, tp, ep in layouts(cfg, world, gpus_per_node):
@@ -90,17 +96,19 @@ def search(cfg: Config, world: int, hardware: Hardware, *, gpus_per_node: int = 
             if batch % (micro * dp):
                 continue  # the global batch must split into whole micro-batches
             for ac in (False, True):
-                for chunk in LOSS_CHUNKS:
+                priced: set[float] = set()  # memory totals of this layout's larger loss chunks
+                for chunk in sorted(LOSS_CHUNKS, reverse=True):
                     candidate = _with(cfg, dp_replicate, dp_shard, tp, ep, micro, ac, chunk, batch)
                     try:
                         dims = ParallelDims.from_config(candidate, world)
                     except ConfigError:
                         continue
-                    memory = memory_per_rank(candidate, dims, gpu=gpu)
+                    memory = memory_per_rank(candidate, dims, gpu=gpu, routing=routing)
                     total = memory.peak + reserve.total(memory.peak, communicators(dims))
-                    if total > hardware.memory_bytes:
-                        continue
-                    flows = traffic_per_rank(candidate, dims, gpu=gpu)
+                    if total > hardware.memory_bytes or total in priced:
+                        continue  # too large, or a smaller chunk that saves nothing (the largest is kept)
+                    priced.add(total)
+                    flows = traffic_per_rank(candidate, dims, gpu=gpu, routing=routing)
                     timing = step_time(candidate, dims, flows, hardware, gpus_per_node, mfu)
                     overrides = (f"--parallel.dp_replicate={dp_replicate}", f"--parallel.dp_shard={dp_shard}",
                                  f"--parallel.tp={tp}", f"--parallel.ep={ep}",

@@ -24,9 +24,7 @@ from trinity_train.config import Config, grad_accum_for
 from trinity_train.model.counting import training_flops_per_token
 from trinity_train.parallel.mesh import ParallelDims
 from trinity_train.plan.formula import Flow
-from trinity_train.plan.hardware import Hardware
-
-DEFAULT_MFU = 0.40  # a stated assumption: well-tuned MoE pretraining reaches 0.3-0.5 on H100s
+from trinity_train.plan.hardware import DEFAULT_MFU, Hardware
 
 
 # The stride between neighbouring ranks of each mesh dimension's groups, in world order
@@ -93,8 +91,16 @@ def step_time(cfg: Config, dims: ParallelDims, flows: list[Flow], hardware: Hard
               gpus_per_node: int = 8, mfu: float = DEFAULT_MFU) -> StepTime:
     """The predicted step of one rank on `hardware` (see the module doc)."""
     intra, inter = split_by_link(flows, dims, gpus_per_node)
-    comm = intra / hardware.intra_bytes_s + inter / hardware.inter_bytes_s
-    return StepTime(compute_seconds(cfg, dims, hardware, mfu), comm, intra, inter, tokens_per_rank(cfg, dims))
+    return step_time_of_bytes(cfg, dims, intra, inter, hardware, mfu)
+
+
+def step_time_of_bytes(cfg: Config, dims: ParallelDims, intra_bytes: float, inter_bytes: float,
+                       hardware: Hardware, mfu: float = DEFAULT_MFU) -> StepTime:
+    """The predicted step of one rank that sends `intra_bytes` inside its node and `inter_bytes`
+    across nodes per step (a trace's split, or `split_by_link`'s of the formula's flows)."""
+    comm = intra_bytes / hardware.intra_bytes_s + inter_bytes / hardware.inter_bytes_s
+    return StepTime(compute_seconds(cfg, dims, hardware, mfu), comm, intra_bytes, inter_bytes,
+                    tokens_per_rank(cfg, dims))
 
 
 # Bytes on the wire per byte of the textbook algorithm, by collective kind, for gloo (its
