@@ -206,8 +206,18 @@ def test_a_bad_option_through_the_console_script():
 
 def test_a_cpu_plan_has_no_gpu_lines(eight_ranks):
     data = copy.deepcopy(eight_ranks)  # what summary() builds without a GPU (--cpu)
-    data["fit"] = data["step_time"] = None
+    data["fit"] = data["step_time"] = data["on_every_gpu"] = None
     del data["formula"]["reserve"], data["formula"]["total_with_reserve"]
     text = render(data)
     assert "a CPU plan (--cpu): no GPU reserve, fit or step time" in text
     assert "fit on" not in text and "reserve:" not in text and "tokens/s" not in text
+
+
+def test_one_trace_is_priced_on_every_gpu_of_the_table(eight_ranks):
+    rows = {g["gpu"]: g for g in eight_ranks["on_every_gpu"]}
+    assert set(rows) == {"h100", "h200", "b200", "b300"}
+    # The bytes and the peak do not depend on the GPU; its speed and memory do.
+    assert len({g["needed_bytes"] for g in rows.values()}) == 1 and all(g["fits"] for g in rows.values())
+    assert rows["h200"]["overlap_s"] == pytest.approx(eight_ranks["step_time"]["overlap_s"])
+    assert rows["b200"]["overlap_s"] < rows["h100"]["overlap_s"]  # 2.3x the bf16 peak, 2x NVLink
+    assert "the same trace on every GPU of the table" in render(eight_ranks)

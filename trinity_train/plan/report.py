@@ -10,7 +10,7 @@ from trinity_train.config import Config
 from trinity_train.model.counting import count_parameters
 from trinity_train.parallel.assumed_routing import AssumedRouting
 from trinity_train.plan.formula import communicators, memory_per_rank, traffic_per_rank
-from trinity_train.plan.hardware import DEFAULT_MFU, DEFAULT_RESERVE, Hardware, Reserve
+from trinity_train.plan.hardware import DEFAULT_MFU, DEFAULT_RESERVE, GPUS, Hardware, Reserve
 from trinity_train.plan.job import JobPlan
 from trinity_train.plan.search import Candidate
 from trinity_train.plan.timing import split_by_link, step_time_of_bytes
@@ -124,6 +124,19 @@ def timing_summary(plan: JobPlan, traffic: dict, hardware: Hardware, mfu: float)
             "peak_tflops": hardware.peak_tflops}
 
 
+def on_every_gpu(plan: JobPlan, data: dict, mfu: float, reserve: Reserve = DEFAULT_RESERVE) -> list[dict]:
+    """The same trace priced on each GPU of the table (`hardware.GPUS`): the fit and the step,
+    so one trace answers "which GPU" (the memory and the bytes do not depend on it)."""
+    out = []
+    for hardware in GPUS.values():
+        fit = fit_verdict(data["rank_classes"], communicators(plan.dims), hardware, reserve)
+        time = timing_summary(plan, data["traffic_totals"]["traced"], hardware, mfu)
+        out.append({"gpu": hardware.name, "mfu": mfu, "fits": fit["fits"], "needed_bytes": fit["needed_bytes"],
+                    "memory_bytes": hardware.memory_bytes, "overlap_s": time["overlap_s"],
+                    "no_overlap_s": time["no_overlap_s"], "tokens_per_s_per_gpu": time["tokens_per_s_per_gpu"]})
+    return out
+
+
 def summary(plan: JobPlan, hardware: Hardware | None = None, mfu: float = DEFAULT_MFU,
             reserve: Reserve = DEFAULT_RESERVE) -> dict:
     """Everything the plan found, as plain data (what `--json` prints). `hardware`: the GPU the
@@ -160,6 +173,7 @@ def summary(plan: JobPlan, hardware: Hardware | None = None, mfu: float = DEFAUL
         "warnings": [],  # below: from the memory and traffic above
     }
     data["fit"] = fit_verdict(data["rank_classes"], communicators(dims), hardware, reserve) if priced else None
+    data["on_every_gpu"] = on_every_gpu(plan, data, mfu, reserve) if priced else None
     data["warnings"] = comparison_warnings(data)
     return data
 
@@ -224,6 +238,16 @@ def render(data: dict) -> str:
         for label, key in (("no overlap", "no_overlap"), ("full overlap", "overlap")):
             lines.append(f"  {label:<14}{seconds(st[key + '_s']):>12}{st['tokens_per_s_per_gpu'][key]:>14,.0f} "
                          "tokens/s per GPU")
+    if data.get("on_every_gpu"):
+        lines += ["", f"the same trace on every GPU of the table (MFU {data['on_every_gpu'][0]['mfu']:.2f}; GiB with the "
+                  "reserve)",
+                  f"  {'GPU':<6}{'fits':>6}{'GiB':>9}{'of':>7}{'step (overlap)':>16}{'(none)':>10}"
+                  f"{'tokens/s/GPU':>14}{'(none)':>12}"]
+        for g in data["on_every_gpu"]:
+            rate = g["tokens_per_s_per_gpu"]
+            lines.append(f"  {g['gpu']:<6}{'yes' if g['fits'] else 'NO':>6}{g['needed_bytes'] / GIB:>9.1f}"
+                         f"{g['memory_bytes'] / GIB:>7.1f}{seconds(g['overlap_s']):>16}{seconds(g['no_overlap_s']):>10}"
+                         f"{rate['overlap']:>14,.0f}{rate['no_overlap']:>12,.0f}")
     lines += ["", f"trace vs formula: {data['comparison_rule']}"]
     lines += [f"warning: {w}" for w in data["warnings"]] or ["  they agree on every line"]
     return "\n".join(lines)

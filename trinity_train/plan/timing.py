@@ -50,7 +50,7 @@ class StepTime:
     comm_s: float
     intra_bytes: float  # bytes this rank sends inside its node per step
     inter_bytes: float  # ... and across nodes
-    tokens_per_rank: float  # tokens each rank trains per step (all its micro-batches)
+    tokens_per_gpu: float  # the job's tokens per step / its GPUs (a tp group shares its ranks' tokens)
 
     @property
     def no_overlap_s(self) -> float:
@@ -61,11 +61,11 @@ class StepTime:
         return max(self.compute_s, self.comm_s)
 
     def tokens_per_s_per_gpu(self, overlap: bool = True) -> float:
-        return self.tokens_per_rank / (self.overlap_s if overlap else self.no_overlap_s)
+        return self.tokens_per_gpu / (self.overlap_s if overlap else self.no_overlap_s)
 
 
 def tokens_per_rank(cfg: Config, dims: ParallelDims) -> float:
-    """Tokens one rank trains per step: its micro-batches' (a tp group shares one slice)."""
+    """Tokens one rank trains per step: its micro-batches' (the tp ranks of a group train the same ones)."""
     return cfg.train.micro_batch_size * grad_accum_for(cfg.train, dims.dp) * cfg.data.seq_len
 
 
@@ -100,7 +100,7 @@ def step_time_of_bytes(cfg: Config, dims: ParallelDims, intra_bytes: float, inte
     across nodes per step (a trace's split, or `split_by_link`'s of the formula's flows)."""
     comm = intra_bytes / hardware.intra_bytes_s + inter_bytes / hardware.inter_bytes_s
     return StepTime(compute_seconds(cfg, dims, hardware, mfu), comm, intra_bytes, inter_bytes,
-                    tokens_per_rank(cfg, dims))
+                    tokens_per_rank(cfg, dims) / dims.tp)
 
 
 # Bytes on the wire per byte of the textbook algorithm, by collective kind, for gloo (its
