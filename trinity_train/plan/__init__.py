@@ -1,4 +1,4 @@
-"""`trinity-train plan`: a job of N ranks rehearsed in one process (DESIGN §11).
+"""`trinity-train plan`: a job of N ranks rehearsed in one process (DESIGN §14).
 
 `trace` runs one iteration of the real model, parallel and optimizer code as one rank on fake
 tensors over torch's fake process group; `collectives` is the one rule for what a rank sends;
