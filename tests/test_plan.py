@@ -84,36 +84,38 @@ def test_two_traced_micro_batches_stand_for_the_whole_step():
     from trinity_train.config import load_config
     from trinity_train.plan.trace import trace_rank
 
-    cfg = load_config(None, ["--parallel.ep=2", "--train.grad_accum=4", "--train.micro_batch_size=2"])
-    full = trace_rank(cfg, 4, 1, gpu=True, micro_batches=4)
+    cfg = load_config(None, ["--parallel.ep=2", "--train.grad_accum=3", "--train.micro_batch_size=2"])
+    full = trace_rank(cfg, 4, 1, gpu=True, micro_batches=3)
     short = trace_rank(cfg, 4, 1, gpu=True)
-    assert (full.micro_batches_traced, short.micro_batches_traced) == (4, 2)
+    assert (full.micro_batches_traced, short.micro_batches_traced) == (3, 2)
 
     def calls(trace):
         return sorted((c.category, c.kind, c.dim or "", c.group_ranks, c.sent) for c in trace.collectives)
 
-    assert len(full.collectives) > 4 * 12 and calls(short) == calls(full)
-    # The untraced micro-batches' token ids (2 x 256 int64 inputs and labels each) are all the
-    # memory a full trace sees more: a few KiB of a ~110 MB step.
-    untraced_inputs = 2 * (2 * 256 * 8 * 2)
+    assert len(full.collectives) > 3 * 12 and calls(short) == calls(full)
+    # The untraced micro-batch's token ids (2 x 256 int64 inputs and labels) are all the memory a
+    # full trace sees more: a few KiB of a ~110 MB step.
+    untraced_inputs = 2 * 256 * 8 * 2
     assert 0 <= full.memory["activations"] - short.memory["activations"] <= untraced_inputs + 256
     assert {k: v for k, v in short.memory.items() if k != "activations"} == \
         {k: v for k, v in full.memory.items() if k != "activations"}
 
 
-def test_hsdp_all_reduces_across_replicas_once_per_step():
-    def calls(grad_accum: int) -> dict:
-        plan = plan_json("--world", "4", "--parallel.dp_replicate=2", f"--train.grad_accum={grad_accum}")
-        return {r["collective"]: r["calls"] for r in plan["traffic"]}
+@pytest.fixture(scope="module")
+def hsdp_plans() -> dict:
+    """The default model as 2 replica groups of 2 ranks, with 1 and with 4 micro-batches a step."""
+    return {accum: plan_json("--world", "4", "--parallel.dp_replicate=2", f"--train.grad_accum={accum}")
+            for accum in (1, 4)}
 
-    one, four = calls(1), calls(4)
+
+def test_hsdp_all_reduces_across_replicas_once_per_step(hsdp_plans):
+    one, four = ({r["collective"]: r["calls"] for r in hsdp_plans[a]["traffic"]} for a in (1, 4))
     assert four["FSDP reduce-scatter"] == 4 * one["FSDP reduce-scatter"]  # inside the shard group, each micro-batch
     assert four["FSDP all-reduce"] == one["FSDP all-reduce"] > 0  # across replicas, the last micro-batch only
 
 
-def test_muon_sends_nothing_across_hsdp_replicas():
-    plan = plan_json("--world", "4", "--parallel.dp_replicate=2")
-    muon = [r for r in plan["traffic"] if r["collective"] == "Muon redistribute"]
+def test_muon_sends_nothing_across_hsdp_replicas(hsdp_plans):
+    muon = [r for r in hsdp_plans[4]["traffic"] if r["collective"] == "Muon redistribute"]
     assert muon and all("dp_replicate" not in r["dim"] for r in muon)
 
 

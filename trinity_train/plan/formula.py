@@ -323,18 +323,22 @@ def memory_per_rank(cfg: Config, dims: ParallelDims, *, gpu: bool,
     tokens = cfg.train.micro_batch_size * cfg.data.seq_len
     model_level = model_level_activation_bytes(cfg, dims, a)
     chunk = loss_chunk_bytes(cfg, dims, a)
+    # Under checkpointing the larger of the last loss chunk (the end of forward: the root
+    # gathered, one block's all-gather buffer still held) and a block recomputed in backward
+    # (that block and the next gathered, a unit's fp32 reduce-scatter input).
+    at_loss = not ac or chunk >= max(per_block)
     if ac:
         kept = m.num_layers * tokens * a * m.hidden_size / dims.tp
         activations = kept + model_level + max(chunk, max(per_block))
     else:
         activations = sum(per_block) + model_level + chunk
-    gathered = root + (sum(blocks[:2]) if distributed and ac else 0)
+    gathered = root + (sum(blocks[:2]) if distributed and not at_loss else 0)
     accum = grad_accum_for(cfg.train, dims.dp)
     kept_grads = grads if accum > 1 else 0.0  # earlier micro-batches' gradients are kept
     # Under HSDP they are FSDP's partial-reduce buffers until the last micro-batch all-reduces
     # them into .grad: tensors the memory tracker files under temporaries.
     hsdp = dims.dp_replicate > 1
-    comm = blocks[0] * (FP32 / a) if distributed and ac else 0.0  # a unit's fp32 reduce-scatter input
+    comm = (blocks[0] if at_loss else blocks[0] * FP32 / a) if distributed and ac else 0.0
     fb = {"parameters": params, "gathered parameters": gathered, "gradients": 0.0 if hsdp else kept_grads,
           "optimizer state": opt if steady else 0.0, "activations": activations,
           "communication buffers": comm, "temporaries": kept_grads if hsdp else 0.0}
@@ -408,7 +412,7 @@ def traffic_per_rank(cfg: Config, dims: ParallelDims, *, gpu: bool,
     flows: list[Flow] = []
     dense_dim = "dp_shard"
     for unit, n, dim in (("dense", dims.dp_shard, dense_dim), ("experts", dims.efsdp, "efsdp")):
-        if n == 1:
+        if n == 1 and dims.dp_replicate == 1:
             continue
         names = ("experts",) if unit == "experts" else ("embed", "block", "root")
         units = [[p for p in layer if p.unit in names] for layer in layers]
@@ -419,8 +423,11 @@ def traffic_per_rank(cfg: Config, dims: ParallelDims, *, gpu: bool,
         gathers = sum(1 if r else 2 for r in rooted) * accum  # forward, and again in backward (not the root)
         ag = sum(s * (1 if r else 2) for s, r in zip(shards, rooted)) * a * (n - 1) * accum
         rs = sum(shards) * FP32 * (n - 1) * accum  # fp32 gradients, (n-1)/n of the n-shard input
-        flows += [Flow(FSDP_ALL_GATHER, "all_gather", dim, n, gathers, ag),
-                  Flow(FSDP_REDUCE_SCATTER, "reduce_scatter", dim, n, len(units) * accum, rs)]
+        if not units:
+            continue
+        if n > 1:  # (experts outside expert FSDP are not sharded, but still all-reduced under HSDP)
+            flows += [Flow(FSDP_ALL_GATHER, "all_gather", dim, n, gathers, ag),
+                      Flow(FSDP_REDUCE_SCATTER, "reduce_scatter", dim, n, len(units) * accum, rs)]
         if dims.dp_replicate > 1:  # HSDP: the shards' gradients, all-reduced over the replicas once a step
             r = dims.dp_replicate
             flows.append(Flow(FSDP_ALL_REDUCE, "all_reduce", "dp_replicate", r, len(units),
