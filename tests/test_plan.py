@@ -80,6 +80,7 @@ def test_a_bad_routing_assumption_is_one_line():
     assert_one_line_error(done.returncode, done.stderr, 2, "--routing", "skew=F")
 
 
+@pytest.mark.slow  # two traces of 4 ranks
 def test_two_traced_micro_batches_stand_for_the_whole_step():
     from trinity_train.config import load_config
     from trinity_train.plan.trace import trace_rank
@@ -108,12 +109,14 @@ def hsdp_plans() -> dict:
             for accum in (1, 4)}
 
 
+@pytest.mark.slow  # two plans of 4 ranks (the fixture)
 def test_hsdp_all_reduces_across_replicas_once_per_step(hsdp_plans):
     one, four = ({r["collective"]: r["calls"] for r in hsdp_plans[a]["traffic"]} for a in (1, 4))
     assert four["FSDP reduce-scatter"] == 4 * one["FSDP reduce-scatter"]  # inside the shard group, each micro-batch
     assert four["FSDP all-reduce"] == one["FSDP all-reduce"] > 0  # across replicas, the last micro-batch only
 
 
+@pytest.mark.slow
 def test_muon_sends_nothing_across_hsdp_replicas(hsdp_plans):
     muon = [r for r in hsdp_plans[4]["traffic"] if r["collective"] == "Muon redistribute"]
     assert muon and all("dp_replicate" not in r["dim"] for r in muon)
