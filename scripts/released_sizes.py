@@ -1,4 +1,4 @@
-"""Write docs/guides/released-sizes.md from `trinity-train plan`: each released size traced at the
+"""Write docs/guides/released-sizes.md (and its summary into README.md) from `trinity-train plan`: each released size traced at the
 layout it was trained with (Trinity Large report, sections 3.3-3.5) and at 512 GPUs, priced on
 every GPU of the plan's table, with the closed form's best layouts per GPU (`--search`).
 
@@ -22,6 +22,9 @@ from trinity_train.plan.report import render
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGE = ROOT / "docs" / "guides" / "released-sizes.md"
+README = ROOT / "README.md"
+README_START = "<!-- released-sizes: written by scripts/released_sizes.py from `trinity-train plan` -->"
+README_END = "<!-- /released-sizes -->"
 GPUS = ("h100", "h200", "b200", "b300")
 GIB, GB = 2 ** 30, 1e9
 
@@ -63,6 +66,20 @@ def summary_table(results: list[tuple[str, str, list[str], dict, float]]) -> lis
                      f"{traced['inside_bytes'] / GB:,.0f} / {traced['across_bytes'] / GB:,.0f} | "
                      f"{data['checkpoint']['total_bytes'] / GB:,.0f} | " + " | ".join(cells) + " |")
     return lines
+
+
+def write_readme_summary(results: list[tuple[str, str, list[str], dict, float]]) -> None:
+    """The summary table, with the jobs' commands, between README.md's markers."""
+    text = README.read_text()
+    start, end = text.index(README_START) + len(README_START), text.index(README_END)
+    mfu = results[0][3]["on_every_gpu"][0]["mfu"]
+    body = ["", "Each released config as one rank of the job it was trained as, traced by `trinity-train plan`",
+            f"(per GPU; tokens/s at MFU {mfu:.2f}, a stated assumption, compute and communication overlapped,",
+            "in brackets not); [the page](docs/guides/released-sizes.md) has every table, the layouts that fit",
+            "each GPU best, and how to regenerate it (`python scripts/released_sizes.py`).", "",
+            *summary_table(results), "",
+            *[f"- {name}: `{command(args)}`" for name, _, args, _, _ in results], ""]
+    README.write_text(text[:start] + "\n".join(body) + text[end:])
 
 
 def findings(results: list[tuple[str, str, list[str], dict, float]]) -> list[str]:
@@ -134,7 +151,8 @@ def main() -> int:
     for name, _, args in JOBS:
         page += search_lines(name, args)
     PAGE.write_text("\n".join(page).rstrip() + "\n")
-    print(f"wrote {PAGE.relative_to(ROOT)}", file=sys.stderr)
+    write_readme_summary(results)
+    print(f"wrote {PAGE.relative_to(ROOT)} and README.md's summary", file=sys.stderr)
     return 0
 
 

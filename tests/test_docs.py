@@ -26,3 +26,14 @@ def test_every_design_citation_names_a_section_of_docs_design():
     assert len(cited) >= 3  # the code does cite it: the check below is not vacuous
     missing = {n: where for n, where in cited.items() if n not in sections}
     assert not missing, f"cited but absent from docs/DESIGN.md: {missing}"
+
+
+def test_the_readme_shows_the_released_sizes_page_as_written():
+    # scripts/released_sizes.py writes both from one set of plans: the README's table rows are
+    # the page's, so neither can be edited into a number no plan printed.
+    readme = (ROOT / "README.md").read_text()
+    start = readme.index("<!-- released-sizes:")
+    rows = [line for line in readme[start:readme.index("<!-- /released-sizes -->")].splitlines()
+            if line.startswith("| ") and not line.startswith("| job")]
+    page = (ROOT / "docs" / "guides" / "released-sizes.md").read_text()
+    assert len(rows) == 4 and all(row in page for row in rows)

@@ -13,7 +13,7 @@ from trinity_train.plan.formula import communicators, memory_per_rank, traffic_p
 from trinity_train.plan.hardware import DEFAULT_MFU, DEFAULT_RESERVE, GPUS, Hardware, Reserve
 from trinity_train.plan.job import JobPlan
 from trinity_train.plan.search import Candidate
-from trinity_train.plan.timing import split_by_link, step_time_of_bytes
+from trinity_train.plan.timing import flops_per_gpu, split_by_link, step_time_of_bytes
 from trinity_train.plan.trace import CATEGORIES
 
 GIB = 2 ** 30
@@ -116,7 +116,8 @@ def timing_summary(plan: JobPlan, traffic: dict, hardware: Hardware, mfu: float)
     """The predicted step of the traced rank: its traced bytes inside and across nodes priced on
     `hardware`, its compute at `mfu`."""
     t = step_time_of_bytes(plan.cfg, plan.dims, traffic["inside_bytes"], traffic["across_bytes"], hardware, mfu)
-    return {"gpu": hardware.name, "mfu": mfu, "compute_s": t.compute_s, "comm_s": t.comm_s,
+    return {"gpu": hardware.name, "mfu": mfu, "flops_per_gpu": flops_per_gpu(plan.cfg, plan.dims),
+            "compute_s": t.compute_s, "comm_s": t.comm_s,
             "no_overlap_s": t.no_overlap_s, "overlap_s": t.overlap_s,
             "tokens_per_s_per_gpu": {"overlap": t.tokens_per_s_per_gpu(True),
                                      "no_overlap": t.tokens_per_s_per_gpu(False)},
@@ -234,7 +235,8 @@ def render(data: dict) -> str:
         lines += ["", f"step time on {st['gpu']} at MFU {st['mfu']:.2f} ({st['peak_tflops']:,.0f} TFLOPS peak; rank "
                       f"{classes[0]['rank']}'s traced traffic at {st['intra_gbytes_s']:g} GB/s inside a node, "
                       f"{st['inter_gbits_s']:g} Gbit/s across)",
-                  f"  compute {seconds(st['compute_s'])}, communication {seconds(st['comm_s'])}"]
+                  f"  compute {seconds(st['compute_s'])} ({st['flops_per_gpu']:.3g} FLOPs per GPU), communication "
+                  f"{seconds(st['comm_s'])}"]
         for label, key in (("no overlap", "no_overlap"), ("full overlap", "overlap")):
             lines.append(f"  {label:<14}{seconds(st[key + '_s']):>12}{st['tokens_per_s_per_gpu'][key]:>14,.0f} "
                          "tokens/s per GPU")

@@ -69,16 +69,21 @@ def tokens_per_rank(cfg: Config, dims: ParallelDims) -> float:
     return cfg.train.micro_batch_size * grad_accum_for(cfg.train, dims.dp) * cfg.data.seq_len
 
 
-def compute_seconds(cfg: Config, dims: ParallelDims, hardware: Hardware, mfu: float = DEFAULT_MFU) -> float:
-    """FLOPs of this rank's tokens / (peak x MFU); a tp rank does 1/tp of its group's work."""
+def flops_per_gpu(cfg: Config, dims: ParallelDims) -> float:
+    """FLOPs one GPU computes per step (model/counting.py's training FLOPs of its tokens, the
+    recomputed forward of activation checkpointing included); a tp rank does 1/tp of its group's."""
     m = cfg.model
     per_token = training_flops_per_token(m, cfg.data.seq_len)
     if cfg.train.activation_checkpointing:
         head = 6 * m.vocab_size * m.hidden_size  # the head is outside the checkpointed blocks
         blocks = per_token - head
         per_token = head + blocks * 8 / 6  # one more forward (2 of the 6 FLOPs per multiply-add)
-    flops = per_token * tokens_per_rank(cfg, dims) / dims.tp
-    return flops / (hardware.peak_tflops * 1e12 * mfu)
+    return per_token * tokens_per_rank(cfg, dims) / dims.tp
+
+
+def compute_seconds(cfg: Config, dims: ParallelDims, hardware: Hardware, mfu: float = DEFAULT_MFU) -> float:
+    """`flops_per_gpu` / (peak x MFU)."""
+    return flops_per_gpu(cfg, dims) / (hardware.peak_tflops * 1e12 * mfu)
 
 
 def split_by_link(flows: list[Flow], dims: ParallelDims, gpus_per_node: int) -> tuple[float, float]:
