@@ -4,7 +4,8 @@ what can be measured here"): memory, traffic and step time.
     python benchmarks/plan_vs_measured.py [--models default,100m] [--skip-memory] [--skip-traffic]
                                           [--skip-time] [--rounds 2] [--steps 8]
 
-1. Memory: rank 0's traced peak (`trace_rank(..., gpu=False)`) against a real step of the same
+1. Memory: rank 0's traced peak (`trace_rank(..., gpu=False)`) and the closed form's
+   (`formula.memory_per_rank`) against a real step of the same
    config (tests/plan_runs.py: iteration 2 of a real Trainer on fresh gloo ranks, one OpenMP
    thread each), for the default model and a ~100M-parameter one (`HUNDRED_M`), one process,
    FSDP 2, FSDP 2 x EP 2 and TP 2 x FSDP 2 x EP 2 (4 ranks: ep must divide dp_shard), each with
@@ -39,11 +40,13 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from multinode import COMMON as MULTINODE_JOB  # noqa: E402
 from multinode import CONDITIONS, bed_unavailable, bench_on_bed, loadavg  # noqa: E402
-from plan_runs import LAYOUTS, MEMORY_BATCH, measure_rank, trace_measured  # noqa: E402
+from plan_runs import LAYOUTS, MEMORY_BATCH, measure_rank, measured_config, trace_measured  # noqa: E402
 from ranks import run_ranks  # noqa: E402
 
 from trinity_train.plan.collectives import (EP_ALL_TO_ALL, FSDP_ALL_GATHER, FSDP_REDUCE_SCATTER,  # noqa: E402
                                             MUON_REDISTRIBUTE, sent_by_category)
+from trinity_train.parallel.mesh import ParallelDims  # noqa: E402
+from trinity_train.plan.formula import memory_per_rank  # noqa: E402
 from trinity_train.plan.timing import GLOO_WIRE_FACTORS, price_measured  # noqa: E402
 
 # ~100M parameters (99.4M: 8 x 16 experts of 512 x 512 in 6 MoE layers, hidden 512).
@@ -65,9 +68,9 @@ def mib(x: float) -> str:
 def memory_table(models: list[str], work: Path) -> None:
     print("memory of rank 0 at the step's peak (MiB = 2^20 B): traced against a real step "
           f"({' '.join(MEMORY_BATCH)}, --train.compile=false)")
-    print("| model | layout | ranks | act. ckpt | traced | tracker on the real step | ratio | RSS estimate | ratio | "
-          "RSS growth | load |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| model | layout | ranks | act. ckpt | traced | formula | tracker on the real step | traced / real | "
+          "formula / real | RSS estimate | traced / RSS | RSS growth | load |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for model in models:
         for index, (layout, (world, settings)) in enumerate(LAYOUTS.items()):
             for checkpointing in ("false", "true"):
@@ -76,9 +79,13 @@ def memory_table(models: list[str], work: Path) -> None:
                 run_dir = work / f"{model}-{index}-{checkpointing}"
                 real = run_ranks(world, measure_rank, overrides, run_dir / "run", True, True)[0]
                 traced = trace_measured(overrides, run_dir / "trace", world, 0).peak
-                print(f"| {model} | {layout} | {world} | {checkpointing} | {mib(traced)} | {mib(real['tracked_peak'])} | "
-                      f"{traced / real['tracked_peak']:.3f} | {mib(real['rss_peak_estimate'])} | "
-                      f"{traced / real['rss_peak_estimate']:.3f} | {mib(real['rss_growth'])} | {loadavg()} |", flush=True)
+                cfg = measured_config(overrides, run_dir / "formula")
+                formula = memory_per_rank(cfg, ParallelDims.from_config(cfg, world), gpu=False).peak
+                tracked = real["tracked_peak"]
+                print(f"| {model} | {layout} | {world} | {checkpointing} | {mib(traced)} | {mib(formula)} | "
+                      f"{mib(tracked)} | {traced / tracked:.3f} | {formula / tracked:.3f} | "
+                      f"{mib(real['rss_peak_estimate'])} | {traced / real['rss_peak_estimate']:.3f} | "
+                      f"{mib(real['rss_growth'])} | {loadavg()} |", flush=True)
     print()
 
 

@@ -47,6 +47,7 @@ def test_ep_bytes_are_the_dispatch_of_balanced_routing(eight_ranks):
     assert ep["inside_bytes"] == 12 * 8 * 256 * 2 * 256 * 4 / 2 and ep["across_bytes"] == 0
 
 
+@pytest.mark.slow  # a second plan through the console script
 def test_groups_that_span_nodes_are_counted_across(eight_ranks):
     across = plan_json("--world", "8", "--parallel.ep=2", "--gpus-per-node", "2")
     rows = {(r["collective"], r["dim"]): r for r in across["traffic"]}
@@ -62,6 +63,7 @@ def test_chunk_length_is_torch_chunk(size, parts):
     assert [chunk_length(size, parts, i) for i in range(parts)] == want
 
 
+@pytest.mark.slow  # a second plan through the console script
 def test_uneven_shards_make_rank_classes():
     # 6 ranks cut the 8192-row embedding into 1366-row chunks, the last one shorter (1362).
     plan = plan_json("--world", "6", "--model.num_experts=6")
