@@ -10,24 +10,30 @@ from trinity_train.plan.collectives import (EP_ALL_TO_ALL, FSDP_ALL_GATHER, FSDP
 from trinity_train.plan.formula import memory_per_rank, traffic_per_rank
 from trinity_train.plan.trace import trace_rank
 
+AC = "--train.activation_checkpointing=true"
 CASES = [
-    pytest.param(["--parallel.ep=2"], id="fsdp2-ep2"),
-    pytest.param(["--parallel.ep=2", "--train.activation_checkpointing=true"], id="fsdp2-ep2-ac"),
+    pytest.param(["--parallel.ep=2"], False, id="fsdp2-ep2"),
+    pytest.param(["--parallel.ep=2", AC], False, id="fsdp2-ep2-ac"),
+    # The peak in the backward of the first block (benchmarks/README.md section 16).
+    pytest.param(["--parallel.dp_shard=2", AC, "--train.global_batch_size=4", "--train.micro_batch_size=2"], False,
+                 id="fsdp2-ac"),
+    # GPU numerics: bf16, the memory-efficient kernel's expanded kv heads and converted mask.
+    pytest.param(["--parallel.dp_shard=2", "--train.dtype=bf16"], True, id="fsdp2-gpu-bf16"),
 ]
 
 
-@pytest.mark.parametrize("overrides", CASES)
-def test_formula_agrees_with_the_trace(overrides):
+@pytest.mark.parametrize("overrides, gpu", CASES)
+def test_formula_agrees_with_the_trace(overrides, gpu):
     cfg = load_config(None, overrides)
-    traced = trace_rank(cfg, 2, 0, gpu=False)
+    traced = trace_rank(cfg, 2, 0, gpu=gpu)
     dims = ParallelDims.from_config(cfg, 2)
     # The trace is a steady-state iteration: the optimizer state exists before its forward.
-    model = memory_per_rank(cfg, dims, gpu=False)
+    model = memory_per_rank(cfg, dims, gpu=gpu)
     assert model.peak == pytest.approx(traced.peak, rel=0.10)
     sent = sent_by_category(traced.collectives)
-    predicted = sent_by_category(traffic_per_rank(cfg, dims, gpu=False))
+    predicted = sent_by_category(traffic_per_rank(cfg, dims, gpu=gpu))
     for category in (FSDP_ALL_GATHER, FSDP_REDUCE_SCATTER, EP_ALL_TO_ALL, MUON_REDISTRIBUTE):
-        assert predicted[category] == pytest.approx(sent[category], rel=0.10), category
+        assert predicted.get(category, 0) == pytest.approx(sent.get(category, 0), rel=0.10), category
 
 
 def test_steady_state_holds_the_optimizer_state_through_backward():
@@ -35,6 +41,7 @@ def test_steady_state_holds_the_optimizer_state_through_backward():
     dims = ParallelDims.one_process()
     first = memory_per_rank(cfg, dims, gpu=False, steady=False)
     later = memory_per_rank(cfg, dims, gpu=False)
-    assert later.moments["forward/backward"]["optimizer state"] > 0
-    assert first.moments["forward/backward"]["optimizer state"] == 0
+    for moment in ("end of forward", "backward"):
+        assert later.moments[moment]["optimizer state"] > 0
+        assert first.moments[moment]["optimizer state"] == 0
     assert later.peak > first.peak

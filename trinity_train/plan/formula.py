@@ -175,33 +175,36 @@ class Numerics:
 
 
 def _attention_saved(m: ModelConfig, tokens: float, tp: int, a: int, seq_len: int, layer: int,
-                     batch: int) -> float:
+                     batch: int, gpu: bool) -> float:
     """Bytes one attention sublayer keeps for backward, for `tokens` tokens of this tp rank's
-    heads. The norms compute in fp32 and keep their fp32 input; the sigmoid gate keeps its
-    output and the attention output, o_proj its input. SDPA depends on the mask:
-    - none (a causal global layer): the fused kernel keeps q, k, v, its output and the
-      log-sum-exp;
-    - a sliding window computed in blocks: the same, with (window + block) / block copies of
-      the keys and values;
-    - a dense boolean mask (a window over half the sequence or more, document masking): the
-      kernel the trace's CPU device picks for a mask with grouped-query heads is SDPA's math
-      path, which keeps the scaled q, the kv heads expanded to every head, and the softmax
-      probabilities [heads, T, T] (B x heads x T^2 elements: the term that grows with T^2)."""
+    heads. Each RMSNorm keeps its input and its normalized output in fp32 (`F.rms_norm` on
+    `x.float()`); the sigmoid gate keeps its output and the attention output, o_proj its input.
+    SDPA's fused kernel keeps q, k, v, its output and the log-sum-exp, and, given a mask, the
+    mask converted to the compute dtype (`model/attention.py`):
+    - no mask: a causal global layer;
+    - a sliding window computed in blocks: (window + block) / block copies of the keys and
+      values, a [block, window + block] mask per block of queries;
+    - a dense mask (a window over half the sequence or more, document masking): [T, T] per
+      sequence (one for the batch without document masking).
+    With a mask on GPUs the kv heads are expanded to every head (the memory-efficient kernel does
+    not take grouped-query heads); CPUs' fused kernel takes them as they are."""
     d, hd = m.hidden_size, m.head_dim
     h, kv = m.num_heads // tp, m.num_kv_heads // tp
     window = m.sliding_window
     is_local = not is_global_layer(m, layer) and window < seq_len
-    masked = is_local and seq_len <= 2 * window or (m.doc_masking and not (is_local and seq_len > 2 * window))
-    norms = FP32 * (2 * d / tp + (h + kv) * hd)  # attn_norm input, post-norm input (sequence-split), q/k norm inputs
+    blocks = is_local and seq_len > 2 * window
+    dense_mask = not blocks and (is_local or m.doc_masking)
+    # attn_norm and attn_post_norm (sequence-split under TP), q_norm and k_norm
+    norms = 2 * FP32 * (2 * d / tp + (h + kv) * hd)
     proj_in = a * d  # the normed input of q/k/v/gate (whole sequence under TP)
-    if masked:
-        sdpa = a * hd * 3 * h + a * h * seq_len
-    else:
-        kv_copies = 1.0
-        if is_local:
-            block = window // 2 if window % 2 == 0 else window
-            kv_copies = (window + block) / block
-        sdpa = a * hd * (h + 2 * kv * kv_copies + h) + FP32 * h  # q, k, v, out, lse
+    kv_copies, mask = 1.0, 0.0
+    if blocks:
+        block = window // 2 if window % 2 == 0 else window
+        kv_copies, mask = (window + block) / block, a * (window + block)
+    elif dense_mask:
+        mask = a * seq_len * (1 if m.doc_masking else 1 / batch)
+    kv_heads = h if gpu and (blocks or dense_mask) else kv
+    sdpa = a * hd * (h + 2 * kv_heads * kv_copies + h) + FP32 * h + mask  # q, k, v, out, lse, mask
     gate = a * hd * h * 3  # out (reshaped copy), sigmoid(gate), their product (o_proj's input)
     return tokens * (norms + proj_in + sdpa + gate)
 
@@ -229,27 +232,34 @@ def _moe_saved(m: ModelConfig, tokens: float, dims: ParallelDims, a: int, skew: 
     return router + sort + experts + combine + shared
 
 
-def block_activation_bytes(cfg: Config, dims: ParallelDims, layer: int, a: int, skew: float) -> float:
-    """Everything block `layer` keeps for backward for one micro-batch on this rank."""
+def block_activation_bytes(cfg: Config, dims: ParallelDims, layer: int, a: int, skew: float, gpu: bool) -> float:
+    """Everything block `layer` keeps for backward for one micro-batch on this rank (`gpu`: the
+    kernels a GPU runs)."""
     m = cfg.model
     tokens = cfg.train.micro_batch_size * cfg.data.seq_len
-    saved = _attention_saved(m, tokens, dims.tp, a, cfg.data.seq_len, layer, cfg.train.micro_batch_size)
-    saved += tokens * FP32 * 2 * m.hidden_size / dims.tp  # mlp_norm input, mlp_post_norm input
+    saved = _attention_saved(m, tokens, dims.tp, a, cfg.data.seq_len, layer, cfg.train.micro_batch_size, gpu)
+    saved += tokens * 2 * FP32 * 2 * m.hidden_size / dims.tp  # mlp_norm, mlp_post_norm: input, normalized
     if layer >= m.num_dense_layers:
         return saved + _moe_saved(m, tokens, dims, a, skew)
     return saved + _ffn_saved(tokens, m.hidden_size, m.intermediate_size // dims.tp, a)
 
 
-def model_level_activation_bytes(cfg: Config, dims: ParallelDims, a: int) -> float:
-    """What the model keeps once per forward: the masks and rotary tables every layer shares,
-    the final norm's input, and the fused loss's gradients (hidden and the head's fp32 weight
-    gradient, computed in the forward)."""
+def shared_activation_bytes(cfg: Config, a: int) -> float:
+    """What every layer shares and the whole backward keeps: the rotary tables and the masks."""
     m, b, t = cfg.model, cfg.train.micro_batch_size, cfg.data.seq_len
-    tokens = b * t
-    out = 2 * tokens * m.head_dim * a * (1 + (0 if m.block != "gemma3" else 1))  # cos, sin
+    out = 2 * b * t * m.head_dim * a * (1 + (0 if m.block != "gemma3" else 1))  # cos, sin
     if m.doc_masking or m.sliding_window < t:
         out += (b if m.doc_masking else 1) * t * t  # a bool mask per layer kind
-    out += tokens * FP32 * m.hidden_size / dims.tp  # final norm input
+    return out
+
+
+def model_level_activation_bytes(cfg: Config, dims: ParallelDims, a: int) -> float:
+    """What the model keeps once per forward: the shared tables and masks, the final norm's
+    input, and the fused loss's gradients (hidden and the head's fp32 weight gradient,
+    computed in the forward)."""
+    m = cfg.model
+    tokens = cfg.train.micro_batch_size * cfg.data.seq_len
+    out = shared_activation_bytes(cfg, a) + tokens * FP32 * m.hidden_size / dims.tp  # final norm input
     if dims.tp == 1:  # the fused loss: grad_hidden and the head's fp32 weight gradient
         out += tokens * a * m.hidden_size + FP32 * m.vocab_size * m.hidden_size
     return out
@@ -275,11 +285,11 @@ def loss_chunk_bytes(cfg: Config, dims: ParallelDims, a: int) -> float:
 
 @dataclass
 class MemoryModel:
-    """Predicted bytes per category (`trace.CATEGORIES`) at the step's peak, and at the two
+    """Predicted bytes per category (`trace.CATEGORIES`) at the step's peak, and at the three
     moments that compete for it."""
 
     by_category: dict[str, float]
-    moment: str  # "forward/backward" or "optimizer step"
+    moment: str  # "end of forward", "backward of block N" or "optimizer step"
     moments: dict[str, dict[str, float]] = field(repr=False, default_factory=dict)
 
     @property
@@ -289,7 +299,9 @@ class MemoryModel:
 
 def memory_per_rank(cfg: Config, dims: ParallelDims, *, gpu: bool,
                     routing: AssumedRouting = AssumedRouting(), steady: bool = True) -> MemoryModel:
-    """Peak memory of one rank (the traced rank: the hottest experts under `routing`).
+    """Peak memory of one rank (the traced rank: the hottest experts under `routing`) at the
+    larger of three moments: the end of the last micro-batch's forward (its last loss chunk),
+    the backward of the block where the most is alive, and the optimizer step.
 
     `steady`: a step after the first, whose optimizer state exists through forward and backward;
     False models the first iteration, which the trace runs (the state is born in its step)."""
@@ -305,50 +317,81 @@ def memory_per_rank(cfg: Config, dims: ParallelDims, *, gpu: bool,
     grads = FP32 * sum(n for _, n in shard)
     opt = FP32 * sum(n * (1 if muon and is_muon_param(p.name, cfg.optim.muon_router) else 2)
                      for p, n in shard)
-
-    # The forward/backward peak comes at one of two moments. Without activation checkpointing:
-    # the last loss chunk of the last micro-batch's forward, every block's activations kept, the
-    # blocks resharded, only the root gathered. With it: the start of backward, one block
-    # recomputed (larger than a loss chunk) while it and the next one (prefetched) are gathered
-    # and its gradients reduce-scattered.
-    def unit_bytes(layer, unit_names):
-        return sum(unsharded_numel(p, dims) for p in layer if p.unit in unit_names) * a
+    static = {"parameters": params, "optimizer state": opt if steady else 0.0}
 
     distributed = dims.is_distributed
     ac = cfg.train.activation_checkpointing
-    root = unit_bytes(layers[-1], ("root",)) if distributed else 0
-    blocks = sorted((unit_bytes(layer, ("block", "experts")) for layer in block_kinds(m, dims.tp, dims.ep)),
-                    reverse=True) * 2  # each kind of block at least twice: a block and the next one
-    per_block = [block_activation_bytes(cfg, dims, i, a, routing.skew) for i in range(m.num_layers)]
-    tokens = cfg.train.micro_batch_size * cfg.data.seq_len
-    model_level = model_level_activation_bytes(cfg, dims, a)
-    chunk = loss_chunk_bytes(cfg, dims, a)
-    # Under checkpointing the larger of the last loss chunk (the end of forward: the root
-    # gathered, one block's all-gather buffer still held) and a block recomputed in backward
-    # (that block and the next gathered, a unit's fp32 reduce-scatter input).
-    at_loss = not ac or chunk >= max(per_block)
-    if ac:
-        kept = m.num_layers * tokens * a * m.hidden_size / dims.tp
-        activations = kept + model_level + max(chunk, max(per_block))
-    else:
-        activations = sum(per_block) + model_level + chunk
-    gathered = root + (sum(blocks[:2]) if distributed and not at_loss else 0)
     accum = grad_accum_for(cfg.train, dims.dp)
-    kept_grads = grads if accum > 1 else 0.0  # earlier micro-batches' gradients are kept
-    # Under HSDP they are FSDP's partial-reduce buffers until the last micro-batch all-reduces
-    # them into .grad: tensors the memory tracker files under temporaries.
     hsdp = dims.dp_replicate > 1
-    comm = (blocks[0] if at_loss else blocks[0] * FP32 / a) if distributed and ac else 0.0
-    fb = {"parameters": params, "gathered parameters": gathered, "gradients": 0.0 if hsdp else kept_grads,
-          "optimizer state": opt if steady else 0.0, "activations": activations,
-          "communication buffers": comm, "temporaries": kept_grads if hsdp else 0.0}
+    # Earlier micro-batches' gradients are kept; under HSDP they are FSDP's partial-reduce buffers
+    # until the last micro-batch all-reduces them into .grad: the tracker files them as temporaries.
+    kept_grads = grads if accum > 1 else 0.0
+    kept = {"gradients": 0.0 if hsdp else kept_grads, "temporaries": kept_grads if hsdp else 0.0}
+
+    def unit_bytes(layer, unit_names=("block", "experts")):
+        """A layer's FSDP units (the block, and its experts under EP) gathered, in the compute dtype."""
+        return sum(unsharded_numel(p, dims) for p in layer if p.unit in unit_names) * a if distributed else 0.0
+
+    # Per block, dense or MoE (equal blocks computed once): its units gathered, its fp32 gradient
+    # shards, its unsharded gradients (compute dtype), the all-gather buffer of the unit backward
+    # gathers first (the experts under EP) and the fp32 reduce-scatter buffer of the one it
+    # reduce-scatters last (the block's own unit).
+    kinds = {}
+    for moe in {i >= m.num_dense_layers for i in range(m.num_layers)}:
+        layer = layers[1 + (m.num_dense_layers if moe else 0)]
+        own, experts = unit_bytes(layer, ("block",)), unit_bytes(layer, ("experts",))
+        kinds[moe] = (own + experts, FP32 * sum(shard_numel(p, dims) for p in layer),
+                      a * sum(unsharded_numel(p, dims) for p in layer), max(own, experts), own * FP32 / a)
+    gathered_of, shard_grads_of, grads_of, prefetch_of, reduce_of = zip(
+        *(kinds[i >= m.num_dense_layers] for i in range(m.num_layers)))
+    root, embed = unit_bytes(layers[-1], ("root",)), unit_bytes(layers[0], ("embed",))
+    root_grads = FP32 * sum(shard_numel(p, dims) for p in layers[-1])
+
+    tokens = cfg.train.micro_batch_size * cfg.data.seq_len
+    per_block = [block_activation_bytes(cfg, dims, i, a, routing.skew, gpu) for i in range(m.num_layers)]
+    block_input = tokens * a * m.hidden_size / dims.tp  # what a checkpointed block keeps
+
+    # The end of forward: every block's activations (or inputs, checkpointed) kept, the loss's
+    # last chunk alive, the blocks resharded (under checkpointing the last block's all-gather
+    # buffer still held), only the root gathered.
+    forward_acts = m.num_layers * block_input if ac else sum(per_block)
+    forward = {**static, **kept, "gathered parameters": root,
+               "activations": forward_acts + model_level_activation_bytes(cfg, dims, a) + loss_chunk_bytes(cfg, dims, a),
+               "communication buffers": max(gathered_of) if distributed and ac else 0.0}
+
+    # The backward of block i (last to first): blocks 0..i's activations kept (checkpointed: their
+    # inputs, block i recomputed); the root and block i gathered, block i's unsharded gradients
+    # computed, the next unit's all-gather prefetched, block i+1's reduce-scatter buffer held
+    # (fp32) and the blocks above it reduce-scattered into their shards; the head's gradient
+    # waits for the root's reduce-scatter at the very end.
+    head = a * m.vocab_size // dims.tp * m.hidden_size  # unsharded, in the compute dtype
+    shared = shared_activation_bytes(cfg, a)
+    backward, later_grads, below = {}, 0.0, sum(per_block)
+    for i in reversed(range(m.num_layers)):
+        below -= per_block[i]
+        acts = (i + 1) * block_input if ac else below + per_block[i]
+        if distributed:
+            grads_now = kept_grads if accum > 1 else later_grads
+            temps = head + grads_of[i] + (per_block[i] if ac else 0.0)
+            comm = (prefetch_of[i - 1] if i else embed) + (reduce_of[i + 1] if i + 1 < m.num_layers else 0.0)
+            gathered = root + gathered_of[i]
+        else:  # one process: gradients land in .grad directly, the head's in the loss's backward
+            grads_now = kept_grads if accum > 1 else later_grads + root_grads + shard_grads_of[i]
+            temps, comm, gathered = per_block[i] if ac else 0.0, 0.0, 0.0
+        candidate = {**static, "gathered parameters": gathered, "gradients": 0.0 if hsdp else grads_now,
+                     "activations": acts + shared,
+                     "communication buffers": comm, "temporaries": temps + (kept_grads if hsdp else 0.0)}
+        if not backward or sum(candidate.values()) > sum(backward[1].values()):
+            backward = (i, candidate)
+        later_grads += shard_grads_of[i]
 
     step = {"parameters": params, "gathered parameters": 0.0, "gradients": grads,
             "optimizer state": opt, "activations": 0.0, "communication buffers": 0.0,
             "temporaries": muon_temporaries(cfg, dims, list(counts), nums) if muon else 0.0}
-    moments = {"forward/backward": fb, "optimizer step": step}
+    moments = {"end of forward": forward, "backward": backward[1], "optimizer step": step}
     moment = max(moments, key=lambda k: sum(moments[k].values()))
-    return MemoryModel(dict(moments[moment]), moment, moments)
+    name = f"backward of block {backward[0]}" if moment == "backward" else moment
+    return MemoryModel({c: moments[moment].get(c, 0.0) for c in CATEGORIES}, name, moments)
 
 
 def _gather_group(p: Param, dims: ParallelDims) -> int:

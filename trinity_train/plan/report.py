@@ -207,7 +207,7 @@ def render(data: dict) -> str:
         lines.append(row("total with reserve", [c["total_with_reserve"] for c in fit["classes"]],
                          formula["total_with_reserve"]))
     lines.append("  ranks in each class: " + ", ".join(f"rank {c['rank']}: {c['ranks']}" for c in classes)
-                 + f"; the formula's peak is at its {formula['moment']}")
+                 + f"; the formula's peak: {formula['moment']}")
     if fit is not None:
         needed, have = fit["needed_bytes"] / GIB, fit["memory_bytes"] / GIB
         lines.append(f"fits on {fit['gpu']} ({needed:.1f} of {have:.1f} GiB with the reserve)" if fit["fits"] else
