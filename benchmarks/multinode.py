@@ -427,9 +427,7 @@ def kind_of(category: str) -> str:
     """The collective behind a counter category (for the calibration's wire factor)."""
     if category in (FSDP_ALL_GATHER, MUON_REDISTRIBUTE):
         return "all_gather"
-    if category == FSDP_REDUCE_SCATTER:
-        return "reduce_scatter"
-    if category == EP_ALL_TO_ALL:
+    if category in (FSDP_REDUCE_SCATTER, EP_ALL_TO_ALL):  # FSDP's on gloo: parallel/gloo_reduce_scatter.py
         return "all_to_all"
     return category.removeprefix("other: ").split(" ")[0]
 
