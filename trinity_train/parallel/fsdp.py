@@ -95,3 +95,14 @@ def all_reduce_across_replicas(model: nn.Module, now: bool) -> None:
     `set_requires_all_reduce`). A no-op without FSDP."""
     if isinstance(model, FSDPModule):
         model.set_requires_all_reduce(now)
+
+
+def reduce_gradients(model: nn.Module, now: bool) -> None:
+    """Whether this backward reduces the gradients at all (`parallel.sync_every_micro_batch =
+    false`): the step turns it off for every micro-batch but the last, so each FSDP unit keeps
+    its unsharded gradients, summed over the micro-batches, and reduce-scatters them once a step
+    (and under HSDP all-reduces them once across replicas): one reduce-scatter a step instead of
+    one per micro-batch, for a rank holding every unit's whole gradients until the last backward
+    (FSDP2's `set_requires_gradient_sync`). A no-op without FSDP."""
+    if isinstance(model, FSDPModule):
+        model.set_requires_gradient_sync(now)
