@@ -20,7 +20,7 @@ of their whole ep group, other weights only the local ones).
 
 On CPUs (gloo) every unit's reduce-scatter is `gloo_reduce_scatter.AllToAllReduceScatter`: an
 all-to-all of the shards and a local sum, which sends half of what gloo's own (an all-reduce)
-does on two ranks and is bitwise the same sum there.
+does and, on two ranks, is bitwise the same sum.
 """
 
 from __future__ import annotations
@@ -83,7 +83,7 @@ def apply_fsdp(model: nn.Module, dims: ParallelDims, mp_policy: MixedPrecisionPo
             module.set_gradient_divide_factor(1.0)
             # A plain SUM: no pre-multiplied sum, which gloo lacks and a factor of 1 does not need.
             module.set_force_sum_reduction_for_comms(True)
-            if device.type == "cpu":  # gloo: its own reduce-scatter sends the whole tensor twice
+            if device.type == "cpu":  # gloo: its own is an all-reduce, twice the share's bytes
                 module.set_custom_reduce_scatter(AllToAllReduceScatter())
 
 
