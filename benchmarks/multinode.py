@@ -23,8 +23,9 @@ conditions use the same two cores:
    to the other (all-gather: its shard x (n-1); reduce-scatter and all-reduce: (n-1)/n and
    2(n-1)/n of the tensor; all-to-all: the rows for other ranks), by kind, next to the theory
    from the model's sizes (`theory`). A calibration on the bed measures what gloo puts on the
-   wire per credited byte of each kind (a 16 MiB tensor); payload x that factor must match the
-   same steps' wire bytes within 5 %.
+   wire per credited byte of each kind (a 16 MiB tensor; FSDP's reduce-scatter takes the
+   all-to-all's, which it is on gloo: parallel/gloo_reduce_scatter.py); payload x that factor
+   must match the same steps' wire bytes within 5 %.
 3. Recovery on the bed, 2 hosts x 1 rank, `--checkpoint.every=1 --parallel.collective_timeout_s=8`,
    one job with three faults in turn: node loss (every process of host 1 SIGKILLed, its launcher
    started again), partition (host 1's link down for 2 x the timeout, then up), frozen rank
@@ -427,9 +428,7 @@ def kind_of(category: str) -> str:
     """The collective behind a counter category (for the calibration's wire factor)."""
     if category in (FSDP_ALL_GATHER, MUON_REDISTRIBUTE):
         return "all_gather"
-    if category == FSDP_REDUCE_SCATTER:
-        return "reduce_scatter"
-    if category == EP_ALL_TO_ALL:
+    if category in (FSDP_REDUCE_SCATTER, EP_ALL_TO_ALL):  # FSDP's on gloo: parallel/gloo_reduce_scatter.py
         return "all_to_all"
     return category.removeprefix("other: ").split(" ")[0]
 

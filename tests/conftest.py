@@ -156,6 +156,9 @@ TWO_RANK_LAYOUTS = {
     "tp2_gemma3": {"parallel": {"tp": 2}, "model": {"block": "gemma3"}},
     # HSDP with two micro-batches per rank: the all-reduce across replicas waits for the last one.
     "hsdp2_accum": {"parallel": {"dp_replicate": 2, "dp_shard": 1}},
+    # FSDP and HSDP (two micro-batches per rank) reducing the gradients once a step, after the last.
+    "fsdp2_sync_last": {"parallel": {"dp_shard": 2, "sync_every_micro_batch": False}},
+    "hsdp2_sync_last": {"parallel": {"dp_replicate": 2, "dp_shard": 1, "sync_every_micro_batch": False}},
 }
 FOUR_RANK_LAYOUTS = {
     "hsdp2x2": {"parallel": {"dp_replicate": 2, "dp_shard": 2}},

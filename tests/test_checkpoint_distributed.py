@@ -1,7 +1,8 @@
 """Checkpoints of a distributed run (FSDP over two gloo ranks): sharded async saves commit and
 verify, a resume continues exactly, one process can resume the two-rank checkpoint (DCP reshards
-it: the optimizer state is keyed by parameter name), and a rollback over poisoned batches equals
-a run that skipped them."""
+it: the optimizer state is keyed by parameter name), also when the gradients are reduced once a
+step (`parallel.sync_every_micro_batch = false`), and a rollback over poisoned batches equals a
+run that skipped them."""
 
 import functools
 import shutil
@@ -20,10 +21,11 @@ from trinity_train.train import Trainer, build_model_for_training
 from trinity_train.records import RecordKind
 
 def config(corpus, run_dir, dp: int, steps: int = 4, stability: dict | None = None, data: dict | None = None,
-           **checkpoint):
+           parallel: dict | None = None, **checkpoint):
     return run_config(
         corpus, run_dir,
         model={"num_layers": 2, "global_every": 2},
+        parallel=parallel or {},
         data=data or {},
         # The same 4-row global batch for any number of data-parallel ranks.
         train={"steps": steps, "micro_batch_size": 1, "grad_accum": 4 // dp, "eval_every": 0},
@@ -44,12 +46,12 @@ def fsdp_trainer(cfg):
                    model_builder=functools.partial(build_model_for_training, dims=dims))
 
 
-def two_rank_runs(corpus, root):
+def two_rank_runs(corpus, root, parallel: dict | None = None):
     """On each of two ranks: an uninterrupted run with async saves, then a resume from its step-2
-    checkpoint into a fresh directory."""
+    checkpoint into a fresh directory (`parallel`: config keys beside the layout)."""
     init_gloo()
     straight = root / "straight"
-    fsdp_trainer(config(corpus, straight, dp=2, async_save=True)).run()
+    fsdp_trainer(config(corpus, straight, dp=2, async_save=True, parallel=parallel)).run()
 
     resumed = root / "resumed"
     if dist.get_rank() == 0:  # a copy of the run as it stood at step 2
@@ -58,7 +60,7 @@ def two_rank_runs(corpus, root):
         (resumed / "metrics.jsonl").write_text(
             "".join(line + "\n" for line in (straight / "metrics.jsonl").read_text().splitlines()[:2]))
     dist.barrier()
-    fsdp_trainer(config(corpus, resumed, dp=2, resume="auto")).run()
+    fsdp_trainer(config(corpus, resumed, dp=2, resume="auto", parallel=parallel)).run()
     dist.barrier()
     return dist.get_rank()
 
@@ -84,6 +86,13 @@ def test_two_rank_checkpoints_resume_exactly_and_reshard_to_one_process(corpus, 
     for (_, loss, norm), (_, ref_loss, ref_norm) in zip(ours, expected[2:]):
         assert loss == pytest.approx(ref_loss, rel=1e-5) and norm == pytest.approx(ref_norm, rel=1e-4)
 
+
+def test_two_rank_runs_reducing_once_a_step_resume_exactly(corpus, tmp_path, rank_pool):
+    # Two micro-batches a step, reduced after the last only: nothing unsharded outlives a step.
+    rank_pool(2).run(two_rank_runs, corpus, tmp_path, {"sync_every_micro_batch": False})
+    expected = losses(tmp_path / "straight")
+    assert [s for s, _, _ in expected] == [1, 2, 3, 4]
+    assert losses(tmp_path / "resumed") == expected  # bit-identical
 
 
 def two_rank_rollback(corpus, root):

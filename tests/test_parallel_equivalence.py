@@ -3,9 +3,11 @@ acceptance): three AdamW steps on the same global batches give the same losses a
 (rel <= 1e-5), the same parameters (<= 1e-4), the same, rank-identical expert biases, and the
 same layer statistics. Each layout is trained once for all of these checks (`tests/layout_runs.py`).
 
-Layouts (conftest.py): FSDP 2, TP 2, EP 2 on two gloo ranks; HSDP 2x2, TP 2 x FSDP 2, EP 2 x FSDP 2
-(ep taken from dp_shard=4), TP 2 x EP 2 (with activation checkpointing) and EP 2 of six experts
-over dp_shard=4 (three local experts, which FSDP shards along dim 1) on four; and TP 2 for
+Layouts (conftest.py): FSDP 2, TP 2, EP 2 on two gloo ranks, and FSDP 2 and HSDP 2 (two
+micro-batches a rank) reducing their gradients per micro-batch and once a step; HSDP 2x2, TP 2 x
+FSDP 2, EP 2 x FSDP 2 (ep taken from dp_shard=4), TP 2 x EP 2 (with activation checkpointing)
+and EP 2 of six experts over dp_shard=4 (three local experts, which FSDP shards along dim 1) on
+four; and TP 2 for
 the block variants whose norms TP treats specially (NormFormer's width and head norms, Gemma 3's
 (1 + g) norms). The global batch is 4 sequences everywhere (grad_accum makes up for fewer
 data-parallel ranks), so every run reads exactly the same tokens. The sharded initialisation is

@@ -106,9 +106,13 @@ def test_two_traced_micro_batches_stand_for_the_whole_step():
 
 @pytest.fixture(scope="module")
 def hsdp_plans() -> dict:
-    """The default model as 2 replica groups of 2 ranks, with 1 and with 4 micro-batches a step."""
-    return {accum: plan_json("--world", "4", "--parallel.dp_replicate=2", f"--train.grad_accum={accum}")
-            for accum in (1, 4)}
+    """The default model as 2 replica groups of 2 ranks, with 1 and with 4 micro-batches a step,
+    and ("once") with 4 whose gradients are reduced after the last only."""
+    plans = {accum: plan_json("--world", "4", "--parallel.dp_replicate=2", f"--train.grad_accum={accum}")
+             for accum in (1, 4)}
+    plans["once"] = plan_json("--world", "4", "--parallel.dp_replicate=2", "--train.grad_accum=4",
+                              "--parallel.sync_every_micro_batch=false")
+    return plans
 
 
 @pytest.mark.slow  # two plans of 4 ranks (the fixture)
@@ -116,6 +120,21 @@ def test_hsdp_all_reduces_across_replicas_once_per_step(hsdp_plans):
     one, four = ({r["collective"]: r["calls"] for r in hsdp_plans[a]["traffic"]} for a in (1, 4))
     assert four["FSDP reduce-scatter"] == 4 * one["FSDP reduce-scatter"]  # inside the shard group, each micro-batch
     assert four["FSDP all-reduce"] == one["FSDP all-reduce"] > 0  # across replicas, the last micro-batch only
+
+
+@pytest.mark.slow  # the plans of the fixture
+def test_gradients_reduced_once_a_step_when_asked(hsdp_plans):
+    def totals(plan) -> dict[str, tuple[int, float]]:  # collective: (calls, bytes)
+        out: dict[str, tuple[int, float]] = {}
+        for r in plan["traffic"]:
+            calls, sent = out.get(r["collective"], (0, 0.0))
+            out[r["collective"]] = (calls + r["calls"], sent + r["inside_bytes"] + r["across_bytes"])
+        return out
+
+    one, once = totals(hsdp_plans[1]), totals(hsdp_plans["once"])
+    for collective in ("FSDP reduce-scatter", "FSDP all-reduce"):  # 4 micro-batches, one reduction
+        assert once[collective] == one[collective] and one[collective][0] > 0
+    assert once["FSDP all-gather"][0] == 4 * one["FSDP all-gather"][0]  # still gathered per micro-batch
 
 
 @pytest.mark.slow

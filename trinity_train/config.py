@@ -157,6 +157,9 @@ class ParallelConfig:
     #                                does not arrive fails the others after this (torch: 30 min)
     collective_timeout_s: float = 600.0  # any one collective while training (and a checkpoint's);
     #                                      raise it for very slow checkpoint storage (torch: 30 min)
+    sync_every_micro_batch: bool = True  # false: FSDP reduces gradients after the step's last
+    #   micro-batch only (one reduce-scatter a step, not one per micro-batch), keeping every
+    #   unit's unsharded fp32 gradients between micro-batches: dp_shard x the gradient memory
 
 
 @dataclass

@@ -12,6 +12,8 @@ Every place where a distributed run must combine values across data-parallel ran
 dims have no mesh and the sums are the identity, so one code path serves one and N ranks. Each
 rank's loss is its share of the global token-weighted mean, so the data-parallel gradient
 reduction must SUM rank gradients, not average them (FSDP2: `set_gradient_divide_factor(1.0)`).
+FSDP reduces each micro-batch's gradients (HSDP all-reduces only the last's), or with
+`parallel.sync_every_micro_batch = false` only the last micro-batch's backward reduces the sum.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from trinity_train import signals
 from trinity_train.config import Config
 from trinity_train.model.loss import IGNORE_INDEX
 from trinity_train.observe.layer_stats import LayerStatsCollector, per_layer_grad_norms
-from trinity_train.parallel.fsdp import all_reduce_across_replicas
+from trinity_train.parallel.fsdp import all_reduce_across_replicas, reduce_gradients
 from trinity_train.parallel.mesh import ParallelDims
 from trinity_train.parallel.reductions import clip_grads_with_norm_, global_grad_norm, sum_over_data_parallel
 from trinity_train.stability import StepGuard, Verdict
@@ -147,8 +149,11 @@ class TrainingStep:
         totals = torch.zeros(3, device=self.device)  # cross-entropy sum, aux loss, z loss
         counts = None
         for i, mb in enumerate(parts):
-            if self.dims.dp_replicate > 1:
-                all_reduce_across_replicas(self.model, now=i == len(parts) - 1)
+            last = i == len(parts) - 1
+            if not self.cfg.parallel.sync_every_micro_batch:
+                reduce_gradients(self.model, now=last)
+            elif self.dims.dp_replicate > 1:
+                all_reduce_across_replicas(self.model, now=last)
             with self.layer_stats.recording(stats_due):  # the forward only: not recomputations in backward
                 out = _forward(self.model, mb, self.cfg, self.device)
             ce_sum = self.faults.scale_loss(out.ce_sum, iteration)

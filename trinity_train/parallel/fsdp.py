@@ -17,6 +17,10 @@ Gradients are summed, not averaged, over the data-parallel ranks (divide factor 
 each rank must be its summed token loss divided by the global token count. That one rule is right
 for every parameter, whatever subset of ranks its gradient is reduced over (experts see the tokens
 of their whole ep group, other weights only the local ones).
+
+On CPUs (gloo) every unit's reduce-scatter is `gloo_reduce_scatter.AllToAllReduceScatter`: an
+all-to-all of the shards and a local sum, which sends half of what gloo's own (an all-reduce)
+does and, on two ranks, is bitwise the same sum.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
+from trinity_train.parallel.gloo_reduce_scatter import AllToAllReduceScatter
 from trinity_train.parallel.mesh import ParallelDims, expert_shard_dim
 
 
@@ -57,8 +62,10 @@ def mixed_precision_policy(device: torch.device, dtype: str) -> MixedPrecisionPo
     return MixedPrecisionPolicy()
 
 
-def apply_fsdp(model: nn.Module, dims: ParallelDims, mp_policy: MixedPrecisionPolicy) -> None:
-    """Shard a TrinityModel (after TP/EP, before its weights are materialised)."""
+def apply_fsdp(model: nn.Module, dims: ParallelDims, mp_policy: MixedPrecisionPolicy,
+               device: torch.device) -> None:
+    """Shard a TrinityModel (after TP/EP, before its weights are materialised) for a job on
+    `device` (a CPU job's collectives run on gloo)."""
     mesh = dims.fsdp_mesh
     placement = expert_placement(dims.efsdp)
     fully_shard(model.embed, mesh=mesh, mp_policy=mp_policy)
@@ -76,6 +83,8 @@ def apply_fsdp(model: nn.Module, dims: ParallelDims, mp_policy: MixedPrecisionPo
             module.set_gradient_divide_factor(1.0)
             # A plain SUM: no pre-multiplied sum, which gloo lacks and a factor of 1 does not need.
             module.set_force_sum_reduction_for_comms(True)
+            if device.type == "cpu":  # gloo: its own is an all-reduce, twice the share's bytes
+                module.set_custom_reduce_scatter(AllToAllReduceScatter())
 
 
 def all_reduce_across_replicas(model: nn.Module, now: bool) -> None:
@@ -86,3 +95,14 @@ def all_reduce_across_replicas(model: nn.Module, now: bool) -> None:
     `set_requires_all_reduce`). A no-op without FSDP."""
     if isinstance(model, FSDPModule):
         model.set_requires_all_reduce(now)
+
+
+def reduce_gradients(model: nn.Module, now: bool) -> None:
+    """Whether this backward reduces the gradients at all (`parallel.sync_every_micro_batch =
+    false`): the step turns it off for every micro-batch but the last, so each FSDP unit keeps
+    its unsharded gradients, summed over the micro-batches, and reduce-scatters them once a step
+    (and under HSDP all-reduces them once across replicas): one reduce-scatter a step instead of
+    one per micro-batch, for a rank holding every unit's whole gradients until the last backward
+    (FSDP2's `set_requires_gradient_sync`). A no-op without FSDP."""
+    if isinstance(model, FSDPModule):
+        model.set_requires_gradient_sync(now)

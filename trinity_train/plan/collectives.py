@@ -5,7 +5,9 @@ A collective is credited with the payload this rank puts on the links under the 
 algorithms: all-gather its shard x (n-1); reduce-scatter (n-1)/n of its input; all-reduce
 2(n-1)/n of the tensor (ring); all-to-all the rows meant for the other ranks; broadcast the
 tensor x (n-1) from the root. What a backend actually puts on the wire differs by a factor per
-kind (gloo builds reduce-scatter from an all-reduce: ~2x; benchmarks/multinode.py calibrates it).
+kind (gloo builds reduce-scatter from an all-reduce: ~2x, so FSDP's on gloo is an all-to-all of
+the shards, `parallel/gloo_reduce_scatter.py`, filed under FSDP reduce-scatter with its own
+bytes, the same (n-1)/n; benchmarks/multinode.py calibrates the factors).
 
 Each call is also named by *who* issued it (FSDP, the EP dispatch, Muon, other) from the Python
 stack, and by the process group it ran on (its ranks, so a planner can tell whether it crosses
@@ -82,7 +84,7 @@ def category(kind: str, frames: list[str]) -> str:
     if any("/torch/distributed/fsdp/" in f for f in frames):
         if kind == "all_gather":
             return FSDP_ALL_GATHER
-        if kind == "reduce_scatter":
+        if kind in ("reduce_scatter", "all_to_all"):  # on gloo FSDP reduce-scatters by an all-to-all
             return FSDP_REDUCE_SCATTER
         if kind == "all_reduce":
             return FSDP_ALL_REDUCE

@@ -13,7 +13,8 @@ full overlap (max of the two); a real step lies between.
 
 `price_measured` prices a job whose compute was measured (a CPU/gloo run: the 2-host bed's
 one-host step) and whose links are slow, with a factor per collective kind for what the backend
-actually puts on the wire (gloo's reduce-scatter is an all-reduce: ~2x).
+actually puts on the wire (FSDP's reduce-scatter on gloo is an all-to-all: ~1x; gloo's own
+would be an all-reduce, ~2x).
 """
 
 from __future__ import annotations
@@ -108,9 +109,10 @@ def step_time_of_bytes(cfg: Config, dims: ParallelDims, intra_bytes: float, inte
                     tokens_per_rank(cfg, dims) / dims.tp)
 
 
-# Bytes on the wire per byte of the textbook algorithm, by collective kind, for gloo (its
-# reduce-scatter is built from an all-reduce). benchmarks/multinode.py calibrates these.
-GLOO_WIRE_FACTORS = {"reduce_scatter": 2.0}
+# Bytes on the wire per byte of the textbook algorithm, by collective kind, for gloo.
+# benchmarks/multinode.py calibrates these. FSDP's reduce-scatter is an all-to-all of the shards
+# there (parallel/gloo_reduce_scatter.py; gloo's own, an all-reduce, measured 2.03), all-to-all 1.01.
+GLOO_WIRE_FACTORS = {"reduce_scatter": 1.0}
 
 
 def price_measured(flows: list[Flow], compute_s: float, link_gbits_s: float,

@@ -166,7 +166,7 @@ def trace_rank(cfg: Config, world_size: int, rank: int, *, gpu: bool,
     the step's micro-batches run; the others repeat them."""
     started = time.perf_counter()
     cfg = _without_compile(cfg)
-    device = torch.device("cuda" if gpu else "cpu")  # only for the precision policy
+    device = torch.device("cuda" if gpu else "cpu")  # the precision policy, gloo's reduce-scatter
     with fake_world(world_size, rank), gpu_collectives_and_kernels(gpu), sharding_metadata_apart():
         dims = ParallelDims.from_config(cfg, world_size)
         dims.build_mesh("cpu")
@@ -175,7 +175,7 @@ def trace_rank(cfg: Config, world_size: int, rank: int, *, gpu: bool,
             split_model(model, dims)
         model = apply_training_wrappers(model, cfg)
         if dims.is_distributed:
-            apply_fsdp(model, dims, mixed_precision_policy(device, cfg.train.dtype))
+            apply_fsdp(model, dims, mixed_precision_policy(device, cfg.train.dtype), device)
         coords = mesh_coordinates(dims) if dims.is_distributed else {}
         namer = group_dim_namer(dims) if dims.is_distributed else (lambda ranks, category: None)
         with FakeTensorMode(allow_non_fake_inputs=True), assume_routing(routing):

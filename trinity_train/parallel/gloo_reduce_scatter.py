@@ -1,0 +1,53 @@
+"""FSDP's gradient reduce-scatter on gloo, sending only this rank's share.
+
+gloo has no reduce-scatter: torch runs one as a clone, an all-reduce of the whole tensor and a
+chunk, so each rank sends 2(n-1)/n of its input instead of (n-1)/n (pytorch#118911; the cluster
+bed measured 2.03x the credited bytes). gloo's all-to-all is native, so `AllToAllReduceScatter`
+sends chunk r of the input to rank r, receives every rank's copy of its own chunk and sums them
+locally (the pattern of Megatron's `reduce_scatter_with_fp32_accumulation`). FSDP2 takes it
+through `FSDPModule.set_custom_reduce_scatter` (`parallel/fsdp.py` sets it on every unit of a CPU
+job); NCCL keeps its own reduce-scatter.
+
+The local sum adds the chunks in rank order, (g0 + g1) + g2 + ...: on two ranks that is the one
+sum gloo's all-reduce computes (a float sum of two terms does not depend on their order), so
+the results are bitwise today's (tests/test_gloo_reduce_scatter.py). On more ranks gloo's ring
+sums each chunk starting at a different rank, so the last bits may differ, as they already do
+between any two summation orders.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
+
+
+class AllToAllReduceScatter(ReduceScatter):
+    """FSDP2's `ReduceScatter` protocol: `allocate` its buffers, then `__call__` reduce-scatters
+    `input_tensor` (n equal chunks, chunk r for rank r) into `output_tensor` over `group`."""
+
+    def allocate(self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype,
+                 device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
+                 op, async_op: bool = False) -> None:
+        # apply_fsdp asks for a plain sum (divide factor 1, forced sum): anything else is a bug.
+        if op != dist.ReduceOp.SUM:
+            raise ValueError(f"AllToAllReduceScatter sums only; FSDP asked for {op}")
+        if async_op:
+            raise ValueError("AllToAllReduceScatter runs synchronously; FSDP asked for async_op=True")
+        n = group.size()
+        if input_tensor.numel() != n * output_tensor.numel():
+            raise ValueError(f"reduce-scatter of {input_tensor.numel()} elements into {n} x "
+                             f"{output_tensor.numel()}")
+        received = torch.empty_like(input_tensor)  # every rank's copy of this rank's chunk
+        dist.all_to_all_single(received, input_tensor, group=group)
+        chunks = received.view(n, -1)
+        out = output_tensor.view(-1)
+        out.copy_(chunks[0])
+        for chunk in chunks[1:]:  # rank order, whatever this rank's place in it
+            out.add_(chunk)
+        return None
