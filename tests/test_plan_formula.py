@@ -17,6 +17,9 @@ CASES = [
     # The peak in the backward of the first block (benchmarks/README.md section 16).
     pytest.param(["--parallel.dp_shard=2", AC, "--train.global_batch_size=4", "--train.micro_batch_size=2"], False,
                  id="fsdp2-ac"),
+    # Two micro-batches reduced once (parallel.sync_every_micro_batch): the whole gradients kept.
+    pytest.param(["--parallel.dp_shard=2", "--train.global_batch_size=32", "--parallel.sync_every_micro_batch=false"],
+                 False, id="fsdp2-sync-last"),
     # GPU numerics: bf16, the memory-efficient kernel's expanded kv heads and converted mask.
     pytest.param(["--parallel.dp_shard=2", "--train.dtype=bf16"], True, id="fsdp2-gpu-bf16"),
 ]

@@ -322,11 +322,15 @@ def memory_per_rank(cfg: Config, dims: ParallelDims, *, gpu: bool,
     distributed = dims.is_distributed
     ac = cfg.train.activation_checkpointing
     accum = grad_accum_for(cfg.train, dims.dp)
-    hsdp = dims.dp_replicate > 1
     # Earlier micro-batches' gradients are kept; under HSDP they are FSDP's partial-reduce buffers
     # until the last micro-batch all-reduces them into .grad: the tracker files them as temporaries.
+    # Reduced after the last micro-batch only (parallel.sync_every_micro_batch = false), each unit
+    # keeps its whole (unsharded) fp32 gradients instead.
     kept_grads = grads if accum > 1 else 0.0
-    kept = {"gradients": 0.0 if hsdp else kept_grads, "temporaries": kept_grads if hsdp else 0.0}
+    partial = dims.dp_replicate > 1
+    if accum > 1 and distributed and not cfg.parallel.sync_every_micro_batch:
+        kept_grads, partial = FP32 * sum(unsharded_numel(p, dims) * count for p, count in counts.items()), False
+    kept = {"gradients": 0.0 if partial else kept_grads, "temporaries": kept_grads if partial else 0.0}
 
     def unit_bytes(layer, unit_names=("block", "experts")):
         """A layer's FSDP units (the block, and its experts under EP) gathered, in the compute dtype."""
@@ -378,9 +382,9 @@ def memory_per_rank(cfg: Config, dims: ParallelDims, *, gpu: bool,
         else:  # one process: gradients land in .grad directly, the head's in the loss's backward
             grads_now = kept_grads if accum > 1 else later_grads + root_grads + shard_grads_of[i]
             temps, comm, gathered = per_block[i] if ac else 0.0, 0.0, 0.0
-        candidate = {**static, "gathered parameters": gathered, "gradients": 0.0 if hsdp else grads_now,
+        candidate = {**static, "gathered parameters": gathered, "gradients": 0.0 if partial else grads_now,
                      "activations": acts + shared,
-                     "communication buffers": comm, "temporaries": temps + (kept_grads if hsdp else 0.0)}
+                     "communication buffers": comm, "temporaries": temps + (kept_grads if partial else 0.0)}
         if not backward or sum(candidate.values()) > sum(backward[1].values()):
             backward = (i, candidate)
         later_grads += shard_grads_of[i]
@@ -465,12 +469,14 @@ def traffic_per_rank(cfg: Config, dims: ParallelDims, *, gpu: bool,
         rooted = [u[0].unit == "root" for u in kinds]
         gathers = sum(1 if r else 2 for r in rooted) * accum  # forward, and again in backward (not the root)
         ag = sum(s * (1 if r else 2) for s, r in zip(shards, rooted)) * a * (n - 1) * accum
-        rs = sum(shards) * FP32 * (n - 1) * accum  # fp32 gradients, (n-1)/n of the n-shard input
+        # fp32 gradients, (n-1)/n of the n-shard input: every micro-batch, or the last only
+        reductions = accum if cfg.parallel.sync_every_micro_batch else 1
+        rs = sum(shards) * FP32 * (n - 1) * reductions
         if not units:
             continue
         if n > 1:  # (experts outside expert FSDP are not sharded, but still all-reduced under HSDP)
             flows += [Flow(FSDP_ALL_GATHER, "all_gather", dim, n, gathers, ag),
-                      Flow(FSDP_REDUCE_SCATTER, "reduce_scatter", dim, n, len(units) * accum, rs)]
+                      Flow(FSDP_REDUCE_SCATTER, "reduce_scatter", dim, n, len(units) * reductions, rs)]
         if dims.dp_replicate > 1:  # HSDP: the shards' gradients, all-reduced over the replicas once a step
             r = dims.dp_replicate
             flows.append(Flow(FSDP_ALL_REDUCE, "all_reduce", "dp_replicate", r, len(units),
