@@ -69,6 +69,8 @@ def apply_fsdp(model: nn.Module, dims: ParallelDims, mp_policy: MixedPrecisionPo
     mesh = dims.fsdp_mesh
     placement = expert_placement(dims.efsdp)
     fully_shard(model.embed, mesh=mesh, mp_policy=mp_policy)
+    # The embedding's backward reads only the token ids, never its weight: no all-gather for it.
+    model.embed.set_unshard_in_backward(False)
     for block in model.layers:
         block_placement = None
         if block.is_moe and dims.ep > 1:

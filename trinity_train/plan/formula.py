@@ -348,7 +348,7 @@ def memory_per_rank(cfg: Config, dims: ParallelDims, *, gpu: bool,
                       a * sum(unsharded_numel(p, dims) for p in layer), max(own, experts), own * FP32 / a)
     gathered_of, shard_grads_of, grads_of, prefetch_of, reduce_of = zip(
         *(kinds[i >= m.num_dense_layers] for i in range(m.num_layers)))
-    root, embed = unit_bytes(layers[-1], ("root",)), unit_bytes(layers[0], ("embed",))
+    root = unit_bytes(layers[-1], ("root",))
     root_grads = FP32 * sum(shard_numel(p, dims) for p in layers[-1])
 
     tokens = cfg.train.micro_batch_size * cfg.data.seq_len
@@ -365,7 +365,7 @@ def memory_per_rank(cfg: Config, dims: ParallelDims, *, gpu: bool,
 
     # The backward of block i (last to first): blocks 0..i's activations kept (checkpointed: their
     # inputs, block i recomputed); the root and block i gathered, block i's unsharded gradients
-    # computed, the next unit's all-gather prefetched, block i+1's reduce-scatter buffer held
+    # computed, the next block's all-gather prefetched, block i+1's reduce-scatter buffer held
     # (fp32) and the blocks above it reduce-scattered into their shards; the head's gradient
     # waits for the root's reduce-scatter at the very end.
     head = a * m.vocab_size // dims.tp * m.hidden_size  # unsharded, in the compute dtype
@@ -377,7 +377,7 @@ def memory_per_rank(cfg: Config, dims: ParallelDims, *, gpu: bool,
         if distributed:
             grads_now = kept_grads if accum > 1 else later_grads
             temps = head + grads_of[i] + (per_block[i] if ac else 0.0)
-            comm = (prefetch_of[i - 1] if i else embed) + (reduce_of[i + 1] if i + 1 < m.num_layers else 0.0)
+            comm = (prefetch_of[i - 1] if i else 0.0) + (reduce_of[i + 1] if i + 1 < m.num_layers else 0.0)
             gathered = root + gathered_of[i]
         else:  # one process: gradients land in .grad directly, the head's in the loss's backward
             grads_now = kept_grads if accum > 1 else later_grads + root_grads + shard_grads_of[i]
@@ -466,8 +466,10 @@ def traffic_per_rank(cfg: Config, dims: ParallelDims, *, gpu: bool,
         units = [u for u in units if u]
         kinds = Counter(tuple(u) for u in units)  # equal units counted once, times their number
         shards = [sum(shard_numel(p, dims) for p in u) * c for u, c in kinds.items()]
-        rooted = [u[0].unit == "root" for u in kinds]
-        gathers = sum(1 if r else 2 for r in rooted) * accum  # forward, and again in backward (not the root)
+        # forward, and again in backward: not the root (never resharded) nor the embedding (whose
+        # backward does not read its weight: `parallel/fsdp.py`)
+        rooted = [u[0].unit in ("root", "embed") for u in kinds]
+        gathers = sum(1 if r else 2 for r in rooted) * accum
         ag = sum(s * (1 if r else 2) for s, r in zip(shards, rooted)) * a * (n - 1) * accum
         # fp32 gradients, (n-1)/n of the n-shard input: every micro-batch, or the last only
         reductions = accum if cfg.parallel.sync_every_micro_batch else 1
