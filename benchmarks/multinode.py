@@ -436,8 +436,9 @@ def theory(overrides: tuple[str, ...], world: int) -> dict:
     """Bytes each rank sends per step, from the model's sizes (fp32, 2 ranks: every collective's
     group is both ranks or, for the experts' FSDP, one rank):
 
-    - FSDP: every unit is all-gathered in the forward and again in the backward (the root unit,
-      final norm + head, once: it stays gathered after the forward), and its gradient
+    - FSDP: every block is all-gathered in the forward and again in the backward (the root unit,
+      final norm + head, once: it stays gathered after the forward; the embedding once: its
+      backward does not read its weight, parallel/fsdp.py), and every unit's gradient
       reduce-scattered once; a rank sends (world-1)/world of the unit each time. Routed experts are
       their own unit over dp_shard / ep ranks (1 here: no FSDP traffic).
     - EP: 4 token all-to-alls per MoE layer (dispatch and combine, forward and backward), each
@@ -463,7 +464,7 @@ def theory(overrides: tuple[str, ...], world: int) -> dict:
         skipped = {id(p) for sub in skip for p in sub.parameters()}
         return sum(p.numel() for p in module.parameters() if id(p) not in skipped and id(p) not in expert_ids)
 
-    units = [(count(model.embed), 2)]
+    units = [(count(model.embed), 1)]
     units += [(count(block), 2) for block in model.layers]
     units.append((count(model, [model.embed, *model.layers]), 1))
     share = (world - 1) / world

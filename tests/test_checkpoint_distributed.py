@@ -87,6 +87,7 @@ def test_two_rank_checkpoints_resume_exactly_and_reshard_to_one_process(corpus, 
         assert loss == pytest.approx(ref_loss, rel=1e-5) and norm == pytest.approx(ref_norm, rel=1e-4)
 
 
+@pytest.mark.slow  # two two-rank runs (~12 s); the fast loop resumes the default layout
 def test_two_rank_runs_reducing_once_a_step_resume_exactly(corpus, tmp_path, rank_pool):
     # Two micro-batches a step, reduced after the last only: nothing unsharded outlives a step.
     rank_pool(2).run(two_rank_runs, corpus, tmp_path, {"sync_every_micro_batch": False})

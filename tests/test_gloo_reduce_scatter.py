@@ -54,6 +54,7 @@ def test_two_ranks_sum_bitwise_as_gloo_does(rank_pool):
             assert torch.equal(ours, theirs), f"rank {rank}, {numel} elements"
 
 
+@pytest.mark.slow  # a pool of four ranks (~9 s); the two-rank bitwise test stays in the fast loop
 def test_four_ranks_sum_to_float_rounding(rank_pool):
     for rank, results in enumerate(rank_pool(4).run(_both_sums)):
         for numel, (theirs, ours) in zip(SIZES, results):
