@@ -30,6 +30,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from trinity_train.config import Config, ModelConfig, grad_accum_for
 from trinity_train.model.blocks import block_style, is_global_layer
@@ -283,6 +284,15 @@ def loss_chunk_bytes(cfg: Config, dims: ParallelDims, a: int) -> float:
 # ------------------------------------------------------------------------------ memory
 
 
+class BlockBytes(NamedTuple):
+    """One block's bytes that the backward moments add up (0 for FSDP's buffers in one process)."""
+
+    gathered: float  # its FSDP units gathered, in the compute dtype (= its unsharded gradients)
+    grad_shards: float  # its fp32 gradient shards
+    prefetched: float  # the all-gather buffer of the unit the backward gathers first (the experts under EP)
+    reducing: float  # the fp32 reduce-scatter buffer of the unit it reduce-scatters last (the block's own)
+
+
 @dataclass
 class MemoryModel:
     """Predicted bytes per category (`trace.CATEGORIES`) at the step's peak, and at the three
@@ -312,9 +322,8 @@ def memory_per_rank(cfg: Config, dims: ParallelDims, *, gpu: bool,
     muon = cfg.optim.name == "muon"
     # Equal parameters of equal layers counted once, times how many there are (the search's speed).
     shard = [(p, shard_numel(p, dims) * count) for p, count in counts.items()]
-    params = FP32 * sum(n for _, n in shard)
-    params += FP32 * 2 * m.num_experts * (m.num_layers - m.num_dense_layers)  # expert_bias, bias_momentum
     grads = FP32 * sum(n for _, n in shard)
+    params = grads + FP32 * 2 * m.num_experts * (m.num_layers - m.num_dense_layers)  # + expert_bias, bias_momentum
     opt = FP32 * sum(n * (1 if muon and is_muon_param(p.name, cfg.optim.muon_router) else 2)
                      for p, n in shard)
     static = {"parameters": params, "optimizer state": opt if steady else 0.0}
@@ -336,18 +345,14 @@ def memory_per_rank(cfg: Config, dims: ParallelDims, *, gpu: bool,
         """A layer's FSDP units (the block, and its experts under EP) gathered, in the compute dtype."""
         return sum(unsharded_numel(p, dims) for p in layer if p.unit in unit_names) * a if distributed else 0.0
 
-    # Per block, dense or MoE (equal blocks computed once): its units gathered, its fp32 gradient
-    # shards, its unsharded gradients (compute dtype), the all-gather buffer of the unit backward
-    # gathers first (the experts under EP) and the fp32 reduce-scatter buffer of the one it
-    # reduce-scatters last (the block's own unit).
+    # Per block, dense or MoE (equal blocks computed once): `BlockBytes`.
     kinds = {}
     for moe in {i >= m.num_dense_layers for i in range(m.num_layers)}:
         layer = layers[1 + (m.num_dense_layers if moe else 0)]
         own, experts = unit_bytes(layer, ("block",)), unit_bytes(layer, ("experts",))
-        kinds[moe] = (own + experts, FP32 * sum(shard_numel(p, dims) for p in layer),
-                      a * sum(unsharded_numel(p, dims) for p in layer), max(own, experts), own * FP32 / a)
-    gathered_of, shard_grads_of, grads_of, prefetch_of, reduce_of = zip(
-        *(kinds[i >= m.num_dense_layers] for i in range(m.num_layers)))
+        kinds[moe] = BlockBytes(gathered=own + experts, grad_shards=FP32 * sum(shard_numel(p, dims) for p in layer),
+                                prefetched=max(own, experts), reducing=own * FP32 / a)
+    block = [kinds[i >= m.num_dense_layers] for i in range(m.num_layers)]
     root = unit_bytes(layers[-1], ("root",))
     root_grads = FP32 * sum(shard_numel(p, dims) for p in layers[-1])
 
@@ -361,7 +366,7 @@ def memory_per_rank(cfg: Config, dims: ParallelDims, *, gpu: bool,
     forward_acts = m.num_layers * block_input if ac else sum(per_block)
     forward = {**static, **kept, "gathered parameters": root,
                "activations": forward_acts + model_level_activation_bytes(cfg, dims, a) + loss_chunk_bytes(cfg, dims, a),
-               "communication buffers": max(gathered_of) if distributed and ac else 0.0}
+               "communication buffers": max(b.gathered for b in block) if distributed and ac else 0.0}
 
     # The backward of block i (last to first): blocks 0..i's activations kept (checkpointed: their
     # inputs, block i recomputed); the root and block i gathered, block i's unsharded gradients
@@ -374,20 +379,20 @@ def memory_per_rank(cfg: Config, dims: ParallelDims, *, gpu: bool,
     for i in reversed(range(m.num_layers)):
         below -= per_block[i]
         acts = (i + 1) * block_input if ac else below + per_block[i]
-        if distributed:
+        if distributed:  # block i's unsharded gradients are as large as its gathered parameters
             grads_now = kept_grads if accum > 1 else later_grads
-            temps = head + grads_of[i] + (per_block[i] if ac else 0.0)
-            comm = (prefetch_of[i - 1] if i else 0.0) + (reduce_of[i + 1] if i + 1 < m.num_layers else 0.0)
-            gathered = root + gathered_of[i]
+            temps = head + block[i].gathered + (per_block[i] if ac else 0.0)
+            comm = (block[i - 1].prefetched if i else 0.0) + (block[i + 1].reducing if i + 1 < m.num_layers else 0.0)
+            gathered = root + block[i].gathered
         else:  # one process: gradients land in .grad directly, the head's in the loss's backward
-            grads_now = kept_grads if accum > 1 else later_grads + root_grads + shard_grads_of[i]
+            grads_now = kept_grads if accum > 1 else later_grads + root_grads + block[i].grad_shards
             temps, comm, gathered = per_block[i] if ac else 0.0, 0.0, 0.0
         candidate = {**static, "gathered parameters": gathered, "gradients": 0.0 if partial else grads_now,
                      "activations": acts + shared,
                      "communication buffers": comm, "temporaries": temps + (kept_grads if partial else 0.0)}
         if not backward or sum(candidate.values()) > sum(backward[1].values()):
             backward = (i, candidate)
-        later_grads += shard_grads_of[i]
+        later_grads += block[i].grad_shards
 
     step = {"parameters": params, "gathered parameters": 0.0, "gradients": grads,
             "optimizer state": opt, "activations": 0.0, "communication buffers": 0.0,
