@@ -62,11 +62,11 @@ def mixed_precision_policy(device: torch.device, dtype: str) -> MixedPrecisionPo
     return MixedPrecisionPolicy()
 
 
-def apply_fsdp(model: nn.Module, dims: ParallelDims, mp_policy: MixedPrecisionPolicy,
-               device: torch.device) -> None:
+def apply_fsdp(model: nn.Module, dims: ParallelDims, device: torch.device, dtype: str) -> None:
     """Shard a TrinityModel (after TP/EP, before its weights are materialised) for a job on
-    `device` (a CPU job's collectives run on gloo)."""
+    `device` computing in `dtype` (`train.dtype`; a CPU job's collectives run on gloo)."""
     mesh = dims.fsdp_mesh
+    mp_policy = mixed_precision_policy(device, dtype)
     placement = expert_placement(dims.efsdp)
     fully_shard(model.embed, mesh=mesh, mp_policy=mp_policy)
     # The embedding's backward reads only the token ids, never its weight: no all-gather for it.

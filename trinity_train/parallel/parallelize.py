@@ -18,7 +18,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 from trinity_train.config import Config
 from trinity_train.model import TrinityModel, build_model
 from trinity_train.parallel.expert_parallel import ExpertParallel
-from trinity_train.parallel.fsdp import apply_fsdp, mixed_precision_policy
+from trinity_train.parallel.fsdp import apply_fsdp
 from trinity_train.parallel.mesh import ParallelDims
 from trinity_train.parallel.sharded_init import init_weights_like_one_process
 from trinity_train.parallel.tensor_parallel import apply_tensor_parallel
@@ -47,7 +47,7 @@ def build_parallel_model(cfg: Config, dims: ParallelDims, device: torch.device,
     if wrap is not None:
         model = wrap(model, cfg)
     if dims.is_distributed:
-        apply_fsdp(model, dims, mixed_precision_policy(device, cfg.train.dtype), device)
+        apply_fsdp(model, dims, device, cfg.train.dtype)
     model.to_empty(device=device)
     torch.manual_seed(cfg.train.seed)
     init_weights_like_one_process(model)

@@ -41,7 +41,7 @@ from trinity_train.model import build_model
 from trinity_train.optim.groups import build_optimizer
 from trinity_train.optim.schedule import build_scheduler
 from trinity_train.parallel.assumed_routing import AssumedRouting, assume_routing
-from trinity_train.parallel.fsdp import apply_fsdp, mixed_precision_policy
+from trinity_train.parallel.fsdp import apply_fsdp
 from trinity_train.parallel.mesh import ParallelDims
 from trinity_train.parallel.parallelize import split_model
 from trinity_train.parallel.reductions import global_grad_norm
@@ -175,7 +175,7 @@ def trace_rank(cfg: Config, world_size: int, rank: int, *, gpu: bool,
             split_model(model, dims)
         model = apply_training_wrappers(model, cfg)
         if dims.is_distributed:
-            apply_fsdp(model, dims, mixed_precision_policy(device, cfg.train.dtype), device)
+            apply_fsdp(model, dims, device, cfg.train.dtype)
         coords = mesh_coordinates(dims) if dims.is_distributed else {}
         namer = group_dim_namer(dims) if dims.is_distributed else (lambda ranks, category: None)
         with FakeTensorMode(allow_non_fake_inputs=True), assume_routing(routing):
