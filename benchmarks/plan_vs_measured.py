@@ -18,7 +18,7 @@ what can be measured here"): memory, traffic and step time.
    against the job's real ranks on loopback (`CollectiveLog` over iteration 2).
 3. Time: the job on the cluster bed (benchmarks/multinode.py's `Bench`): predicted two-host step
    at 1 Gbit/s = the measured one-host step (2 ranks on loopback) + the traced bytes a rank sends
-   per step x gloo's wire factor per kind / 125 MB/s, nothing overlapped (the training code
+   per step (what gloo puts on the wire, section 12's calibration) / 125 MB/s, nothing overlapped (the training code
    overlaps no communication with compute today), against the measured two-host step with host
    1's link shaped to 1 Gbit/s. Rounds of (one host, two hosts), `--steps` each; the step time is
    the median after the warm-up. Needs root (the bed); skipped with a note otherwise.
@@ -47,7 +47,7 @@ from trinity_train.plan.collectives import (EP_ALL_TO_ALL, FSDP_ALL_GATHER, FSDP
                                             MUON_REDISTRIBUTE, sent_by_category)
 from trinity_train.parallel.mesh import ParallelDims  # noqa: E402
 from trinity_train.plan.formula import memory_per_rank  # noqa: E402
-from trinity_train.plan.timing import GLOO_WIRE_FACTORS, price_measured  # noqa: E402
+from trinity_train.plan.timing import price_measured  # noqa: E402
 
 # ~100M parameters (99.4M: 8 x 16 experts of 512 x 512 in 6 MoE layers, hidden 512).
 HUNDRED_M = ("--model.hidden_size=512", "--model.num_layers=7", "--model.num_heads=8", "--model.num_kv_heads=4",
@@ -55,9 +55,6 @@ HUNDRED_M = ("--model.hidden_size=512", "--model.num_layers=7", "--model.num_hea
 MODELS = {"default": (), "100m": HUNDRED_M}
 LINK_GBITS_S = 1.0  # the bed's shaped link
 ONE_HOST, ONE_GBIT = CONDITIONS[0][0], "c: 2 hosts, 1 Gbit"
-# What gloo puts on the wire per byte the rule credits, by kind: its reduce-scatter is built from an
-# all-reduce and sends the whole tensor (benchmarks/README.md section 12 measured 2.03; the rest
-# 1.00-1.01). To merge with trinity_train/plan/timing.py's link pricing.
 CATEGORIES = (FSDP_ALL_GATHER, FSDP_REDUCE_SCATTER, EP_ALL_TO_ALL, MUON_REDISTRIBUTE)
 
 
@@ -109,11 +106,11 @@ def time_check(rounds: int, steps: int, work: Path) -> None:
         print(f"time check skipped: {reason}")
         return
     calls = trace_measured(MULTINODE_JOB, work / "time-trace", 2, 0).collectives
-    # Every byte a rank sends crosses the link (2 hosts x 1 rank), times gloo's wire factor.
+    # Every byte a rank sends crosses the link (2 hosts x 1 rank).
     link = price_measured(calls, 0.0, LINK_GBITS_S)
     wire_s, wire_bytes = link.comm_s, link.inter_bytes
     print(f"step time of benchmarks/multinode.py's job, --train.steps={steps}: the trace's {wire_bytes / 1e6:.2f} MB "
-          f"per step and direction on the wire (gloo factors {GLOO_WIRE_FACTORS}, others 1) = {wire_s:.3f} s at "
+          f"per step and direction on the wire = {wire_s:.3f} s at "
           f"{LINK_GBITS_S:g} Gbit/s, nothing overlapped")
     ratios = []
     with bench_on_bed() as bench:

@@ -12,9 +12,9 @@ algorithms of `plan/collectives.py`). Two bounds are reported: no overlap (compu
 full overlap (max of the two); a real step lies between.
 
 `price_measured` prices a job whose compute was measured (a CPU/gloo run: the 2-host bed's
-one-host step) and whose links are slow, with a factor per collective kind for what the backend
-actually puts on the wire (FSDP's reduce-scatter on gloo is an all-to-all: ~1x; gloo's own
-would be an all-reduce, ~2x).
+one-host step) and whose links are slow. Each collective's credited bytes are what gloo puts on
+the wire (benchmarks/multinode.py's calibration: 1.00-1.01 per kind; FSDP's reduce-scatter is an
+all-to-all there, `parallel/gloo_reduce_scatter.py`, since gloo's own sends 2x).
 """
 
 from __future__ import annotations
@@ -109,17 +109,8 @@ def step_time_of_bytes(cfg: Config, dims: ParallelDims, intra_bytes: float, inte
                     tokens_per_rank(cfg, dims) / dims.tp)
 
 
-# Bytes on the wire per byte of the textbook algorithm, by collective kind, for gloo.
-# benchmarks/multinode.py calibrates these. FSDP's reduce-scatter is an all-to-all of the shards
-# there (parallel/gloo_reduce_scatter.py; gloo's own, an all-reduce, measured 2.03), all-to-all 1.01.
-GLOO_WIRE_FACTORS = {"reduce_scatter": 1.0}
-
-
-def price_measured(flows: list[Flow], compute_s: float, link_gbits_s: float,
-                   wire_factors: dict[str, float] | None = None) -> StepTime:
+def price_measured(flows: list[Flow], compute_s: float, link_gbits_s: float) -> StepTime:
     """A job whose compute time was measured (`compute_s`, a one-host step) and whose every
-    collective crosses one link of `link_gbits_s` (the 2-host bed: 1 Gbit/s), each kind's bytes
-    scaled by `wire_factors` (default: gloo's)."""
-    factors = GLOO_WIRE_FACTORS if wire_factors is None else wire_factors
-    wire = sum(f.sent * factors.get(f.kind, 1.0) for f in flows)
+    collective crosses one link of `link_gbits_s` (the 2-host bed: 1 Gbit/s)."""
+    wire = sum(f.sent for f in flows)
     return StepTime(compute_s, wire / (link_gbits_s * 1e9 / 8), 0.0, wire, 0.0)
