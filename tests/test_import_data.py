@@ -226,7 +226,9 @@ def test_an_unknown_format_is_one_line(tmp_path, tokenizer_file, capsys):
     other.write_bytes(b"PAR1")
     assert_one_line_error(*import_error(capsys, other, tokenizer_file, tmp_path / "b"), 1,
                           f"input '{other}' is not a token file of a known format", "--format")
-    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+    assert_one_line_error(*import_error(capsys, tokens, tmp_path / "none.json", tmp_path / "c"), 1,
+                          f"--tokenizer '{tmp_path / 'none.json'}' is not a file")
+    assert not any((tmp_path / name).exists() for name in "abc")
 
 
 @pytest.mark.parametrize("fmt, index", [("datatrove", ".ds.index"), ("megatron", ".idx"), ("dolma", ".csv.gz")])

@@ -67,6 +67,9 @@ class ImportResult:
 def import_corpus(opts: ImportOptions) -> ImportResult:
     """Make `opts.out` a prepared dataset over the token files of `opts.inputs`; returns what it did."""
     _check_options(opts)
+    if not user_path(opts.tokenizer).is_file():
+        raise DataError(f"--tokenizer '{opts.tokenizer}' is not a file: pass the tokenizer.json the corpus was "
+                        "tokenized with")
     tokenizer = load_tokenizer(opts.tokenizer)
     eos_token, eos_id = find_eos_id(tokenizer, opts.eos_token or None)
     vocab_size = vocab_size_of(tokenizer)
