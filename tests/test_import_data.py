@@ -280,6 +280,19 @@ def test_mismatched_dtypes_are_one_line(tmp_path, tokenizer_file, capsys):
     assert_one_line_error(code, err, 1, "mismatched token dtypes", "uint16", "uint32")
 
 
+def test_uint16_ids_of_a_vocabulary_they_cannot_number_are_one_line(tmp_path, tokenizer_file, capsys):
+    from tokenizers import models
+
+    large = Tokenizer(models.WordLevel({f"w{i}": i for i in range(70_000)}, unk_token="w0"))
+    large.add_special_tokens([EOS_TOKEN])
+    large.save(str(tmp_path / "large.json"))
+    folder = tmp_path / "megatron"
+    folder.mkdir()
+    tokens = write_megatron(folder / "narrow", encoded(tokenizer_file))  # uint16, as its .idx records
+    assert_one_line_error(*import_error(capsys, tokens, tmp_path / "large.json", tmp_path / "data"), 1,
+                          "hold uint16 ids but the tokenizer has 70,001 tokens")
+
+
 def test_documents_without_eos_are_refused_in_one_line(tmp_path, tokenizer_file, capsys):
     folder = tmp_path / "megatron"
     folder.mkdir()

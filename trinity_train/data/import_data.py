@@ -30,7 +30,8 @@ from pathlib import Path
 import numpy as np
 
 from trinity_train import __version__
-from trinity_train.data.import_formats import FORMATS, TOKEN_SUFFIXES, TokenFile, read_token_file, token_files
+from trinity_train.data.import_formats import (FORMATS, TOKEN_SUFFIXES, TokenFile, index_files, read_token_file,
+                                               token_files)
 from trinity_train.data.shards import (FORMAT_VERSION, MANIFEST, OFFSET_DTYPE, SPLITS, TOKENIZER_FILE, new_manifest,
                                        read_manifest, sha256_and_largest_id, shard_paths, shard_record,
                                        split_summary, token_dtype_for, write_manifest, write_shard_record)
@@ -127,9 +128,9 @@ def _input_files(fmt: str, path: Path) -> list[tuple[str, Path]]:
 
 
 def _format_of(path: Path) -> str:
-    suffixes = path.name if path.is_file() else ""
+    name = path.name if path.is_file() else ""
     for fmt, suffix in TOKEN_SUFFIXES.items():
-        if suffixes.endswith(suffix) or (fmt == "megatron" and suffixes.endswith(".idx")):
+        if name.endswith(suffix) or (fmt == "megatron" and name.endswith(".idx")):
             return fmt
     if path.is_dir():
         found = {fmt for fmt, suffix in TOKEN_SUFFIXES.items() if any(path.glob(f"*{suffix}"))}
@@ -146,20 +147,12 @@ def _build_key(opts: ImportOptions, sources: list[tuple[str, Path]], tokenizer_h
     """What the dataset is made of: the files (path, size, mtime), the tokenizer and the options."""
     files = []
     for fmt, path in sources:
-        for p in (path, *_index_candidates(fmt, path)):
+        for p in (path, *index_files(fmt, path)):
             if p.is_file():
                 files.append([fmt, str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns])
     payload = {"format_version": FORMAT_VERSION, "files": files, "tokenizer": tokenizer_hash,
                "eos_token": opts.eos_token, "dtype": opts.dtype, "val_fraction": opts.val_fraction}
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
-
-
-def _index_candidates(fmt: str, tokens: Path) -> list[Path]:
-    if fmt == "datatrove":
-        return [tokens.with_name(tokens.name + s) for s in (".index", ".metadata", ".loss")]
-    if fmt == "megatron":
-        return [tokens.with_suffix(".idx")]
-    return [tokens.with_name(tokens.name.removesuffix(".npy") + ".csv.gz")]
 
 
 def _dtype(files: list[TokenFile], requested: str, vocab_size: int) -> np.dtype:
@@ -175,7 +168,8 @@ def _dtype(files: list[TokenFile], requested: str, vocab_size: int) -> np.dtype:
     dtype = recorded.pop() if recorded else wanted or token_dtype_for(vocab_size)
     if dtype.itemsize < token_dtype_for(vocab_size).itemsize:
         raise DataError(f"the token files hold {dtype.name} ids but the tokenizer has {vocab_size:,} tokens, more "
-                        f"than {dtype.name} can number: they were made with another tokenizer, or pass --dtype uint32")
+                        f"than {dtype.name} can number: they were made with another tokenizer (or, where no index "
+                        "records the dtype, pass --dtype uint32)")
     return dtype
 
 

@@ -81,6 +81,15 @@ def token_files(fmt: str, path: Path) -> list[Path]:
     return [path]
 
 
+def index_files(fmt: str, tokens: Path) -> list[Path]:
+    """The files beside a token file that describe it: its index first, then the optional ones."""
+    if fmt == "datatrove":
+        return [tokens.with_name(tokens.name + suffix) for suffix in (".index", ".metadata", ".loss")]
+    if fmt == "megatron":
+        return [tokens.with_suffix(".idx")]
+    return [tokens.with_name(tokens.name.removesuffix(".npy") + ".csv.gz")]
+
+
 def read_token_file(fmt: str, tokens: Path) -> TokenFile:
     return {"datatrove": _read_datatrove, "megatron": _read_megatron, "dolma": _read_dolma}[fmt](tokens)
 
@@ -97,10 +106,9 @@ def _ascending_ends(ends: np.ndarray, where: Path) -> np.ndarray:
 
 
 def _read_datatrove(tokens: Path) -> TokenFile:
-    index = tokens.with_name(tokens.name + ".index")
+    index, metadata, loss = index_files("datatrove", tokens)
     if not index.is_file():
         raise _missing_index(tokens, index, "datatrove .ds.index")
-    loss = tokens.with_name(tokens.name + ".loss")
     if loss.is_file():
         raise DataError(f"'{tokens}' has a loss mask '{loss}', which trinity-train cannot apply (it trains on "
                         "every token); tokenize without save_loss_metadata, or remove the mask to train on all")
@@ -108,12 +116,11 @@ def _read_datatrove(tokens: Path) -> TokenFile:
         raise DataError(f"'{index}' is not a datatrove index: {index.stat().st_size} bytes, not whole uint64 "
                         "document ends")
     ends = _ascending_ends(np.fromfile(index, dtype="<u8").astype(np.int64), index)
-    return TokenFile(tokens, index, _datatrove_dtype(tokens), ends)
+    return TokenFile(tokens, index, _datatrove_dtype(metadata), ends)
 
 
-def _datatrove_dtype(tokens: Path) -> np.dtype | None:
-    """The token size the .ds.metadata records ("tokenizer|token_size" on its first line), if any."""
-    metadata = tokens.with_name(tokens.name + ".metadata")
+def _datatrove_dtype(metadata: Path) -> np.dtype | None:
+    """The token size a .ds.metadata records ("tokenizer|token_size" on its first line), if any."""
     if not metadata.is_file():
         return None
     first = metadata.read_text(encoding="utf-8", errors="replace").split("\n", 1)[0]
@@ -125,7 +132,7 @@ def _datatrove_dtype(tokens: Path) -> np.dtype | None:
 
 
 def _read_megatron(tokens: Path) -> TokenFile:
-    index = tokens.with_suffix(".idx")
+    (index,) = index_files("megatron", tokens)
     if not index.is_file():
         raise _missing_index(tokens, index, "Megatron .idx")
     size = index.stat().st_size
@@ -158,8 +165,7 @@ def _read_megatron(tokens: Path) -> TokenFile:
 
 
 def _read_dolma(tokens: Path) -> TokenFile:
-    stem = tokens.name[:-len(".npy")] if tokens.name.endswith(".npy") else tokens.stem
-    index = tokens.with_name(stem + ".csv.gz")
+    (index,) = index_files("dolma", tokens)
     if not index.is_file():
         raise _missing_index(tokens, index, "dolma .csv.gz")
     starts, ends = [], []
