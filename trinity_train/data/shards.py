@@ -10,9 +10,14 @@ A prepared dataset is a directory:
     val/...             the held-out validation split, same layout
 
 Every document ends with the EOS token and lies wholly inside one shard, so shard edges are
-document edges. Data files are written under temporary names and renamed; the record is written
-after them, and the manifest after all records, so an interrupted build leaves nothing that
-looks complete but is not.
+document edges. A shard imported from another tool's corpus (`import_data.py`) is a hard link
+to (or, across filesystems, a symlink to) that tool's token file, never a copy; its record's
+`token_range` [start, end) says which tokens of the file are the shard's (the rest belong to the
+other split), and its .idx offsets count from `start`.
+
+Data files are written under temporary names and renamed; the record is written after them, and
+the manifest after all records, so an interrupted build leaves nothing that looks complete but
+is not.
 """
 
 from __future__ import annotations
@@ -109,21 +114,10 @@ class ShardWriter:
         self._tmp_idx.write_bytes(offsets_bytes)
         os.replace(self._tmp_bin, self._bin)
         os.replace(self._tmp_idx, self._idx)
-        record = {
-            "index": self.index,
-            "build_key": self.build_key,
-            "num_tokens": self.num_tokens,
-            "num_documents": self.num_documents,
-            "max_token_id": self.max_token_id,
-            "files": {
-                self._bin.name: {"bytes": self.num_tokens * self.dtype.itemsize,
-                                 "sha256": self._bin_hash.hexdigest()},
-                self._idx.name: {"bytes": len(offsets_bytes),
-                                 "sha256": hashlib.sha256(offsets_bytes).hexdigest()},
-            },
-        }
-        atomic_write_json(self._record, record)
-        return record
+        return write_shard_record(self._record, shard_record(
+            self.index, self.build_key, self.num_tokens, self.num_documents, self.max_token_id,
+            tokens={"bytes": self.num_tokens * self.dtype.itemsize, "sha256": self._bin_hash.hexdigest()},
+            offsets={"bytes": len(offsets_bytes), "sha256": hashlib.sha256(offsets_bytes).hexdigest()}))
 
     def __enter__(self) -> "ShardWriter":
         return self
@@ -133,6 +127,24 @@ class ShardWriter:
             self._bin_file.close()
             self._tmp_bin.unlink(missing_ok=True)
             self._tmp_idx.unlink(missing_ok=True)
+
+
+def shard_record(index: int, build_key: str, num_tokens: int, num_documents: int, max_token_id: int,
+                 tokens: dict, offsets: dict, token_range: tuple[int, int] | None = None) -> dict:
+    """A shard's record; `tokens` and `offsets` are its files' {"bytes", "sha256"}. `token_range`:
+    the tokens of a shared token file that are this shard's (an imported corpus), else all of it."""
+    tokens_name, offsets_name, _ = (p.name for p in shard_paths(Path(), index))
+    record = {"index": index, "build_key": build_key, "num_tokens": num_tokens, "num_documents": num_documents,
+              "max_token_id": max_token_id, "files": {tokens_name: tokens, offsets_name: offsets}}
+    if token_range is not None:
+        record["token_range"] = [int(token_range[0]), int(token_range[1])]
+    return record
+
+
+def write_shard_record(path: Path, record: dict) -> dict:
+    """Write a shard's record (after its data files: the record says the shard is finished)."""
+    atomic_write_json(path, record)
+    return record
 
 
 def finished_shard(split_dir: Path, index: int, build_key: str) -> dict | None:
@@ -238,7 +250,10 @@ def _split_problem(info, split: str, dtype: np.dtype) -> str | None:
         if not isinstance(files, dict) or not all(isinstance(files.get(n), dict) and _is_count(files[n].get("bytes"))
                                                   and isinstance(files[n].get("sha256"), str) for n in (tokens, offsets)):
             return f"{where} does not list {tokens} and {offsets} with their bytes and sha256"
-        if files[tokens]["bytes"] != shard["num_tokens"] * dtype.itemsize:
+        problem = _token_range_problem(shard, files[tokens]["bytes"] // dtype.itemsize)
+        if problem:
+            return f"{where} {problem}"
+        if "token_range" not in shard and files[tokens]["bytes"] != shard["num_tokens"] * dtype.itemsize:
             return (f"{where} claims {shard['num_tokens']} tokens but its {tokens} holds "
                     f"{files[tokens]['bytes'] // dtype.itemsize}")
         if files[offsets]["bytes"] != (shard["num_documents"] + 1) * OFFSET_DTYPE.itemsize:
@@ -247,6 +262,22 @@ def _split_problem(info, split: str, dtype: np.dtype) -> str | None:
     if info.get("num_tokens") != total:
         return f"split '{split}' claims {info.get('num_tokens')!r} tokens but its shards hold {total}"
     return None
+
+
+def _token_range_problem(shard: dict, file_tokens: int) -> str | None:
+    if "token_range" not in shard:
+        return None
+    span = shard["token_range"]
+    if not (isinstance(span, list) and len(span) == 2 and all(_is_count(v) for v in span)
+            and span[1] - span[0] == shard["num_tokens"] and span[1] <= file_tokens):
+        return (f"has a token_range {span!r} that is not [start, start + num_tokens] inside its "
+                f"{file_tokens}-token file")
+    return None
+
+
+def token_start(shard: dict) -> int:
+    """Where a shard's tokens begin in its token file (0 unless it shares the file)."""
+    return shard["token_range"][0] if "token_range" in shard else 0
 
 
 def manifest_fingerprint(manifest: dict) -> str:
@@ -260,6 +291,7 @@ class _Shard:
     num_tokens: int
     num_documents: int
     index: int = 0  # the shard's number in the manifest (its file name)
+    token_start: int = 0  # where its tokens begin in the token file (a shared, imported file)
 
 
 class TokenSplit:
@@ -277,7 +309,9 @@ class TokenSplit:
 
     def _shard_tokens(self, i: int) -> np.ndarray:
         if i not in self._tokens:
-            self._tokens[i] = np.memmap(self._shards[i].tokens_path, dtype=self.dtype, mode="r")
+            shard = self._shards[i]
+            self._tokens[i] = np.memmap(shard.tokens_path, dtype=self.dtype, mode="r", shape=(shard.num_tokens,),
+                                        offset=shard.token_start * self.dtype.itemsize)
         return self._tokens[i]
 
     def _shard_offsets(self, i: int) -> np.ndarray:
@@ -383,7 +417,8 @@ class PreparedDataset:
             shards = []
             for s in self.manifest["splits"][split]["shards"]:
                 bin_path, idx_path, _ = shard_paths(self.path / split, s["index"])
-                shards.append(_Shard(bin_path, idx_path, s["num_tokens"], s["num_documents"], s["index"]))
+                shards.append(_Shard(bin_path, idx_path, s["num_tokens"], s["num_documents"], s["index"],
+                                     token_start(s)))
             out[split] = TokenSplit(self.dtype, shards)
         return out
 
