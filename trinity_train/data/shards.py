@@ -20,11 +20,13 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections import OrderedDict
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 
 import numpy as np
+from filelock import FileLock
 
 from trinity_train.files import atomic_write_json, read_json_object, temp_sibling
 from trinity_train.errors import DataError
@@ -36,6 +38,7 @@ TOKENIZER_FILE = "tokenizer.json"
 SPLITS = ("train", "val")
 OFFSET_DTYPE = np.dtype("<i8")
 _HASH_CHUNK = 1 << 24
+OPEN_SHARDS = 64  # memory maps a split keeps open (each holds one file descriptor)
 
 
 def token_dtype_for(vocab_size: int) -> np.dtype:
@@ -69,6 +72,16 @@ def shard_paths(split_dir: Path, index: int) -> tuple[Path, Path, Path]:
 
 
 # ---------------------------------------------------------------------------- writing
+
+
+def shard_record(index: int, build_key: str, num_tokens: int, num_documents: int, max_token_id: int,
+                 tokens_sha256: str, offsets_bytes: int, offsets_sha256: str, dtype: np.dtype) -> dict:
+    """A shard's record (its `.json` and its manifest entry) from its counts and files' hashes."""
+    bin_path, idx_path, _ = shard_paths(Path(), index)
+    return {"index": index, "build_key": build_key, "num_tokens": num_tokens, "num_documents": num_documents,
+            "max_token_id": max_token_id,
+            "files": {bin_path.name: {"bytes": num_tokens * np.dtype(dtype).itemsize, "sha256": tokens_sha256},
+                      idx_path.name: {"bytes": offsets_bytes, "sha256": offsets_sha256}}}
 
 
 class ShardWriter:
@@ -109,19 +122,9 @@ class ShardWriter:
         self._tmp_idx.write_bytes(offsets_bytes)
         os.replace(self._tmp_bin, self._bin)
         os.replace(self._tmp_idx, self._idx)
-        record = {
-            "index": self.index,
-            "build_key": self.build_key,
-            "num_tokens": self.num_tokens,
-            "num_documents": self.num_documents,
-            "max_token_id": self.max_token_id,
-            "files": {
-                self._bin.name: {"bytes": self.num_tokens * self.dtype.itemsize,
-                                 "sha256": self._bin_hash.hexdigest()},
-                self._idx.name: {"bytes": len(offsets_bytes),
-                                 "sha256": hashlib.sha256(offsets_bytes).hexdigest()},
-            },
-        }
+        record = shard_record(self.index, self.build_key, self.num_tokens, self.num_documents, self.max_token_id,
+                              self._bin_hash.hexdigest(), len(offsets_bytes),
+                              hashlib.sha256(offsets_bytes).hexdigest(), self.dtype)
         atomic_write_json(self._record, record)
         return record
 
@@ -262,6 +265,24 @@ class _Shard:
     index: int = 0  # the shard's number in the manifest (its file name)
 
 
+class _OpenMaps:
+    """The most recently read shard files, memory-mapped: a bounded number stays open, so a split
+    of 10^5 shards read in random order neither runs out of file descriptors nor keeps every
+    mapping (a closed map's pages stay only as long as an array read from it)."""
+
+    def __init__(self, limit: int = OPEN_SHARDS):
+        self.limit, self._maps = limit, OrderedDict()
+
+    def get(self, path: Path, dtype: np.dtype) -> np.ndarray:
+        if path in self._maps:
+            self._maps.move_to_end(path)
+        else:
+            self._maps[path] = np.memmap(path, dtype=dtype, mode="r")
+            if len(self._maps) > self.limit:
+                self._maps.popitem(last=False)
+        return self._maps[path]
+
+
 class TokenSplit:
     """One split of a prepared dataset, read as one long token array cut into documents."""
 
@@ -272,18 +293,14 @@ class TokenSplit:
         self._starts = np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)])
         self.num_tokens = int(self._starts[-1])
         self.num_documents = sum(s.num_documents for s in self._shards)
-        self._tokens: dict[int, np.ndarray] = {}
-        self._offsets: dict[int, np.ndarray] = {}
+        self._tokens = _OpenMaps()
+        self._offsets = _OpenMaps()
 
     def _shard_tokens(self, i: int) -> np.ndarray:
-        if i not in self._tokens:
-            self._tokens[i] = np.memmap(self._shards[i].tokens_path, dtype=self.dtype, mode="r")
-        return self._tokens[i]
+        return self._tokens.get(self._shards[i].tokens_path, self.dtype)
 
     def _shard_offsets(self, i: int) -> np.ndarray:
-        if i not in self._offsets:
-            self._offsets[i] = np.memmap(self._shards[i].offsets_path, dtype=OFFSET_DTYPE, mode="r")
-        return self._offsets[i]
+        return self._offsets.get(self._shards[i].offsets_path, OFFSET_DTYPE)
 
     def _shards_overlapping(self, start: int, end: int) -> range:
         first = int(np.searchsorted(self._starts, start, side="right")) - 1
@@ -336,10 +353,10 @@ class PreparedDataset:
         self.max_token_id: int | None = None  # the largest token id in the shards, once verified
 
     @classmethod
-    def open(cls, path: str | Path, verify_checksums: bool = True, cache_dir: str | Path | None = None
+    def open(cls, path: str | Path, verify_checksums: str | bool = "stamp", cache_dir: str | Path | None = None
              ) -> "PreparedDataset":
-        """Open and verify the dataset; `cache_dir` keeps the largest token id of a dataset whose
-        manifest does not record it, when checksums are off (so it is read once)."""
+        """Open and verify the dataset (`verify` says how); `cache_dir` holds the verification
+        stamps and the largest token id of a dataset whose manifest does not record it."""
         path = Path(path).expanduser()
         dataset = cls(path, read_manifest(path))
         dataset.verify(checksums=verify_checksums, cache_dir=cache_dir)
@@ -351,30 +368,97 @@ class PreparedDataset:
                 for name, info in shard["files"].items():
                     yield self.path / split / name, info, shard
 
-    def verify(self, checksums: bool, cache_dir: str | Path | None = None) -> None:
-        """Every listed file exists with its recorded size (and, with `checksums`, its sha256);
-        sets `max_token_id` (from the checksum pass, or the manifest, or one read of the shards)."""
-        largest, unrecorded = -1, []
-        for path, info, shard in self._files():
-            if not path.is_file():
-                raise DataError(f"dataset '{self.path}' is missing '{path}'; prepare it again")
-            if path.stat().st_size != info["bytes"]:
-                raise DataError(f"'{path}' has {path.stat().st_size} bytes but the manifest says "
-                                f"{info['bytes']}: the dataset changed or is damaged; prepare it again")
-            tokens = path.suffix == ".bin"
-            if checksums:
-                digest, found = sha256_and_largest_id(path, self.dtype) if tokens else (file_sha256(path), -1)
-                if digest != info["sha256"]:
-                    raise DataError(f"'{path}' does not match its manifest checksum: the dataset changed "
-                                    "or is damaged; prepare it again")
-                largest = max(largest, found)
-            elif tokens and _is_count(shard.get("max_token_id")):
-                largest = max(largest, shard["max_token_id"])
-            elif tokens:
-                unrecorded.append(path)
-        if unrecorded:
-            largest = max(largest, _cached_largest_id(unrecorded, self.dtype, self.fingerprint, cache_dir))
-        self.max_token_id = largest
+    def verify(self, checksums: str | bool = "stamp", cache_dir: str | Path | None = None) -> None:
+        """Every listed file exists with its recorded size, always (one stat per file), then by
+        `checksums` (`data.verify_checksums`; True is "full", False "sizes"):
+
+        - "full": every file's sha256 against the manifest, at every start;
+        - "stamp": the same pass once per dataset: it leaves a stamp in `cache_dir` listing each
+          file's size, mtime and inode; a later start whose files all still match it hashes
+          nothing. The first process to start hashes (holding a lock on the stamp), the others
+          wait and use its stamp. Without a `cache_dir`, as "full";
+        - "sizes": no hashing (the loader still checks each batch's ids against the vocabulary).
+
+        Sets `max_token_id` (from the hashing pass or its stamp, else the manifest, else one read
+        of the shards cached in `cache_dir`)."""
+        mode = {True: "full", False: "sizes"}.get(checksums, checksums)
+        if mode not in ("full", "stamp", "sizes"):
+            raise ValueError(f"unknown verification {checksums!r}")
+        files = list(self._files())
+        identity = [self._checked_size(path, info) for path, info, _ in files]
+        if mode == "full" or (mode == "stamp" and not cache_dir):
+            self.max_token_id = self._hashed(files)
+        elif mode == "stamp":
+            self.max_token_id = self._stamped(files, identity, Path(cache_dir).expanduser())
+        else:
+            largest, unrecorded = -1, []
+            for path, _, shard in files:
+                if path.suffix != ".bin":
+                    continue
+                if _is_count(shard.get("max_token_id")):
+                    largest = max(largest, shard["max_token_id"])
+                else:
+                    unrecorded.append(path)
+            if unrecorded:
+                largest = max(largest, _cached_largest_id(unrecorded, self.dtype, self.fingerprint, cache_dir))
+            self.max_token_id = largest
+
+    def _checked_size(self, path: Path, info: dict) -> list:
+        """The file's identity for a stamp (name, size, mtime, inode), once its size is checked."""
+        try:
+            st = path.stat()
+        except FileNotFoundError:
+            raise DataError(f"dataset '{self.path}' is missing '{path}'; prepare it again") from None
+        if st.st_size != info["bytes"]:
+            raise DataError(f"'{path}' has {st.st_size} bytes but the manifest says "
+                            f"{info['bytes']}: the dataset changed or is damaged; prepare it again")
+        return [str(path.relative_to(self.path)), st.st_size, st.st_mtime_ns, st.st_ino]
+
+    def _hashed(self, files: list) -> int:
+        """Every file's sha256 against the manifest; the largest token id they hold."""
+        largest = -1
+        for path, info, _ in files:
+            digest, found = (sha256_and_largest_id(path, self.dtype) if path.suffix == ".bin"
+                             else (file_sha256(path), -1))
+            if digest != info["sha256"]:
+                raise DataError(f"'{path}' does not match its manifest checksum: the dataset changed "
+                                "or is damaged; prepare it again")
+            largest = max(largest, found)
+        return largest
+
+    def _stamped(self, files: list, identity: list, cache_dir: Path) -> int:
+        """The largest token id from a stamp of these very files, hashing them first if none."""
+        where = hashlib.sha256(str(self.path.resolve()).encode()).hexdigest()[:16]
+        stamp = cache_dir / "verified" / f"{self.fingerprint}-{where}.json"
+
+        def valid() -> int | None:
+            try:
+                recorded = read_json_object(stamp, DataError)
+            except DataError:
+                return None
+            found = recorded.get("max_token_id")
+            return found if recorded.get("files") == identity and isinstance(found, int) else None
+
+        if (largest := valid()) is not None:
+            return largest
+        try:
+            stamp.parent.mkdir(parents=True, exist_ok=True)
+            lock = FileLock(str(stamp.with_suffix(".lock")))
+            lock.acquire()
+        except OSError:  # a read-only cache: hash at every start, as "full"
+            return self._hashed(files)
+        try:
+            if (largest := valid()) is not None:  # another process hashed while this one waited
+                return largest
+            largest = self._hashed(files)
+            try:
+                atomic_write_json(stamp, {"dataset": str(self.path), "fingerprint": self.fingerprint,
+                                          "files": identity, "max_token_id": largest})
+            except OSError:
+                pass  # a read-only cache only costs the next start another pass
+            return largest
+        finally:
+            lock.release()
 
     @cached_property
     def splits(self) -> dict[str, TokenSplit]:
