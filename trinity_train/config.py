@@ -103,9 +103,9 @@ class DataConfig:
     mix: list[DataSource] = field(default_factory=list)  # weighted sources; overrides `path`
     phases: list[DataPhase] = field(default_factory=list)  # later mixes of data.mix, in token order
     skip_ranges: list[list[int]] = field(default_factory=list)  # [start, end) global batches
-    verify_checksums: str = "stamp"  # "stamp": sha256 every shard once per dataset (one process,
-    #   recorded in cache_dir), then check each start that no file changed since (sizes, mtimes,
-    #   inodes); "full": sha256 every shard at every start (true); "sizes": sizes only (false)
+    verify_checksums: str = "stamp"  # "stamp": each dp rank sha256s its 1/dp share of the shards once,
+    #   stamps them in cache_dir, and rehashes one only when its files changed (size, mtime, inode);
+    #   "full": every rank hashes every shard at every start (true); "sizes": sizes only (false)
     sample_order: int = 2  # 2: a stateless permutation per epoch (memory flat in the data); 1: the
     #   materialised one of runs before it. A resume keeps its checkpoint's order whatever this says
 

@@ -311,8 +311,9 @@ def build_loaders(cfg: Config, dp_rank: int = 0, dp_size: int = 1,
         raise ValueError(f"dp_rank {dp_rank} is outside [0, {dp_size})")
     d = cfg.data
     sources = _sources(cfg)
-    datasets = [PreparedDataset.open(path, verify_checksums=d.verify_checksums, cache_dir=d.cache_dir)
-                for path, _ in sources]
+    # Under "stamp" the ranks share the hashing: each verifies 1/dp_size of every dataset's shards.
+    datasets = [PreparedDataset.open(path, verify_checksums=d.verify_checksums, cache_dir=d.cache_dir,
+                                     part=(dp_rank, dp_size)) for path, _ in sources]
     tokenizers = {ds.manifest["tokenizer"].get("sha256") for ds in datasets}
     if len(tokenizers) > 1:
         raise DataError(f"the data.mix sources were tokenized with {len(tokenizers)} different tokenizers "

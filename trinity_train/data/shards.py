@@ -26,7 +26,6 @@ from functools import cached_property
 from pathlib import Path
 
 import numpy as np
-from filelock import FileLock
 
 from trinity_train.files import atomic_write_json, read_json_object, temp_sibling
 from trinity_train.errors import DataError
@@ -353,58 +352,60 @@ class PreparedDataset:
         self.max_token_id: int | None = None  # the largest token id in the shards, once verified
 
     @classmethod
-    def open(cls, path: str | Path, verify_checksums: str | bool = "stamp", cache_dir: str | Path | None = None
-             ) -> "PreparedDataset":
+    def open(cls, path: str | Path, verify_checksums: str | bool = "stamp", cache_dir: str | Path | None = None,
+             part: tuple[int, int] = (0, 1)) -> "PreparedDataset":
         """Open and verify the dataset (`verify` says how); `cache_dir` holds the verification
         stamps and the largest token id of a dataset whose manifest does not record it."""
         path = Path(path).expanduser()
         dataset = cls(path, read_manifest(path))
-        dataset.verify(checksums=verify_checksums, cache_dir=cache_dir)
+        dataset.verify(checksums=verify_checksums, cache_dir=cache_dir, part=part)
         return dataset
 
-    def _files(self):
+    def _shards(self):
         for split in SPLITS:
             for shard in self.manifest["splits"][split]["shards"]:
-                for name, info in shard["files"].items():
-                    yield self.path / split / name, info, shard
+                yield split, shard, [(self.path / split / name, info) for name, info in shard["files"].items()]
 
-    def verify(self, checksums: str | bool = "stamp", cache_dir: str | Path | None = None) -> None:
+    def verify(self, checksums: str | bool = "stamp", cache_dir: str | Path | None = None,
+               part: tuple[int, int] = (0, 1)) -> None:
         """Every listed file exists with its recorded size, always (one stat per file), then by
         `checksums` (`data.verify_checksums`; True is "full", False "sizes"):
 
-        - "full": every file's sha256 against the manifest, at every start;
-        - "stamp": the same pass once per dataset: it leaves a stamp in `cache_dir` listing each
-          file's size, mtime and inode; a later start whose files all still match it hashes
-          nothing. The first process to start hashes (holding a lock on the stamp), the others
-          wait and use its stamp. Without a `cache_dir`, as "full";
+        - "full": every shard's sha256 against the manifest, at every start;
+        - "stamp": process `part` = (p, P) of P hashes the shards whose number (in manifest order,
+          train then val) is p modulo P, once: each leaves a stamp in `cache_dir` (its files'
+          sizes, mtimes and inodes), and a later start hashes only an own shard whose files no
+          longer match their stamp. The P ranks of a job together hash every shard once, each
+          1/P of it; a rank that finds a damaged shard fails the job before its first step (a
+          step needs every rank). Without a `cache_dir`, the own shards at every start;
         - "sizes": no hashing (the loader still checks each batch's ids against the vocabulary).
 
-        Sets `max_token_id` (from the hashing pass or its stamp, else the manifest, else one read
-        of the shards cached in `cache_dir`)."""
+        Sets `max_token_id` (the hashed shards' largest, and the manifest's record of the others;
+        unrecorded ones are read once, cached in `cache_dir`)."""
         mode = {True: "full", False: "sizes"}.get(checksums, checksums)
         if mode not in ("full", "stamp", "sizes"):
             raise ValueError(f"unknown verification {checksums!r}")
-        files = list(self._files())
-        identity = [self._checked_size(path, info) for path, info, _ in files]
-        if mode == "full" or (mode == "stamp" and not cache_dir):
-            self.max_token_id = self._hashed(files)
-        elif mode == "stamp":
-            self.max_token_id = self._stamped(files, identity, Path(cache_dir).expanduser())
-        else:
-            largest, unrecorded = -1, []
-            for path, _, shard in files:
-                if path.suffix != ".bin":
-                    continue
-                if _is_count(shard.get("max_token_id")):
-                    largest = max(largest, shard["max_token_id"])
-                else:
-                    unrecorded.append(path)
-            if unrecorded:
-                largest = max(largest, _cached_largest_id(unrecorded, self.dtype, self.fingerprint, cache_dir))
-            self.max_token_id = largest
+        rank, ranks = part if mode == "stamp" else (0, 1)
+        stamps = self._stamp_dir(cache_dir) if mode == "stamp" and cache_dir else None
+        largest, unrecorded = -1, []
+        for number, (split, shard, files) in enumerate(self._shards()):
+            identity = [self._checked_size(path, info) for path, info in files]
+            if mode != "sizes" and number % ranks == rank:
+                largest = max(largest, self._verified(split, shard, files, identity, stamps))
+            elif _is_count(shard.get("max_token_id")):
+                largest = max(largest, shard["max_token_id"])
+            else:
+                unrecorded += [path for path, _ in files if path.suffix == ".bin"]
+        if unrecorded:
+            largest = max(largest, _cached_largest_id(unrecorded, self.dtype, self.fingerprint, cache_dir))
+        self.max_token_id = largest
+
+    def _stamp_dir(self, cache_dir: str | Path) -> Path:
+        where = hashlib.sha256(str(self.path.resolve()).encode()).hexdigest()[:16]
+        return Path(cache_dir).expanduser() / "verified" / f"{self.fingerprint}-{where}"
 
     def _checked_size(self, path: Path, info: dict) -> list:
-        """The file's identity for a stamp (name, size, mtime, inode), once its size is checked."""
+        """The file's identity for a stamp (size, mtime, inode), once its size is checked."""
         try:
             st = path.stat()
         except FileNotFoundError:
@@ -412,53 +413,33 @@ class PreparedDataset:
         if st.st_size != info["bytes"]:
             raise DataError(f"'{path}' has {st.st_size} bytes but the manifest says "
                             f"{info['bytes']}: the dataset changed or is damaged; prepare it again")
-        return [str(path.relative_to(self.path)), st.st_size, st.st_mtime_ns, st.st_ino]
+        return [st.st_size, st.st_mtime_ns, st.st_ino]
 
-    def _hashed(self, files: list) -> int:
-        """Every file's sha256 against the manifest; the largest token id they hold."""
+    def _verified(self, split: str, shard: dict, files: list, identity: list, stamps: Path | None) -> int:
+        """The largest token id of a shard whose files hash to their records: from its stamp when
+        the files are the ones stamped, else hashed now (and stamped when `stamps` is given)."""
+        stamp = stamps / f"{split}-{shard['index']}.json" if stamps else None
+        if stamp is not None:
+            try:
+                recorded = read_json_object(stamp, DataError)
+                if recorded.get("files") == identity and isinstance(recorded.get("max_token_id"), int):
+                    return recorded["max_token_id"]
+            except DataError:
+                pass
         largest = -1
-        for path, info, _ in files:
+        for path, info in files:
             digest, found = (sha256_and_largest_id(path, self.dtype) if path.suffix == ".bin"
                              else (file_sha256(path), -1))
             if digest != info["sha256"]:
                 raise DataError(f"'{path}' does not match its manifest checksum: the dataset changed "
                                 "or is damaged; prepare it again")
             largest = max(largest, found)
-        return largest
-
-    def _stamped(self, files: list, identity: list, cache_dir: Path) -> int:
-        """The largest token id from a stamp of these very files, hashing them first if none."""
-        where = hashlib.sha256(str(self.path.resolve()).encode()).hexdigest()[:16]
-        stamp = cache_dir / "verified" / f"{self.fingerprint}-{where}.json"
-
-        def valid() -> int | None:
+        if stamp is not None:
             try:
-                recorded = read_json_object(stamp, DataError)
-            except DataError:
-                return None
-            found = recorded.get("max_token_id")
-            return found if recorded.get("files") == identity and isinstance(found, int) else None
-
-        if (largest := valid()) is not None:
-            return largest
-        try:
-            stamp.parent.mkdir(parents=True, exist_ok=True)
-            lock = FileLock(str(stamp.with_suffix(".lock")))
-            lock.acquire()
-        except OSError:  # a read-only cache: hash at every start, as "full"
-            return self._hashed(files)
-        try:
-            if (largest := valid()) is not None:  # another process hashed while this one waited
-                return largest
-            largest = self._hashed(files)
-            try:
-                atomic_write_json(stamp, {"dataset": str(self.path), "fingerprint": self.fingerprint,
-                                          "files": identity, "max_token_id": largest})
+                atomic_write_json(stamp, {"files": identity, "max_token_id": largest})
             except OSError:
                 pass  # a read-only cache only costs the next start another pass
-            return largest
-        finally:
-            lock.release()
+        return largest
 
     @cached_property
     def splits(self) -> dict[str, TokenSplit]:
