@@ -32,8 +32,6 @@ from trinity_train.data.shards import PreparedDataset, TokenSplit
 from trinity_train.errors import DataError
 from trinity_train.rundir import RunDir
 
-_STATE_VERSION = 2  # 2 records the sample order; a state without it (version 1) used order 1
-
 
 @dataclass
 class Batch:
@@ -200,7 +198,9 @@ class TrainLoader:
         self._position += n
 
     def state_dict(self) -> dict:
-        return {"version": _STATE_VERSION, "sample_order": self._mixed.sample_order, "position": self._position,
+        # "version" is the sample order's (`mixing.SAMPLE_ORDERS`): every state written before order
+        # 2 existed says 1, and a checkpoint (DCP) loads only the keys it has, so no key was added.
+        return {"version": self._mixed.sample_order, "position": self._position,
                 "samples_consumed": self._first_sample(self._position),
                 "global_batch_size": self.global_batch_size, "anchor_batch": self._anchor_batch,
                 "anchor_sample": self._anchor_sample, "seed": self.seed, "fingerprint": self.fingerprint}
@@ -213,11 +213,11 @@ class TrainLoader:
         if state.get("seed") != self.seed:
             raise DataError(f"the checkpoint was trained with data.seed={state.get('seed')}, this run has "
                             f"data.seed={self.seed}; resume with the same seed")
-        order = state.get("sample_order", 1)
+        order = state.get("version", 1)
         if order not in SAMPLE_ORDERS:
             raise DataError(f"the checkpoint's data position uses sample order {order!r}, which this version "
                             f"does not know ({', '.join(map(str, SAMPLE_ORDERS))}); resume with the version that wrote it")
-        if order != self._mixed.sample_order:  # a run keeps the order it started with
+        if order != self._mixed.sample_order:  # a run keeps the order it started with, whatever data.sample_order says
             self._mixed.use_order(order)
         position = int(state["position"])
         if int(state["global_batch_size"]) == self.global_batch_size:

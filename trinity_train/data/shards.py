@@ -44,7 +44,7 @@ def token_dtype_for(vocab_size: int) -> np.dtype:
     return np.dtype("<u2") if vocab_size <= 1 << 16 else np.dtype("<u4")
 
 
-def _hash_pass(path: Path, dtype: np.dtype | None) -> tuple[str, int]:
+def _hash_pass(path: str | Path, dtype: np.dtype | None) -> tuple[str, int]:
     h = hashlib.sha256()
     largest = -1
     with open(path, "rb") as f:
@@ -55,19 +55,25 @@ def _hash_pass(path: Path, dtype: np.dtype | None) -> tuple[str, int]:
     return h.hexdigest(), largest
 
 
-def file_sha256(path: Path) -> str:
+def file_sha256(path: str | Path) -> str:
     return _hash_pass(path, None)[0]
 
 
-def sha256_and_largest_id(path: Path, dtype: np.dtype) -> tuple[str, int]:
+def sha256_and_largest_id(path: str | Path, dtype: np.dtype) -> tuple[str, int]:
     """A token file's sha256 and its largest id (-1 when empty), in one read (measured on the
     default corpus: +1 ms over the 30 ms of hashing alone, benchmarks/README.md)."""
     return _hash_pass(path, dtype)
 
 
-def shard_paths(split_dir: Path, index: int) -> tuple[Path, Path, Path]:
+def shard_names(index: int) -> tuple[str, str, str]:
+    """The file names of shard `index`: tokens, offsets, record (strings: a manifest of 10^4-10^5
+    shards is checked at every start, and pathlib would cost seconds of it)."""
     stem = f"{index:05d}"
-    return split_dir / f"{stem}.bin", split_dir / f"{stem}.idx", split_dir / f"{stem}.json"
+    return f"{stem}.bin", f"{stem}.idx", f"{stem}.json"
+
+
+def shard_paths(split_dir: Path, index: int) -> tuple[Path, Path, Path]:
+    return tuple(split_dir / name for name in shard_names(index))
 
 
 # ---------------------------------------------------------------------------- writing
@@ -76,11 +82,11 @@ def shard_paths(split_dir: Path, index: int) -> tuple[Path, Path, Path]:
 def shard_record(index: int, build_key: str, num_tokens: int, num_documents: int, max_token_id: int,
                  tokens_sha256: str, offsets_bytes: int, offsets_sha256: str, dtype: np.dtype) -> dict:
     """A shard's record (its `.json` and its manifest entry) from its counts and files' hashes."""
-    bin_path, idx_path, _ = shard_paths(Path(), index)
+    tokens, offsets, _ = shard_names(index)
     return {"index": index, "build_key": build_key, "num_tokens": num_tokens, "num_documents": num_documents,
             "max_token_id": max_token_id,
-            "files": {bin_path.name: {"bytes": num_tokens * np.dtype(dtype).itemsize, "sha256": tokens_sha256},
-                      idx_path.name: {"bytes": offsets_bytes, "sha256": offsets_sha256}}}
+            "files": {tokens: {"bytes": num_tokens * np.dtype(dtype).itemsize, "sha256": tokens_sha256},
+                      offsets: {"bytes": offsets_bytes, "sha256": offsets_sha256}}}
 
 
 class ShardWriter:
@@ -235,7 +241,7 @@ def _split_problem(info, split: str, dtype: np.dtype) -> str | None:
         if not isinstance(shard, dict) or not all(_is_count(shard.get(k)) for k in ("index", "num_tokens",
                                                                                     "num_documents")):
             return f"{where} lacks its index, num_tokens or num_documents"
-        tokens, offsets, _ = (p.name for p in shard_paths(Path(split), shard["index"]))
+        tokens, offsets, _ = shard_names(shard["index"])
         files = shard.get("files")
         if not isinstance(files, dict) or not all(isinstance(files.get(n), dict) and _is_count(files[n].get("bytes"))
                                                   and isinstance(files[n].get("sha256"), str) for n in (tokens, offsets)):
@@ -257,8 +263,8 @@ def manifest_fingerprint(manifest: dict) -> str:
 
 @dataclass
 class _Shard:
-    tokens_path: Path
-    offsets_path: Path
+    tokens_path: str
+    offsets_path: str
     num_tokens: int
     num_documents: int
     index: int = 0  # the shard's number in the manifest (its file name)
@@ -272,7 +278,7 @@ class _OpenMaps:
     def __init__(self, limit: int = OPEN_SHARDS):
         self.limit, self._maps = limit, OrderedDict()
 
-    def get(self, path: Path, dtype: np.dtype) -> np.ndarray:
+    def get(self, path: str, dtype: np.dtype) -> np.ndarray:
         if path in self._maps:
             self._maps.move_to_end(path)
         else:
@@ -362,9 +368,11 @@ class PreparedDataset:
         return dataset
 
     def _shards(self):
+        """(split, record, [(file path as a string, its record)]) of every shard, in manifest order."""
         for split in SPLITS:
+            split_dir = os.path.join(self.path, split)
             for shard in self.manifest["splits"][split]["shards"]:
-                yield split, shard, [(self.path / split / name, info) for name, info in shard["files"].items()]
+                yield split, shard, [(f"{split_dir}/{name}", info) for name, info in shard["files"].items()]
 
     def verify(self, checksums: str | bool = "stamp", cache_dir: str | Path | None = None,
                part: tuple[int, int] = (0, 1)) -> None:
@@ -395,7 +403,7 @@ class PreparedDataset:
             elif _is_count(shard.get("max_token_id")):
                 largest = max(largest, shard["max_token_id"])
             else:
-                unrecorded += [path for path, _ in files if path.suffix == ".bin"]
+                unrecorded += [Path(path) for path, _ in files if path.endswith(".bin")]
         if unrecorded:
             largest = max(largest, _cached_largest_id(unrecorded, self.dtype, self.fingerprint, cache_dir))
         self.max_token_id = largest
@@ -404,10 +412,10 @@ class PreparedDataset:
         where = hashlib.sha256(str(self.path.resolve()).encode()).hexdigest()[:16]
         return Path(cache_dir).expanduser() / "verified" / f"{self.fingerprint}-{where}"
 
-    def _checked_size(self, path: Path, info: dict) -> list:
+    def _checked_size(self, path: str, info: dict) -> list:
         """The file's identity for a stamp (size, mtime, inode), once its size is checked."""
         try:
-            st = path.stat()
+            st = os.stat(path)
         except FileNotFoundError:
             raise DataError(f"dataset '{self.path}' is missing '{path}'; prepare it again") from None
         if st.st_size != info["bytes"]:
@@ -428,7 +436,7 @@ class PreparedDataset:
                 pass
         largest = -1
         for path, info in files:
-            digest, found = (sha256_and_largest_id(path, self.dtype) if path.suffix == ".bin"
+            digest, found = (sha256_and_largest_id(path, self.dtype) if path.endswith(".bin")
                              else (file_sha256(path), -1))
             if digest != info["sha256"]:
                 raise DataError(f"'{path}' does not match its manifest checksum: the dataset changed "
@@ -445,9 +453,9 @@ class PreparedDataset:
     def splits(self) -> dict[str, TokenSplit]:
         out = {}
         for split in SPLITS:
-            shards = []
+            shards, split_dir = [], os.path.join(self.path, split)
             for s in self.manifest["splits"][split]["shards"]:
-                bin_path, idx_path, _ = shard_paths(self.path / split, s["index"])
+                bin_path, idx_path, _ = (f"{split_dir}/{name}" for name in shard_names(s["index"]))
                 shards.append(_Shard(bin_path, idx_path, s["num_tokens"], s["num_documents"], s["index"]))
             out[split] = TokenSplit(self.dtype, shards)
         return out
