@@ -443,10 +443,7 @@ class PreparedDataset:
                                 "or is damaged; prepare it again")
             largest = max(largest, found)
         if stamp is not None:
-            try:
-                atomic_write_json(stamp, {"files": identity, "max_token_id": largest})
-            except OSError:
-                pass  # a read-only cache only costs the next start another pass
+            _keep_in_cache(stamp, {"files": identity, "max_token_id": largest})
         return largest
 
     @cached_property
@@ -483,8 +480,12 @@ def _cached_largest_id(paths: list[Path], dtype: np.dtype, fingerprint: str, cac
             pass
     largest = _largest_id(paths, dtype)
     if cache is not None:
-        try:
-            atomic_write_json(cache, {"files": identity, "max_token_id": largest})
-        except OSError:
-            pass  # a read-only cache only costs the next start another read
+        _keep_in_cache(cache, {"files": identity, "max_token_id": largest})
     return largest
+
+
+def _keep_in_cache(path: Path, record: dict) -> None:
+    try:
+        atomic_write_json(path, record)
+    except OSError:
+        pass  # a read-only cache only costs the next start the work again
