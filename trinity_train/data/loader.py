@@ -146,6 +146,11 @@ class TrainLoader:
         self._anchor_batch, self._anchor_sample = 0, 0
 
     @property
+    def sample_order(self) -> int:
+        """The `mixing.SAMPLE_ORDERS` version it reads in: the config's, or its checkpoint's."""
+        return self._mixed.sample_order
+
+    @property
     def position(self) -> int:
         """Global batches consumed (skipped ones included): the index of the next batch."""
         return self._position
