@@ -132,9 +132,10 @@ class FeistelPermutation:
 
     A balanced Feistel network over 2*h bits (4**h >= n, so at most 4n) is a permutation of
     [0, 4**h) whatever its round function; cycle-walking (apply it again while the result is >= n)
-    restricts it to [0, n) and stays a bijection, taking < 4 steps on average. Six rounds of a
-    splitmix64 round function keyed from the seed make it indistinguishable from a random
-    permutation for training purposes (Luby-Rackoff needs 4 for a pseudo-random one).
+    restricts it to [0, n) and stays a bijection, at most 4 applications on average (4**h / n).
+    The round function is splitmix64's finaliser of (half ^ round key), the six keys drawn from
+    the seed (Luby-Rackoff: four rounds of a random function already give a pseudo-random
+    permutation). Vectorised: a batch of indices is permuted at once.
     """
 
     def __init__(self, n: int, key: list[int]):
