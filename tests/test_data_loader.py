@@ -288,3 +288,56 @@ def test_damaged_or_incomplete_dataset_is_rejected(dataset, tmp_path):
     shard.write_bytes(bytes(data[:-2]))
     with pytest.raises(DataError, match="bytes but the manifest says"):
         build_loaders(config(damaged, tmp_path, mbs=1, verify_checksums=False))
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_a_checkpoint_of_the_materialised_order_resumes_in_it_whatever_the_config_says(dataset, tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    old, _ = build_loaders(config(dataset, tmp_path, sample_order=1))
+    new, _ = build_loaders(config(dataset, tmp_path))  # order 2, the default
+    assert new.state_dict()["version"] == 2 and old.state_dict()["version"] == 1
+    assert not all(torch.equal(a.input_ids, b.input_ids) for a, b in zip(take(old, 3), take(new, 3)))
+    dcp.save({"loader": old}, checkpoint_id=str(tmp_path / "ckpt"))  # as every checkpoint before order 2
+    expected = take(old, 3)
+    resumed, _ = build_loaders(config(dataset, tmp_path))
+    dcp.load({"loader": resumed}, checkpoint_id=str(tmp_path / "ckpt"))
+    assert resumed.state_dict()["version"] == 1
+    assert all(torch.equal(e.input_ids, g.input_ids) for e, g in zip(expected, take(resumed, 3)))
+    state = {k: v for k, v in old.state_dict().items() if k != "version"}  # a state of no version: order 1
+    again, _ = build_loaders(config(dataset, tmp_path))
+    again.load_state_dict(state)
+    assert again.state_dict()["version"] == 1
+
+
+def test_stamped_verification_hashes_each_shard_once_shared_among_the_ranks(tmp_path, monkeypatch):
+    from trinity_train.data import shards
+
+    path = make_dataset(tmp_path / "ds", counting_docs(1, [30] * 40), counting_docs(1, [40] * 3), shard_documents=4)
+    hashed = []
+    real = shards.sha256_and_largest_id
+    monkeypatch.setattr(shards, "sha256_and_largest_id", lambda p, dtype: hashed.append(p) or real(p, dtype))
+    cache = tmp_path / "cache"
+    for rank in range(3):
+        build_loaders(config(path, tmp_path, mbs=1, cache_dir=str(cache)), dp_rank=rank, dp_size=3)
+    assert len(hashed) == len(set(hashed)) == 10 + 1  # every shard once, by one of the three ranks
+    hashed.clear()
+    build_loaders(config(path, tmp_path, mbs=1, cache_dir=str(cache)), dp_rank=1, dp_size=3)
+    assert hashed == []  # stamped: nothing hashed again
+    shard = path / "train" / "00004.bin"  # rank 1 of 3's: shard number 4
+    data = bytearray(shard.read_bytes())
+    data[3] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    with pytest.raises(DataError, match="00004.bin' does not match its manifest checksum"):
+        build_loaders(config(path, tmp_path, mbs=1, cache_dir=str(cache)), dp_rank=1, dp_size=3)
+    build_loaders(config(path, tmp_path, mbs=1, cache_dir=str(cache), verify_checksums="sizes"), dp_rank=1, dp_size=3)
+
+
+def test_a_split_keeps_a_bounded_number_of_shard_files_open(dataset, tmp_path):
+    train, _ = build_loaders(config(dataset, tmp_path))
+    split = train.split(0)
+    split._tokens.limit = split._offsets.limit = 2
+    whole = np.concatenate([split.read(start, 50) for start in range(0, split.num_tokens - 50, 50)])
+    assert np.array_equal(whole, np.arange(1, len(whole) + 1))  # the counting tokens, across every shard
+    split.document_starts(0, split.num_tokens)
+    assert len(split._tokens._maps) == 2 and len(split._offsets._maps) == 2

@@ -103,7 +103,11 @@ class DataConfig:
     mix: list[DataSource] = field(default_factory=list)  # weighted sources; overrides `path`
     phases: list[DataPhase] = field(default_factory=list)  # later mixes of data.mix, in token order
     skip_ranges: list[list[int]] = field(default_factory=list)  # [start, end) global batches
-    verify_checksums: bool = True  # hash every shard at start (sizes are always checked)
+    verify_checksums: str = "stamp"  # "stamp": each dp rank sha256s its 1/dp share of the shards once,
+    #   stamps them in cache_dir, and rehashes one only when its files changed (size, mtime, inode);
+    #   "full": every rank hashes every shard at every start (true); "sizes": sizes only (false)
+    sample_order: int = 2  # 2: a stateless permutation per epoch (memory flat in the data); 1: the
+    #   materialised one of runs before it. A resume keeps its checkpoint's order whatever this says
 
 
 @dataclass
@@ -346,8 +350,18 @@ def _build(cls: type, table: dict, prefix: str) -> Any:
         key = f"{prefix}.{k}" if prefix else k
         if k not in names:
             raise ConfigError(_unknown_key_message(key, k, names))
-        kwargs[k] = _coerce(v, hints[k], key)
+        kwargs[k] = _coerce(_respelled(key, v), hints[k], key)
     return cls(**kwargs)
+
+
+# The boolean values of a key that was a boolean before it took named values, and their names now.
+OLD_SPELLINGS = {"data.verify_checksums": {True: "full", False: "sizes"}}
+
+
+def _respelled(key: str, value: Any) -> Any:
+    if isinstance(value, bool) and key in OLD_SPELLINGS:
+        return OLD_SPELLINGS[key][value]
+    return value
 
 
 def _unknown_key_message(key: str, name: str, names: list[str]) -> str:
@@ -542,7 +556,14 @@ def _validate_model(m: ModelConfig) -> None:
     one_of(m.load_balance, ("sign", "smebu", "none"), "model.load_balance")
 
 
+VERIFY_MODES = ("stamp", "full", "sizes")
+SAMPLE_ORDER_VERSIONS = (1, 2)
+
+
 def _validate_data(d: DataConfig) -> None:
+    one_of(d.verify_checksums, VERIFY_MODES, "data.verify_checksums")
+    require(d.sample_order in SAMPLE_ORDER_VERSIONS, "data.sample_order",
+            f"must be 1 or 2, got {d.sample_order}")
     require(d.seq_len > 0, "data.seq_len", f"must be positive, got {d.seq_len}")
     require(0.0 < d.val_fraction < 0.5, "data.val_fraction", f"must be in (0, 0.5), got {d.val_fraction}")
     require(d.vocab_size >= 256 + 2, "data.vocab_size", "must be at least 258 (bytes plus specials)")

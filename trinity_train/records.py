@@ -134,7 +134,7 @@ def _shape(fields: str, optional: str = "") -> Shape:
 
 EVENTS: dict[EventName, Shape] = {
     EventName.RUN_START: _shape("step iter device devices resumed_from"),
-    EventName.RESUME: _shape("checkpoint step iter"),
+    EventName.RESUME: _shape("checkpoint step iter sample_order", optional="sample_order"),
     EventName.INIT_FROM: _shape("checkpoint"),
     EventName.CONFIG_CHANGED: _shape("changes"),
     EventName.SCHEDULE_REPLANNED: _shape("step schedule from_steps to_steps lr_from lr_to"),

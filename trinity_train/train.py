@@ -319,8 +319,13 @@ class Trainer:
         if self.resume_from is not None:
             meta = self._load(self.resume_from)
             self.recovery.resumed()
+            order = self.train_loader.sample_order
             resumed = [event(EventName.RESUME, checkpoint=str(self.resume_from), step=self.state.step,
-                             iter=self.state.iteration)]
+                             iter=self.state.iteration, sample_order=order)]
+            if order != self.cfg.data.sample_order and self.is_main:
+                print(f"note: the run continues in data sample order {order}, its checkpoint's "
+                      f"(data.sample_order={self.cfg.data.sample_order} applies to runs that start anew)",
+                      file=sys.stderr)
             replan = replanned(config_from_meta(meta, self.resume_from), self.cfg, self.state.step)
             if replan is not None and self.is_main:
                 print(describe_replanned(replan), file=sys.stderr)

@@ -27,12 +27,10 @@ import torch
 from trinity_train.config import Config, DataConfig, rows_per_rank
 from trinity_train.data.default_corpus import default_dataset, default_dataset_dir
 from trinity_train.data.ledger import SkipLedger
-from trinity_train.data.mixing import EpochOrder, MixSchedule
+from trinity_train.data.mixing import SAMPLE_ORDERS, MixSchedule
 from trinity_train.data.shards import PreparedDataset, TokenSplit
 from trinity_train.errors import DataError
 from trinity_train.rundir import RunDir
-
-_STATE_VERSION = 1
 
 
 @dataclass
@@ -82,10 +80,18 @@ def _to_batch(arrays: dict[str, np.ndarray], index: int) -> Batch:
 class _MixedRows:
     """Reads stream samples -> rows, for a set of sources and their schedule."""
 
-    def __init__(self, readers: list[SequenceReader], schedule: MixSchedule, orders: list[EpochOrder] | None,
-                 datasets: list[PreparedDataset]):
-        self.readers, self.schedule, self.orders, self.datasets = readers, schedule, orders, datasets
+    def __init__(self, readers: list[SequenceReader], schedule: MixSchedule, datasets: list[PreparedDataset],
+                 sample_order: int | None = None, seed: int = 0):
+        """`sample_order`: the `mixing.SAMPLE_ORDERS` version that orders each source's sequences;
+        None reads them in order (validation)."""
+        self.readers, self.schedule, self.datasets, self.seed = readers, schedule, datasets, seed
         self.vocab_size = min(ds.vocab_size for ds in datasets)
+        self.use_order(sample_order)
+
+    def use_order(self, sample_order: int | None) -> None:
+        self.sample_order = sample_order
+        self.orders = None if sample_order is None else [
+            SAMPLE_ORDERS[sample_order](r.num_sequences, self.seed, k) for k, r in enumerate(self.readers)]
 
     def locate(self, samples: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         return self.schedule.locate(samples)
@@ -122,7 +128,7 @@ class _MixedRows:
         raise DataError(f"{batch} holds token id {token} (row {row}, from dataset '{ds.path}'), outside its "
                         f"tokenizer's vocabulary of {self.vocab_size}, though the manifest records no id that "
                         "large: the shards changed after they were prepared or are damaged; prepare the dataset "
-                        "again (data.verify_checksums=true finds a changed shard before training)")
+                        "again (data.verify_checksums=\"full\" or \"stamp\" finds a changed shard before training)")
 
 
 class TrainLoader:
@@ -138,6 +144,11 @@ class TrainLoader:
         # Batch i starts at sample anchor_sample + (i - anchor_batch) * G; (0, 0) unless a resume
         # changed the global batch size.
         self._anchor_batch, self._anchor_sample = 0, 0
+
+    @property
+    def sample_order(self) -> int:
+        """The `mixing.SAMPLE_ORDERS` version it reads in: the config's, or its checkpoint's."""
+        return self._mixed.sample_order
 
     @property
     def position(self) -> int:
@@ -192,7 +203,9 @@ class TrainLoader:
         self._position += n
 
     def state_dict(self) -> dict:
-        return {"version": _STATE_VERSION, "position": self._position,
+        # "version" is the sample order's (`mixing.SAMPLE_ORDERS`): every state written before order
+        # 2 existed says 1, and a checkpoint (DCP) loads only the keys it has, so no key was added.
+        return {"version": self._mixed.sample_order, "position": self._position,
                 "samples_consumed": self._first_sample(self._position),
                 "global_batch_size": self.global_batch_size, "anchor_batch": self._anchor_batch,
                 "anchor_sample": self._anchor_sample, "seed": self.seed, "fingerprint": self.fingerprint}
@@ -205,6 +218,12 @@ class TrainLoader:
         if state.get("seed") != self.seed:
             raise DataError(f"the checkpoint was trained with data.seed={state.get('seed')}, this run has "
                             f"data.seed={self.seed}; resume with the same seed")
+        order = state.get("version", 1)
+        if order not in SAMPLE_ORDERS:
+            raise DataError(f"the checkpoint's data position uses sample order {order!r}, which this version "
+                            f"does not know ({', '.join(map(str, SAMPLE_ORDERS))}); resume with the version that wrote it")
+        if order != self._mixed.sample_order:  # a run keeps the order it started with, whatever data.sample_order says
+            self._mixed.use_order(order)
         position = int(state["position"])
         if int(state["global_batch_size"]) == self.global_batch_size:
             self._anchor_batch, self._anchor_sample = int(state["anchor_batch"]), int(state["anchor_sample"])
@@ -297,8 +316,9 @@ def build_loaders(cfg: Config, dp_rank: int = 0, dp_size: int = 1,
         raise ValueError(f"dp_rank {dp_rank} is outside [0, {dp_size})")
     d = cfg.data
     sources = _sources(cfg)
-    datasets = [PreparedDataset.open(path, verify_checksums=d.verify_checksums, cache_dir=d.cache_dir)
-                for path, _ in sources]
+    # Under "stamp" the ranks share the hashing: each verifies 1/dp_size of every dataset's shards.
+    datasets = [PreparedDataset.open(path, verify_checksums=d.verify_checksums, cache_dir=d.cache_dir,
+                                     part=(dp_rank, dp_size)) for path, _ in sources]
     tokenizers = {ds.manifest["tokenizer"].get("sha256") for ds in datasets}
     if len(tokenizers) > 1:
         raise DataError(f"the data.mix sources were tokenized with {len(tokenizers)} different tokenizers "
@@ -322,8 +342,7 @@ def build_loaders(cfg: Config, dp_rank: int = 0, dp_size: int = 1,
                         f"{cfg.train.micro_batch_size} x grad_accum {rows // cfg.train.micro_batch_size} x "
                         f"{dp_size} ranks); "
                         "add data or lower the batch size or seq_len")
-    orders = [EpochOrder(r.num_sequences, d.seed, k) for k, r in enumerate(train_readers)]
-    train_mixed = _MixedRows(train_readers, MixSchedule(phases, d.seed), orders, datasets)
+    train_mixed = _MixedRows(train_readers, MixSchedule(phases, d.seed), datasets, d.sample_order, d.seed)
 
     ledger = ledger if ledger is not None else SkipLedger.load(RunDir(cfg.run.dir).ledger)
     skips = [ledger, SkipLedger.from_ranges(d.skip_ranges, reason="data.skip_ranges")]
@@ -331,7 +350,7 @@ def build_loaders(cfg: Config, dp_rank: int = 0, dp_size: int = 1,
                         _fingerprint(datasets, phases, d.seq_len), skips)
 
     val_readers = [SequenceReader(ds.splits["val"], d.seq_len, doc_positions) for ds in datasets]
-    val_mixed = _MixedRows(val_readers, MixSchedule(phases[:1], d.seed), orders=None, datasets=datasets)
+    val_mixed = _MixedRows(val_readers, MixSchedule(phases[:1], d.seed), datasets)
     val = ValidationLoader(val_mixed, d.seq_len, rows, dp_rank, dp_size)
     if cfg.train.eval_every > 0 and val.num_batches(1) == 0:
         raise DataError(f"the validation split{'s' if len(datasets) > 1 else ''} of "

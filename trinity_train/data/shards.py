@@ -25,6 +25,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections import OrderedDict
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -41,13 +42,14 @@ TOKENIZER_FILE = "tokenizer.json"
 SPLITS = ("train", "val")
 OFFSET_DTYPE = np.dtype("<i8")
 _HASH_CHUNK = 1 << 24
+OPEN_SHARDS = 64  # memory maps a split keeps open (each holds one file descriptor)
 
 
 def token_dtype_for(vocab_size: int) -> np.dtype:
     return np.dtype("<u2") if vocab_size <= 1 << 16 else np.dtype("<u4")
 
 
-def _hash_pass(path: Path, dtype: np.dtype | None) -> tuple[str, int]:
+def _hash_pass(path: str | Path, dtype: np.dtype | None) -> tuple[str, int]:
     h = hashlib.sha256()
     largest = -1
     with open(path, "rb") as f:
@@ -58,19 +60,25 @@ def _hash_pass(path: Path, dtype: np.dtype | None) -> tuple[str, int]:
     return h.hexdigest(), largest
 
 
-def file_sha256(path: Path) -> str:
+def file_sha256(path: str | Path) -> str:
     return _hash_pass(path, None)[0]
 
 
-def sha256_and_largest_id(path: Path, dtype: np.dtype) -> tuple[str, int]:
+def sha256_and_largest_id(path: str | Path, dtype: np.dtype) -> tuple[str, int]:
     """A token file's sha256 and its largest id (-1 when empty), in one read (measured on the
     default corpus: +1 ms over the 30 ms of hashing alone, benchmarks/README.md)."""
     return _hash_pass(path, dtype)
 
 
-def shard_paths(split_dir: Path, index: int) -> tuple[Path, Path, Path]:
+def shard_names(index: int) -> tuple[str, str, str]:
+    """The file names of shard `index`: tokens, offsets, record (strings: a manifest of 10^4-10^5
+    shards is checked at every start, and pathlib would cost seconds of it)."""
     stem = f"{index:05d}"
-    return split_dir / f"{stem}.bin", split_dir / f"{stem}.idx", split_dir / f"{stem}.json"
+    return f"{stem}.bin", f"{stem}.idx", f"{stem}.json"
+
+
+def shard_paths(split_dir: Path, index: int) -> tuple[Path, Path, Path]:
+    return tuple(split_dir / name for name in shard_names(index))
 
 
 # ---------------------------------------------------------------------------- writing
@@ -133,7 +141,7 @@ def shard_record(index: int, build_key: str, num_tokens: int, num_documents: int
                  tokens: dict, offsets: dict, token_range: tuple[int, int] | None = None) -> dict:
     """A shard's record; `tokens` and `offsets` are its files' {"bytes", "sha256"}. `token_range`:
     the tokens of a shared token file that are this shard's (an imported corpus), else all of it."""
-    tokens_name, offsets_name, _ = (p.name for p in shard_paths(Path(), index))
+    tokens_name, offsets_name, _ = shard_names(index)
     record = {"index": index, "build_key": build_key, "num_tokens": num_tokens, "num_documents": num_documents,
               "max_token_id": max_token_id, "files": {tokens_name: tokens, offsets_name: offsets}}
     if token_range is not None:
@@ -245,7 +253,7 @@ def _split_problem(info, split: str, dtype: np.dtype) -> str | None:
         if not isinstance(shard, dict) or not all(_is_count(shard.get(k)) for k in ("index", "num_tokens",
                                                                                     "num_documents")):
             return f"{where} lacks its index, num_tokens or num_documents"
-        tokens, offsets, _ = (p.name for p in shard_paths(Path(split), shard["index"]))
+        tokens, offsets, _ = shard_names(shard["index"])
         files = shard.get("files")
         if not isinstance(files, dict) or not all(isinstance(files.get(n), dict) and _is_count(files[n].get("bytes"))
                                                   and isinstance(files[n].get("sha256"), str) for n in (tokens, offsets)):
@@ -286,12 +294,34 @@ def manifest_fingerprint(manifest: dict) -> str:
 
 @dataclass
 class _Shard:
-    tokens_path: Path
-    offsets_path: Path
+    tokens_path: str
+    offsets_path: str
     num_tokens: int
     num_documents: int
     index: int = 0  # the shard's number in the manifest (its file name)
     token_start: int = 0  # where its tokens begin in the token file (a shared, imported file)
+
+
+class _OpenMaps:
+    """The most recently read shard files, memory-mapped: a bounded number stays open, so a split
+    of 10^5 shards read in random order neither runs out of file descriptors nor keeps every
+    mapping (a closed map's pages stay only as long as an array read from it)."""
+
+    def __init__(self, limit: int = OPEN_SHARDS):
+        self.limit, self._maps = limit, OrderedDict()
+
+    def get(self, path: str, dtype: np.dtype, start: int = 0, count: int | None = None) -> np.ndarray:
+        """Elements [start, start + count) of the file (all of it by default): an imported
+        corpus's splits share one token file."""
+        key = (path, start)
+        if key in self._maps:
+            self._maps.move_to_end(key)
+        else:
+            self._maps[key] = np.memmap(path, dtype=dtype, mode="r", offset=start * np.dtype(dtype).itemsize,
+                                        shape=None if count is None else (count,))
+            if len(self._maps) > self.limit:
+                self._maps.popitem(last=False)
+        return self._maps[key]
 
 
 class TokenSplit:
@@ -304,20 +334,15 @@ class TokenSplit:
         self._starts = np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)])
         self.num_tokens = int(self._starts[-1])
         self.num_documents = sum(s.num_documents for s in self._shards)
-        self._tokens: dict[int, np.ndarray] = {}
-        self._offsets: dict[int, np.ndarray] = {}
+        self._tokens = _OpenMaps()
+        self._offsets = _OpenMaps()
 
     def _shard_tokens(self, i: int) -> np.ndarray:
-        if i not in self._tokens:
-            shard = self._shards[i]
-            self._tokens[i] = np.memmap(shard.tokens_path, dtype=self.dtype, mode="r", shape=(shard.num_tokens,),
-                                        offset=shard.token_start * self.dtype.itemsize)
-        return self._tokens[i]
+        shard = self._shards[i]
+        return self._tokens.get(shard.tokens_path, self.dtype, shard.token_start, shard.num_tokens)
 
     def _shard_offsets(self, i: int) -> np.ndarray:
-        if i not in self._offsets:
-            self._offsets[i] = np.memmap(self._shards[i].offsets_path, dtype=OFFSET_DTYPE, mode="r")
-        return self._offsets[i]
+        return self._offsets.get(self._shards[i].offsets_path, OFFSET_DTYPE)
 
     def _shards_overlapping(self, start: int, end: int) -> range:
         first = int(np.searchsorted(self._starts, start, side="right")) - 1
@@ -370,53 +395,101 @@ class PreparedDataset:
         self.max_token_id: int | None = None  # the largest token id in the shards, once verified
 
     @classmethod
-    def open(cls, path: str | Path, verify_checksums: bool = True, cache_dir: str | Path | None = None
-             ) -> "PreparedDataset":
-        """Open and verify the dataset; `cache_dir` keeps the largest token id of a dataset whose
-        manifest does not record it, when checksums are off (so it is read once)."""
+    def open(cls, path: str | Path, verify_checksums: str | bool = "stamp", cache_dir: str | Path | None = None,
+             part: tuple[int, int] = (0, 1)) -> "PreparedDataset":
+        """Open and verify the dataset (`verify` says how); `cache_dir` holds the verification
+        stamps and the largest token id of a dataset whose manifest does not record it."""
         path = Path(path).expanduser()
         dataset = cls(path, read_manifest(path))
-        dataset.verify(checksums=verify_checksums, cache_dir=cache_dir)
+        dataset.verify(checksums=verify_checksums, cache_dir=cache_dir, part=part)
         return dataset
 
-    def _files(self):
+    def _shards(self):
+        """(split, record, [(file path as a string, its record)]) of every shard, in manifest order."""
         for split in SPLITS:
+            split_dir = os.path.join(self.path, split)
             for shard in self.manifest["splits"][split]["shards"]:
-                for name, info in shard["files"].items():
-                    yield self.path / split / name, info, shard
+                yield split, shard, [(f"{split_dir}/{name}", info) for name, info in shard["files"].items()]
 
-    def verify(self, checksums: bool, cache_dir: str | Path | None = None) -> None:
-        """Every listed file exists with its recorded size (and, with `checksums`, its sha256);
-        sets `max_token_id` (from the checksum pass, or the manifest, or one read of the shards)."""
+    def verify(self, checksums: str | bool = "stamp", cache_dir: str | Path | None = None,
+               part: tuple[int, int] = (0, 1)) -> None:
+        """Every listed file exists with its recorded size, always (one stat per file), then by
+        `checksums` (`data.verify_checksums`; True is "full", False "sizes"):
+
+        - "full": every shard's sha256 against the manifest, at every start;
+        - "stamp": process `part` = (p, P) of P hashes the shards whose number (in manifest order,
+          train then val) is p modulo P, once: each leaves a stamp in `cache_dir` (its files'
+          sizes, mtimes and inodes), and a later start hashes only an own shard whose files no
+          longer match their stamp. The P ranks of a job together hash every shard once, each
+          1/P of it; a rank that finds a damaged shard fails the job before its first step (a
+          step needs every rank). Without a `cache_dir`, the own shards at every start;
+        - "sizes": no hashing (the loader still checks each batch's ids against the vocabulary).
+
+        Sets `max_token_id` (the hashed shards' largest, and the manifest's record of the others;
+        unrecorded ones are read once, cached in `cache_dir`)."""
+        mode = {True: "full", False: "sizes"}.get(checksums, checksums)
+        if mode not in ("full", "stamp", "sizes"):
+            raise ValueError(f"unknown verification {checksums!r}")
+        rank, ranks = part if mode == "stamp" else (0, 1)
+        stamps = self._stamp_dir(cache_dir) if mode == "stamp" and cache_dir else None
         largest, unrecorded = -1, []
-        for path, info, shard in self._files():
-            if not path.is_file():
-                raise DataError(f"dataset '{self.path}' is missing '{path}'; prepare it again")
-            if path.stat().st_size != info["bytes"]:
-                raise DataError(f"'{path}' has {path.stat().st_size} bytes but the manifest says "
-                                f"{info['bytes']}: the dataset changed or is damaged; prepare it again")
-            tokens = path.suffix == ".bin"
-            if checksums:
-                digest, found = sha256_and_largest_id(path, self.dtype) if tokens else (file_sha256(path), -1)
-                if digest != info["sha256"]:
-                    raise DataError(f"'{path}' does not match its manifest checksum: the dataset changed "
-                                    "or is damaged; prepare it again")
-                largest = max(largest, found)
-            elif tokens and _is_count(shard.get("max_token_id")):
+        for number, (split, shard, files) in enumerate(self._shards()):
+            identity = [self._checked_size(path, info) for path, info in files]
+            if mode != "sizes" and number % ranks == rank:
+                largest = max(largest, self._verified(split, shard, files, identity, stamps))
+            elif _is_count(shard.get("max_token_id")):
                 largest = max(largest, shard["max_token_id"])
-            elif tokens:
-                unrecorded.append(path)
+            else:
+                unrecorded += [Path(path) for path, _ in files if path.endswith(".bin")]
         if unrecorded:
             largest = max(largest, _cached_largest_id(unrecorded, self.dtype, self.fingerprint, cache_dir))
         self.max_token_id = largest
+
+    def _stamp_dir(self, cache_dir: str | Path) -> Path:
+        where = hashlib.sha256(str(self.path.resolve()).encode()).hexdigest()[:16]
+        return Path(cache_dir).expanduser() / "verified" / f"{self.fingerprint}-{where}"
+
+    def _checked_size(self, path: str, info: dict) -> list:
+        """The file's identity for a stamp (size, mtime, inode), once its size is checked."""
+        try:
+            st = os.stat(path)
+        except FileNotFoundError:
+            raise DataError(f"dataset '{self.path}' is missing '{path}'; prepare it again") from None
+        if st.st_size != info["bytes"]:
+            raise DataError(f"'{path}' has {st.st_size} bytes but the manifest says "
+                            f"{info['bytes']}: the dataset changed or is damaged; prepare it again")
+        return [st.st_size, st.st_mtime_ns, st.st_ino]
+
+    def _verified(self, split: str, shard: dict, files: list, identity: list, stamps: Path | None) -> int:
+        """The largest token id of a shard whose files hash to their records: from its stamp when
+        the files are the ones stamped, else hashed now (and stamped when `stamps` is given)."""
+        stamp = stamps / f"{split}-{shard['index']}.json" if stamps else None
+        if stamp is not None:
+            try:
+                recorded = read_json_object(stamp, DataError)
+                if recorded.get("files") == identity and isinstance(recorded.get("max_token_id"), int):
+                    return recorded["max_token_id"]
+            except DataError:
+                pass
+        largest = -1
+        for path, info in files:
+            digest, found = (sha256_and_largest_id(path, self.dtype) if path.endswith(".bin")
+                             else (file_sha256(path), -1))
+            if digest != info["sha256"]:
+                raise DataError(f"'{path}' does not match its manifest checksum: the dataset changed "
+                                "or is damaged; prepare it again")
+            largest = max(largest, found)
+        if stamp is not None:
+            _keep_in_cache(stamp, {"files": identity, "max_token_id": largest})
+        return largest
 
     @cached_property
     def splits(self) -> dict[str, TokenSplit]:
         out = {}
         for split in SPLITS:
-            shards = []
+            shards, split_dir = [], os.path.join(self.path, split)
             for s in self.manifest["splits"][split]["shards"]:
-                bin_path, idx_path, _ = shard_paths(self.path / split, s["index"])
+                bin_path, idx_path, _ = (f"{split_dir}/{name}" for name in shard_names(s["index"]))
                 shards.append(_Shard(bin_path, idx_path, s["num_tokens"], s["num_documents"], s["index"],
                                      token_start(s)))
             out[split] = TokenSplit(self.dtype, shards)
@@ -445,8 +518,12 @@ def _cached_largest_id(paths: list[Path], dtype: np.dtype, fingerprint: str, cac
             pass
     largest = _largest_id(paths, dtype)
     if cache is not None:
-        try:
-            atomic_write_json(cache, {"files": identity, "max_token_id": largest})
-        except OSError:
-            pass  # a read-only cache only costs the next start another read
+        _keep_in_cache(cache, {"files": identity, "max_token_id": largest})
     return largest
+
+
+def _keep_in_cache(path: Path, record: dict) -> None:
+    try:
+        atomic_write_json(path, record)
+    except OSError:
+        pass  # a read-only cache only costs the next start the work again
