@@ -182,7 +182,7 @@ def layer_record(run: RunView, iteration: int | None) -> dict:
     return record
 
 
-RANK_TIMES = ("compute_s", "iter_s", "wait_s", "data_s")  # the heatmap's value first, the hover's after
+RANK_TIMES = ("compute_s", "iter_s", "wait_s", "data_s", "comm_exposed_s")  # the heatmap's value first, the hover's after
 STRAGGLER_FIELDS = ("iter", "step", "rank", "host", "compute_s", "median_s", "ratio", "reports")
 
 
