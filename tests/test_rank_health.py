@@ -3,11 +3,18 @@ hosts at start, and the straggler rule: a `slow_rank` drill on rank 1 is flagged
 `metrics.straggler_reports` reports, once, and `incidents` lists it; a clean two-rank run of 300
 steps flags nobody, however loaded the machine."""
 
+import threading
+
 import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+from torch._C._distributed_c10d import Work
 
 from rank_health_run import (EVERY, REPORTS, SLOW_FIRST, SLOW_LAST, SLOW_RANK, SLOW_SECONDS, SLOW_STEPS,
                              train_two_ranks, two_rank_config)
 from trinity_train.cli import main
+from trinity_train.health.collective_waits import CollectiveWaits
 from trinity_train.health.straggler import StragglerRule
 from trinity_train.records import EventName, RecordKind
 from trinity_train.rundir import RunDir
@@ -39,6 +46,28 @@ def test_one_rank_or_idle_others_are_never_stragglers():
     assert rule.judge([5.0]) == [] and rule.judge([0.0, 5.0]) == []
     # two slow ranks of four: each is compared with the others' median, which holds the other slow one
     assert {s.rank for s in rule.judge([1.0, 1.0, 4.0, 4.0])} == {2, 3}
+
+
+# ---------------------------------------------------------------------------- exposed communication
+
+
+def test_collective_waits_time_the_installing_thread_only_and_give_torch_its_waits_back():
+    group = dist.ProcessGroupGloo(dist.HashStore(), 0, 1)  # a world of one, outside the default group
+    originals = (Work.wait, funcol.wait_tensor)
+
+    def all_reduce():
+        group.allreduce([torch.ones(3)]).wait()
+
+    with CollectiveWaits() as outer:
+        with CollectiveWaits() as inner:
+            all_reduce()
+            other = threading.Thread(target=all_reduce)  # another thread's wait is not this one's
+            other.start()
+            other.join()
+        all_reduce()  # the inner one is gone, the wrappers stay for the outer one
+        assert (Work.wait, funcol.wait_tensor) != originals
+    assert (inner.calls, outer.calls) == (1, 2) and 0 < inner.seconds <= outer.seconds
+    assert (Work.wait, funcol.wait_tensor) == originals
 
 
 # ---------------------------------------------------------------------------- one process

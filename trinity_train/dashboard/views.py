@@ -187,7 +187,8 @@ STRAGGLER_FIELDS = ("iter", "step", "rank", "host", "compute_s", "median_s", "ra
 
 
 def rank_health(run: RunView, x0: float | None, x1: float | None, width: int) -> dict:
-    """The rank x iteration heatmap: each `ranks` record's seconds per rank (bucket maxima, so a
+    """The rank x iteration heatmap and the exposed-communication lines under it: each `ranks`
+    record's seconds per rank (bucket maxima, so a
     slow report is not averaged away), the hosts of the latest start, the straggler events and
     the drills (consecutive `fault_injected` events of one fault and rank as one span)."""
     with run.lock:

@@ -44,32 +44,32 @@ def _charge(seconds: float) -> None:
     for waits in _active:
         if waits.thread == me:
             waits.seconds += seconds
+            waits.calls += 1
 
 
-def _timed_work_wait(self, *args, **kwargs):
-    start = time.perf_counter()
-    try:
-        return _originals["work_wait"](self, *args, **kwargs)
-    finally:
-        _charge(time.perf_counter() - start)
+def _timed(original: str):
+    """A wait that calls `_originals[original]` and charges its wall time to the calling thread."""
+    def wait(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return _originals[original](*args, **kwargs)
+        finally:
+            _charge(time.perf_counter() - start)
+    return wait
 
 
-def _timed_wait_tensor(tensor):
-    start = time.perf_counter()
-    try:
-        return _originals["wait_tensor"](tensor)
-    finally:
-        _charge(time.perf_counter() - start)
+_timed_work_wait, _timed_wait_tensor = _timed("work_wait"), _timed("wait_tensor")
 
 
 class CollectiveWaits:
-    """Seconds the installing thread has waited in collectives while installed (`seconds` only
-    grows; read it before and after a span). Installs process-wide wrappers shared by every
+    """Seconds the installing thread has waited in collectives while installed (`seconds` and
+    the count of waits, `calls`, only grow; read them before and after a span). Installs process-wide wrappers shared by every
     instance and removed with the last one; use as a context manager or `install`/`uninstall`."""
 
     def __init__(self):
         self.thread: int | None = None
         self.seconds = 0.0
+        self.calls = 0  # the waits timed
 
     def install(self) -> CollectiveWaits:
         with _lock:

@@ -279,9 +279,12 @@
       type: "rect", name: `drill: ${d.fault}`, xref: "x", yref: "y", x0: d.first - 0.5, x1: d.last + 0.5, y0: d.row - 0.5, y1: d.row + 0.5,
       fillcolor: "rgba(0,0,0,0)", line: { width: 2, color: "#8250df", dash: "dash" }, layer: "above",
     }));
-    react("plot-ranks", traces, baseLayout({ showlegend: false, shapes: outlinedBands(focus).concat(drillBoxes),
+    const layout = baseLayout({ shapes: outlinedBands(focus).concat(drillBoxes),
       yaxis: { title: { text: "rank · host" }, automargin: true, type: "category", autorange: "reversed", domain: HEAT_DOMAIN },
-      yaxis2: { title: { text: "comm s" }, automargin: true, rangemode: "tozero", domain: COMM_DOMAIN, anchor: "x", zeroline: false } }));
+      yaxis2: { title: { text: "comm s" }, automargin: true, rangemode: "tozero", domain: COMM_DOMAIN, anchor: "x", zeroline: false } });
+    layout.xaxis.anchor = "y2";  // the shared iteration axis under the lower row
+    traces.forEach((t) => { if (t.meta.kind !== "rank-comm") t.showlegend = false; });  // the legend names the lines
+    react("plot-ranks", traces, layout);
   };
 
   draw.expertLoad = function () {
