@@ -23,7 +23,8 @@ eager paths, is not seen).
 On gloo (CPU) the collective runs on gloo's threads, so the blocked time is the exposed time. On
 NCCL a wait only orders the CUDA streams and returns at once: the field is the host's blocking,
 near zero, and the exposure shows up later, where the host synchronises with the device. The
-overhead is two clock reads per wait (benchmarks/rank_stats_cost.py measures it per step).
+overhead is two clock reads and a thread check per wait (benchmarks/rank_stats_cost.py measures
+it per step).
 """
 
 from __future__ import annotations
@@ -47,24 +48,23 @@ def _charge(seconds: float) -> None:
             waits.calls += 1
 
 
-def _timed(original: str):
-    """A wait that calls `_originals[original]` and charges its wall time to the calling thread."""
-    def wait(*args, **kwargs):
+def timed_wait(wait):
+    """`wait` (a function) timed: each call's wall time is charged to the calling thread's
+    installed `CollectiveWaits` (none: to nobody)."""
+    def timed(*args, **kwargs):
         start = time.perf_counter()
         try:
-            return _originals[original](*args, **kwargs)
+            return wait(*args, **kwargs)
         finally:
             _charge(time.perf_counter() - start)
-    return wait
-
-
-_timed_work_wait, _timed_wait_tensor = _timed("work_wait"), _timed("wait_tensor")
+    return timed
 
 
 class CollectiveWaits:
     """Seconds the installing thread has waited in collectives while installed (`seconds` and
-    the count of waits, `calls`, only grow; read them before and after a span). Installs process-wide wrappers shared by every
-    instance and removed with the last one; use as a context manager or `install`/`uninstall`."""
+    the count of waits, `calls`, only grow; read them before and after a span). Installs
+    process-wide wrappers shared by every instance and removed with the last one; use as a
+    context manager or `install`/`uninstall`."""
 
     def __init__(self):
         self.thread: int | None = None
@@ -78,8 +78,8 @@ class CollectiveWaits:
             self.thread = threading.get_ident()
             if not _active:
                 _originals.update(work_wait=Work.wait, wait_tensor=funcol.wait_tensor)
-                Work.wait = _timed_work_wait
-                funcol.wait_tensor = _timed_wait_tensor
+                Work.wait = timed_wait(Work.wait)
+                funcol.wait_tensor = timed_wait(funcol.wait_tensor)
             _active.append(self)
         return self
 
