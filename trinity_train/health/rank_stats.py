@@ -21,7 +21,7 @@ validation or checkpoint saves, which the timeline accounts for):
 - `comm_exposed_s`: the wall time the loop's thread spent blocked in collectives' waits
   (`health.collective_waits`): the communication compute did not hide, part of `wait_s` (a rank
   waiting for a slower one waits inside a collective, so this is network plus the others'
-  lateness; on one host it is the lateness alone). On NCCL only the host's blocking (near zero).
+  lateness; on one host mostly the lateness). On NCCL only the host's blocking (near zero).
 
 On CUDA this is the host's view: CPU time spent launching kernels, plus whatever the host spins
 while it waits for the device (a synchronising `.item()`); work the device does while the host
