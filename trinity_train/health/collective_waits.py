@@ -18,7 +18,8 @@ thread computed is not counted: only what compute did not hide. Waits on other t
 checkpoint's writer) are not this thread's exposure and are passed through untimed. The wrappers
 are torch's own entry points looked up at call time (a caller reaching `torch.ops.c10d...` or
 `torch.ops._c10d_functional.wait_tensor` directly, none in this repository or FSDP2/DTensor's
-eager paths, is not seen).
+eager paths, is not seen). Inside a graph torch.compile traces, the waits are torch's own,
+untimed (a `block.compile()` run times the waits its eager parts make).
 
 On gloo (CPU) the collective runs on gloo's threads, so the blocked time is the exposed time. On
 NCCL a wait only orders the CUDA streams and returns at once: the field is the host's blocking,
@@ -32,6 +33,7 @@ from __future__ import annotations
 import threading
 import time
 
+import torch
 import torch.distributed._functional_collectives as funcol
 from torch._C._distributed_c10d import Work
 
@@ -52,6 +54,8 @@ def timed_wait(wait):
     """`wait` (a function) timed: each call's wall time is charged to the calling thread's
     installed `CollectiveWaits` (none: to nobody)."""
     def timed(*args, **kwargs):
+        if torch.compiler.is_compiling():  # traced into a graph: torch's own wait, no clock in it
+            return wait(*args, **kwargs)
         start = time.perf_counter()
         try:
             return wait(*args, **kwargs)
