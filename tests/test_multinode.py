@@ -230,37 +230,43 @@ ACROSS_HOSTS_DRILLS = ('--stability.inject=[{fault="slow_rank", first=1, last=4,
                        '{fault="fail_save", first=2, rank=3}]')
 
 
-# The exposed-communication job: 2 hosts x 1 rank, FSDP x EP, a report every 2 iterations; the
-# first report (start-up: the first all-gathers, allocations) is left out of the means.
-EXPOSED_STEPS, EXPOSED_EVERY, SHAPED_RATE_MBIT = 6, 2, 20  # the shaped job: about 6 s an iteration
+# The exposed-communication job: 2 hosts x 1 rank, FSDP x EP, a report every 2 iterations. The
+# link is shaped once the report of iteration 4 is written (the one of iteration 2 holds the
+# start-up); iterations 5-6 may straddle the change; 7-10 run shaped.
+EXPOSED_STEPS, UNSHAPED_REPORT, SHAPED_FROM, SHAPED_RATE_MBIT = 10, 4, 7, 20
 
 
-def exposed_comm_job(bed, run_dir: Path) -> tuple[float, float, float]:
-    """Run the job; (mean comm_exposed_s of the ranks after the first report, bytes per iteration
-    host 1 sent or received, whichever more, over the whole job, mean compute_s)."""
-    before = bed.wire_bytes(1)
-    Job(bed, run_dir, *FSDP_EP, f"--train.steps={EXPOSED_STEPS}", "--checkpoint.every=0",
-        f"--metrics.rank_stats_every={EXPOSED_EVERY}", nproc=1).start_all().finish()
-    after = bed.wire_bytes(1)
-    reports = [r for r in read_jsonl(run_dir / "metrics.jsonl") if r.get("kind") == RecordKind.RANKS][1:]
-    assert reports and all(len(r["comm_exposed_s"]) == 2 for r in reports)
-    exposed = sum(sum(r["comm_exposed_s"]) for r in reports) / (2 * len(reports))
-    compute = sum(sum(r["compute_s"]) for r in reports) / (2 * len(reports))
-    return exposed, max(a - b for a, b in zip(after, before)) / EXPOSED_STEPS, compute
+def ranks_reports(run_dir: Path) -> dict[int, dict]:
+    path = run_dir / "metrics.jsonl"
+    return {r["iter"]: r for r in (read_jsonl(path) if path.exists() else []) if r.get("kind") == RecordKind.RANKS}
 
 
 def test_exposed_communication_grows_when_the_link_is_shaped(bed, one_process, tmp_path):
-    """The same job unshaped and with host 1's link shaped to SHAPED_RATE_MBIT: every byte of a
-    step then takes bytes / rate to cross, which the ranks' compute cannot hide (nothing overlaps
-    more than a rank computes), so the exposed seconds per iteration grow by at least that time
-    less the compute (halved for the shaper's burst and the start-up bytes in the count)."""
-    unshaped, _, _ = exposed_comm_job(bed, tmp_path / "unshaped")
-    shaped_ok = bed.shape(1, f"rate={SHAPED_RATE_MBIT}mbit")
-    assert shaped_ok.returncode == 0, shaped_ok.stderr
+    """One job, its link shaped to SHAPED_RATE_MBIT halfway: every byte of a shaped iteration takes
+    bytes / rate to cross, which the ranks' compute cannot hide (no rank overlaps more than it
+    computes), so the exposed seconds per iteration grow by at least that time less the compute
+    (halved for the shaper's burst and the end's bytes in the count)."""
+    run_dir = tmp_path / "run"
+    job = Job(bed, run_dir, *FSDP_EP, f"--train.steps={EXPOSED_STEPS}", "--checkpoint.every=0",
+              "--metrics.rank_stats_every=2", nproc=1).start_all()
     try:
-        shaped, bytes_per_iter, compute = exposed_comm_job(bed, tmp_path / "shaped")
+        ended = lambda: any(p.poll() is not None for p in job.nodes.values())  # noqa: E731 (a failed job: finish says why)
+        wait_for(lambda: UNSHAPED_REPORT in ranks_reports(run_dir) or ended(), JOB_TIMEOUT, interval=0.1,
+                 what=f"the report of iteration {UNSHAPED_REPORT}")
+        shaped_ok = bed.shape(1, f"rate={SHAPED_RATE_MBIT}mbit")
+        assert shaped_ok.returncode == 0, shaped_ok.stderr
+        before = bed.wire_bytes(1)
+        job.finish()
+        after = bed.wire_bytes(1)
     finally:
         bed.shape(1, "off")
+    reports = ranks_reports(run_dir)
+    assert all(len(r["comm_exposed_s"]) == 2 for r in reports.values())
+    unshaped = sum(reports[UNSHAPED_REPORT]["comm_exposed_s"]) / 2
+    late = [r for i, r in reports.items() if i >= SHAPED_FROM + 1]
+    shaped = sum(sum(r["comm_exposed_s"]) for r in late) / (2 * len(late))
+    compute = sum(sum(r["compute_s"]) for r in late) / (2 * len(late))
+    bytes_per_iter = max(a - b for a, b in zip(after, before)) / (EXPOSED_STEPS - UNSHAPED_REPORT)
     transfer_s = bytes_per_iter * 8 / (SHAPED_RATE_MBIT * 1e6)
     print(f"exposed {unshaped:.4f} -> {shaped:.4f} s per iteration; {bytes_per_iter / 1e6:.2f} MB per iteration "
           f"= {transfer_s:.4f} s at {SHAPED_RATE_MBIT} Mbit/s; compute {compute:.4f} s")
