@@ -250,9 +250,10 @@ def test_exposed_communication_grows_when_the_link_is_shaped(bed, one_process, t
     job = Job(bed, run_dir, *FSDP_EP, f"--train.steps={EXPOSED_STEPS}", "--checkpoint.every=0",
               "--metrics.rank_stats_every=2", nproc=1).start_all()
     try:
-        ended = lambda: any(p.poll() is not None for p in job.nodes.values())  # noqa: E731 (a failed job: finish says why)
-        wait_for(lambda: UNSHAPED_REPORT in ranks_reports(run_dir) or ended(), JOB_TIMEOUT, interval=0.1,
-                 what=f"the report of iteration {UNSHAPED_REPORT}")
+        def reported_or_ended() -> bool:  # a job that failed ends early: finish() then says why
+            return UNSHAPED_REPORT in ranks_reports(run_dir) or any(p.poll() is not None for p in job.nodes.values())
+
+        wait_for(reported_or_ended, JOB_TIMEOUT, interval=0.1, what=f"the report of iteration {UNSHAPED_REPORT}")
         shaped_ok = bed.shape(1, f"rate={SHAPED_RATE_MBIT}mbit")
         assert shaped_ok.returncode == 0, shaped_ok.stderr
         before = bed.wire_bytes(1)
