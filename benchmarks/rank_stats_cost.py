@@ -13,7 +13,9 @@ quartiles of the pairs, in rank 0's wall-clock and CPU time, with /proc/loadavg 
 On a loaded machine the pairs scatter by far more than the cost, so the parts are also timed
 directly: the statistics phase of each report on rank 0 (the gather, waiting for the other rank
 included, and the record), and the timing the callback adds to every iteration (its phase hooks,
-called a million times).
+called a million times); and the exposed-communication timing (health/collective_waits.py): the
+waits rank 0 timed per iteration times what timing one wait adds (a million calls of a timed
+no-op against the bare no-op), beside the exposed seconds it measured.
 
     python benchmarks/rank_stats_cost.py [--pairs 12] [--a.b=value overrides...]
 """
@@ -38,6 +40,7 @@ from layer_stats_cost import CLOCKS, DEFAULT_CONFIG, QUIET, ROOT, Samples, load_
 from ranks import rank_trainer, run_ranks  # noqa: E402
 from trinity_train.config import load_config  # noqa: E402
 from trinity_train.callbacks import TrainerCallback  # noqa: E402
+from trinity_train.health.collective_waits import CollectiveWaits, timed_wait  # noqa: E402
 from trinity_train.health.rank_stats import RankStatsCallback  # noqa: E402
 from trinity_train.records import Phase  # noqa: E402
 
@@ -69,6 +72,22 @@ def hook_seconds(calls: int = 1_000_000) -> float:
     return (time.perf_counter() - start) / calls
 
 
+def wait_timing_seconds(calls: int = 1_000_000) -> float:
+    """Seconds timing one collective wait adds to it: a timed no-op (charged to an installed
+    `CollectiveWaits` of this thread, as in training) against the bare no-op."""
+    def noop():
+        return None
+
+    def per_call(wait) -> float:
+        start = time.perf_counter()
+        for _ in range(calls):
+            wait()
+        return (time.perf_counter() - start) / calls
+
+    with CollectiveWaits():
+        return per_call(timed_wait(noop)) - per_call(noop)
+
+
 def _rounds(config: Path, overrides: list[str], pairs: int, run_dir: str) -> tuple | None:
     """On each rank: the rounds of the module docstring; rank 0 returns its samples by clock and
     the seconds of its statistics phases."""
@@ -90,6 +109,7 @@ def _rounds(config: Path, overrides: list[str], pairs: int, run_dir: str) -> tup
 
     round_of(True), round_of(False)  # warm-up: allocator, the first report
     phases.seconds.clear()
+    waits_before = (stats.waits.calls, stats.waits.seconds)
     samples = {name: Samples() for name in CLOCKS}
     for pair in range(pairs):
         order = (True, False) if pair % 2 == 0 else (False, True)
@@ -98,8 +118,11 @@ def _rounds(config: Path, overrides: list[str], pairs: int, run_dir: str) -> tup
             s.plain.append(times[False][name] / every)
             s.stats.append(times[True][name] / every)
             s.extra.append(times[True][name] - times[False][name])
+    iterations = 2 * pairs * every
+    waits = ((stats.waits.calls - waits_before[0]) / iterations,
+             (stats.waits.seconds - waits_before[1]) / iterations)
     trainer.finish()
-    return (samples, phases.seconds) if trainer.is_main else None
+    return (samples, phases.seconds, waits) if trainer.is_main else None
 
 
 def main(argv: list[str]) -> None:
@@ -112,7 +135,8 @@ def main(argv: list[str]) -> None:
     overrides = ([] if args.full_batch else SMALLER) + overrides
     before = load_average()
     with tempfile.TemporaryDirectory() as run_dir:
-        samples, phases = run_ranks(args.ranks, _rounds, args.config, overrides, args.pairs, run_dir, timeout_s=3600)[0]
+        samples, phases, (waits, exposed_s) = run_ranks(args.ranks, _rounds, args.config, overrides, args.pairs,
+                                                        run_dir, timeout_s=3600)[0]
     every = load_config(args.config, overrides).metrics.rank_stats_every
     print(f"# load: {before}")
     print(f"config: {args.config.relative_to(ROOT) if args.config.is_relative_to(ROOT) else args.config} "
@@ -125,6 +149,10 @@ def main(argv: list[str]) -> None:
     print(f"{' ' * len(label)} timed directly: a report's statistics phase {report * 1e3:.2f} ms (median of "
           f"{len(phases)}, max {max(phases) * 1e3:.2f} ms), the hooks {hooks * 1e6:.1f} us per iteration: "
           f"{100 * (report / every + hooks) / step:.3f} % of the {step * 1e3:.1f} ms step")
+    per_wait = wait_timing_seconds()
+    print(f"{' ' * len(label)} exposed communication: {waits:.0f} waits timed per iteration x {per_wait * 1e6:.2f} us "
+          f"= {waits * per_wait * 1e6:.1f} us, {100 * waits * per_wait / step:.4f} % of the step "
+          f"(it measured {exposed_s * 1e3:.1f} ms exposed per iteration on rank 0)")
     print(f"# load after: {load_average()}")
 
 

@@ -8,6 +8,7 @@ own name prefix and /24 so that beds of several test files or a user's rehearsal
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -118,6 +119,13 @@ class ClusterBed:
 
     def heal(self, index: int) -> None:
         self._check(self._script("heal", self.host(index)))
+
+    def wire_bytes(self, index: int) -> tuple[int, int]:
+        """(received, sent) bytes so far on host `index`'s link (its eth0 counters)."""
+        done = subprocess.run(["ip", "-n", self.host(index), "-s", "-j", "link", "show", "eth0"],
+                              capture_output=True, text=True, timeout=10, check=True)
+        stats = json.loads(done.stdout)[0]["stats64"]
+        return stats["rx"]["bytes"], stats["tx"]["bytes"]
 
     def shape(self, index: int, *settings: str) -> subprocess.CompletedProcess:
         return self._script("shape", self.host(index), *settings)

@@ -4,7 +4,8 @@ rollback band and the abandoned segment there, the superseded records faded, one
 MoE layer, two runs overlaid, the incident report on a click, a live update, the report offline,
 and where the time of each run's attempts went; and on a real two-rank `slow_rank` drill run
 (tests/rank_health_run.py) the rank x iteration heatmap: host-labelled rows, the straggler
-starred on its rank, the drill outlined."""
+starred on its rank, the drill outlined, and below it a line per rank of its exposed
+communication."""
 
 import os
 import random
@@ -163,6 +164,13 @@ def check_rank_heatmap(driver, run):
     assert stars["x"] == [s["iter"] for s in run.stragglers] and stars["y"] == [heat["y"][SLOW_RANK]]
     boxes = [(b["x0"], b["x1"], b["y0"], b["y1"]) for b in fig["layout"]["shapes"] if b.get("name") == "drill: slow_rank"]
     assert boxes == [(SLOW_FIRST - 0.5, SLOW_LAST + 0.5, SLOW_RANK - 0.5, SLOW_RANK + 0.5)]
+    comm = sorted((t for t in fig["data"] if t["meta"]["kind"] == "rank-comm"), key=lambda t: t["meta"]["rank"])
+    assert [t["name"] for t in comm] == heat["y"] and all(t["yaxis"] == "y2" for t in comm)
+    for rank, line in enumerate(comm):
+        assert line["x"] == [r["iter"] for r in run.reports]
+        assert line["y"] == pytest.approx([r["comm_exposed_s"][rank] for r in run.reports], rel=1e-5)
+    heat_rows, comm_rows = fig["layout"]["yaxis"]["domain"], fig["layout"]["yaxis2"]["domain"]
+    assert comm_rows[1] < heat_rows[0]  # the lines sit below the heatmap, not over it
 
 
 def test_the_rank_heatmap_shows_a_slow_rank_drill_live_and_in_the_report(tmp_path, slow_rank_run):

@@ -230,6 +230,50 @@ ACROSS_HOSTS_DRILLS = ('--stability.inject=[{fault="slow_rank", first=1, last=4,
                        '{fault="fail_save", first=2, rank=3}]')
 
 
+# The exposed-communication job: 2 hosts x 1 rank, FSDP x EP, a report every 2 iterations. The
+# link is shaped once the report of iteration 4 is written (the one of iteration 2 holds the
+# start-up); iterations 5-6 may straddle the change; 7-10 run shaped.
+EXPOSED_STEPS, UNSHAPED_REPORT, SHAPED_FROM, SHAPED_RATE_MBIT = 10, 4, 7, 20
+
+
+def ranks_reports(run_dir: Path) -> dict[int, dict]:
+    path = run_dir / "metrics.jsonl"
+    return {r["iter"]: r for r in (read_jsonl(path) if path.exists() else []) if r.get("kind") == RecordKind.RANKS}
+
+
+def test_exposed_communication_grows_when_the_link_is_shaped(bed, one_process, tmp_path):
+    """One job, its link shaped to SHAPED_RATE_MBIT halfway: every byte of a shaped iteration takes
+    bytes / rate to cross, which the ranks' compute cannot hide (no rank overlaps more than it
+    computes), so the exposed seconds per iteration grow by at least that time less the compute
+    (halved for the shaper's burst and the end's bytes in the count)."""
+    run_dir = tmp_path / "run"
+    job = Job(bed, run_dir, *FSDP_EP, f"--train.steps={EXPOSED_STEPS}", "--checkpoint.every=0",
+              "--metrics.rank_stats_every=2", nproc=1).start_all()
+    try:
+        def reported_or_ended() -> bool:  # a job that failed ends early: finish() then says why
+            return UNSHAPED_REPORT in ranks_reports(run_dir) or any(p.poll() is not None for p in job.nodes.values())
+
+        wait_for(reported_or_ended, JOB_TIMEOUT, interval=0.1, what=f"the report of iteration {UNSHAPED_REPORT}")
+        shaped_ok = bed.shape(1, f"rate={SHAPED_RATE_MBIT}mbit")
+        assert shaped_ok.returncode == 0, shaped_ok.stderr
+        before = bed.wire_bytes(1)
+        job.finish()
+        after = bed.wire_bytes(1)
+    finally:
+        bed.shape(1, "off")
+    reports = ranks_reports(run_dir)
+    assert all(len(r["comm_exposed_s"]) == 2 for r in reports.values())
+    unshaped = sum(reports[UNSHAPED_REPORT]["comm_exposed_s"]) / 2
+    late = [r for i, r in reports.items() if i >= SHAPED_FROM + 1]
+    shaped = sum(sum(r["comm_exposed_s"]) for r in late) / (2 * len(late))
+    compute = sum(sum(r["compute_s"]) for r in late) / (2 * len(late))
+    bytes_per_iter = max(a - b for a, b in zip(after, before)) / (EXPOSED_STEPS - UNSHAPED_REPORT)
+    transfer_s = bytes_per_iter * 8 / (SHAPED_RATE_MBIT * 1e6)
+    print(f"exposed {unshaped:.4f} -> {shaped:.4f} s per iteration; {bytes_per_iter / 1e6:.2f} MB per iteration "
+          f"= {transfer_s:.4f} s at {SHAPED_RATE_MBIT} Mbit/s; compute {compute:.4f} s")
+    assert shaped >= unshaped + 0.5 * transfer_s - compute > unshaped
+
+
 def test_tp_ep_across_hosts_equals_one_process(bed, one_process, tmp_path):
     """TP x EP over both hosts trains the one-process losses, also while drills act on one rank:
     the slowed rank is named a straggler on its host, its failed save fails the save on every

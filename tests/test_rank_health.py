@@ -1,13 +1,20 @@
-"""Rank health: every rank's iteration, compute, wait and data seconds in `ranks` records, the
+"""Rank health: every rank's iteration, compute, wait, data and exposed-communication seconds in `ranks` records, the
 hosts at start, and the straggler rule: a `slow_rank` drill on rank 1 is flagged on rank 1 within
 `metrics.straggler_reports` reports, once, and `incidents` lists it; a clean two-rank run of 300
 steps flags nobody, however loaded the machine."""
 
+import threading
+
 import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+from torch._C._distributed_c10d import Work
 
 from rank_health_run import (EVERY, REPORTS, SLOW_FIRST, SLOW_LAST, SLOW_RANK, SLOW_SECONDS, SLOW_STEPS,
                              train_two_ranks, two_rank_config)
 from trinity_train.cli import main
+from trinity_train.health.collective_waits import CollectiveWaits
 from trinity_train.health.straggler import StragglerRule
 from trinity_train.records import EventName, RecordKind
 from trinity_train.rundir import RunDir
@@ -41,6 +48,28 @@ def test_one_rank_or_idle_others_are_never_stragglers():
     assert {s.rank for s in rule.judge([1.0, 1.0, 4.0, 4.0])} == {2, 3}
 
 
+# ---------------------------------------------------------------------------- exposed communication
+
+
+def test_collective_waits_time_the_installing_thread_only_and_give_torch_its_waits_back():
+    group = dist.ProcessGroupGloo(dist.HashStore(), 0, 1)  # a world of one, outside the default group
+    originals = (Work.wait, funcol.wait_tensor)
+
+    def all_reduce():
+        group.allreduce([torch.ones(3)]).wait()
+
+    with CollectiveWaits() as outer:
+        with CollectiveWaits() as inner:
+            all_reduce()
+            other = threading.Thread(target=all_reduce)  # another thread's wait is not this one's
+            other.start()
+            other.join()
+        all_reduce()  # the inner one is gone, the wrappers stay for the outer one
+        assert (Work.wait, funcol.wait_tensor) != originals
+    assert (inner.calls, outer.calls) == (1, 2) and 0 < inner.seconds <= outer.seconds
+    assert (Work.wait, funcol.wait_tensor) == originals
+
+
 # ---------------------------------------------------------------------------- one process
 
 
@@ -54,6 +83,7 @@ def test_one_process_records_lists_of_one_and_its_host(corpus, tmp_path):
     for r in reports:
         assert all(len(r[k]) == 1 and r[k][0] >= 0 for k in ("iter_s", "compute_s", "wait_s", "data_s"))
         assert r["compute_s"][0] + r["wait_s"][0] >= r["iter_s"][0] * 0.999
+        assert r["comm_exposed_s"] == [0.0]  # one process: no collective to wait for
     # the drill's 2 x 0.05 s of work is in the data phase of the first report's iterations
     assert reports[0]["data_s"][0] >= 2 * 0.05 / EVERY > reports[1]["data_s"][0]
     (hosts,) = run.read_events(EventName.RANK_HOSTS)
@@ -84,6 +114,17 @@ def test_a_slow_rank_is_flagged_on_that_rank_within_m_reports(slow_rank_run):
     during = [r for r in slow_rank_run.reports if SLOW_FIRST <= r["iter"] - EVERY + 1 and r["iter"] <= SLOW_LAST]
     assert during and all(r["data_s"][SLOW_RANK] >= SLOW_SECONDS * 0.9 for r in during)
     assert all(r["wait_s"][0] > r["wait_s"][SLOW_RANK] for r in during)
+
+
+def test_exposed_communication_is_in_every_report_and_holds_the_wait_for_a_late_rank(slow_rank_run):
+    for r in slow_rank_run.reports:
+        for rank in range(2):
+            assert 0 <= r["comm_exposed_s"][rank] <= r["iter_s"][rank] + 1e-6  # rounded to the microsecond
+    # rank 1's drill makes it late to every step's first collective: rank 0 waits there, blocked
+    during = [r for r in slow_rank_run.reports if SLOW_FIRST <= r["iter"] - EVERY + 1 and r["iter"] <= SLOW_LAST]
+    for r in during:
+        late = r["data_s"][SLOW_RANK] - r["data_s"][0]
+        assert r["comm_exposed_s"][0] >= 0.5 * late and r["comm_exposed_s"][0] > r["comm_exposed_s"][SLOW_RANK]
 
 
 def test_incidents_lists_the_straggler(slow_rank_run, capsys):

@@ -35,7 +35,7 @@ VAL_SCALARS = ("val_loss",)
 TRAIN_LISTS = ("moe_max_load_per_layer",)
 LAYER_LISTS = ("grad_norm_attn", "grad_norm_ffn", "residual_rms")
 # ranks records: one value per rank (health/rank_stats.py).
-RANK_LISTS = ("iter_s", "compute_s", "wait_s", "data_s")
+RANK_LISTS = ("iter_s", "compute_s", "wait_s", "data_s", "comm_exposed_s")
 
 _F64 = pa.float64()
 SCHEMA = pa.schema(

@@ -170,7 +170,7 @@ RECORDS: dict[RecordKind, Shape] = {
     RecordKind.LAYERS: _shape("iter step grad_norm_attn grad_norm_ffn residual_rms attn_out_rms attn_post_rms "
                               "ffn_out_rms ffn_post_rms act_max_over_median act_kurtosis norm_gain moe_layers "
                               "tokens_per_expert expert_bias_spread router_entropy experts_without_tokens"),
-    RecordKind.RANKS: _shape("iter step iterations iter_s compute_s wait_s data_s"),
+    RecordKind.RANKS: _shape("iter step iterations iter_s compute_s wait_s data_s comm_exposed_s"),
 }
 
 TIMELINE: dict[TimelineKind, Shape] = {

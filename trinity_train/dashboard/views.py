@@ -182,12 +182,13 @@ def layer_record(run: RunView, iteration: int | None) -> dict:
     return record
 
 
-RANK_TIMES = ("compute_s", "iter_s", "wait_s", "data_s")  # the heatmap's value first, the hover's after
+RANK_TIMES = ("compute_s", "iter_s", "wait_s", "data_s", "comm_exposed_s")  # the heatmap's value first, the hover's after
 STRAGGLER_FIELDS = ("iter", "step", "rank", "host", "compute_s", "median_s", "ratio", "reports")
 
 
 def rank_health(run: RunView, x0: float | None, x1: float | None, width: int) -> dict:
-    """The rank x iteration heatmap: each `ranks` record's seconds per rank (bucket maxima, so a
+    """The rank x iteration heatmap and the exposed-communication lines under it: each `ranks`
+    record's seconds per rank (bucket maxima, so a
     slow report is not averaged away), the hosts of the latest start, the straggler events and
     the drills (consecutive `fault_injected` events of one fault and rank as one span)."""
     with run.lock:

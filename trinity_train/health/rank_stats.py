@@ -17,7 +17,11 @@ validation or checkpoint saves, which the timeline accounts for):
   reached 1.3-2.1 in single reports against 1.07-1.14 for the loop's thread (the clean 300-step
   run of tests/test_rank_health.py; benchmarks/README.md section 14);
 - `wait_s`: `max(0, iter_s - compute_s)`: waiting for the other ranks (and for the CPU);
-- `data_s`: the data phase's wall time.
+- `data_s`: the data phase's wall time;
+- `comm_exposed_s`: the wall time the loop's thread spent blocked in collectives' waits
+  (`health.collective_waits`): the communication compute did not hide, part of `wait_s` (a rank
+  waiting for a slower one waits inside a collective, so this is network plus the others'
+  lateness; on one host mostly the lateness). On NCCL only the host's blocking (near zero).
 
 On CUDA this is the host's view: CPU time spent launching kernels, plus whatever the host spins
 while it waits for the device (a synchronising `.item()`); work the device does while the host
@@ -25,7 +29,7 @@ sleeps is not seen, so a rank slow on its GPU shows as every rank's wait, not as
 A rank slow on its host (data, the CPU, Python) is seen.
 
 Every `metrics.rank_stats_every` iterations the ranks' means since the previous report go into
-ONE all_gather of a five-float tensor over the world group (bounded by
+ONE all_gather of a six-float tensor over the world group (bounded by
 `parallel.collective_timeout_s`); rank 0 writes them as a `ranks` record and judges them with
 `health.straggler.StragglerRule` (a `straggler` event and a console notice per episode). At
 start the ranks gather their host names once (the `rank_hosts` event). One process is a world of
@@ -43,10 +47,11 @@ import torch
 import torch.distributed as dist
 
 from trinity_train.callbacks import TrainerCallback
+from trinity_train.health.collective_waits import CollectiveWaits
 from trinity_train.health.straggler import Straggler, StragglerRule
 from trinity_train.records import EventName, Phase, event, ranks_record
 
-FIELDS = ("iterations", "iter_s", "compute_s", "wait_s", "data_s")  # the gathered row, in order
+FIELDS = ("iterations", "iter_s", "compute_s", "wait_s", "data_s", "comm_exposed_s")  # the gathered row, in order
 DIGITS = 6  # seconds are written rounded to the microsecond
 
 
@@ -76,19 +81,21 @@ class IterationTimes:
 
     def __init__(self):
         self.iterations = 0
-        self.iter_s = self.compute_s = self.wait_s = self.data_s = 0.0
+        self.iter_s = self.compute_s = self.wait_s = self.data_s = self.comm_exposed_s = 0.0
 
-    def add(self, wall_s: float, compute: float, data_s: float) -> None:
+    def add(self, wall_s: float, compute: float, data_s: float, comm_exposed_s: float) -> None:
         self.iterations += 1
         self.iter_s += wall_s
         self.compute_s += compute
         self.wait_s += max(0.0, wall_s - compute)
         self.data_s += data_s
+        self.comm_exposed_s += comm_exposed_s
 
     def means(self) -> list[float]:
         """[iterations, then each time's mean per iteration] (the gathered row)."""
         n = max(self.iterations, 1)
-        return [float(self.iterations), self.iter_s / n, self.compute_s / n, self.wait_s / n, self.data_s / n]
+        return [float(self.iterations), self.iter_s / n, self.compute_s / n, self.wait_s / n, self.data_s / n,
+                self.comm_exposed_s / n]
 
 
 class RankStatsCallback(TrainerCallback):
@@ -101,7 +108,8 @@ class RankStatsCallback(TrainerCallback):
         self.times = IterationTimes()
         self.hosts: list[str] = []
         self.distributed = False  # the trainer's ranks are more than one (from `on_start`)
-        self._started: tuple[float, float] | None = None  # (wall, thread CPU) at the data phase's start
+        self.waits = CollectiveWaits()  # installed from `on_start` to `on_end`
+        self._started: tuple[float, float, float] | None = None  # (wall, thread CPU, waits) at the data phase's start
         self._data_s = 0.0
 
     @classmethod
@@ -113,24 +121,29 @@ class RankStatsCallback(TrainerCallback):
         if not self.every:
             return
         self.distributed = trainer.dims.is_distributed
+        self.waits.install()
         self.hosts = gather_hosts(self.distributed)
         trainer.recorder.event(event(EventName.RANK_HOSTS, hosts=self.hosts))
 
     def phase_begin(self, trainer, phase) -> None:
         if self.every and phase == Phase.DATA:
-            self._started = (time.perf_counter(), time.thread_time())
+            self._started = (time.perf_counter(), time.thread_time(), self.waits.seconds)
 
     def phase_end(self, trainer, phase, seconds) -> None:
         if phase == Phase.DATA:
             self._data_s = seconds
         elif phase == Phase.STEP and self._started is not None:
-            wall, cpu = self._started
-            self.times.add(time.perf_counter() - wall, time.thread_time() - cpu, self._data_s)
+            wall, cpu, waited = self._started
+            self.times.add(time.perf_counter() - wall, time.thread_time() - cpu, self._data_s,
+                           self.waits.seconds - waited)
             self._started = None
 
     def after_iteration(self, trainer) -> None:
         if self.every and trainer.state.iteration % self.every == 0:
             self.report(trainer)
+
+    def on_end(self, trainer, summary) -> None:
+        self.waits.uninstall()
 
     def report(self, trainer) -> None:
         """Gather every rank's means since the last report (collective: every rank calls it at the

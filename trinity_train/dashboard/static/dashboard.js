@@ -231,7 +231,9 @@
   };
 
   // The rank x iteration heatmap of compute seconds, host-labelled rows, stragglers starred,
-  // the drills outlined on the rows they acted on (every row for a drill of every rank).
+  // the drills outlined on the rows they acted on (every row for a drill of every rank); below
+  // it, a line per rank of its exposed communication (seconds blocked in collectives).
+  const HEAT_DOMAIN = [0.4, 1], COMM_DOMAIN = [0, 0.3];  // the rank-health panel's two rows
   draw.rankHealth = function () {
     const { why } = trainRuns();
     const focus = state.runs[state.focus];
@@ -242,13 +244,20 @@
     // a report is the mean of the iterations since the one before: its cell spans them
     const x = ranks.x;
     const edges = x.length ? [x[0] - (x.length > 1 ? x[1] - x[0] : x[0]) + 0.5, ...x.map((v) => v + 0.5)] : [];
-    const customdata = ranks.ranks.map((r) => x.map((v, j) => [ranks.iter_s[r][j], ranks.wait_s[r][j], ranks.data_s[r][j], v]));
+    const comm = (r) => ranks.comm_exposed_s[r] || x.map(() => null);  // a run recorded before the field: none
+    const customdata = ranks.ranks.map((r) => x.map((v, j) => [ranks.iter_s[r][j], ranks.wait_s[r][j], ranks.data_s[r][j], v, comm(r)[j]]));
     const traces = [{
       type: "heatmap", x: edges, y: rows, z: ranks.compute_s, customdata, colorscale: "YlOrRd", reversescale: true, zmin: 0,
-      colorbar: { title: { text: "compute s" }, thickness: 12 }, meta: { run: focus.index, kind: "rank-compute" },
+      colorbar: { title: { text: "compute s" }, thickness: 12, y: HEAT_DOMAIN[0], yanchor: "bottom", len: HEAT_DOMAIN[1] - HEAT_DOMAIN[0] },
+      meta: { run: focus.index, kind: "rank-compute" },
       hovertemplate: "%{y}<br>report at iter %{customdata[3]}<br>compute %{z:.3g} s per iteration<br>iteration %{customdata[0]:.3g} s, " +
-        "waiting %{customdata[1]:.3g} s, data %{customdata[2]:.3g} s<extra></extra>",
+        "waiting %{customdata[1]:.3g} s (in collectives %{customdata[4]:.3g} s), data %{customdata[2]:.3g} s<extra></extra>",
     }];
+    ranks.ranks.forEach((r) => traces.push({
+      x, y: comm(r), type: "scatter", mode: "lines+markers", yaxis: "y2", name: rows[r], marker: { size: 4 },
+      line: { width: 1.5 }, meta: { run: focus.index, kind: "rank-comm", rank: r },
+      hovertemplate: `${rows[r]}<br>report at iter %{x}<br>exposed communication %{y:.3g} s per iteration<extra></extra>`,
+    }));
     const rowOf = (rank) => (rank === null || rank === undefined ? ranks.ranks : [rank]).filter((r) => r < rows.length);
     const drills = ranks.drills.flatMap((d) => rowOf(d.rank).map((r) => Object.assign({ row: r }, d)));
     const drillText = (d) => `<b>drill ${escapeHtml(d.fault)}</b> ${d.rank === null ? "on every rank" : `on rank ${d.rank}`}` +
@@ -270,8 +279,12 @@
       type: "rect", name: `drill: ${d.fault}`, xref: "x", yref: "y", x0: d.first - 0.5, x1: d.last + 0.5, y0: d.row - 0.5, y1: d.row + 0.5,
       fillcolor: "rgba(0,0,0,0)", line: { width: 2, color: "#8250df", dash: "dash" }, layer: "above",
     }));
-    react("plot-ranks", traces, baseLayout({ showlegend: false, shapes: outlinedBands(focus).concat(drillBoxes),
-      yaxis: { title: { text: "rank · host" }, automargin: true, type: "category", autorange: "reversed" } }));
+    const layout = baseLayout({ shapes: outlinedBands(focus).concat(drillBoxes),
+      yaxis: { title: { text: "rank · host" }, automargin: true, type: "category", autorange: "reversed", domain: HEAT_DOMAIN },
+      yaxis2: { title: { text: "comm s" }, automargin: true, rangemode: "tozero", domain: COMM_DOMAIN, anchor: "x", zeroline: false } });
+    layout.xaxis.anchor = "y2";  // the shared iteration axis under the lower row
+    traces.forEach((t) => { if (t.meta.kind !== "rank-comm") t.showlegend = false; });  // the legend names the lines
+    react("plot-ranks", traces, layout);
   };
 
   draw.expertLoad = function () {
