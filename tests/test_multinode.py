@@ -36,8 +36,11 @@ SMALL_MODEL = ("--model.hidden_size=64", "--model.num_layers=2", "--model.head_d
 COMMON = (f"--train.steps={STEPS}", "--train.global_batch_size=8", "--train.micro_batch_size=2",
           "--checkpoint.every=2", "--train.eval_every=0", "--metrics.progress_bar=false",
           "--optim.schedule=constant", *SMALL_MODEL)
-FSDP_EP = ("--parallel.ep=2",)          # dp_shard 4 (FSDP over both hosts), experts over 2 ranks
-TP_EP = ("--parallel.tp=2", "--parallel.ep=2")  # tp within a host, dp_shard 2 across hosts, ep 2
+FSDP_EP = ("--parallel.ep=2",)          # dp_shard 4 (FSDP over both hosts), experts over 2 ranks of a host
+# Expert groups across the hosts are refused unless asked for (parallel/node_layout.py); these
+# tests ask, to test the all-to-all across a link.
+EP_ACROSS_HOSTS = "--parallel.allow_ep_tp_across_nodes=true"
+TP_EP = ("--parallel.tp=2", "--parallel.ep=2", EP_ACROSS_HOSTS)  # tp within a host, dp_shard 2 and ep 2 across hosts
 
 
 def require_bed() -> None:
@@ -313,8 +316,8 @@ def test_partition_and_frozen_rank_are_detected_and_recovered(bed, one_process, 
     run_dir = tmp_path / "partition"
     timeout_s = 6
     steps = 6  # two faults, each followed by steps
-    job = Job(bed, run_dir, *FSDP_EP, "--checkpoint.every=1", f"--parallel.collective_timeout_s={timeout_s}",
-              f"--train.steps={steps}", nproc=1).start_all()
+    job = Job(bed, run_dir, *FSDP_EP, EP_ACROSS_HOSTS, "--checkpoint.every=1",
+              f"--parallel.collective_timeout_s={timeout_s}", f"--train.steps={steps}", nproc=1).start_all()
     wait_for(lambda: job.checkpointed(1), JOB_TIMEOUT, what="the first checkpoint")
     fault_time = time.time()
     bed.partition(1)
