@@ -41,6 +41,8 @@ FSDP_EP = ("--parallel.ep=2",)          # dp_shard 4 (FSDP over both hosts), exp
 # tests ask, to test the all-to-all across a link.
 EP_ACROSS_HOSTS = "--parallel.allow_ep_tp_across_nodes=true"
 TP_EP = ("--parallel.tp=2", "--parallel.ep=2", EP_ACROSS_HOSTS)  # tp within a host, dp_shard 2 and ep 2 across hosts
+# HSDP 2 x 2 with ep 2 inside each replica: shard and expert groups inside a host, replicas across.
+HSDP_EP = ("--parallel.dp_replicate=2", "--parallel.dp_shard=2", "--parallel.ep=2")
 
 
 def require_bed() -> None:
@@ -249,6 +251,17 @@ def test_tp_ep_across_hosts_equals_one_process(bed, one_process, tmp_path):
     (failed,) = [e for e in events if e["event"] == EventName.CHECKPOINT_FAILED]
     assert failed["step"] == 2 and "fail_save" in failed["error"]
     assert [e["step"] for e in events if e["event"] == EventName.CHECKPOINT] == [STEPS]
+
+
+def test_hsdp_with_replicas_across_hosts_equals_one_process(bed, one_process, tmp_path):
+    """The cluster-shaped layout: HSDP 2 x 2 with EP inside each replica on 2 hosts x 2 ranks keeps
+    the shard and expert groups on one host each (no flag needed: parallel/node_layout.py), so only
+    the replicas' all-reduce crosses the link; it trains the one-process losses."""
+    run_dir = tmp_path / "hsdp"
+    Job(bed, run_dir, *HSDP_EP).start_all().finish()
+    assert losses(run_dir) == pytest.approx(one_process, rel=1e-5)
+    (hosts,) = [e["hosts"] for e in Job(bed, run_dir).events() if e["event"] == EventName.RANK_HOSTS]
+    assert hosts[0] == hosts[1] != hosts[2] == hosts[3], hosts  # ranks are numbered host by host
 
 
 def test_lost_node_restarted_by_a_scheduler_resumes_identically(bed, fsdp_ep_across_hosts, tmp_path):
