@@ -669,6 +669,7 @@ def throughput_rounds(bench: Bench, layout: Layout, rounds: int, steps: int) -> 
     the tables."""
     rows = []
     names = [layout.condition(letter, shaped) for letter, shaped, _ in CONDITIONS]
+    width = max(27, *map(len, names))
     for rnd in range(1, rounds + 1):
         for name, (_, _, settings) in zip(names, CONDITIONS):
             row = bench.throughput_job(name, settings, steps, layout=layout)
@@ -678,7 +679,7 @@ def throughput_rounds(bench: Bench, layout: Layout, rounds: int, steps: int) -> 
             row["ratio"] = row["tokens_per_s"] / ref["tokens_per_s"]
             wire = (f"  wire/step rx {mb(row['wire_rx_per_step'])} MB tx {mb(row['wire_tx_per_step'])} MB"
                     if "wire_rx_per_step" in row else "")
-            print(f"round {rnd} {name:<27} shaping {row['shaping']:<12} {row['tokens_per_s']:>7,.0f} tokens/s "
+            print(f"round {rnd} {name:<{width}} shaping {row['shaping']:<12} {row['tokens_per_s']:>7,.0f} tokens/s "
                   f"step {row['step_s']:.2f} s  ratio {row['ratio']:.2f}  load {row['load_start']} -> "
                   f"{row['load_end']}{wire}", flush=True)
     if bench.netem is False:
