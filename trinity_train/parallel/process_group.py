@@ -3,8 +3,7 @@
 `torchrun` (see `launch/`) sets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE (its processes
 per node, which place the mesh's groups on nodes unless `parallel.ranks_per_node` says otherwise)
 and the rendezvous address. One process without torchrun is a world of one and needs no process
-group. GPUs mean one device per
-process (LOCAL_RANK) and NCCL; otherwise the CPU and gloo.
+group. GPUs mean one device per process (LOCAL_RANK) and NCCL; otherwise the CPU and gloo.
 """
 
 from __future__ import annotations
