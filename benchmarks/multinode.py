@@ -2,7 +2,8 @@
 step moves per collective, and how long each fault takes to recover.
 
     python benchmarks/multinode.py [--rounds 2] [--steps 16] [--skip-throughput] [--skip-recovery]
-                                   [--ablation] [--count-steps 10] [--recovery-steps 24] [--json PATH]
+                                   [--count-steps 10] [--recovery-steps 24] [--hsdp] [--ablation]
+                                   [--json PATH]
 
 The default model (configs/debug.toml), FSDP x EP on 2 gloo ranks (`--parallel.ep=2`: the dense
 weights sharded over both ranks, the routed experts split between them), global batch 8 x 256
@@ -30,6 +31,14 @@ conditions use the same two cores:
    one job with three faults in turn: node loss (every process of host 1 SIGKILLed, its launcher
    started again), partition (host 1's link down for 2 x the timeout, then up), frozen rank
    (SIGSTOP of host 1's worker). Each: seconds from the fault to the first step trained after it.
+4. With --hsdp, the cluster-shaped layout: the same job on 4 ranks as HSDP 2 x 2 with EP inside
+   each replica (`--parallel.dp_replicate=2 --parallel.dp_shard=2`, micro-batch 2 for the same
+   global batch): 2 hosts x 2 ranks keep the shard and expert groups inside a host and only the
+   replicas' all-reduce crosses the link (parallel/node_layout.py), against 1 host x 4 ranks, in
+   rounds of the four conditions of 1. (`--skip-throughput --skip-recovery --hsdp` runs it alone.)
+
+The 2-rank job has one rank per host, so its expert groups span the hosts, which the launchers
+refuse unless asked: it runs with `--parallel.allow_ep_tp_across_nodes=true` (`PAIR`).
 
 Needs root and iproute2 (network namespaces). The bed is "tb" hosts at 10.218.0.x; traffic goes
 only to loopback and the bed's own addresses. The bed is taken down on exit, Ctrl-C included.
@@ -49,6 +58,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 from trinity_train.plan.collectives import EP_ALL_TO_ALL, FSDP_ALL_GATHER, FSDP_REDUCE_SCATTER, MUON_REDISTRIBUTE
@@ -64,6 +74,27 @@ COLLECTIVE_TIMEOUT_S = 8
 COMMON = ("--parallel.ep=2", "--train.global_batch_size=8", "--train.micro_batch_size=4",
           "--train.eval_every=0", "--checkpoint.every=0", "--metrics.progress_bar=false",
           "--metrics.layer_stats_every=0", "--optim.schedule=constant")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How a job places its ranks: `ranks_per_host` on each of the bed's 2 hosts, or twice that on
+    one host (`launch/local.sh`), with `args` after COMMON."""
+
+    ranks_per_host: int
+    args: tuple[str, ...]
+    one_host: str  # condition a's name
+    two_hosts: str  # the bed conditions' prefix
+
+    def condition(self, letter: str, shaped: str | None) -> str:
+        return f"{letter}: {self.one_host}" if shaped is None else f"{letter}: {self.two_hosts}, {shaped}"
+
+
+# Sections 1-3: 2 ranks. One rank per host puts the expert groups across the link: asked for.
+PAIR = Layout(1, ("--parallel.allow_ep_tp_across_nodes=true",), "1 host x 2 ranks", "2 hosts")
+# Section 4 (--hsdp): 4 ranks, HSDP 2 x 2, EP inside a replica; 2 per host keep both inside a host.
+HSDP = Layout(2, ("--parallel.dp_replicate=2", "--parallel.dp_shard=2", "--train.micro_batch_size=2"),
+              "1 host x 4 ranks, HSDP", "2 hosts x 2 ranks, HSDP")
 # The overlap settings the ablation turns on one by one (parallel/fsdp.py), after none of them.
 OVERLAP_OFF = ("--parallel.overlap_reduce_scatter=false", "--parallel.prefetch_all_gather=false")
 ABLATION = (
@@ -71,12 +102,13 @@ ABLATION = (
     ("+ reduce-scatter overlapped", ("--parallel.prefetch_all_gather=false",)),
     ("+ all-gather prefetched (default)", ()),
 )
-# (name, shape settings; None: one host, loopback). Delays only where the kernel has netem.
+# (letter, what the name says of the link, shape settings; None: one host, loopback). Delays only
+# where the kernel has netem.
 CONDITIONS = (
-    ("a: 1 host x 2 ranks", None),
-    ("b: 2 hosts, unshaped", ()),
-    ("c: 2 hosts, 1 Gbit/1 ms", ("rate=1gbit", "delay=1ms")),
-    ("d: 2 hosts, 200 Mbit/5 ms", ("rate=200mbit", "delay=5ms")),
+    ("a", None, None),
+    ("b", "unshaped", ()),
+    ("c", "1 Gbit/1 ms", ("rate=1gbit", "delay=1ms")),
+    ("d", "200 Mbit/5 ms", ("rate=200mbit", "delay=5ms")),
 )
 COUNTER_ENV = "TRINITY_BENCH_COLLECTIVES"
 
@@ -194,13 +226,14 @@ class Bench:
         env = {"RDZV_ID": f"bench-{os.getpid()}-{self.jobs}", "MAX_RESTARTS": "0"}
         return run_dir, f"{self.bed.addr(0)}:{self.port}", env
 
-    def start_bed_job(self, run_dir: Path, head: str, env: dict, args: tuple[str, ...], index: int | None = None):
+    def start_bed_job(self, run_dir: Path, head: str, env: dict, args: tuple[str, ...], index: int | None = None,
+                      layout: Layout = PAIR):
         procs, logs = {}, []
         for i in ([0, 1] if index is None else [index]):
             log = run_dir.parent / f"{run_dir.name}.node{i}.{time.monotonic_ns()}.log"
             logs.append(log)
-            procs[i] = self.bed.start(i, "launch/multinode.sh", "2", str(i), head, "1", "--", *COMMON,
-                                      f"--run.dir={run_dir}", *args, log=log, env=env)
+            procs[i] = self.bed.start(i, "launch/multinode.sh", "2", str(i), head, str(layout.ranks_per_host), "--",
+                                      *COMMON, *layout.args, f"--run.dir={run_dir}", *args, log=log, env=env)
         return procs, logs
 
     def shape(self, settings: tuple[str, ...]) -> str:
@@ -220,7 +253,8 @@ class Bench:
         return " ".join(settings)
 
     def throughput_job(self, name: str, settings: tuple[str, ...] | None, steps: int,
-                       extra_env: dict | None = None, extra_args: tuple[str, ...] = ()) -> dict:
+                       extra_env: dict | None = None, layout: Layout = PAIR,
+                       extra_args: tuple[str, ...] = ()) -> dict:
         run_dir, head, env = self.next_job(name.split(":")[0])
         env = {**env, **(extra_env or {})}
         args = (f"--train.steps={steps}", *extra_args)
@@ -232,14 +266,15 @@ class Bench:
                 log = run_dir.parent / f"{run_dir.name}.log"
                 logs.append(log)
                 with open(log, "w") as out:
-                    proc = subprocess.Popen(["launch/local.sh", "2", *COMMON, f"--run.dir={run_dir}", *args],
+                    proc = subprocess.Popen(["launch/local.sh", str(2 * layout.ranks_per_host), *COMMON,
+                                             *layout.args, f"--run.dir={run_dir}", *args],
                                             cwd=ROOT, env={**self.env, **env}, stdout=out,
                                             stderr=subprocess.STDOUT, start_new_session=True)
                 self.local_procs.append(proc)
                 procs = {0: proc}
             else:
                 shaped = self.shape(settings)
-                procs, logs = self.start_bed_job(run_dir, head, env, args)
+                procs, logs = self.start_bed_job(run_dir, head, env, args, layout=layout)
             # Host 1's counters at the end of the warm-up and one step before the last.
             marks: dict[int, tuple[float, tuple[int, int]]] = {}
             deadline = time.monotonic() + JOB_TIMEOUT_S
@@ -498,7 +533,7 @@ def count_job(bench: Bench, steps: int) -> dict:
     site.mkdir()
     (site / "sitecustomize.py").write_text(sitecustomize_text())
     pythonpath = os.pathsep.join(p for p in (str(site), os.environ.get("PYTHONPATH", "")) if p)
-    result = bench.throughput_job("count: 2 hosts, unshaped, counting", (), steps,
+    result = bench.throughput_job(PAIR.condition("count", "unshaped, counting"), (), steps,
                                   extra_env={COUNTER_ENV: str(counter_dir), "PYTHONPATH": pythonpath})
     i0, i1 = result["wire_iters"]
     per_rank = []
@@ -568,6 +603,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--recovery-steps", type=int, default=24, help="steps of the recovery job")
     parser.add_argument("--skip-throughput", action="store_true", help="no throughput or bytes-per-step jobs")
     parser.add_argument("--skip-recovery", action="store_true")
+    parser.add_argument("--hsdp", action="store_true",
+                        help="also run the rounds of 4 ranks, HSDP 2 x 2: 2 hosts x 2 ranks against 1 host x 4")
     parser.add_argument("--ablation", action="store_true",
                         help="the overlap settings one by one, on 1 host x 2 ranks and at 1 Gbit/s, per round")
     parser.add_argument("--json", help="write every figure to this file")
@@ -585,7 +622,8 @@ def main(argv: list[str]) -> int:
         print(f"benchmarks/multinode.py: {reason}", file=sys.stderr)
         return 2
     print(f"# load: {Path('/proc/loadavg').read_text().strip()}", flush=True)
-    print(f"# train args: {' '.join(COMMON)} (default model, configs/debug.toml; OMP_NUM_THREADS=1 per rank)")
+    print(f"# train args: {' '.join(COMMON + PAIR.args)} (default model, configs/debug.toml; OMP_NUM_THREADS=1 "
+          "per rank)")
     out: dict = {"load_start": Path("/proc/loadavg").read_text().strip(), "args": vars(args), "common": COMMON}
     try:
         with bench_on_bed() as bench:
@@ -637,41 +675,51 @@ def bench_on_bed() -> Iterator[Bench]:
         shutil.rmtree(work, ignore_errors=True)
 
 
+def throughput_rounds(bench: Bench, layout: Layout, rounds: int, steps: int) -> list[dict]:
+    """`rounds` rounds of the four conditions of `layout`'s job, each row printed as it ends, then
+    the tables."""
+    rows = []
+    names = [layout.condition(letter, shaped) for letter, shaped, _ in CONDITIONS]
+    width = max(27, *map(len, names))
+    for rnd in range(1, rounds + 1):
+        for name, (_, _, settings) in zip(names, CONDITIONS):
+            row = bench.throughput_job(name, settings, steps, layout=layout)
+            row["round"] = rnd
+            rows.append(row)
+            ref = next(r for r in rows if r["round"] == rnd and r["shaping"] == "loopback")
+            row["ratio"] = row["tokens_per_s"] / ref["tokens_per_s"]
+            wire = (f"  wire/step rx {mb(row['wire_rx_per_step'])} MB tx {mb(row['wire_tx_per_step'])} MB"
+                    if "wire_rx_per_step" in row else "")
+            print(f"round {rnd} {name:<{width}} shaping {row['shaping']:<12} {row['tokens_per_s']:>7,.0f} tokens/s "
+                  f"step {row['step_s']:.2f} s  ratio {row['ratio']:.2f}  load {row['load_start']} -> "
+                  f"{row['load_end']}{wire}", flush=True)
+    if bench.netem is False:
+        print(f"# note: delays not shaped: {bench.shape_note}")
+    print()
+    print("| round | condition | link shaped (host 1, both directions) | tokens/s | step s | ratio to a | load start -> end |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['round']} | {r['condition']} | {r['shaping']} | {r['tokens_per_s']:,.0f} | {r['step_s']:.2f} | "
+              f"{r['ratio']:.2f} | {r['load_start']} -> {r['load_end']} |")
+    print()
+    print("| condition | median tokens/s over rounds | ratios to a, per round |")
+    print("|---|---|---|")
+    for name in names:
+        mine = [r for r in rows if r["condition"] == name]
+        print(f"| {name} | {statistics.median(r['tokens_per_s'] for r in mine):,.0f} | "
+              f"{', '.join(format(r['ratio'], '.2f') for r in mine)} |")
+    print(flush=True)
+    return rows
+
+
 def bench_body(bench: Bench, args, out: dict) -> None:
-    """The throughput rounds, the bytes per step and the recovery drills, printed and put in `out`."""
+    """The throughput rounds, the bytes per step, the recovery drills and the HSDP rounds, printed
+    and put in `out`."""
     if not args.skip_throughput:
-        rows = []
-        for rnd in range(1, args.rounds + 1):
-            for name, settings in CONDITIONS:
-                row = bench.throughput_job(name, settings, args.steps)
-                row["round"] = rnd
-                rows.append(row)
-                ref = next(r for r in rows if r["round"] == rnd and r["shaping"] == "loopback")
-                row["ratio"] = row["tokens_per_s"] / ref["tokens_per_s"]
-                wire = (f"  wire/step rx {mb(row['wire_rx_per_step'])} MB tx {mb(row['wire_tx_per_step'])} MB"
-                        if "wire_rx_per_step" in row else "")
-                print(f"round {rnd} {name:<27} shaping {row['shaping']:<12} {row['tokens_per_s']:>7,.0f} tokens/s "
-                      f"step {row['step_s']:.2f} s  ratio {row['ratio']:.2f}  load {row['load_start']} -> "
-                      f"{row['load_end']}{wire}", flush=True)
-        if bench.netem is False:
-            print(f"# note: delays not shaped: {bench.shape_note}")
-        print()
-        print("| round | condition | link shaped (host 1, both directions) | tokens/s | step s | ratio to a | load start -> end |")
-        print("|---|---|---|---|---|---|---|")
-        for r in rows:
-            print(f"| {r['round']} | {r['condition']} | {r['shaping']} | {r['tokens_per_s']:,.0f} | {r['step_s']:.2f} | "
-                  f"{r['ratio']:.2f} | {r['load_start']} -> {r['load_end']} |")
-        print()
-        print("| condition | median tokens/s over rounds | ratios to a, per round |")
-        print("|---|---|---|")
-        for name, _ in CONDITIONS:
-            mine = [r for r in rows if r["condition"] == name]
-            print(f"| {name} | {statistics.median(r['tokens_per_s'] for r in mine):,.0f} | "
-                  f"{', '.join(format(r['ratio'], '.2f') for r in mine)} |")
+        rows = throughput_rounds(bench, PAIR, args.rounds, args.steps)
         out["throughput"] = rows
         out["netem"] = bench.netem
         out["shape_note"] = bench.shape_note
-        print(flush=True)
 
         if args.ablation:
             out["ablation"] = ablation(bench, args)
@@ -713,6 +761,10 @@ def bench_body(bench: Bench, args, out: dict) -> None:
         print(f"  the job finished {rec['finished_steps']} / {args.recovery_steps} steps after {rec['restarts']} restarts, "
               f"exit codes {rec['exit codes']}")
         out["recovery"] = rec
+    if args.hsdp:
+        print(f"# HSDP 2 x 2 with EP inside a replica: {' '.join(HSDP.args)}; 2 hosts x 2 ranks keep shard and "
+              "expert groups inside a host, the replicas' all-reduce crosses the link")
+        out["hsdp_throughput"] = throughput_rounds(bench, HSDP, args.rounds, args.steps)
 
 
 def ablation(bench: Bench, args) -> list[dict]:
@@ -722,8 +774,9 @@ def ablation(bench: Bench, args) -> list[dict]:
     rows = []
     for rnd in range(1, args.rounds + 1):
         for variant, extra in ABLATION:
-            local = bench.throughput_job(CONDITIONS[0][0], CONDITIONS[0][1], args.steps, extra_args=extra)
-            gbit = bench.throughput_job(CONDITIONS[2][0], CONDITIONS[2][1], args.steps, extra_args=extra)
+            (a, a_link, a_shape), (c, c_link, c_shape) = CONDITIONS[0], CONDITIONS[2]
+            local = bench.throughput_job(PAIR.condition(a, a_link), a_shape, args.steps, extra_args=extra)
+            gbit = bench.throughput_job(PAIR.condition(c, c_link), c_shape, args.steps, extra_args=extra)
             row = {"round": rnd, "variant": variant, "settings": list(extra), "one_host": local, "1gbit": gbit,
                    "ratio": gbit["tokens_per_s"] / local["tokens_per_s"]}
             rows.append(row)

@@ -21,7 +21,7 @@ fi
 source "$(dirname "$0")/restarts.sh"
 
 # An impossible layout for N processes fails here, with one line, before anything starts.
-python -m trinity_train.parallel.preflight "$nproc" ${train_args[@]+"${train_args[@]}"}
+python -m trinity_train.parallel.preflight --ranks-per-node "$nproc" "$nproc" ${train_args[@]+"${train_args[@]}"}
 # --standalone: a private c10d rendezvous on a free local port, so several jobs can share a node.
 run_torchrun --standalone --nnodes=1 --nproc-per-node="$nproc" --max-restarts="$max_restarts" \
     -m trinity_train.cli train ${train_args[@]+"${train_args[@]}"}

@@ -76,11 +76,12 @@ fi
 node_addr="${NODE_ADDR:-$route_src}"
 export GLOO_SOCKET_IFNAME="${GLOO_SOCKET_IFNAME:-$route_dev}" NCCL_SOCKET_IFNAME="${NCCL_SOCKET_IFNAME:-$route_dev}"
 
-# An impossible layout for the whole job fails here, with one line, before anything starts; it
-# also says how long joining may take (parallel.init_timeout_s).
-init_timeout="$(python -m trinity_train.parallel.preflight --print-init-timeout "$((max_nodes * nproc))" ${train_args[@]+"${train_args[@]}"})"
+# An impossible layout for the whole job fails here, with one line, before anything starts (with
+# NPROC_PER_NODE ranks per node: tp and ep groups inside a node, unless
+# parallel.allow_ep_tp_across_nodes); it also says how long joining may take (parallel.init_timeout_s).
+init_timeout="$(python -m trinity_train.parallel.preflight --print-init-timeout --ranks-per-node "$nproc" "$((max_nodes * nproc))" ${train_args[@]+"${train_args[@]}"})"
 if (( min_nodes < max_nodes )); then
-    python -m trinity_train.parallel.preflight "$((min_nodes * nproc))" ${train_args[@]+"${train_args[@]}"}
+    python -m trinity_train.parallel.preflight --ranks-per-node "$nproc" "$((min_nodes * nproc))" ${train_args[@]+"${train_args[@]}"}
 fi
 
 # A node other than the head waits for the head's rendezvous port, bounded by the init timeout,

@@ -147,7 +147,7 @@ def layout_config(corpus: Path, run_dir: Path, changes: dict, world: int) -> Con
 # treats specially (NormFormer's width and head norms, Gemma 3's (1 + g) norms); HSDP and the
 # combinations on four (ep taken from dp_shard=4; TP x EP with activation checkpointing), and EP
 # of six experts over dp_shard=4, whose three local experts FSDP shards along dim 1 (dim 0 would
-# split them 2 + 1, padded).
+# split them 2 + 1, padded); HSDP x EP on ranks said to be 2 nodes of 2, which the node rule admits.
 TWO_RANK_LAYOUTS = {
     "fsdp2": {"parallel": {"dp_shard": 2}},
     "tp2": {"parallel": {"tp": 2}},
@@ -166,6 +166,8 @@ FOUR_RANK_LAYOUTS = {
     "ep2_fsdp2": {"parallel": {"ep": 2}},
     "tp2_ep2": {"parallel": {"tp": 2, "ep": 2}, "train": {"activation_checkpointing": True}},
     "ep2_six_experts": {"parallel": {"ep": 2}, "model": {"num_experts": 6}},
+    # The cluster layout on 2 "nodes" of 2 ranks: shards and experts inside a node, replicas across.
+    "hsdp2x2_ep2_two_nodes": {"parallel": {"dp_replicate": 2, "dp_shard": 2, "ep": 2, "ranks_per_node": 2}},
 }
 # The single-process runs the layouts above are compared with (name: the model section): one per
 # block variant, and the model with six experts.

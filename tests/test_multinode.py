@@ -36,8 +36,13 @@ SMALL_MODEL = ("--model.hidden_size=64", "--model.num_layers=2", "--model.head_d
 COMMON = (f"--train.steps={STEPS}", "--train.global_batch_size=8", "--train.micro_batch_size=2",
           "--checkpoint.every=2", "--train.eval_every=0", "--metrics.progress_bar=false",
           "--optim.schedule=constant", *SMALL_MODEL)
-FSDP_EP = ("--parallel.ep=2",)          # dp_shard 4 (FSDP over both hosts), experts over 2 ranks
-TP_EP = ("--parallel.tp=2", "--parallel.ep=2")  # tp within a host, dp_shard 2 across hosts, ep 2
+FSDP_EP = ("--parallel.ep=2",)          # dp_shard 4 (FSDP over both hosts), experts over 2 ranks of a host
+# Expert groups across the hosts are refused unless asked for (parallel/node_layout.py); these
+# tests ask, to test the all-to-all across a link.
+EP_ACROSS_HOSTS = "--parallel.allow_ep_tp_across_nodes=true"
+TP_EP = ("--parallel.tp=2", "--parallel.ep=2", EP_ACROSS_HOSTS)  # tp within a host, dp_shard 2 and ep 2 across hosts
+# HSDP 2 x 2 with ep 2 inside each replica: shard and expert groups inside a host, replicas across.
+HSDP_EP = ("--parallel.dp_replicate=2", "--parallel.dp_shard=2", "--parallel.ep=2")
 
 
 def require_bed() -> None:
@@ -292,6 +297,17 @@ def test_tp_ep_across_hosts_equals_one_process(bed, one_process, tmp_path):
     assert [e["step"] for e in events if e["event"] == EventName.CHECKPOINT] == [STEPS]
 
 
+def test_hsdp_with_replicas_across_hosts_equals_one_process(bed, one_process, tmp_path):
+    """The cluster-shaped layout: HSDP 2 x 2 with EP inside each replica on 2 hosts x 2 ranks keeps
+    the shard and expert groups on one host each (no flag needed: parallel/node_layout.py), so only
+    the replicas' all-reduce crosses the link; it trains the one-process losses."""
+    run_dir = tmp_path / "hsdp"
+    Job(bed, run_dir, *HSDP_EP).start_all().finish()
+    assert losses(run_dir) == pytest.approx(one_process, rel=1e-5)
+    (hosts,) = [e["hosts"] for e in Job(bed, run_dir).events() if e["event"] == EventName.RANK_HOSTS]
+    assert hosts[0] == hosts[1] != hosts[2] == hosts[3], hosts  # ranks are numbered host by host
+
+
 def test_lost_node_restarted_by_a_scheduler_resumes_identically(bed, fsdp_ep_across_hosts, tmp_path):
     """Every process of host 1 SIGKILLed after the first checkpoint; its launcher started again (as
     a scheduler would): the job resumes from the newest sound checkpoint, bit for bit."""
@@ -357,8 +373,8 @@ def test_partition_and_frozen_rank_are_detected_and_recovered(bed, one_process, 
     run_dir = tmp_path / "partition"
     timeout_s = 6
     steps = 6  # two faults, each followed by steps
-    job = Job(bed, run_dir, *FSDP_EP, "--checkpoint.every=1", f"--parallel.collective_timeout_s={timeout_s}",
-              f"--train.steps={steps}", nproc=1).start_all()
+    job = Job(bed, run_dir, *FSDP_EP, EP_ACROSS_HOSTS, "--checkpoint.every=1",
+              f"--parallel.collective_timeout_s={timeout_s}", f"--train.steps={steps}", nproc=1).start_all()
     wait_for(lambda: job.checkpointed(1), JOB_TIMEOUT, what="the first checkpoint")
     fault_time = time.time()
     bed.partition(1)

@@ -121,7 +121,9 @@ def test_sbatch_trains_across_two_hosts_and_a_cancelled_job_resumes(corpus, tmp_
             pytest.fail(f"CI must run the SLURM test: {reason}")
         pytest.skip(reason)
     config = tmp_path / "ep2.toml"
-    save_config(layout_config(corpus, tmp_path / "unused", {"parallel": {"ep": 2}}, world=2), config)
+    # One rank per host: the expert groups span both, which has to be asked for (parallel/node_layout.py).
+    parallel = {"ep": 2, "allow_ep_tp_across_nodes": True}
+    save_config(layout_config(corpus, tmp_path / "unused", {"parallel": parallel}, world=2), config)
     common = ("--config", str(config), f"--train.steps={STEPS}", f"--checkpoint.every={EVERY}",
               "--checkpoint.resume=auto")
     bed = SlurmBed()

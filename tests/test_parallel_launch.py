@@ -42,6 +42,20 @@ def test_impossible_layout_is_refused_before_anything_starts(ep2_config, tmp_pat
     assert not run_dir.exists()
 
 
+def test_expert_groups_across_nodes_are_refused_before_anything_starts(ep2_config, tmp_path):
+    """2 nodes of 1 rank with ep=2: each expert group would span both nodes; the launcher refuses
+    in one line, naming the flag that runs it anyway."""
+    run_dir = tmp_path / "never"
+    code, log = finish(launch("launch/multinode.sh", 2, 0, "127.0.0.1", 1, "--", "--config", ep2_config,
+                              f"--run.dir={run_dir}"))
+    assert code == 2, log
+    (line,) = log.strip().splitlines()
+    assert line.startswith("error: parallel.ep: ep=2 would put its groups across nodes: each spans ep x tp = 2 "
+                           "neighbouring ranks, which nodes of 1 ranks (the launcher's processes per node; 2 nodes)")
+    assert line.endswith("or set parallel.allow_ep_tp_across_nodes=true to run it anyway")
+    assert not run_dir.exists()
+
+
 def test_multinode_script_explains_a_missing_head_address(tmp_path):
     env = {k: v for k, v in SUBPROCESS_ENV.items() if k not in ("MASTER_ADDR", "NNODES", "NODE_RANK")}
     done = subprocess.run(["launch/multinode.sh", "2", "0"], cwd=ROOT, env=env, capture_output=True,

@@ -14,8 +14,9 @@ import torch
 from conftest import assert_one_line_error, cli_in_process, run_cli
 from trinity_train import exit_codes
 from trinity_train.cli import build_parser
-from trinity_train.plan.hardware import DEFAULT_GPU, DEFAULT_MFU, GIB, GPUS
-from trinity_train.plan.options import hardware_option
+from trinity_train.parallel.node_layout import Nodes
+from trinity_train.plan.hardware import DEFAULT_GPU, DEFAULT_MFU, DEFAULT_NODES, GIB, GPUS
+from trinity_train.plan.options import hardware_option, nodes_option
 from trinity_train.plan.rank_classes import chunk_length
 from trinity_train.plan.report import RULE, TOLERANCE, comparison_warnings, disagrees, fit_verdict, render
 from trinity_train.plan.trace import CATEGORIES
@@ -75,6 +76,24 @@ def test_uneven_shards_make_rank_classes():
 def test_an_impossible_layout_is_refused_with_valid_ones_near_it(capsys):
     code, err = cli_in_process(capsys, "plan", "--world", "7", "--parallel.ep=2")
     assert_one_line_error(code, err, 2, "parallel.ep", "valid near it", "--world 6")
+
+
+def test_ep_across_nodes_is_refused_as_training_refuses_it(capsys):
+    code, err = cli_in_process(capsys, "plan", "--world", "4", "--parallel.ep=2", "--gpus-per-node", "1")
+    assert_one_line_error(code, err, 2, "parallel.ep: ep=2 would put its groups across nodes", "(--gpus-per-node; 4 nodes)",
+                          "parallel.allow_ep_tp_across_nodes=true", "valid near it: --parallel.ep=1")
+    # Without --gpus-per-node the plan's nodes are the config's, as training's are.
+    code, err = cli_in_process(capsys, "plan", "--world", "4", "--parallel.ep=2", "--parallel.ranks_per_node=1")
+    assert_one_line_error(code, err, 2, "parallel.ep: ep=2", "(parallel.ranks_per_node; 4 nodes)")
+
+
+def test_the_plan_places_ranks_on_the_nodes_training_would():
+    def nodes(*argv: str, ranks_per_node: int = 0) -> Nodes:
+        args, _ = build_parser(["plan"]).parse_known_args(["plan", *argv])
+        return nodes_option(args, ranks_per_node)
+    assert nodes() == DEFAULT_NODES and DEFAULT_NODES.ranks == 8
+    assert nodes(ranks_per_node=2) == Nodes(2, "parallel.ranks_per_node")
+    assert nodes("--gpus-per-node", "4", ranks_per_node=2) == Nodes(4, "--gpus-per-node")
 
 
 def test_a_bad_routing_assumption_is_one_line(capsys):

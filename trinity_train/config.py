@@ -168,6 +168,11 @@ class ParallelConfig:
     #   travels while the next unit's backward computes (GPUs overlap on NCCL's stream anyway)
     prefetch_all_gather: bool = True  # CPU (gloo) jobs: each block's FSDP all-gather is issued while
     #   the block before it computes (GPUs prefetch on a CUDA stream anyway)
+    ranks_per_node: int = 0  # ranks that share a node's fast link (ranks 0..n-1 are node 0, ...);
+    #   tp and ep groups must lie inside one, HSDP shard groups inside one or on whole nodes.
+    #   0: the launcher's processes per node (torchrun's LOCAL_WORLD_SIZE); `plan`: --gpus-per-node
+    allow_ep_tp_across_nodes: bool = False  # true: run a layout whose tp or ep groups span nodes
+    #   (their collectives on the slow link between nodes) instead of refusing it
 
 
 @dataclass
@@ -626,6 +631,8 @@ def _validate_parallel(p: ParallelConfig) -> None:
     require(p.dp_shard == -1 or p.dp_shard >= 1, "parallel.dp_shard", "must be >= 1, or -1 for the rest")
     for name in ("init_timeout_s", "collective_timeout_s"):
         require(getattr(p, name) > 0, f"parallel.{name}", f"must be positive (seconds), got {getattr(p, name)}")
+    require(p.ranks_per_node >= 0, "parallel.ranks_per_node",
+            f"must be >= 1, or 0 for the launcher's processes per node, got {p.ranks_per_node}")
 
 
 def _validate_checkpoint(c: CheckpointConfig) -> None:

@@ -10,7 +10,8 @@ dim 1 of each weight, so that no rank holds padding (`expert_shard_dim`, applied
 `parallel/fsdp.py`).
 
 Three views of one world mesh name the groups the rest of the code asks for, tp innermost so a
-tensor-parallel group sits on neighbouring ranks (one node):
+tensor-parallel group sits on neighbouring ranks (one node), then ep, the FSDP shard, and the HSDP
+replicas outermost (across nodes); `node_layout` refuses sizes that would not fit the nodes so:
 
 - dense  `(dp_replicate, dp_shard, tp)`: FSDP/HSDP and TP of everything but the routed experts;
 - sparse `(dp_replicate, efsdp, ep, tp)`: the routed experts, split over ep (and tp) and sharded
@@ -28,6 +29,7 @@ from typing import TYPE_CHECKING
 from trinity_train.config import Config, ModelConfig, grad_accum_for, require
 from trinity_train.errors import ConfigError
 from trinity_train.model.alignment import GROUPED_MM_ALIGNMENT
+from trinity_train.parallel.node_layout import Nodes, check_groups_within_nodes
 
 if TYPE_CHECKING:  # torch is imported by build_mesh: the launchers' preflight checks a layout without it
     from torch.distributed.device_mesh import DeviceMesh
@@ -88,9 +90,10 @@ class ParallelDims:
     _data: DeviceMesh | None = field(default=None, repr=False)
 
     @classmethod
-    def from_config(cls, cfg: Config, world_size: int) -> ParallelDims:
+    def from_config(cls, cfg: Config, world_size: int, nodes: Nodes | None = None) -> ParallelDims:
         """Resolve `dp_shard = -1` and reject a layout that cannot run on `world_size` ranks
-        (`check_layout_config` first: the rules that need no world size)."""
+        (`check_layout_config` first: the rules that need no world size); with `nodes`, also one
+        whose groups would sit badly on nodes of that many ranks (`node_layout`)."""
         check_layout_config(cfg)
         p = cfg.parallel
         fixed = p.dp_replicate * p.tp
@@ -120,7 +123,10 @@ class ParallelDims:
                 f"parallel.tp: each rank's expert width model.moe_intermediate_size / tp = "
                 f"{m.moe_intermediate_size // p.tp} must be a multiple of {GROUPED_MM_ALIGNMENT} for "
                 f"model.expert_impl='grouped'; use a smaller tp or model.expert_impl='loop'")
-        return cls(p.dp_replicate, dp_shard, p.tp, p.ep, world_size)
+        dims = cls(p.dp_replicate, dp_shard, p.tp, p.ep, world_size)
+        if nodes is not None:
+            check_groups_within_nodes(dims, p, nodes)
+        return dims
 
     @classmethod
     def one_process(cls) -> ParallelDims:

@@ -1,8 +1,9 @@
 """Joining the job: read torchrun's environment, pick the device and backend, build the mesh.
 
-`torchrun` (see `launch/`) sets RANK, WORLD_SIZE, LOCAL_RANK and the rendezvous address. One
-process without torchrun is a world of one and needs no process group. GPUs mean one device per
-process (LOCAL_RANK) and NCCL; otherwise the CPU and gloo.
+`torchrun` (see `launch/`) sets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE (its processes
+per node, which place the mesh's groups on nodes unless `parallel.ranks_per_node` says otherwise)
+and the rendezvous address. One process without torchrun is a world of one and needs no process
+group. GPUs mean one device per process (LOCAL_RANK) and NCCL; otherwise the CPU and gloo.
 """
 
 from __future__ import annotations
@@ -18,10 +19,17 @@ from trinity_train.config import Config
 from trinity_train.errors import ConfigError
 from trinity_train.parallel.config_agreement import require_same_config
 from trinity_train.parallel.mesh import ParallelDims
+from trinity_train.parallel.node_layout import Nodes, nodes_for
 
 
 def world_size_from_env() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def nodes_from_env(cfg: Config) -> Nodes | None:
+    """The ranks per node: `parallel.ranks_per_node`, else torchrun's LOCAL_WORLD_SIZE."""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "0"))
+    return nodes_for(cfg.parallel, local, "LOCAL_WORLD_SIZE, the launcher's processes per node")
 
 
 def resolve_device(cfg: Config) -> torch.device:
@@ -46,7 +54,7 @@ def init_distributed(cfg: Config) -> tuple[ParallelDims, torch.device]:
     once with the same message instead of hanging in a collective; right after joining, the
     ranks check that they all run the same config.
     """
-    dims = ParallelDims.from_config(cfg, world_size_from_env())
+    dims = ParallelDims.from_config(cfg, world_size_from_env(), nodes_from_env(cfg))
     device = resolve_device(cfg)
     if device.type == "cuda":
         torch.cuda.set_device(device)

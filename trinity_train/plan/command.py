@@ -11,7 +11,7 @@ from trinity_train import exit_codes
 from trinity_train.config import default_config_path
 from trinity_train.errors import ConfigError
 from trinity_train.parallel.assumed_routing import parse_routing
-from trinity_train.plan.options import hardware_option, mfu_option, top_option
+from trinity_train.plan.options import hardware_option, mfu_option, nodes_option, top_option
 
 
 def run_plan(args: argparse.Namespace, overrides: list[str]) -> int:
@@ -26,13 +26,14 @@ def run_plan(args: argparse.Namespace, overrides: list[str]) -> int:
     config = args.config or default_config_path()
     cfg = load_run_config(config, overrides)
     world = args.world or _world_from_layout(cfg)
+    nodes = nodes_option(args, cfg.parallel.ranks_per_node)
 
     if args.search:
         from trinity_train.plan.report import render_search, search_summary
         from trinity_train.plan.search import search
 
-        found = search(cfg, world, hardware, gpus_per_node=args.gpus_per_node, top=top, mfu=mfu, routing=routing)
-        data = search_summary(cfg, world, hardware, found, gpus_per_node=args.gpus_per_node, mfu=mfu,
+        found = search(cfg, world, hardware, nodes=nodes, top=top, mfu=mfu, routing=routing)
+        data = search_summary(cfg, world, hardware, found, gpus_per_node=nodes.ranks, mfu=mfu,
                               routing=routing, config=str(config))
         print(json.dumps(data, indent=1) if args.json else render_search(data))
         return exit_codes.DONE
@@ -52,7 +53,7 @@ def run_plan(args: argparse.Namespace, overrides: list[str]) -> int:
         if not args.json:
             print(f"# {message}", file=sys.stderr, flush=True)
 
-    plan = plan_job(cfg, world, gpus_per_node=args.gpus_per_node, gpu=not args.cpu, routing=routing,
+    plan = plan_job(cfg, world, nodes=nodes, gpu=not args.cpu, routing=routing,
                     progress=progress)
     data = summary(plan, hardware, mfu)
     print(json.dumps(data, indent=1) if args.json else render(data))

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from trinity_train.parallel.node_layout import Nodes
+
 GIB = 2 ** 30
 
 
@@ -53,6 +55,8 @@ GPUS: dict[str, Hardware] = {
 
 
 DEFAULT_GPU = "h200"  # what `trinity-train plan` prices a job on without --gpu
+# The node a plan places its ranks on without --gpus-per-node or parallel.ranks_per_node.
+DEFAULT_NODES = Nodes(8, "the plan's default 8 GPUs per node; --gpus-per-node")
 DEFAULT_MFU = 0.40  # a stated assumption: well-tuned MoE pretraining reaches 0.3-0.5 on H100s
 
 

@@ -1,8 +1,10 @@
 """A plan of one job: the layout checked, its rank classes found and each traced (`trace`).
 
 `plan_job` is what `trinity-train plan` runs; `report` prints it. The layout is checked first
-with the same rules a launch uses (`ParallelDims.from_config`); a layout that cannot run is
-refused in one line that names valid layouts near it.
+with the same rules a launch uses (`ParallelDims.from_config`, with the plan's GPUs per node as
+the launch's ranks per node: tp and ep groups inside a node unless
+`parallel.allow_ep_tp_across_nodes`); a layout that cannot run is refused in one line that names
+valid layouts near it.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from trinity_train.errors import ConfigError
 from trinity_train.model import build_model
 from trinity_train.parallel.assumed_routing import AssumedRouting
 from trinity_train.parallel.mesh import ParallelDims
+from trinity_train.parallel.node_layout import Nodes
 from trinity_train.parallel.parallelize import split_model
 from trinity_train.plan.fake_world import fake_world
 from trinity_train.plan.rank_classes import RankClass, rank_classes
@@ -50,17 +53,17 @@ class JobPlan:
         return per_replica // self.dims.dp_replicate
 
 
-def layout_for(cfg: Config, world_size: int) -> ParallelDims:
+def layout_for(cfg: Config, world_size: int, nodes: Nodes) -> ParallelDims:
     """`ParallelDims.from_config`, with valid layouts near a refused one named in the message."""
     try:
-        return ParallelDims.from_config(cfg, world_size)
+        return ParallelDims.from_config(cfg, world_size, nodes)
     except ConfigError as e:
-        near = nearby_layouts(cfg, world_size)
+        near = nearby_layouts(cfg, world_size, nodes)
         hint = f"; valid near it: {'; '.join(near)}" if near else ""
         raise ConfigError(f"{e}{hint}") from None
 
 
-def nearby_layouts(cfg: Config, world_size: int, limit: int = 3) -> list[str]:
+def nearby_layouts(cfg: Config, world_size: int, nodes: Nodes, limit: int = 3) -> list[str]:
     """Up to `limit` changes that make the layout valid: another world size with the same
     settings, or another ep / tp / dp_replicate (dp_shard = what is left) at this world size."""
     p = cfg.parallel
@@ -68,7 +71,7 @@ def nearby_layouts(cfg: Config, world_size: int, limit: int = 3) -> list[str]:
     def valid(world: int, **changes) -> bool:
         parallel = dataclasses.replace(p, **changes)
         try:
-            ParallelDims.from_config(dataclasses.replace(cfg, parallel=parallel), world)
+            ParallelDims.from_config(dataclasses.replace(cfg, parallel=parallel), world, nodes)
         except ConfigError:
             return False
         return True
@@ -107,16 +110,16 @@ def find_rank_classes(cfg: Config, dims: ParallelDims) -> list[RankClass]:
         return rank_classes(model, probe)
 
 
-def plan_job(cfg: Config, world_size: int, *, gpus_per_node: int, gpu: bool,
+def plan_job(cfg: Config, world_size: int, *, nodes: Nodes, gpu: bool,
              routing: AssumedRouting = AssumedRouting(), progress=None) -> JobPlan:
-    """Check the layout, find the rank classes and trace one rank of each (one after another in
-    this process: `fake_world` forgets DTensor's cached decisions between them)."""
-    dims = layout_for(cfg, world_size)
+    """Check the layout on `nodes`, find the rank classes and trace one rank of each (one after
+    another in this process: `fake_world` forgets DTensor's cached decisions between them)."""
+    dims = layout_for(cfg, world_size, nodes)
     classes = find_rank_classes(cfg, dims)
     traces = []
     for c in classes:
         if progress is not None:
             progress(f"tracing rank {c.rank} of {world_size} ({c.ranks} ranks like it)")
         traces.append(trace_rank(cfg, world_size, c.rank, gpu=gpu, routing=routing))
-    return JobPlan(cfg, dims, gpus_per_node, gpu, routing, classes, traces)
+    return JobPlan(cfg, dims, nodes.ranks, gpu, routing, classes, traces)
 

@@ -8,7 +8,9 @@ import math
 
 from trinity_train.errors import ConfigError
 from trinity_train.files import user_path
-from trinity_train.plan.hardware import DEFAULT_GPU, DEFAULT_MFU, GPUS, Hardware, custom_hardware, hardware_named
+from trinity_train.parallel.node_layout import Nodes
+from trinity_train.plan.hardware import (DEFAULT_GPU, DEFAULT_MFU, DEFAULT_NODES, GPUS, Hardware, custom_hardware,
+                                         hardware_named)
 
 # The custom GPU's options, in the order custom_hardware takes them, and their units.
 CUSTOM_HARDWARE = {"gpu_memory": "GiB", "peak_tflops": "TFLOPS", "intra_gbps": "GB/s one way",
@@ -30,8 +32,10 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--world", type=positive_int, default=None,
                         help="ranks (GPUs) of the job (default: the config's parallel sizes, with "
                              "dp_shard=-1 counted as 1)")
-    parser.add_argument("--gpus-per-node", type=positive_int, default=8,
-                        help="GPUs per node: which groups stay inside a node (default 8)")
+    parser.add_argument("--gpus-per-node", type=positive_int, default=None,
+                        help="GPUs per node: which groups stay inside a node, and tp or ep groups across "
+                             "nodes refused as training refuses them (default: parallel.ranks_per_node "
+                             "when set, else 8)")
     parser.add_argument("--routing", default="balanced",
                         help="how tokens spread over the experts: 'balanced' or 'skew=F' (the traced rank's "
                              "experts receive F x the mean; default balanced)")
@@ -58,6 +62,16 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
                              "--search to trace it")
     search.add_argument("--top", default=None, metavar="N", help="how many layouts --search prints (default 10)")
     parser.add_argument("--json", action="store_true", help="print the plan (or the search) as JSON")
+
+
+def nodes_option(args: argparse.Namespace, ranks_per_node: int) -> Nodes:
+    """The node a plan places its ranks on: --gpus-per-node, else the config's
+    `parallel.ranks_per_node` (as training takes it), else 8 GPUs."""
+    if args.gpus_per_node is not None:
+        return Nodes(args.gpus_per_node, "--gpus-per-node")
+    if ranks_per_node:
+        return Nodes(ranks_per_node, "parallel.ranks_per_node")
+    return DEFAULT_NODES
 
 
 def _number(args: argparse.Namespace, dest: str) -> float:

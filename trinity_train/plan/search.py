@@ -3,7 +3,8 @@
 Every candidate is priced by the closed-form model alone (`formula.py`, `timing.py`): no
 tracing, so thousands of candidates cost seconds even at N = 2,048. A candidate is
 dp_replicate x dp_shard x tp x ep = N (ep inside dp_shard, dividing the experts; tp dividing the
-heads, the kv heads, the FFN widths and the sequence, and no wider than a node), a micro-batch
+heads, the kv heads, the FFN widths and the sequence; tp and ep groups inside a node, by the rule
+training checks, `parallel.node_layout`), a micro-batch
 size, activation checkpointing on or off, and a loss chunk size. The global batch stays the
 config's (`train.global_batch_size`, else micro_batch_size x grad_accum x its data-parallel
 ranks at N), so every candidate trains the same tokens per step and step times compare.
@@ -23,8 +24,9 @@ from trinity_train.config import Config
 from trinity_train.errors import ConfigError
 from trinity_train.parallel.assumed_routing import AssumedRouting
 from trinity_train.parallel.mesh import ParallelDims
+from trinity_train.parallel.node_layout import Nodes, within_nodes
 from trinity_train.plan.formula import communicators, memory_per_rank, traffic_per_rank
-from trinity_train.plan.hardware import DEFAULT_RESERVE, Hardware, Reserve
+from trinity_train.plan.hardware import DEFAULT_NODES, DEFAULT_RESERVE, Hardware, Reserve
 from trinity_train.plan.timing import DEFAULT_MFU, StepTime, step_time
 
 MICRO_BATCH_SIZES = (1, 2, 4, 8)
@@ -51,24 +53,26 @@ def global_batch(cfg: Config, world: int) -> int:
     return t.micro_batch_size * t.grad_accum * (world // p.tp)
 
 
-def _tp_fits(cfg: Config, tp: int, gpus_per_node: int) -> bool:
+def _tp_fits(cfg: Config, tp: int) -> bool:
     m = cfg.model
-    return (tp <= gpus_per_node and m.num_heads % tp == 0 and m.num_kv_heads % tp == 0
+    return (m.num_heads % tp == 0 and m.num_kv_heads % tp == 0
             and m.intermediate_size % tp == 0 and m.moe_intermediate_size % tp == 0
             and cfg.data.seq_len % tp == 0)
 
 
 def layouts(cfg: Config, world: int, gpus_per_node: int) -> list[tuple[int, int, int, int]]:
-    """Every (dp_replicate, dp_shard, tp, ep) of `world` ranks the rules admit, ep inside a node
-    (its groups' span, ep x tp ranks, within gpus_per_node)."""
+    """Every (dp_replicate, dp_shard, tp, ep) of `world` ranks the rules admit, tp and ep groups
+    inside a node of `gpus_per_node` (whatever `parallel.allow_ep_tp_across_nodes` says: a search
+    proposes no layout with per-layer traffic on the slow link)."""
     out = []
     for tp in _divisors(world):
-        if not _tp_fits(cfg, tp, gpus_per_node):
+        if not _tp_fits(cfg, tp):
             continue
         for dp_replicate in _divisors(world // tp):
             dp_shard = world // tp // dp_replicate
             for ep in _divisors(dp_shard):
-                if cfg.model.num_experts % ep == 0 and ep * tp <= gpus_per_node:
+                dims = ParallelDims(dp_replicate, dp_shard, tp, ep, world)
+                if cfg.model.num_experts % ep == 0 and all(within_nodes(d, dims, gpus_per_node) for d in ("tp", "ep")):
                     out.append((dp_replicate, dp_shard, tp, ep))
     return out
 
@@ -83,12 +87,13 @@ def _with(cfg: Config, dp_replicate: int, dp_shard: int, tp: int, ep: int, micro
         model=dataclasses.replace(cfg.model, loss_chunk_tokens=chunk))
 
 
-def search(cfg: Config, world: int, hardware: Hardware, *, gpus_per_node: int = 8, top: int = 10,
+def search(cfg: Config, world: int, hardware: Hardware, *, nodes: Nodes = DEFAULT_NODES, top: int = 10,
            mfu: float = DEFAULT_MFU, reserve: Reserve = DEFAULT_RESERVE, gpu: bool = True,
            routing: AssumedRouting = AssumedRouting()) -> list[Candidate]:
     """The `top` fitting candidates for `world` GPUs, fastest first (see the module doc); each
     priced at the routing assumption `routing` (the hottest rank's experts)."""
     batch = global_batch(cfg, world)
+    gpus_per_node = nodes.ranks
     found: list[Candidate] = []
     for dp_replicate, dp_shard, tp, ep in layouts(cfg, world, gpus_per_node):
         dp = dp_replicate * dp_shard
@@ -100,7 +105,7 @@ def search(cfg: Config, world: int, hardware: Hardware, *, gpus_per_node: int = 
                 for chunk in sorted(LOSS_CHUNKS, reverse=True):
                     candidate = _with(cfg, dp_replicate, dp_shard, tp, ep, micro, ac, chunk, batch)
                     try:
-                        dims = ParallelDims.from_config(candidate, world)
+                        dims = ParallelDims.from_config(candidate, world, nodes)
                     except ConfigError:
                         continue
                     memory = memory_per_rank(candidate, dims, gpu=gpu, routing=routing)

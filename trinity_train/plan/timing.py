@@ -6,8 +6,8 @@ matmuls cost 8/6 of their training FLOPs (the head's do not).
 
 A collective goes at NVLink speed when every rank of its group sits in one node, else at the
 NIC's: the world's rank order is (dp_replicate, dp_shard, tp) with tp innermost, so rank r lives
-on node r // gpus_per_node, and a group of `size` consecutive-stride ranks stays inside a node
-when its span does. The time is bytes sent / link rate (the bytes already follow the ring
+on node r // gpus_per_node, and a dim's groups stay inside nodes when the block of neighbouring
+ranks they tile divides the node (`parallel.node_layout`, the rule training checks). The time is bytes sent / link rate (the bytes already follow the ring
 algorithms of `plan/collectives.py`). Two bounds are reported: no overlap (compute + comm) and
 full overlap (max of the two); a real step lies between.
 
@@ -24,25 +24,9 @@ from dataclasses import dataclass
 from trinity_train.config import Config, grad_accum_for
 from trinity_train.model.counting import training_flops_per_token
 from trinity_train.parallel.mesh import ParallelDims
+from trinity_train.parallel.node_layout import within_nodes
 from trinity_train.plan.formula import Flow
 from trinity_train.plan.hardware import DEFAULT_MFU, Hardware
-
-
-# The stride between neighbouring ranks of each mesh dimension's groups, in world order
-# (dp_replicate, dp_shard, tp); ep and efsdp split dp_shard as (efsdp, ep).
-def group_stride_and_size(dim: str, dims: ParallelDims) -> tuple[int, int]:
-    tp, ep = dims.tp, dims.ep
-    table = {"tp": (1, tp), "ep": (tp, ep), "efsdp": (tp * ep, dims.efsdp),
-             "dp_shard": (tp, dims.dp_shard), "fsdp": (tp, dims.dp_shard),
-             "dp_replicate": (tp * dims.dp_shard, dims.dp_replicate), "dp": (tp, dims.dp)}
-    return table.get(dim, (1, dims.world_size))
-
-
-def within_node(dim: str, dims: ParallelDims, gpus_per_node: int) -> bool:
-    """Whether the groups of mesh dimension `dim` fit in one node (every group has the same
-    shape, and rank 0's group starts at a node boundary)."""
-    stride, size = group_stride_and_size(dim, dims)
-    return (size - 1) * stride < gpus_per_node
 
 
 @dataclass(frozen=True)
@@ -89,7 +73,7 @@ def compute_seconds(cfg: Config, dims: ParallelDims, hardware: Hardware, mfu: fl
 
 def split_by_link(flows: list[Flow], dims: ParallelDims, gpus_per_node: int) -> tuple[float, float]:
     """(bytes inside a node, bytes across nodes) this rank sends per step."""
-    intra = sum(f.sent for f in flows if within_node(f.dim, dims, gpus_per_node))
+    intra = sum(f.sent for f in flows if within_nodes(f.dim, dims, gpus_per_node))
     return intra, sum(f.sent for f in flows) - intra
 
 
