@@ -71,9 +71,10 @@ WARMUP_ITERS = 3
 JOB_TIMEOUT_S = 600      # any throughput job
 RECOVERY_TIMEOUT_S = 900  # the recovery job
 COLLECTIVE_TIMEOUT_S = 8
+RANK_STATS_EVERY = 4  # the ranks records (exposed communication) over 4 iterations each
 COMMON = ("--parallel.ep=2", "--train.global_batch_size=8", "--train.micro_batch_size=4",
           "--train.eval_every=0", "--checkpoint.every=0", "--metrics.progress_bar=false",
-          "--metrics.layer_stats_every=0", "--optim.schedule=constant")
+          "--metrics.layer_stats_every=0", "--optim.schedule=constant", f"--metrics.rank_stats_every={RANK_STATS_EVERY}")
 
 
 @dataclass(frozen=True)
@@ -210,6 +211,18 @@ def median_step_s(records: list[dict]) -> float:
     return statistics.median(r["step_time_s"] for r in records if r["iter"] > WARMUP_ITERS)
 
 
+def exposed(row: dict) -> str:
+    return "-" if row.get("exposed_s") is None else f"{row['exposed_s']:.2f}"
+
+
+def median_exposed_s(run_dir: Path) -> float | None:
+    """Seconds per iteration the most-blocked rank waited in collectives (`comm_exposed_s` of the
+    `ranks` records after the warm-up), the median over the reports; None without reports."""
+    reports = [max(r["comm_exposed_s"]) for r in read_records(run_dir / "metrics.jsonl")
+               if r.get("kind") == "ranks" and r["iter"] - RANK_STATS_EVERY >= WARMUP_ITERS]
+    return statistics.median(reports) if reports else None
+
+
 class Bench:
     def __init__(self, bed, work: Path, env: dict):
         self.bed, self.work, self.env = bed, work, env
@@ -300,7 +313,7 @@ class Bench:
                 self.bed.shape(1, "off")
         records = train_records(run_dir)
         result = {"condition": name, "shaping": shaped, "tokens_per_s": median_tokens_per_s(records),
-                  "step_s": median_step_s(records), "steps": len(records),
+                  "step_s": median_step_s(records), "steps": len(records), "exposed_s": median_exposed_s(run_dir),
                   "load_start": load_start, "load_end": loadavg()}
         if len(marks) == 2:
             (i0, (rx0, tx0)), (i1, (rx1, tx1)) = marks[WARMUP_ITERS], marks[steps - 1]
@@ -691,16 +704,17 @@ def throughput_rounds(bench: Bench, layout: Layout, rounds: int, steps: int) -> 
             wire = (f"  wire/step rx {mb(row['wire_rx_per_step'])} MB tx {mb(row['wire_tx_per_step'])} MB"
                     if "wire_rx_per_step" in row else "")
             print(f"round {rnd} {name:<{width}} shaping {row['shaping']:<12} {row['tokens_per_s']:>7,.0f} tokens/s "
-                  f"step {row['step_s']:.2f} s  ratio {row['ratio']:.2f}  load {row['load_start']} -> "
-                  f"{row['load_end']}{wire}", flush=True)
+                  f"step {row['step_s']:.2f} s (exposed comm {exposed(row)})  ratio {row['ratio']:.2f}  load "
+                  f"{row['load_start']} -> {row['load_end']}{wire}", flush=True)
     if bench.netem is False:
         print(f"# note: delays not shaped: {bench.shape_note}")
     print()
-    print("| round | condition | link shaped (host 1, both directions) | tokens/s | step s | ratio to a | load start -> end |")
-    print("|---|---|---|---|---|---|---|")
+    print("| round | condition | link shaped (host 1, both directions) | tokens/s | step s | exposed comm s | "
+          "ratio to a | load start -> end |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['round']} | {r['condition']} | {r['shaping']} | {r['tokens_per_s']:,.0f} | {r['step_s']:.2f} | "
-              f"{r['ratio']:.2f} | {r['load_start']} -> {r['load_end']} |")
+              f"{exposed(r)} | {r['ratio']:.2f} | {r['load_start']} -> {r['load_end']} |")
     print()
     print("| condition | median tokens/s over rounds | ratios to a, per round |")
     print("|---|---|---|")
@@ -781,16 +795,19 @@ def ablation(bench: Bench, args) -> list[dict]:
                    "ratio": gbit["tokens_per_s"] / local["tokens_per_s"]}
             rows.append(row)
             print(f"ablation round {rnd} {variant:<34} 1 host {local['tokens_per_s']:>7,.0f} tokens/s  "
-                  f"1 Gbit {gbit['tokens_per_s']:>7,.0f} tokens/s (step {gbit['step_s']:.2f} s)  ratio "
-                  f"{row['ratio']:.2f}  load {local['load_start']} -> {gbit['load_end']}", flush=True)
+                  f"1 Gbit {gbit['tokens_per_s']:>7,.0f} tokens/s (step {gbit['step_s']:.2f} s, exposed comm "
+                  f"{exposed(gbit)} s)  ratio {row['ratio']:.2f}  load {local['load_start']} -> {gbit['load_end']}",
+                  flush=True)
     print()
-    print("| overlap | 1 host x 2 ranks tokens/s (per round) | 2 hosts at 1 Gbit tokens/s | ratio (per round) |")
-    print("|---|---|---|---|")
+    print("| overlap | 1 host x 2 ranks tokens/s | 2 hosts at 1 Gbit tokens/s | step s at 1 Gbit | exposed comm s "
+          "at 1 Gbit | ratio |")
+    print("|---|---|---|---|---|---|")
     for variant, _ in ABLATION:
         mine = [r for r in rows if r["variant"] == variant]
-        print(f"| {variant} | {', '.join(format(r['one_host']['tokens_per_s'], ',.0f') for r in mine)} | "
-              f"{', '.join(format(r['1gbit']['tokens_per_s'], ',.0f') for r in mine)} | "
-              f"{', '.join(format(r['ratio'], '.2f') for r in mine)} |")
+        cells = [", ".join(fmt(r) for r in mine) for fmt in (
+            lambda r: format(r["one_host"]["tokens_per_s"], ",.0f"), lambda r: format(r["1gbit"]["tokens_per_s"], ",.0f"),
+            lambda r: format(r["1gbit"]["step_s"], ".2f"), lambda r: exposed(r["1gbit"]), lambda r: format(r["ratio"], ".2f"))]
+        print(f"| {variant} | {' | '.join(cells)} |")
     print(flush=True)
     return rows
 
