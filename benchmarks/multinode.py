@@ -102,6 +102,7 @@ ABLATION = (
     ("no overlap", OVERLAP_OFF),
     ("+ reduce-scatter overlapped", ("--parallel.prefetch_all_gather=false",)),
     ("+ all-gather prefetched (default)", ()),
+    ("+ blocks kept gathered for backward", ("--parallel.reshard_after_forward=false",)),
 )
 # (letter, what the name says of the link, shape settings; None: one host, loopback). Delays only
 # where the kernel has netem.

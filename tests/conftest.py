@@ -159,6 +159,8 @@ TWO_RANK_LAYOUTS = {
     # FSDP and HSDP (two micro-batches per rank) reducing the gradients once a step, after the last.
     "fsdp2_sync_last": {"parallel": {"dp_shard": 2, "sync_every_micro_batch": False}},
     "hsdp2_sync_last": {"parallel": {"dp_replicate": 2, "dp_shard": 1, "sync_every_micro_batch": False}},
+    # FSDP keeping every block gathered from its forward to its backward (no all-gather in backward).
+    "fsdp2_no_reshard": {"parallel": {"dp_shard": 2, "reshard_after_forward": False}},
 }
 FOUR_RANK_LAYOUTS = {
     "hsdp2x2": {"parallel": {"dp_replicate": 2, "dp_shard": 2}},

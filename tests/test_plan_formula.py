@@ -20,6 +20,8 @@ CASES = [
     # Two micro-batches reduced once (parallel.sync_every_micro_batch): the whole gradients kept.
     pytest.param(["--parallel.dp_shard=2", "--train.global_batch_size=32", "--parallel.sync_every_micro_batch=false"],
                  False, id="fsdp2-sync-last"),
+    # Every block kept gathered from its forward to its backward: no all-gather in backward.
+    pytest.param(["--parallel.dp_shard=2", "--parallel.reshard_after_forward=false"], False, id="fsdp2-no-reshard"),
     # GPU numerics: bf16, the memory-efficient kernel's expanded kv heads and converted mask.
     pytest.param(["--parallel.dp_shard=2", "--train.dtype=bf16"], True, id="fsdp2-gpu-bf16"),
 ]

@@ -22,6 +22,12 @@ On CPUs (gloo) every unit's reduce-scatter is `gloo_reduce_scatter.AllToAllReduc
 all-to-all of the shards and a local sum, which sends half of what gloo's own (an all-reduce)
 does and, on two ranks, is bitwise the same sum.
 
+Resharding (`parallel.reshard_after_forward`, default true): each block is all-gathered for its
+forward, freed, and gathered again for its backward (ZeRO-3). False keeps every block gathered
+from its forward to the end of its backward (ZeRO-2's traffic: no all-gather in backward, half
+the blocks' all-gather bytes) for the whole unsharded model's parameters alive at the end of the
+forward: for a model whose unsharded weights fit beside its activations on a slow network.
+
 Overlap on CPUs. FSDP2 overlaps its collectives with compute through CUDA streams; a CPU job has
 none, so every collective blocked the thread that computes. Two settings put them on gloo's own
 threads instead, with the same collectives and the same numbers:
@@ -92,12 +98,14 @@ def apply_fsdp(model: nn.Module, dims: ParallelDims, device: torch.device, dtype
     model.embed.set_unshard_in_backward(False)
     for block in model.layers:
         block_placement = None
+        reshard = parallel.reshard_after_forward
         if block.is_moe and dims.ep > 1:
             fully_shard(block.mlp.experts, mesh=dims.expert_fsdp_mesh, mp_policy=mp_policy,
-                        shard_placement_fn=placement)
+                        shard_placement_fn=placement, reshard_after_forward=reshard)
         elif block.is_moe:  # the experts are in the block's unit, sharded over dp_shard (= efsdp)
             block_placement = _for_params(block.mlp.experts.parameters(), placement)
-        fully_shard(block, mesh=mesh, mp_policy=mp_policy, shard_placement_fn=block_placement)
+        fully_shard(block, mesh=mesh, mp_policy=mp_policy, shard_placement_fn=block_placement,
+                    reshard_after_forward=reshard)
     fully_shard(model, mesh=mesh, mp_policy=mp_policy)
     reduce_scatter = AllToAllReduceScatter()
     for module in model.modules():

@@ -365,7 +365,10 @@ def memory_per_rank(cfg: Config, dims: ParallelDims, *, gpu: bool,
     # last chunk alive, the blocks resharded (under checkpointing the last block's all-gather
     # buffer still held), only the root gathered.
     forward_acts = m.num_layers * block_input if ac else sum(per_block)
-    forward = {**static, **kept, "gathered parameters": root,
+    # parallel.reshard_after_forward = false: every block stays gathered from its forward to the
+    # end of its backward (no all-gather in backward).
+    unresharded = distributed and not cfg.parallel.reshard_after_forward
+    forward = {**static, **kept, "gathered parameters": root + (sum(b.gathered for b in block) if unresharded else 0.0),
                "activations": forward_acts + model_level_activation_bytes(cfg, dims, a) + loss_chunk_bytes(cfg, dims, a),
                "communication buffers": max(b.gathered for b in block) if distributed and ac else 0.0}
 
@@ -386,8 +389,9 @@ def memory_per_rank(cfg: Config, dims: ParallelDims, *, gpu: bool,
         if distributed:  # block i's unsharded gradients are as large as its gathered parameters
             grads_now = kept_grads if accum > 1 else later_grads
             temps = head + block[i].gathered + (per_block[i] if ac else 0.0)
-            comm = (block[i - 1].prefetched if i else 0.0) + (block[i + 1].reducing * in_flight if i + 1 < m.num_layers else 0.0)
-            gathered = root + block[i].gathered
+            prefetched = block[i - 1].prefetched if i and not unresharded else 0.0
+            comm = prefetched + (block[i + 1].reducing * in_flight if i + 1 < m.num_layers else 0.0)
+            gathered = root + (sum(b.gathered for b in block[:i + 1]) if unresharded else block[i].gathered)
         else:  # one process: gradients land in .grad directly, the head's in the loss's backward
             grads_now = kept_grads if accum > 1 else later_grads + root_grads + block[i].grad_shards
             temps, comm, gathered = per_block[i] if ac else 0.0, 0.0, 0.0
@@ -495,8 +499,9 @@ def traffic_per_rank(cfg: Config, dims: ParallelDims, *, gpu: bool,
         kinds = Counter(tuple(u) for u in units)  # equal units counted once, times their number
         shards = [sum(shard_numel(p, dims) for p in u) * c for u, c in kinds.items()]
         # forward, and again in backward: not the root (never resharded) nor the embedding (whose
-        # backward does not read its weight: `parallel/fsdp.py`)
-        rooted = [u[0].unit in ("root", "embed") for u in kinds]
+        # backward does not read its weight: `parallel/fsdp.py`), nor any unit kept gathered
+        # (parallel.reshard_after_forward = false)
+        rooted = [u[0].unit in ("root", "embed") or not cfg.parallel.reshard_after_forward for u in kinds]
         gathers = sum(1 if r else 2 for r in rooted) * accum
         ag = sum(s * (1 if r else 2) for s, r in zip(shards, rooted)) * a * (n - 1) * accum
         # fp32 gradients, (n-1)/n of the n-shard input: every micro-batch, or the last only
