@@ -492,16 +492,17 @@ def theory(overrides: tuple[str, ...], world: int) -> dict:
     """Bytes each rank sends per step, from the model's sizes (fp32, 2 ranks: every collective's
     group is both ranks or, for the experts' FSDP, one rank):
 
-    - FSDP: every block is all-gathered in the forward and again in the backward (the root unit,
+    - FSDP: every block is all-gathered in the forward and again in the backward (once with
+      `--parallel.reshard_after_forward=false`; the root unit,
       final norm + head, once: it stays gathered after the forward; the embedding once: its
       backward does not read its weight, parallel/fsdp.py), and every unit's gradient
       reduce-scattered once; a rank sends (world-1)/world of the unit each time. Routed experts are
       their own unit over dp_shard / ep ranks (1 here: no FSDP traffic).
     - EP: 4 token all-to-alls per MoE layer (dispatch and combine, forward and backward), each
       sending tokens x top_k x hidden x 4 B x (ep-1)/ep under uniform routing.
-    - Muon: each FSDP-sharded matrix is assembled on one rank and its result sent back; DTensor on
-      CPU does both with an all-gather (no gloo all-to-all), so a rank sends about each matrix once
-      (a floor: rounds padded with zeros where a shape has an odd count on a rank send more).
+    - Muon: each FSDP-sharded matrix is assembled on its owner and its result sent back, packed in
+      two all-to-alls (optim/muon_exchange.py): a rank sends its piece of each matrix it does not
+      own and the other ranks' slices of each it owns, 2 (world-1)/world pieces a matrix on average.
     """
     import torch
 
@@ -521,7 +522,7 @@ def theory(overrides: tuple[str, ...], world: int) -> dict:
         return sum(p.numel() for p in module.parameters() if id(p) not in skipped and id(p) not in expert_ids)
 
     units = [(count(model.embed), 1)]
-    units += [(count(block), 2) for block in model.layers]
+    units += [(count(block), 2 if cfg.parallel.reshard_after_forward else 1) for block in model.layers]
     units.append((count(model, [model.embed, *model.layers]), 1))
     share = (world - 1) / world
     gather = sum(p * 4 * share * times for p, times in units)
@@ -534,7 +535,7 @@ def theory(overrides: tuple[str, ...], world: int) -> dict:
     moe_layers = m.num_layers - m.num_dense_layers
     all_to_all = 4 * moe_layers * tokens * m.num_experts_per_tok * m.hidden_size * 4 * (ep - 1) / ep
     muon = sum(p.numel() * 4 for name, p in model.named_parameters()
-               if is_muon_param(name, cfg.optim.muon_router) and id(p) not in expert_ids) * 2 * share
+               if is_muon_param(name, cfg.optim.muon_router) and id(p) not in expert_ids) * 2 * share / world
     return {FSDP_ALL_GATHER: gather, FSDP_REDUCE_SCATTER: scatter, EP_ALL_TO_ALL: all_to_all,
             MUON_REDISTRIBUTE: muon, "params": sum(p.numel() for p in model.parameters()),
             "sharded_params": sum(p for p, _ in units), "expert_params": expert_params, "tokens_per_rank": tokens}
@@ -585,8 +586,7 @@ def report_bytes(counted: dict, sizes: dict, factors: dict, step_s: float, wire_
         counted_sum = [t + x for t, x in zip(counted_sum, sent)]
         expected = [t + x * factor for t, x in zip(expected, sent)]
         th = sizes.get(kind)
-        floor = ">=" if kind == MUON_REDISTRIBUTE else ""
-        lines.append(f"  {kind:<36} {calls:>5.0f} {floor + mb(th) if th is not None else '':>8} {mb(sent[0]):>8} "
+        lines.append(f"  {kind:<36} {calls:>5.0f} {mb(th) if th is not None else '':>8} {mb(sent[0]):>8} "
                      f"{mb(sent[1]):>8} {factor:>6.2f} {mb(max(sent) * factor):>8}")
     lines.append(f"  {'all collectives':<36} {'':>5} {'':>8} {mb(counted_sum[0]):>8} {mb(counted_sum[1]):>8} "
                  f"{'':>6} {mb(max(expected)):>8}")
