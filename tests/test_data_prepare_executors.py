@@ -35,8 +35,10 @@ def prepare_args(inputs: list[Path], out: Path, *extra) -> list[str]:
 
 
 def cli(*args, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "trinity_train.cli", *args], cwd=ROOT, capture_output=True,
-                          text=True, env={**ONE_THREAD_ENV, **(env or {})}, timeout=600)
+    """The CLI in a session of its own: the injected kill takes its process group, not the tests'."""
+    return subprocess.run([sys.executable, "-m", "trinity_train.cli", *map(str, args)], cwd=ROOT,
+                          capture_output=True, text=True, env={**ONE_THREAD_ENV, **(env or {})}, timeout=600,
+                          start_new_session=True)
 
 
 def fingerprint(out: Path) -> dict:
@@ -76,8 +78,9 @@ def test_a_task_killed_mid_way_runs_again_alone_and_the_result_is_identical(tmp_
     inputs = corpus(tmp_path / "in")
     whole = cli(*prepare_args(inputs, tmp_path / "whole", "--workers", 2))
     assert whole.returncode == 0, whole.stderr
-    # The last task SIGKILLs the whole run (one worker: the tasks run in this process) once its
-    # first shard is on disk: tasks 0 and 1 finished, task 2 half done.
+    # The last task SIGKILLs the whole run (one worker: the tasks run in the CLI's process, and
+    # datatrove's manager process dies with it) once its first shard is on disk: tasks 0 and 1
+    # finished, task 2 half done.
     killed = cli(*prepare_args(inputs, tmp_path / "out", "--workers", 1), env={KILL_TASK_ENV: str(TASKS - 1)})
     assert killed.returncode == -9, killed.stderr
     out = tmp_path / "out"

@@ -37,8 +37,9 @@ from trinity_train.files import atomic_write_json
 
 ENCODE_BATCH = 1024  # documents per encode_batch call (benchmarks/tokenize_throughput.py)
 _READ_BATCH = 8192
-# Fault injection for the rerun tests: the task of this number SIGKILLs its own process right after
-# finishing its first shard, as a node lost mid-task would leave it.
+# Fault injection for the rerun tests: the task of this number SIGKILLs its process group (the run's
+# processes, when prepare-data was started in a session of its own) right after finishing its first
+# shard, as a node lost mid-task would leave it.
 KILL_TASK_ENV = "TRINITY_PREPARE_KILL_TASK"
 
 
@@ -179,7 +180,7 @@ class TokenizeToShards(PipelineStep):
 
 
 def _kill_self(record: dict) -> None:
-    os.kill(os.getpid(), signal.SIGKILL)
+    os.killpg(os.getpgrp(), signal.SIGKILL)
 
 
 class DocumentEncoder:
