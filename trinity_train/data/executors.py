@@ -71,7 +71,11 @@ def run_pipeline(pipeline: list, o: ExecutorOptions, logging_dir: Path, name: st
         workers = min(o.workers or os.cpu_count() or 1, o.tasks)
         if workers > 1:  # one tokenizer thread per worker process, not a pool each
             os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-        executor = LocalPipelineExecutor(pipeline, tasks=o.tasks, workers=workers, logging_dir=str(logging_dir))
+        # fork, not datatrove's forkserver: a worker starts with this process's imports (torch's
+        # among them) instead of importing them again, seconds per worker; the tasks use no
+        # threads the parent started (TOKENIZERS_PARALLELISM above).
+        executor = LocalPipelineExecutor(pipeline, tasks=o.tasks, workers=workers, logging_dir=str(logging_dir),
+                                         start_method="fork")
         executor.run()
     elif o.executor == "slurm":
         executor = _slurm_executor(pipeline, o, logging_dir, name)

@@ -98,7 +98,8 @@ class ReadInputs(PipelineStep):
 
     def __setstate__(self, state: dict) -> None:  # in a worker process, before its task starts
         self.__dict__.update(state)
-        datatrove_logging(self.console)
+        if not self.console:  # (a copy in this process, as SLURM's launch makes, changes nothing)
+            datatrove_logging(False)
 
     def run(self, data: DocumentsPipeline = None, rank: int = 0, world_size: int = 1) -> DocumentsPipeline:
         mine = task_inputs(self.inputs, rank, world_size)
