@@ -12,7 +12,11 @@ One process, one tokenizer thread (RAYON_NUM_THREADS=1): a rate per process, whi
 task count multiplies. The variants alternate, each repetition runs every one once, and the best
 of the repetitions is reported with the median beside it (a shared machine: see the README).
 
-    python benchmarks/tokenize_throughput.py [--input-mb 8] [--vocab 8192] [--repeats 5]
+    python benchmarks/tokenize_throughput.py [--input-mb 8] [--vocab 8192] [--repeats 5] [--documents paragraph]
+
+Documents are the standard library's source files (`--documents file`: ~13 kB each) or their
+paragraphs (`--documents paragraph`, split at blank lines: ~200 bytes each, where a cost per
+document shows).
 """
 
 from __future__ import annotations
@@ -43,11 +47,12 @@ from trinity_train.data.shards import ShardWriter, TokenSizedShards  # noqa: E40
 from trinity_train.data.tokenizer import EOS_TOKEN, train_byte_level_bpe  # noqa: E402
 
 
-def stdlib_documents(megabytes: float) -> list[str]:
+def stdlib_documents(megabytes: float, unit: str) -> list[str]:
     texts, size = [], 0
     for file in corpus_files(stdlib_root()):
-        texts.append(file.read_text(encoding="utf-8", errors="replace"))
-        size += len(texts[-1].encode())
+        text = file.read_text(encoding="utf-8", errors="replace")
+        texts.extend(p for p in text.split("\n\n") if p.strip()) if unit == "paragraph" else texts.append(text)
+        size += len(text.encode())
         if size >= megabytes * 1e6:
             break
     return texts
@@ -135,11 +140,12 @@ def main() -> int:
     parser.add_argument("--input-mb", type=float, default=8.0)
     parser.add_argument("--vocab", type=int, default=8192)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--documents", choices=("file", "paragraph"), default="file")
     args = parser.parse_args()
     logger.disable("datatrove")
     datasets.disable_progress_bars()
     print(f"# load: {Path('/proc/loadavg').read_text().strip()}")
-    texts = stdlib_documents(args.input_mb)
+    texts = stdlib_documents(args.input_mb, args.documents)
     mb = sum(len(t.encode()) for t in texts) / 1e6
     tokenizer = train_byte_level_bpe([texts], args.vocab, len(texts))
     names = ["bare_encode_batch", "bare_encode_batch_fast", "our_step", "datatrove_tokenizer", "before_datatrove",
@@ -158,7 +164,7 @@ def main() -> int:
             seconds["part_write_shards"].append(variants.write_seconds)
     total = tokens["bare_encode_batch"]
     base = min(seconds["bare_encode_batch"])
-    print(f"{len(texts):,} documents, {mb:.1f} MB, {total:,} tokens (EOS included), BPE {args.vocab}, "
+    print(f"{len(texts):,} documents (one per {args.documents}), {mb:.1f} MB, {total:,} tokens (EOS included), BPE {args.vocab}, "
           f"1 thread, best (median) of {args.repeats}")
     print(f"{'variant':28s} {'seconds':>16s} {'tokens/s':>12s} {'vs bare encode_batch':>22s}")
     for name in seconds:
