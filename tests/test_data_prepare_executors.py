@@ -12,13 +12,14 @@ from pathlib import Path
 
 import pytest
 
-from cluster_bed import SlurmBed, leftovers, slurm_unavailable
+from cluster_bed import ClusterBed, SlurmBed, bed_unavailable, leftovers, slurm_unavailable
 from conftest import ONE_THREAD_ENV, ROOT, assert_one_line_error, cli_in_process
 from test_data_prepare import documents, write_jsonl
 from trinity_train.data.prepare_steps import KILL_TASK_ENV
 
 TASKS = 3
-PREFIX, SUBNET = "tp", "10.216.0"  # a bed of this file's own (test_multinode_slurm.py has tq)
+PREFIX, SUBNET = "tp", "10.216.0"  # beds of this file's own (test_multinode_slurm.py has tq)
+RAY_PREFIX, RAY_SUBNET = "tr", "10.217.0"
 JOB_TIMEOUT = 240
 
 
@@ -99,6 +100,33 @@ def test_ray_writes_the_same_bytes_as_local(tmp_path):
     local = cli(*prepare_args(inputs, tmp_path / "local", "--workers", 1))
     ray = cli(*prepare_args(inputs, tmp_path / "ray", "--executor", "ray", "--workers", 2))
     assert local.returncode == 0 and ray.returncode == 0, local.stderr + ray.stderr
+    assert fingerprint(tmp_path / "ray") == fingerprint(tmp_path / "local")
+
+
+@pytest.mark.slow
+def test_ray_across_two_bed_hosts_writes_the_same_bytes_as_local(tmp_path):
+    pytest.importorskip("ray", reason="ray is an extra: pip install 'trinity-train[ray]'")
+    reason = bed_unavailable()
+    if reason is not None:
+        pytest.skip(reason)
+    inputs = corpus(tmp_path / "in")
+    local = cli(*prepare_args(inputs, tmp_path / "local", "--workers", 1))
+    assert local.returncode == 0, local.stderr
+    # `ray start` on each host (the head on host 0), one CPU each: the three tasks need both hosts.
+    ray = [str(Path(sys.executable).parent / "ray"), "start", "--num-cpus=1", "--disable-usage-stats"]
+    env = {**ONE_THREAD_ENV, "RAY_AUTH_MODE": "token", "PYTHONPATH": str(ROOT)}
+    with ClusterBed(2, RAY_PREFIX, RAY_SUBNET, env) as bed:
+        head = f"{bed.addr(0)}:6379"
+        for index, role in ((0, ["--head", "--port=6379", "--include-dashboard=false"]), (1, [f"--address={head}"])):
+            done = bed.run(index, *ray, f"--node-ip-address={bed.addr(index)}", *role, timeout=180)
+            assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+        done = bed.run(0, sys.executable, "-m", "trinity_train.cli",
+                       *prepare_args(inputs, tmp_path / "ray", "--executor", "ray", "--ray-address", head),
+                       timeout=JOB_TIMEOUT)
+        assert "3 of 3 tasks run now" in done.stdout, done.stdout + done.stderr
+        records = [json.loads(p.read_text()) for p in sorted((tmp_path / "ray").glob(".prepare/*/records/0*[0-9].json"))]
+        assert {r["host"] for r in records} == {bed.host(0), bed.host(1)}, records
+    assert leftovers(RAY_PREFIX) == []
     assert fingerprint(tmp_path / "ray") == fingerprint(tmp_path / "local")
 
 
