@@ -2,7 +2,7 @@
 step moves per collective, and how long each fault takes to recover.
 
     python benchmarks/multinode.py [--rounds 2] [--steps 16] [--skip-throughput] [--skip-recovery]
-                                   [--count-steps 10] [--recovery-steps 24] [--json PATH]
+                                   [--ablation] [--count-steps 10] [--recovery-steps 24] [--json PATH]
 
 The default model (configs/debug.toml), FSDP x EP on 2 gloo ranks (`--parallel.ep=2`: the dense
 weights sharded over both ranks, the routed experts split between them), global batch 8 x 256
@@ -64,6 +64,13 @@ COLLECTIVE_TIMEOUT_S = 8
 COMMON = ("--parallel.ep=2", "--train.global_batch_size=8", "--train.micro_batch_size=4",
           "--train.eval_every=0", "--checkpoint.every=0", "--metrics.progress_bar=false",
           "--metrics.layer_stats_every=0", "--optim.schedule=constant")
+# The overlap settings the ablation turns on one by one (parallel/fsdp.py), after none of them.
+OVERLAP_OFF = ("--parallel.overlap_reduce_scatter=false", "--parallel.prefetch_all_gather=false")
+ABLATION = (
+    ("no overlap", OVERLAP_OFF),
+    ("+ reduce-scatter overlapped", ("--parallel.prefetch_all_gather=false",)),
+    ("+ all-gather prefetched (default)", ()),
+)
 # (name, shape settings; None: one host, loopback). Delays only where the kernel has netem.
 CONDITIONS = (
     ("a: 1 host x 2 ranks", None),
@@ -213,10 +220,10 @@ class Bench:
         return " ".join(settings)
 
     def throughput_job(self, name: str, settings: tuple[str, ...] | None, steps: int,
-                       extra_env: dict | None = None) -> dict:
+                       extra_env: dict | None = None, extra_args: tuple[str, ...] = ()) -> dict:
         run_dir, head, env = self.next_job(name.split(":")[0])
         env = {**env, **(extra_env or {})}
-        args = (f"--train.steps={steps}",)
+        args = (f"--train.steps={steps}", *extra_args)
         load_start = loadavg()
         shaped = "loopback"
         logs: list[Path] = []
@@ -561,6 +568,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--recovery-steps", type=int, default=24, help="steps of the recovery job")
     parser.add_argument("--skip-throughput", action="store_true", help="no throughput or bytes-per-step jobs")
     parser.add_argument("--skip-recovery", action="store_true")
+    parser.add_argument("--ablation", action="store_true",
+                        help="the overlap settings one by one, on 1 host x 2 ranks and at 1 Gbit/s, per round")
     parser.add_argument("--json", help="write every figure to this file")
     for hidden in ("--gloo-wire-rank", "--gloo-wire-head", "--gloo-wire-out"):  # one rank of the calibration
         parser.add_argument(hidden, help=argparse.SUPPRESS)
@@ -664,6 +673,8 @@ def bench_body(bench: Bench, args, out: dict) -> None:
         out["shape_note"] = bench.shape_note
         print(flush=True)
 
+        if args.ablation:
+            out["ablation"] = ablation(bench, args)
         factors = calibrate(bench)
         counted = count_job(bench, args.count_steps)
         sizes = theory(COMMON, 2)
@@ -702,6 +713,33 @@ def bench_body(bench: Bench, args, out: dict) -> None:
         print(f"  the job finished {rec['finished_steps']} / {args.recovery_steps} steps after {rec['restarts']} restarts, "
               f"exit codes {rec['exit codes']}")
         out["recovery"] = rec
+
+
+def ablation(bench: Bench, args) -> list[dict]:
+    """What each overlap setting buys: every `ABLATION` variant on 1 host x 2 ranks (a one host
+    must not get slower) and at 1 Gbit/s, per round; ratios to the same round's 1-host job with
+    the same settings."""
+    rows = []
+    for rnd in range(1, args.rounds + 1):
+        for variant, extra in ABLATION:
+            local = bench.throughput_job(CONDITIONS[0][0], CONDITIONS[0][1], args.steps, extra_args=extra)
+            gbit = bench.throughput_job(CONDITIONS[2][0], CONDITIONS[2][1], args.steps, extra_args=extra)
+            row = {"round": rnd, "variant": variant, "settings": list(extra), "one_host": local, "1gbit": gbit,
+                   "ratio": gbit["tokens_per_s"] / local["tokens_per_s"]}
+            rows.append(row)
+            print(f"ablation round {rnd} {variant:<34} 1 host {local['tokens_per_s']:>7,.0f} tokens/s  "
+                  f"1 Gbit {gbit['tokens_per_s']:>7,.0f} tokens/s (step {gbit['step_s']:.2f} s)  ratio "
+                  f"{row['ratio']:.2f}  load {local['load_start']} -> {gbit['load_end']}", flush=True)
+    print()
+    print("| overlap | 1 host x 2 ranks tokens/s (per round) | 2 hosts at 1 Gbit tokens/s | ratio (per round) |")
+    print("|---|---|---|---|")
+    for variant, _ in ABLATION:
+        mine = [r for r in rows if r["variant"] == variant]
+        print(f"| {variant} | {', '.join(format(r['one_host']['tokens_per_s'], ',.0f') for r in mine)} | "
+              f"{', '.join(format(r['1gbit']['tokens_per_s'], ',.0f') for r in mine)} | "
+              f"{', '.join(format(r['ratio'], '.2f') for r in mine)} |")
+    print(flush=True)
+    return rows
 
 
 if __name__ == "__main__":

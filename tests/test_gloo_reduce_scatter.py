@@ -100,7 +100,8 @@ def _fsdp_backward() -> dict:
     from trinity_train.parallel.parallelize import build_parallel_model
 
     init_gloo()
-    cfg = load_config(None, {"model": dict(TINY_MODEL), "parallel": {"dp_shard": 2}})
+    # No all-gather prefetched on gloo's threads while a reduce-scatter's bytes are counted.
+    cfg = load_config(None, {"model": dict(TINY_MODEL), "parallel": {"dp_shard": 2, "prefetch_all_gather": False}})
     dims = ParallelDims.from_config(cfg, dist.get_world_size())
     dims.build_mesh("cpu")
     model = build_parallel_model(cfg, dims, torch.device("cpu"))
@@ -109,17 +110,24 @@ def _fsdp_backward() -> dict:
     g = torch.Generator().manual_seed(dist.get_rank())
     ids = torch.randint(0, cfg.model.vocab_size, (2, 16), generator=g)
     result = {"installed": installed}
-    for name, comm in (("gloo", DefaultReduceScatter), ("all_to_all", AllToAllReduceScatter)):
+    for name, comm in (("gloo", DefaultReduceScatter), ("all_to_all", AllToAllReduceScatter),
+                       ("overlapped", AllToAllReduceScatter)):
         calls: list = []
+        shared = comm()  # one object for every unit, as apply_fsdp installs it
+        if name == "overlapped":
+            shared.overlapping = True
         for module in model.modules():
             if isinstance(module, FSDPModule):
-                module.set_custom_reduce_scatter(Measured(comm(), calls))
+                module.set_custom_reduce_scatter(Measured(shared, calls))
         model.zero_grad(set_to_none=True)
         log = CollectiveLog()
         with log:
             model(ids, labels=ids).ce_sum.backward()
-        result[name] = {"grads": {n: p.grad.to_local().clone() for n, p in model.named_parameters()},
-                        "calls": calls, "logged": sent_by_category(log.calls)}
+        result[name] = {"in_flight_after_backward": len(getattr(shared, "_pending", []))}
+        if name == "overlapped":
+            shared.finish()
+        result[name].update(grads={n: p.grad.to_local().clone() for n, p in model.named_parameters()},
+                            calls=calls, logged=sent_by_category(log.calls))
     return result
 
 
@@ -137,6 +145,18 @@ def test_fsdp_gradients_are_bitwise_gloos(fsdp_backward):
     for rank, result in enumerate(fsdp_backward):
         theirs, ours = result["gloo"]["grads"], result["all_to_all"]["grads"]
         assert theirs.keys() == ours.keys()
+        for name in theirs:
+            assert torch.equal(ours[name], theirs[name]), f"rank {rank}: {name}"
+
+
+def test_overlapped_reduce_scatters_travel_past_the_backward_and_give_the_same_bits(fsdp_backward):
+    """`overlapping`: each unit's all-to-all is left in flight while the next unit's backward
+    runs; the last one is still travelling when backward() returns, and `finish()` lands the
+    same sums bit for bit."""
+    for rank, result in enumerate(fsdp_backward):
+        assert result["overlapped"]["in_flight_after_backward"] == AllToAllReduceScatter.IN_FLIGHT
+        assert result["all_to_all"]["in_flight_after_backward"] == 0
+        theirs, ours = result["all_to_all"]["grads"], result["overlapped"]["grads"]
         for name in theirs:
             assert torch.equal(ours[name], theirs[name]), f"rank {rank}: {name}"
 

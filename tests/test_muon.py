@@ -190,3 +190,29 @@ def test_matches_the_reference_muon_of_its_author(shape):
     moved_ours, moved_ref = ours.detach() - init, ref.detach() - init
     assert moved_ref.norm() > 0.01 * init.norm()
     assert (moved_ours - moved_ref).norm() <= 2.5e-2 * moved_ref.norm()
+
+
+def test_chunk_span_is_how_torch_chunk_splits_a_dimension():
+    from trinity_train.optim.muon_exchange import chunk_span
+    for size in (0, 1, 5, 7, 8, 13):
+        for parts in (1, 2, 3, 4, 8):
+            pieces = torch.arange(size).chunk(parts)
+            spans = [chunk_span(size, parts, t) for t in range(parts)]
+            assert sum(length for _, length in spans) == size
+            for t, (start, length) in enumerate(spans):
+                want = pieces[t].tolist() if t < len(pieces) else []
+                assert list(range(start, start + length)) == want, (size, parts, t)
+
+
+def test_only_a_plain_shard_of_a_matrix_dim_over_one_mesh_dim_is_packed():
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+    from trinity_train.optim.muon_exchange import packed_dim
+    mesh = object()  # only its presence matters here
+    assert packed_dim(mesh, (Shard(0),), (0,), 2) == 0
+    assert packed_dim(mesh, (Shard(0), Shard(2)), (1,), 3) == 2  # experts: EP on dim 0, FSDP inside
+    assert packed_dim(mesh, (Shard(-1),), (0,), 2) == 1
+    assert packed_dim(mesh, (Shard(0), Shard(1)), (0, 1), 2) is None  # two mesh dims
+    assert packed_dim(mesh, (_StridedShard(0, split_factor=2),), (0,), 2) is None
+    assert packed_dim(mesh, (Replicate(),), (0,), 2) is None
+    assert packed_dim(None, (), (), 2) is None

@@ -201,12 +201,41 @@ def scenario_checkpoint(rank, world, out_dir):
     return max_relative_error(resumed, reference_run(STEPS))
 
 
+def scenario_packed_exchange(rank, world, out_dir):
+    """fsdp2 (a gather group of one mesh dim: `optim/muon_exchange.py`): the collectives of one
+    Muon step, and three steps with every matrix in a chunk of its own."""
+    from trinity_train.optim import muon_exchange
+    from trinity_train.plan.collectives import CollectiveLog
+
+    model, _ = distributed_model("fsdp2")
+    opt = make_optimizer(model)
+    set_distributed_grads(model, 0)
+    with CollectiveLog() as log:
+        opt.step()
+    kinds = sorted(c.kind for c in log.calls)
+    saved = muon_exchange.EXCHANGE_BYTES
+    muon_exchange.EXCHANGE_BYTES = 1
+    try:
+        model, _ = distributed_model("fsdp2")
+        opt = make_optimizer(model)
+        with CollectiveLog() as log:
+            for step in range(STEPS):
+                set_distributed_grads(model, step)
+                opt.step()
+        chunked_calls = len(log.calls)
+    finally:
+        muon_exchange.EXCHANGE_BYTES = saved
+    return {"kinds": kinds, "chunked_calls": chunked_calls,
+            "chunked_error": max_relative_error(model, reference_run(STEPS))}
+
+
 SCENARIOS = {
     "layouts_2": scenario_layouts(["fsdp2", "tp2", "ep2"]),
     "layouts_4": scenario_layouts(["tp2xep2", "fsdp2xtp2", "fsdp2xep2"]),
     "expert_without_tokens": scenario_expert_without_tokens,
     "work_split": scenario_work_split,
     "checkpoint": scenario_checkpoint,
+    "packed_exchange": scenario_packed_exchange,
 }
 
 
@@ -226,7 +255,7 @@ def _run_scenarios(out_dir, scenarios):
 def two_ranks(rank_pool):
     with tempfile.TemporaryDirectory() as out_dir:
         results = rank_pool(2).run(_run_scenarios, out_dir, ["layouts_2", "expert_without_tokens", "work_split",
-                                                         "checkpoint"])
+                                                         "checkpoint", "packed_exchange"])
         yield results, out_dir
 
 
@@ -287,3 +316,15 @@ def test_state_saved_by_two_ranks_reloads_into_one_process(two_ranks):
         p.grad = step_grads(2)[name]
     opt.step()
     assert max_relative_error(model, reference_run(STEPS)) <= 1e-4
+
+
+def test_muon_exchanges_a_one_dim_group_in_two_all_to_alls(two_ranks):
+    """FSDP's gather group is one mesh dim: the four split matrices (the expert stacks are split
+    along the expert dim, so each rank has whole experts) go to their owners in one all-to-all
+    and come back in one more (not two DTensor redistributions per round, which a CPU mesh sends
+    as all-gathers); cut into chunks of one matrix each, the result is still one process's."""
+    results, _ = two_ranks
+    for value in _values(results, "packed_exchange"):
+        assert value["kinds"] == ["all_to_all", "all_to_all"]
+        assert value["chunked_calls"] == STEPS * 2 * 4  # four split matrices, a chunk each
+        assert value["chunked_error"] <= 1e-4

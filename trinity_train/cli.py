@@ -1,5 +1,5 @@
-"""`trinity-train <command>`: train, plan, prepare-data, export-hf, import-hf, ckpt inspect|verify,
-incidents, goodput, dashboard, report, ablate.
+"""`trinity-train <command>`: train, plan, prepare-data, import-data, export-hf, import-hf,
+ckpt inspect|verify, incidents, goodput, dashboard, report, ablate.
 
 A user mistake (any `UserError`) ends with one line `error: <message>` on stderr and the error's
 exit code (`exit_codes`: 2 for configuration, 3 diverged, 1 otherwise); a lost peer of a
@@ -45,6 +45,12 @@ def cmd_prepare_data(args: argparse.Namespace) -> int:
     from trinity_train.data.prepare import run_prepare
 
     return run_prepare(args)
+
+
+def cmd_import_data(args: argparse.Namespace) -> int:
+    from trinity_train.data.import_data import run_import
+
+    return run_import(args)
 
 
 def cmd_export_hf(args: argparse.Namespace) -> int:
@@ -216,6 +222,20 @@ def _add_prepare_data(subparsers) -> None:
     add_prepare_arguments(parser)
 
 
+def _add_import_data(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "import-data", allow_abbrev=False,
+        help="make a prepared dataset of a datatrove, Megatron or dolma tokenized corpus (tokens linked, not copied)",
+        description="Write a manifest, document offsets and shard records beside hard links (or, across "
+                    "filesystems, symlinks) to the token files of a corpus tokenized by datatrove (.ds + "
+                    ".ds.index), Megatron (.bin + .idx) or dolma (.npy + .csv.gz); no token is copied. Checks "
+                    "every id against the tokenizer's vocabulary and that every document ends with its EOS, "
+                    "and holds out the last --val-fraction of each file's documents for validation.")
+    from trinity_train.data.import_data import add_import_arguments
+
+    add_import_arguments(parser)
+
+
 def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="trinity-train", allow_abbrev=False,
                                      description="Pretrain Trinity-style Mixture-of-Experts language models.")
@@ -228,10 +248,12 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
 
     _add_plan(sub)
 
-    # Only the command being run imports its dependencies; prepare-data's options come from the
-    # data package, so it is loaded only for that command (and for the top-level --help).
+    # Only the command being run imports its dependencies; prepare-data's and import-data's options
+    # come from the data package, so it is loaded only for those commands (and the top-level --help).
     if not argv or argv[0] in ("prepare-data", "-h", "--help"):
         _add_prepare_data(sub)
+    if not argv or argv[0] in ("import-data", "-h", "--help"):
+        _add_import_data(sub)
 
     export = sub.add_parser("export-hf", help="write a checkpoint as a Hugging Face afmoe model")
     export.add_argument("checkpoint", type=user_path, help="a training or model checkpoint directory")
@@ -284,7 +306,7 @@ def run(argv: list[str], callbacks: list | None = None) -> int:
         return cmd_plan(args, extra)
     if extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
-    handlers = {"prepare-data": cmd_prepare_data, "export-hf": cmd_export_hf,
+    handlers = {"prepare-data": cmd_prepare_data, "import-data": cmd_import_data, "export-hf": cmd_export_hf,
                 "import-hf": cmd_import_hf, "ckpt": cmd_ckpt, "incidents": cmd_incidents,
                 "goodput": cmd_goodput, "dashboard": cmd_dashboard, "report": cmd_report, "ablate": cmd_ablate}
     return handlers[args.command](args)

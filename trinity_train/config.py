@@ -160,6 +160,10 @@ class ParallelConfig:
     sync_every_micro_batch: bool = True  # false: FSDP reduces gradients after the step's last
     #   micro-batch only (one reduce-scatter a step, not one per micro-batch), keeping every
     #   unit's unsharded fp32 gradients between micro-batches: dp_shard x the gradient memory
+    overlap_reduce_scatter: bool = True  # CPU (gloo) jobs: each FSDP unit's gradient reduce-scatter
+    #   travels while the next unit's backward computes (GPUs overlap on NCCL's stream anyway)
+    prefetch_all_gather: bool = True  # CPU (gloo) jobs: each block's FSDP all-gather is issued while
+    #   the block before it computes (GPUs prefetch on a CUDA stream anyway)
 
 
 @dataclass

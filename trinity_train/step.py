@@ -29,7 +29,8 @@ from trinity_train import signals
 from trinity_train.config import Config
 from trinity_train.model.loss import IGNORE_INDEX
 from trinity_train.observe.layer_stats import LayerStatsCollector, per_layer_grad_norms
-from trinity_train.parallel.fsdp import all_reduce_across_replicas, reduce_gradients
+from trinity_train.parallel.fsdp import (all_reduce_across_replicas, finish_reductions, overlap_reductions,
+                                         reduce_gradients)
 from trinity_train.parallel.mesh import ParallelDims
 from trinity_train.parallel.reductions import clip_grads_with_norm_, global_grad_norm, sum_over_data_parallel
 from trinity_train.stability import StepGuard, Verdict
@@ -150,15 +151,19 @@ class TrainingStep:
         counts = None
         for i, mb in enumerate(parts):
             last = i == len(parts) - 1
-            if not self.cfg.parallel.sync_every_micro_batch:
+            sync_every = self.cfg.parallel.sync_every_micro_batch
+            if not sync_every:
                 reduce_gradients(self.model, now=last)
             elif self.dims.dp_replicate > 1:
                 all_reduce_across_replicas(self.model, now=last)
+            # The reduced shards start out empty only in the first backward that reduces.
+            overlap_reductions(self.model, fresh=i == 0 if sync_every else last)
             with self.layer_stats.recording(stats_due):  # the forward only: not recomputations in backward
                 out = _forward(self.model, mb, self.cfg, self.device)
             ce_sum = self.faults.scale_loss(out.ce_sum, iteration)
             loss = ce_sum / tokens.clamp_min(1) + (out.aux_loss + out.z_loss) * per_part
             loss.backward()
+            finish_reductions(self.model)
             totals += torch.stack([ce_sum.detach().float(), out.aux_loss.detach().float() * per_part,
                                    out.z_loss.detach().float() * per_part])
             counts = out.tokens_per_expert if counts is None else counts + out.tokens_per_expert

@@ -13,9 +13,14 @@ A shard's number (its `index`, and its file name) is `task * TASK_SHARDS + n` fo
 that preparation task `task` wrote (task 0: 00000, 00001, ...; task 3: 300000, ...), so names and
 the manifest's order follow from the data alone, whatever ran the tasks. A shard holds at most
 `shard_tokens` tokens (a longer document alone). Every document ends with the EOS token and lies
-wholly inside one shard, so shard edges are document edges. Data files are written under temporary names and renamed; the record is written
-after them, and the manifest after all records, so an interrupted build leaves nothing that
-looks complete but is not.
+wholly inside one shard, so shard edges are document edges. A shard imported from another tool's
+corpus (`import_data.py`) is a hard link to (or, across filesystems, a symlink to) that tool's
+token file, never a copy; its record's `token_range` [start, end) says which tokens of the file
+are the shard's (the rest belong to the other split), and its .idx offsets count from `start`.
+
+Data files are written under temporary names and renamed; the record is written after them, and
+the manifest after all records, so an interrupted build leaves nothing that looks complete but
+is not.
 """
 
 from __future__ import annotations
@@ -121,21 +126,10 @@ class ShardWriter:
         self._tmp_idx.write_bytes(offsets_bytes)
         os.replace(self._tmp_bin, self._bin)
         os.replace(self._tmp_idx, self._idx)
-        record = {
-            "index": self.index,
-            "build_key": self.build_key,
-            "num_tokens": self.num_tokens,
-            "num_documents": self.num_documents,
-            "max_token_id": self.max_token_id,
-            "files": {
-                self._bin.name: {"bytes": self.num_tokens * self.dtype.itemsize,
-                                 "sha256": self._bin_hash.hexdigest()},
-                self._idx.name: {"bytes": len(offsets_bytes),
-                                 "sha256": hashlib.sha256(offsets_bytes).hexdigest()},
-            },
-        }
-        atomic_write_json(self._record, record)
-        return record
+        return write_shard_record(self._record, shard_record(
+            self.index, self.build_key, self.num_tokens, self.num_documents, self.max_token_id,
+            tokens={"bytes": self.num_tokens * self.dtype.itemsize, "sha256": self._bin_hash.hexdigest()},
+            offsets={"bytes": len(offsets_bytes), "sha256": hashlib.sha256(offsets_bytes).hexdigest()}))
 
     def __enter__(self) -> "ShardWriter":
         return self
@@ -149,6 +143,24 @@ class ShardWriter:
     def __exit__(self, exc_type, exc, tb) -> None:
         if exc_type is not None:
             self.abort()
+
+
+def shard_record(index: int, build_key: str, num_tokens: int, num_documents: int, max_token_id: int,
+                 tokens: dict, offsets: dict, token_range: tuple[int, int] | None = None) -> dict:
+    """A shard's record; `tokens` and `offsets` are its files' {"bytes", "sha256"}. `token_range`:
+    the tokens of a shared token file that are this shard's (an imported corpus), else all of it."""
+    tokens_name, offsets_name, _ = (p.name for p in shard_paths(Path(), index))
+    record = {"index": index, "build_key": build_key, "num_tokens": num_tokens, "num_documents": num_documents,
+              "max_token_id": max_token_id, "files": {tokens_name: tokens, offsets_name: offsets}}
+    if token_range is not None:
+        record["token_range"] = [int(token_range[0]), int(token_range[1])]
+    return record
+
+
+def write_shard_record(path: Path, record: dict) -> dict:
+    """Write a shard's record (after its data files: the record says the shard is finished)."""
+    atomic_write_json(path, record)
+    return record
 
 
 class TokenSizedShards:
@@ -288,7 +300,10 @@ def _split_problem(info, split: str, dtype: np.dtype) -> str | None:
         if not isinstance(files, dict) or not all(isinstance(files.get(n), dict) and _is_count(files[n].get("bytes"))
                                                   and isinstance(files[n].get("sha256"), str) for n in (tokens, offsets)):
             return f"{where} does not list {tokens} and {offsets} with their bytes and sha256"
-        if files[tokens]["bytes"] != shard["num_tokens"] * dtype.itemsize:
+        problem = _token_range_problem(shard, files[tokens]["bytes"] // dtype.itemsize)
+        if problem:
+            return f"{where} {problem}"
+        if "token_range" not in shard and files[tokens]["bytes"] != shard["num_tokens"] * dtype.itemsize:
             return (f"{where} claims {shard['num_tokens']} tokens but its {tokens} holds "
                     f"{files[tokens]['bytes'] // dtype.itemsize}")
         if files[offsets]["bytes"] != (shard["num_documents"] + 1) * OFFSET_DTYPE.itemsize:
@@ -297,6 +312,22 @@ def _split_problem(info, split: str, dtype: np.dtype) -> str | None:
     if info.get("num_tokens") != total:
         return f"split '{split}' claims {info.get('num_tokens')!r} tokens but its shards hold {total}"
     return None
+
+
+def _token_range_problem(shard: dict, file_tokens: int) -> str | None:
+    if "token_range" not in shard:
+        return None
+    span = shard["token_range"]
+    if not (isinstance(span, list) and len(span) == 2 and all(_is_count(v) for v in span)
+            and span[1] - span[0] == shard["num_tokens"] and span[1] <= file_tokens):
+        return (f"has a token_range {span!r} that is not [start, start + num_tokens] inside its "
+                f"{file_tokens}-token file")
+    return None
+
+
+def token_start(shard: dict) -> int:
+    """Where a shard's tokens begin in its token file (0 unless it shares the file)."""
+    return shard["token_range"][0] if "token_range" in shard else 0
 
 
 def manifest_fingerprint(manifest: dict) -> str:
@@ -310,6 +341,7 @@ class _Shard:
     num_tokens: int
     num_documents: int
     index: int = 0  # the shard's number in the manifest (its file name)
+    token_start: int = 0  # where its tokens begin in the token file (a shared, imported file)
 
 
 class TokenSplit:
@@ -327,7 +359,9 @@ class TokenSplit:
 
     def _shard_tokens(self, i: int) -> np.ndarray:
         if i not in self._tokens:
-            self._tokens[i] = np.memmap(self._shards[i].tokens_path, dtype=self.dtype, mode="r")
+            shard = self._shards[i]
+            self._tokens[i] = np.memmap(shard.tokens_path, dtype=self.dtype, mode="r", shape=(shard.num_tokens,),
+                                        offset=shard.token_start * self.dtype.itemsize)
         return self._tokens[i]
 
     def _shard_offsets(self, i: int) -> np.ndarray:
@@ -433,7 +467,8 @@ class PreparedDataset:
             shards = []
             for s in self.manifest["splits"][split]["shards"]:
                 bin_path, idx_path, _ = shard_paths(self.path / split, s["index"])
-                shards.append(_Shard(bin_path, idx_path, s["num_tokens"], s["num_documents"], s["index"]))
+                shards.append(_Shard(bin_path, idx_path, s["num_tokens"], s["num_documents"], s["index"],
+                                     token_start(s)))
             out[split] = TokenSplit(self.dtype, shards)
         return out
 

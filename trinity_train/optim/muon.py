@@ -56,6 +56,7 @@ from torch.distributed.tensor.placement_types import Placement, _StridedShard
 from torch.optim.adam import adam
 
 from trinity_train.kernel_device import kernel_device
+from trinity_train.optim.muon_exchange import Assignment, Exchange, packed_dim
 from trinity_train.optim.newton_schulz import newton_schulz
 
 SCALES = ("spectral", "rms_match")
@@ -238,11 +239,18 @@ class Muon(torch.optim.Optimizer):
         # Largest first, each matrix to the least-loaded rank of its gather group (the classic
         # greedy). Loads depend only on shapes and layouts, so every rank computes the same plan.
         loads: dict[tuple, list[int]] = {}
+        exchanges: dict[tuple, Exchange] = {}
         for key in sorted(buckets, key=lambda k: -ns_cost(k[1])):
             layout, shape, dtype, steps = key
             members = buckets[key]
             group_loads = loads.setdefault((layout.mesh, layout.gather_dims), [0] * layout.group_size)
+            packed = packed_dim(layout.mesh, layout.placements, layout.gather_dims, len(shape))
             for round_plan in deal_rounds(len(members), ns_cost(shape), group_loads):
+                if packed is not None and layout.group_size > 1:
+                    exchange = exchanges.setdefault((layout.mesh, layout.gather_dims, dtype), Exchange(
+                        layout.mesh, layout.gather_dims[0], dtype, []))
+                    exchange.members += [Assignment(*members[i], slot, packed, steps) for i, slot in round_plan]
+                    continue
                 round_members = [members[i] for i, _ in round_plan]
                 updates = [self._nesterov_update(p, group, dtype) for p, group in round_members]
                 if layout.group_size == 1:
@@ -252,6 +260,9 @@ class Muon(torch.optim.Optimizer):
                                                  [slot for _, slot in round_plan], steps, dtype)
                 for (p, group), o in zip(round_members, ortho):
                     _apply_update(p, group, o)
+        for exchange in exchanges.values():
+            exchange.run(lambda a: self._nesterov_update(a.param, a.group, exchange.dtype),
+                         lambda a, o: _apply_update(a.param, a.group, o))
 
     def _nesterov_update(self, p: torch.Tensor, group: dict, dtype: torch.dtype) -> torch.Tensor:
         """Advance the momentum buffer; return this rank's shard of the update to orthogonalise."""

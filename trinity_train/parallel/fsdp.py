@@ -21,19 +21,36 @@ of their whole ep group, other weights only the local ones).
 On CPUs (gloo) every unit's reduce-scatter is `gloo_reduce_scatter.AllToAllReduceScatter`: an
 all-to-all of the shards and a local sum, which sends half of what gloo's own (an all-reduce)
 does and, on two ranks, is bitwise the same sum.
+
+Overlap on CPUs. FSDP2 overlaps its collectives with compute through CUDA streams; a CPU job has
+none, so every collective blocked the thread that computes. Two settings put them on gloo's own
+threads instead, with the same collectives and the same numbers:
+
+- `parallel.overlap_reduce_scatter`: a backward's reduce-scatters are started and left
+  travelling while the next unit's backward computes (`AllToAllReduceScatter.overlapping`), and
+  `finish_reductions` completes them when the backward is over. Only where nothing reads a reduced
+  gradient before then: not under HSDP (FSDP all-reduces the reduce-scatter's output at once) and
+  not in a micro-batch that adds to the gradients of an earlier one (`overlap_reductions`).
+- `parallel.prefetch_all_gather`: each block's all-gather is issued asynchronously while the block
+  before it computes (in backward, the block after it), FSDP2's explicit prefetch.
 """
 
 from __future__ import annotations
 
 from typing import Callable
+from weakref import WeakKeyDictionary
 
 import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
+from trinity_train.config import ParallelConfig
 from trinity_train.parallel.gloo_reduce_scatter import AllToAllReduceScatter
 from trinity_train.parallel.mesh import ParallelDims, expert_shard_dim
+
+# The model's one reduce-scatter object on a CPU job, which the step tells when it may overlap.
+_REDUCE_SCATTERS: WeakKeyDictionary[nn.Module, AllToAllReduceScatter] = WeakKeyDictionary()
 
 
 def expert_placement(efsdp: int) -> Callable[[nn.Parameter], Shard]:
@@ -62,9 +79,11 @@ def mixed_precision_policy(device: torch.device, dtype: str) -> MixedPrecisionPo
     return MixedPrecisionPolicy()
 
 
-def apply_fsdp(model: nn.Module, dims: ParallelDims, device: torch.device, dtype: str) -> None:
+def apply_fsdp(model: nn.Module, dims: ParallelDims, device: torch.device, dtype: str,
+               parallel: ParallelConfig) -> None:
     """Shard a TrinityModel (after TP/EP, before its weights are materialised) for a job on
-    `device` computing in `dtype` (`train.dtype`; a CPU job's collectives run on gloo)."""
+    `device` computing in `dtype` (`train.dtype`; a CPU job's collectives run on gloo), with the
+    overlap `parallel` asks for."""
     mesh = dims.fsdp_mesh
     mp_policy = mixed_precision_policy(device, dtype)
     placement = expert_placement(dims.efsdp)
@@ -80,13 +99,53 @@ def apply_fsdp(model: nn.Module, dims: ParallelDims, device: torch.device, dtype
             block_placement = _for_params(block.mlp.experts.parameters(), placement)
         fully_shard(block, mesh=mesh, mp_policy=mp_policy, shard_placement_fn=block_placement)
     fully_shard(model, mesh=mesh, mp_policy=mp_policy)
+    reduce_scatter = AllToAllReduceScatter()
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)
             # A plain SUM: no pre-multiplied sum, which gloo lacks and a factor of 1 does not need.
             module.set_force_sum_reduction_for_comms(True)
             if device.type == "cpu":  # gloo: its own is an all-reduce, twice the share's bytes
-                module.set_custom_reduce_scatter(AllToAllReduceScatter())
+                module.set_custom_reduce_scatter(reduce_scatter)
+    if device.type == "cpu":
+        if parallel.overlap_reduce_scatter and dims.dp_replicate == 1:
+            _REDUCE_SCATTERS[model] = reduce_scatter
+        if parallel.prefetch_all_gather:
+            prefetch_neighbouring_blocks(model)
+
+
+def _units_of(block: nn.Module) -> list[FSDPModule]:
+    """A block's FSDP units: the block, and its routed experts when they are their own (EP)."""
+    return [m for m in (block, getattr(getattr(block, "mlp", None), "experts", None)) if isinstance(m, FSDPModule)]
+
+
+def prefetch_neighbouring_blocks(model: nn.Module) -> None:
+    """Issue each block's all-gather while the block before it computes (in backward: the block
+    after it), asynchronously on gloo's threads; FSDP waits for it in the block's pre-forward
+    (pre-backward). The same all-gathers, earlier."""
+    blocks = list(model.layers)
+    model._set_unshard_async_op(True)  # every unit's own unshard asynchronous too, waited at use
+    model.embed.set_modules_to_forward_prefetch(_units_of(blocks[0]))
+    model.set_modules_to_backward_prefetch(_units_of(blocks[-1]))  # the root's backward (head, norm) comes first
+    for i, block in enumerate(blocks):
+        if i + 1 < len(blocks):
+            block.set_modules_to_forward_prefetch(_units_of(blocks[i + 1]))
+        if i > 0:
+            block.set_modules_to_backward_prefetch(_units_of(blocks[i - 1]))
+
+
+def overlap_reductions(model: nn.Module, fresh: bool) -> None:
+    """Whether this backward's reduce-scatters may travel while the backward goes on: only when
+    `fresh`, i.e. no gradient from an earlier micro-batch is waiting to be added to (FSDP adds the
+    reduced shard at once). A no-op without `parallel.overlap_reduce_scatter` or off a CPU job."""
+    if model in _REDUCE_SCATTERS:
+        _REDUCE_SCATTERS[model].overlapping = fresh
+
+
+def finish_reductions(model: nn.Module) -> None:
+    """Complete the reduce-scatters a backward left travelling: its gradients are then final."""
+    if model in _REDUCE_SCATTERS:
+        _REDUCE_SCATTERS[model].finish()
 
 
 def all_reduce_across_replicas(model: nn.Module, now: bool) -> None:

@@ -26,7 +26,21 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 
 class AllToAllReduceScatter(ReduceScatter):
     """FSDP2's `ReduceScatter` protocol: `allocate` its buffers, then `__call__` reduce-scatters
-    `input_tensor` (n equal chunks, chunk r for rank r) into `output_tensor` over `group`."""
+    `input_tensor` (n equal chunks, chunk r for rank r) into `output_tensor` over `group`.
+
+    One object serves every FSDP unit of a model. While `overlapping` (the step sets it for a
+    backward whose reduced gradients nothing reads before it ends: see `parallel/fsdp.py`), a
+    call only starts the all-to-all (`async_op=True`, on gloo's threads) and returns; the sum
+    lands in `output_tensor` when the call after the next one is made, or at `finish()`, which
+    the step calls when the backward is over and before anything reads a gradient. So one unit's
+    reduce-scatter travels while the next unit's backward computes, and at most two are in
+    flight: one more unit's input and received buffers alive than a blocking call keeps."""
+
+    IN_FLIGHT = 1  # unit reduce-scatters left travelling behind the newest
+
+    def __init__(self):
+        self.overlapping = False
+        self._pending: list[tuple[dist.Work, torch.Tensor, torch.Tensor, torch.Tensor]] = []
 
     def allocate(self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype,
                  device: torch.device) -> torch.Tensor:
@@ -44,10 +58,24 @@ class AllToAllReduceScatter(ReduceScatter):
             raise ValueError(f"reduce-scatter of {input_tensor.numel()} elements into {n} x "
                              f"{output_tensor.numel()}")
         received = torch.empty_like(input_tensor)  # every rank's copy of this rank's chunk
-        dist.all_to_all_single(received, input_tensor, group=group)
+        work = dist.all_to_all_single(received, input_tensor, group=group, async_op=self.overlapping)
+        self._pending.append((work, received, output_tensor, input_tensor))
+        while len(self._pending) > (self.IN_FLIGHT if self.overlapping else 0):
+            self._complete(*self._pending.pop(0))
+        return None
+
+    def finish(self) -> None:
+        """Complete every reduce-scatter still in flight (their gradients are then final)."""
+        while self._pending:
+            self._complete(*self._pending.pop(0))
+
+    @staticmethod
+    def _complete(work: dist.Work | None, received: torch.Tensor, output: torch.Tensor, _input) -> None:
+        if work is not None:
+            work.wait()
+        n = received.numel() // output.numel()
         chunks = received.view(n, -1)
-        out = output_tensor.view(-1)
+        out = output.view(-1)
         out.copy_(chunks[0])
         for chunk in chunks[1:]:  # rank order, whatever this rank's place in it
             out.add_(chunk)
-        return None

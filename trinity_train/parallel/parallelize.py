@@ -47,7 +47,7 @@ def build_parallel_model(cfg: Config, dims: ParallelDims, device: torch.device,
     if wrap is not None:
         model = wrap(model, cfg)
     if dims.is_distributed:
-        apply_fsdp(model, dims, device, cfg.train.dtype)
+        apply_fsdp(model, dims, device, cfg.train.dtype, cfg.parallel)
     model.to_empty(device=device)
     torch.manual_seed(cfg.train.seed)
     init_weights_like_one_process(model)

@@ -36,6 +36,7 @@ from trinity_train.config import Config, ModelConfig, grad_accum_for
 from trinity_train.model.blocks import block_style, is_global_layer
 from trinity_train.optim.groups import is_muon_param
 from trinity_train.optim.muon import deal_rounds, ns_cost
+from trinity_train.optim.muon_exchange import EXCHANGE_BYTES
 from trinity_train.parallel.assumed_routing import AssumedRouting
 from trinity_train.parallel.mesh import ParallelDims
 from trinity_train.plan.collectives import (EP_ALL_TO_ALL, FSDP_ALL_GATHER, FSDP_ALL_REDUCE, FSDP_REDUCE_SCATTER,
@@ -374,6 +375,9 @@ def memory_per_rank(cfg: Config, dims: ParallelDims, *, gpu: bool,
     # (fp32) and the blocks above it reduce-scattered into their shards; the head's gradient
     # waits for the root's reduce-scatter at the very end.
     head = a * m.vocab_size // dims.tp * m.hidden_size  # unsharded, in the compute dtype
+    # A CPU job's reduce-scatter left travelling (parallel.overlap_reduce_scatter) holds what it
+    # receives beside its input until the next one is issued.
+    in_flight = 2 if (not gpu and cfg.parallel.overlap_reduce_scatter and dims.dp_replicate == 1) else 1
     shared = shared_activation_bytes(cfg, a)
     backward, later_grads, below = {}, 0.0, sum(per_block)
     for i in reversed(range(m.num_layers)):
@@ -382,7 +386,7 @@ def memory_per_rank(cfg: Config, dims: ParallelDims, *, gpu: bool,
         if distributed:  # block i's unsharded gradients are as large as its gathered parameters
             grads_now = kept_grads if accum > 1 else later_grads
             temps = head + block[i].gathered + (per_block[i] if ac else 0.0)
-            comm = (block[i - 1].prefetched if i else 0.0) + (block[i + 1].reducing if i + 1 < m.num_layers else 0.0)
+            comm = (block[i - 1].prefetched if i else 0.0) + (block[i + 1].reducing * in_flight if i + 1 < m.num_layers else 0.0)
             gathered = root + block[i].gathered
         else:  # one process: gradients land in .grad directly, the head's in the loss's backward
             grads_now = kept_grads if accum > 1 else later_grads + root_grads + block[i].grad_shards
@@ -396,33 +400,45 @@ def memory_per_rank(cfg: Config, dims: ParallelDims, *, gpu: bool,
 
     step = {"parameters": params, "gathered parameters": 0.0, "gradients": grads,
             "optimizer state": opt, "activations": 0.0, "communication buffers": 0.0,
-            "temporaries": muon_temporaries(cfg, dims, list(counts), nums) if muon else 0.0}
+            "temporaries": muon_temporaries(cfg, dims, counts, nums) if muon else 0.0}
     moments = {"end of forward": forward, "backward": backward[1], "optimizer step": step}
     moment = max(moments, key=lambda k: sum(moments[k].values()))
     name = f"backward of block {backward[0]}" if moment == "backward" else moment
     return MemoryModel({c: moments[moment].get(c, 0.0) for c in CATEGORIES}, name, moments)
 
 
-def _gather_group(p: Param, dims: ParallelDims) -> int:
-    """Ranks over which Muon must assemble one of `p`'s matrices: the dims that split a matrix
-    dimension or replicate it (`optim/muon.py`, `_Layout`); HSDP's replica groups each run the
-    whole step, so dp_replicate is never one of them."""
+def _gather_factors(p: Param, dims: ParallelDims) -> tuple[int, ...]:
+    """The sizes (> 1) of the mesh dims over which Muon must assemble one of `p`'s matrices: the
+    dims that split a matrix dimension or replicate it (`optim/muon.py`, `_Layout`); HSDP's
+    replica groups each run the whole step, so dp_replicate is never one of them."""
     if not dims.is_distributed:
-        return 1
-    n = dims.tp if (dims.tp > 1 and p.unit in ("block", "experts") and "router" not in p.name) else 1
+        return ()
+    tp = dims.tp if (dims.tp > 1 and p.unit in ("block", "experts") and "router" not in p.name) else 1
     if p.unit == "experts":
         # ep and dim-0 expert-FSDP split whole experts (no gathering); dim-1 sharding does not.
-        return n * (dims.efsdp if dims.efsdp > p.shape[0] else 1)
-    if p.batch > 1:  # experts inside their block's unit: FSDP's dim 0 is the expert dim
-        return n
-    return n * dims.dp_shard
+        fsdp = dims.efsdp if dims.efsdp > p.shape[0] else 1
+    elif p.batch > 1:  # experts inside their block's unit: FSDP's dim 0 is the expert dim
+        fsdp = 1
+    else:
+        fsdp = dims.dp_shard
+    return tuple(f for f in (fsdp, tp) if f > 1)
 
 
-def muon_temporaries(cfg: Config, dims: ParallelDims, params: list[Param], nums: Numerics) -> float:
+def _gather_group(p: Param, dims: ParallelDims) -> int:
+    return math.prod(_gather_factors(p, dims))
+
+
+def _packed(p: Param, dims: ParallelDims) -> bool:
+    """Whether Muon exchanges `p`'s matrices by packed all-to-alls (`optim/muon_exchange.py`): a
+    gather group of one mesh dim (FSDP's dim-0 shard over TP's is a `_StridedShard`, two dims)."""
+    return len(_gather_factors(p, dims)) == 1
+
+
+def muon_temporaries(cfg: Config, dims: ParallelDims, params: Counter, nums: Numerics) -> float:
     """Muon's working set for its largest matrix: the round's stack of n updates, the matrix
     whole on its owner, and Newton-Schulz's iterate, Gram matrix and polynomial."""
-    worst = 0.0
-    for p in params:
+    worst, packed = 0.0, Counter()
+    for p, count in params.items():
         if not is_muon_param(p.name, cfg.optim.muon_router):
             continue
         rows, cols = p.shape[-2:]
@@ -430,11 +446,18 @@ def muon_temporaries(cfg: Config, dims: ParallelDims, params: list[Param], nums:
         whole = math.prod(p.shape) * dims.tp if p.batch > 1 else p.global_numel
         small = min(rows, cols)
         n = _gather_group(p, dims)
-        stack = nums.ns * whole * (2 if n > 1 else 0)  # the stacked round and its redistribution
         ns = nums.ns * (3 * whole + 3 * max(1, p.batch) * small * small)
         update = FP32 * shard_numel(p, dims)  # the Nesterov update before its cast
+        if n > 1 and _packed(p, dims):
+            packed[p.unit == "experts"] += nums.ns * shard_numel(p, dims) * count
+            worst = max(worst, ns + update)
+            continue
+        stack = nums.ns * whole * (2 if n > 1 else 0)  # the stacked round and its redistribution
         worst = max(worst, stack + ns + update)
-    return worst
+    # A packed exchange holds two buffers of a chunk at once: the received pieces and the results,
+    # the results and their way back, or that and what comes back (`optim/muon_exchange.py`).
+    chunk = max((min(b, EXCHANGE_BYTES) for b in packed.values()), default=0.0)
+    return worst + 2 * chunk
 
 
 # ------------------------------------------------------------------------------ traffic
@@ -507,30 +530,52 @@ def traffic_per_rank(cfg: Config, dims: ParallelDims, *, gpu: bool,
 
 
 def _muon_flows(cfg: Config, dims: ParallelDims, params: Counter, nums: Numerics, gpu: bool) -> list[Flow]:
-    """Muon's redistributions, dealt as `optim/muon.py` deals them: matrices of one layout and
-    shape go in rounds (`deal_rounds`, largest shapes first, each to the least-loaded rank of its
-    gather group of n); a round stacks n slots of this rank's shard of one matrix, sends the
-    stack to the owners and takes the results back. On GPUs DTensor sends each as an all-to-all
-    ((n-1)/n of the stack each way); on a CPU mesh as an all-gather of the stack and a chunk (the
-    stack x (n-1) out, an all-gather back)."""
+    """Muon's exchanges, dealt as `optim/muon.py` deals them: matrices of one layout and shape go
+    to owners (`deal_rounds`, largest shapes first, each to the least-loaded rank of its gather
+    group of n).
+
+    - Packed (a gather group of one mesh dim, `optim/muon_exchange.py`): each rank sends its piece
+      of every matrix it does not own, and each owner every other rank's slice of its result: on
+      average 2(n-1)/n pieces a matrix, in two all-to-alls per chunk of `EXCHANGE_BYTES`.
+    - Rounds (the other layouts): a round stacks n slots of this rank's shard of one matrix, sends
+      the stack to the owners and takes the results back. On GPUs DTensor sends each as an
+      all-to-all ((n-1)/n of the stack each way); on a CPU mesh as an all-gather of the stack and a
+      chunk (the stack x (n-1) out, an all-gather back).
+    """
     buckets: dict[tuple, tuple[Param, int]] = {}  # (mesh, shape, n) -> (a member, how many), in model order
     for p, count in params.items():
         if is_muon_param(p.name, cfg.optim.muon_router):
-            key = ("experts" if p.unit == "experts" else "dense", p.shape, _gather_group(p, dims))
+            key = ("experts" if p.unit == "experts" else "dense", p.shape, _gather_group(p, dims), _packed(p, dims))
             buckets[key] = (p, buckets.get(key, (p, 0))[1] + count)
     loads: dict[tuple[str, int], list[int]] = {}
-    calls, sent = 0, 0.0
+    chunks: dict[tuple[str, int], list[float]] = {}  # bytes of each chunk of a packed exchange
+    calls, sent, packed_sent = 0, 0.0, 0.0
     for key in sorted(buckets, key=lambda k: -ns_cost(k[1])):  # stable: ties keep the model's order
-        mesh, shape, n = key
+        mesh, shape, n, packed = key
         if n == 1:
             continue
         member, count = buckets[key]
         rounds = len(deal_rounds(count, ns_cost(shape), loads.setdefault((mesh, n), [0] * n)))
-        stack = n * shard_numel(member, dims) * nums.ns  # this rank's slice of every slot
+        piece = shard_numel(member, dims) * nums.ns  # this rank's piece of one matrix
+        if packed:
+            sizes = chunks.setdefault((mesh, n), [0.0])
+            for _ in range(count):  # every rank cuts the chunks by the matrices' global sizes
+                global_piece = member.global_numel * nums.ns / n
+                if sizes[-1] and sizes[-1] + global_piece > EXCHANGE_BYTES:
+                    sizes.append(0.0)
+                sizes[-1] += global_piece
+            packed_sent += count * piece * 2 * (n - 1) / n
+            continue
         calls += 2 * rounds
-        sent += rounds * 2 * stack * ((n - 1) / n if gpu else (n - 1))
-    kind = "all_to_all" if gpu else "all_gather"
-    return [Flow(MUON_REDISTRIBUTE, kind, "fsdp", dims.dp_shard, calls, sent)] if calls else []
+        sent += rounds * 2 * n * piece * ((n - 1) / n if gpu else (n - 1))
+    flows = []
+    if calls:
+        flows.append(Flow(MUON_REDISTRIBUTE, "all_to_all" if gpu else "all_gather", "fsdp", dims.dp_shard,
+                          calls, sent))
+    if chunks:
+        flows.append(Flow(MUON_REDISTRIBUTE, "all_to_all", "fsdp", dims.dp_shard,
+                          2 * sum(len(c) for c in chunks.values()), packed_sent))
+    return flows
 
 
 def communicators(dims: ParallelDims) -> int:

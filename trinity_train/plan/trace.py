@@ -175,7 +175,7 @@ def trace_rank(cfg: Config, world_size: int, rank: int, *, gpu: bool,
             split_model(model, dims)
         model = apply_training_wrappers(model, cfg)
         if dims.is_distributed:
-            apply_fsdp(model, dims, device, cfg.train.dtype)
+            apply_fsdp(model, dims, device, cfg.train.dtype, cfg.parallel)
         coords = mesh_coordinates(dims) if dims.is_distributed else {}
         namer = group_dim_namer(dims) if dims.is_distributed else (lambda ranks, category: None)
         with FakeTensorMode(allow_non_fake_inputs=True), assume_routing(routing):

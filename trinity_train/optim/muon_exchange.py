@@ -1,0 +1,171 @@
+"""Muon's exchange as packed all-to-alls: every matrix of a gather group in one call each way.
+
+`optim/muon.py` deals the matrices of a gather group (the ranks over which one matrix is split)
+to owners. The round-by-round path stacks n slots per round and lets DTensor redistribute the
+stack: two collectives per round (44 a step for the default job), the zero slots of a short
+round sent as well, and on a CPU mesh DTensor replaces the all-to-all by an all-gather and a
+chunk (torch/distributed/tensor/_collective_utils.py: "CPU process group does not support
+alltoall yet"), so each rank sends every slot whole. Here, for the common layout where the group
+is one mesh dimension that splits a matrix dimension with a plain `Shard` (FSDP, expert FSDP,
+HSDP's shard groups):
+
+1. every rank sends its shard of each matrix to the matrix's owner, all matrices in one
+   `all_to_all_single` (the pieces for one owner back to back, in plan order);
+2. the owner puts the pieces where `Shard` put them (`torch.chunk`'s split of that dimension),
+   runs Newton-Schulz on the whole matrix,
+3. and one more `all_to_all_single` hands every rank its slice of each result.
+
+So a rank sends each of its pieces once (none to itself) and each owner sends each result once
+less its own slice: half of what the all-gather path sends on two ranks, and two calls per chunk
+instead of two per round. The values are the same: the whole matrix is assembled from the same
+pieces and Newton-Schulz runs on it in the same precision (tests/test_muon.py, the layout tests).
+
+Chunks: the exchange goes in chunks of at most `EXCHANGE_BYTES` of this rank's pieces (by the
+matrices' global sizes, so every rank cuts the same chunks), which bounds the optimizer step's
+working set (each chunk's updates, send and receive buffers and assembled matrices) to a few
+times that, whatever the model's size.
+
+Layouts this does not cover (a matrix split over two mesh dimensions, FSDP's `_StridedShard`
+on top of TP, a matrix replicated over a gather dimension) keep the round-by-round path.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Shard
+
+from trinity_train.optim.newton_schulz import newton_schulz
+
+EXCHANGE_BYTES = 64 << 20  # per rank and chunk: a handful of calls a step, a bounded working set
+
+
+def packed_dim(mesh: DeviceMesh | None, placements: tuple, gather_dims: tuple[int, ...], ndim: int) -> int | None:
+    """The tensor dimension the one gather mesh-dimension splits with a plain `Shard`, when this
+    layout can take the packed exchange; None otherwise."""
+    if mesh is None or len(gather_dims) != 1:
+        return None
+    placement = placements[gather_dims[0]]
+    if type(placement) is not Shard:  # _StridedShard and Replicate keep DTensor's path
+        return None
+    dim = placement.dim if placement.dim >= 0 else placement.dim + ndim
+    return dim if dim in (ndim - 2, ndim - 1) else None
+
+
+def chunk_span(size: int, parts: int, index: int) -> tuple[int, int]:
+    """(offset, length) of piece `index` when `torch.chunk` splits `size` into `parts`, as
+    DTensor's `Shard` does (the last pieces may be short or empty)."""
+    step = math.ceil(size / parts) if size else 0
+    start = min(index * step, size)
+    return start, max(0, min(step, size - start))
+
+
+@dataclass
+class Assignment:
+    """One matrix (or expert stack) of the step: who owns it and how this rank holds it."""
+
+    param: torch.Tensor
+    group: dict
+    owner: int  # the slot (rank of the gather group) that orthogonalises it
+    dim: int  # the tensor dimension the group splits
+    steps: int  # Newton-Schulz iterations
+
+    def global_bytes(self, n: int, element_size: int) -> float:
+        return self.param.numel() * element_size / n
+
+
+@dataclass
+class Exchange:
+    """The matrices of one gather group and Newton-Schulz precision, exchanged together."""
+
+    mesh: DeviceMesh
+    mesh_dim: int
+    dtype: torch.dtype
+    members: list[Assignment]
+
+    def run(self, update_of: Callable[[Assignment], torch.Tensor],
+            apply: Callable[[Assignment, torch.Tensor], None]) -> None:
+        """Orthogonalise every member's update: `update_of(a)` gives this rank's shard of it (in
+        `dtype`), `apply(a, shard)` takes this rank's shard of the result."""
+        n = self.mesh.size(self.mesh_dim)
+        for chunk in self._chunks(n):
+            self._run_chunk(chunk, n, update_of, apply)
+
+    def _chunks(self, n: int) -> list[list[Assignment]]:
+        size = torch.empty((), dtype=self.dtype).element_size()
+        chunks: list[list[Assignment]] = [[]]
+        used = 0.0
+        for a in self.members:
+            piece = a.global_bytes(n, size)
+            if chunks[-1] and used + piece > EXCHANGE_BYTES:
+                chunks.append([])
+                used = 0.0
+            chunks[-1].append(a)
+            used += piece
+        return chunks
+
+    def _run_chunk(self, chunk: list[Assignment], n: int, update_of, apply) -> None:
+        group = self.mesh.get_group(self.mesh_dim)
+        me = self.mesh.get_local_rank(self.mesh_dim)
+        mine = [a for a in chunk if a.owner == me]
+
+        # 1. My piece of every matrix to its owner (my own matrices' pieces stay local).
+        updates = {id(a): update_of(a) for a in chunk}
+        by_owner = [[a for a in chunk if a.owner == t] for t in range(n)]
+        send = torch.cat([updates[id(a)].reshape(-1) for t in range(n) for a in by_owner[t]])
+        send_splits = [sum(updates[id(a)].numel() for a in by_owner[t]) for t in range(n)]
+        local_shape = {id(a): updates[id(a)].shape for a in chunk}
+        del updates
+        piece_numel = {(id(a), t): _piece_numel(local_shape[id(a)], a, n, t) for a in mine for t in range(n)}
+        recv_splits = [sum(piece_numel[(id(a), t)] for a in mine) for t in range(n)]
+        received = send.new_empty(sum(recv_splits))
+        dist.all_to_all_single(received, send, recv_splits, send_splits, group=group)
+        del send
+
+        # 2. Assemble and orthogonalise the matrices I own.
+        pieces = _split(received, recv_splits, [[piece_numel[(id(a), t)] for a in mine] for t in range(n)])
+        results = []
+        for i, a in enumerate(mine):
+            shape = list(local_shape[id(a)])
+            parts = []
+            for t in range(n):
+                shape[a.dim] = chunk_span(a.param.shape[a.dim], n, t)[1]
+                parts.append(pieces[t][i].view(shape))
+            results.append(newton_schulz(torch.cat(parts, dim=a.dim), a.steps, self.dtype))
+        like = received[:0]
+        del pieces, received
+
+        # 3. Every rank's slice of every result back to it (an owner of nothing sends nothing).
+        back = torch.cat([r.narrow(a.dim, *chunk_span(a.param.shape[a.dim], n, t)).reshape(-1)
+                          for t in range(n) for a, r in zip(mine, results)] or [like])
+        del results  # at most two chunks' worth of buffers are alive at any point
+        back_splits = [sum(piece_numel[(id(a), t)] for a in mine) for t in range(n)]
+        returned = back.new_empty(sum(send_splits))
+        dist.all_to_all_single(returned, back, send_splits, back_splits, group=group)
+        del back
+        mine_back = _split(returned, send_splits,
+                           [[math.prod(local_shape[id(a)]) for a in by_owner[t]] for t in range(n)])
+        for t in range(n):
+            for a, flat in zip(by_owner[t], mine_back[t]):
+                apply(a, flat.view(local_shape[id(a)]))
+
+
+def _piece_numel(local_shape: torch.Size, a: Assignment, n: int, t: int) -> int:
+    """Elements of rank t's piece of matrix `a`: this rank's shape with t's span of the split dim
+    (the group's ranks share every other coordinate, so every other extent)."""
+    shape = list(local_shape)
+    shape[a.dim] = chunk_span(a.param.shape[a.dim], n, t)[1]
+    return math.prod(shape)
+
+
+def _split(flat: torch.Tensor, segments: list[int], sizes: list[list[int]]) -> list[list[torch.Tensor]]:
+    """`flat` cut into its per-rank segments, each cut into its pieces."""
+    out = []
+    for segment, piece_sizes in zip(flat.split(segments), sizes):
+        out.append(list(segment.split(piece_sizes)) if piece_sizes else [])
+    return out
