@@ -4,10 +4,13 @@ every failure of an executor one line."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -113,9 +116,15 @@ def test_ray_across_two_bed_hosts_writes_the_same_bytes_as_local(tmp_path):
     local = cli(*prepare_args(inputs, tmp_path / "local", "--workers", 1))
     assert local.returncode == 0, local.stderr
     # `ray start` on each host (the head on host 0), one CPU each: the three tasks need both hosts.
-    ray = [str(Path(sys.executable).parent / "ray"), "start", "--num-cpus=1", "--disable-usage-stats"]
+    # Its sessions go to a directory of the test's (short: Ray's socket paths must fit), not /tmp/ray,
+    # where a later `ray.init()` would find this dead cluster recorded.
+    temp = Path(tempfile.mkdtemp(prefix="ray-", dir="/tmp"))
+    ray = [str(Path(sys.executable).parent / "ray"), "start", "--num-cpus=1", "--disable-usage-stats",
+           f"--temp-dir={temp}"]
     env = {**ONE_THREAD_ENV, "RAY_AUTH_MODE": "token", "PYTHONPATH": str(ROOT)}
-    with ClusterBed(2, RAY_PREFIX, RAY_SUBNET, env) as bed:
+    with contextlib.ExitStack() as cleanup:
+        cleanup.callback(shutil.rmtree, temp, ignore_errors=True)
+        bed = cleanup.enter_context(ClusterBed(2, RAY_PREFIX, RAY_SUBNET, env))
         head = f"{bed.addr(0)}:6379"
         for index, role in ((0, ["--head", "--port=6379", "--include-dashboard=false"]), (1, [f"--address={head}"])):
             done = bed.run(index, *ray, f"--node-ip-address={bed.addr(index)}", *role, timeout=180)

@@ -129,7 +129,8 @@ def _run_on_ray(pipeline: list, o: ExecutorOptions, logging_dir: Path, progress:
 
     started_here = not ray.is_initialized()
     if started_here:
-        ray.init(address=o.ray_address or None, include_dashboard=False, log_to_driver=progress,
+        # "local": a new Ray here, never one an earlier `ray start` left recorded in /tmp/ray
+        ray.init(address=o.ray_address or "local", include_dashboard=False, log_to_driver=progress,
                  logging_level=logging.INFO if progress else logging.ERROR,
                  runtime_env={"env_vars": {"PYTHONPATH": os.environ.get("PYTHONPATH", "")}})
     try:
