@@ -1,7 +1,8 @@
 """Is the data pipeline ever the bottleneck? Three rates, measured side by side in one run:
 
 1. prepare: `prepare()` on a JSON-lines corpus (the standard library's source, one document per
-   file) with a ready tokenizer and `--num-proc` worker processes: input MB/s and tokens/s.
+   file, in as many JSON-lines files as workers) with a ready tokenizer, one pipeline task per
+   file run by `--num-proc` local worker processes: input MB/s and tokens/s.
 2. loader: tokens/s that `TrainLoader.next_batch()` delivers (configs/debug.toml batches).
 3. training: tokens/s the debug model trains at (forward + backward + AdamW step) on those batches.
 
@@ -32,8 +33,8 @@ ROOT = Path(__file__).resolve().parent.parent
 REQUIRED_RATIO = 50.0
 
 
-def write_corpus(path: Path, megabytes: float) -> list[str]:
-    """The first `megabytes` of standard-library source, as JSON lines."""
+def write_corpus(paths: list[Path], megabytes: float) -> list[str]:
+    """The first `megabytes` of standard-library source, as JSON lines, dealt over `paths`."""
     texts, size = [], 0
     for file in corpus_files(stdlib_root()):
         text = file.read_text(encoding="utf-8", errors="replace")
@@ -41,17 +42,18 @@ def write_corpus(path: Path, megabytes: float) -> list[str]:
         size += len(text.encode())
         if size >= megabytes * 1e6:
             break
-    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    for i, path in enumerate(paths):
+        path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts[i::len(paths)]))
     return texts
 
 
 def measure_prepare(work: Path, megabytes: float, num_proc: int, vocab_size: int) -> tuple[Path, dict]:
-    corpus = work / "corpus.jsonl"
+    corpus = [work / f"corpus{i}.jsonl" for i in range(num_proc)]
     texts = write_corpus(corpus, megabytes)
     tokenizer = train_byte_level_bpe([texts], vocab_size, len(texts))
     tokenizer.save(str(work / "tokenizer.json"))
-    opts = PrepareOptions(inputs=[str(corpus)], out=str(work / "prepared"), tokenizer=str(work / "tokenizer.json"),
-                          num_proc=num_proc, progress=False)
+    opts = PrepareOptions(inputs=[str(p) for p in corpus], out=str(work / "prepared"),
+                          tokenizer=str(work / "tokenizer.json"), tasks=num_proc, workers=num_proc, progress=False)
     out = prepare(opts)
     return out, opts.stats
 

@@ -90,7 +90,9 @@ EnforcePartLimits=ALL
 # A requeued job waits cred_expire (10 s, above), then the next scheduling pass: every 5 s, not 60.
 SchedulerParameters=sched_interval=5
 # Every host sees all of the machine's CPUs; the hosts share them (not nproc: it obeys OMP_NUM_THREADS).
-NodeName=DEFAULT CPUs=$(getconf _NPROCESSORS_ONLN) State=UNKNOWN
+# Memory: half the machine's (slurmd drains a node that has less than it claims), so that a job
+# asking for memory per CPU (datatrove's array jobs always do) is accepted; CR_CPU does not count it.
+NodeName=DEFAULT CPUs=$(getconf _NPROCESSORS_ONLN) RealMemory=$(awk '/^MemTotal:/ {print int($2 / 2048)}' /proc/meminfo) State=UNKNOWN
 EOF
     while read -r name addr index; do
         echo "NodeName=$name NodeAddr=$addr"

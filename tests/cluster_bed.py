@@ -18,6 +18,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "launch" / "cluster.sh"
+SLURM_DAEMONS = ("slurmctld", "slurmscriptd", "slurmd", "slurmstepd", "munged")
 
 
 def bed_unavailable() -> str | None:
@@ -166,3 +167,75 @@ def wait_for(predicate, timeout: float, interval: float = 0.5, what: str = "cond
             return value
         time.sleep(interval)
     raise TimeoutError(f"{what} not reached within {timeout:.0f} s")
+
+
+def slurm_unavailable() -> str | None:
+    """Why SLURM cannot run on a bed here, or None."""
+    if os.geteuid() != 0:
+        return "the SLURM bed needs root (network namespaces, daemons)"
+    for tools, package in ((("ip", "tc", "nsenter", "unshare"), "iproute2 util-linux"),
+                           (("slurmctld", "slurmd", "sbatch", "munged", "munge"), "slurm-wlm munge")):
+        missing = [tool for tool in tools if shutil.which(tool) is None]
+        if missing:
+            return f"the SLURM bed needs {', '.join(missing)} (apt-get install -y {package})"
+    return None
+
+
+class SlurmBed:
+    """Two bed hosts with SLURM on them; the clients run on host 0, where slurmctld listens."""
+
+    def __init__(self, prefix: str, subnet: str, env: dict, job_timeout: float):
+        self.prefix, self.head, self.job_timeout = prefix, f"{prefix}node0", job_timeout
+        self.state = Path(f"/run/trinity-cluster-{prefix}")
+        self.env = {**env, "TRINITY_CLUSTER_PREFIX": prefix, "TRINITY_CLUSTER_SUBNET": subnet,
+                    "SLURM_CONF": str(self.state / "slurm" / "slurm.conf")}
+        self.env.pop("TRINITY_CLUSTER_STATE", None)
+
+    def script(self, *args: str, timeout: float = 90) -> subprocess.CompletedProcess:
+        done = subprocess.run([str(a) for a in args], cwd=ROOT, env=self.env, capture_output=True,
+                              text=True, timeout=timeout)
+        assert done.returncode == 0, f"{' '.join(map(str, args))}: {done.stderr[-2000:]}"
+        return done
+
+    def up(self) -> None:
+        self.down()  # a bed a crashed run left behind
+        self.script("launch/cluster.sh", "up", "2")
+        exported = self.script("launch/cluster_slurm.sh", "up").stdout.strip()
+        assert exported == f"export SLURM_CONF={self.env['SLURM_CONF']}", exported
+
+    def down(self) -> None:
+        subprocess.run(["launch/cluster.sh", "down"], cwd=ROOT, env=self.env, capture_output=True, timeout=120)
+
+    def client(self, *cmd: str) -> str:
+        return self.script("launch/cluster.sh", "exec", self.head, *cmd, timeout=30).stdout
+
+    def submit(self, out: Path, *train_args: str) -> str:
+        return self.client("sbatch", "--parsable", "--nodes=2", "--ntasks-per-node=1", "--gpus-per-node=0",
+                           "--cpus-per-task=1", f"--output={out}", "launch/slurm.sbatch", *train_args).strip()
+
+    def job(self, job_id: str) -> dict[str, str]:
+        fields = self.client("scontrol", "show", "job", "-o", job_id).split()
+        return dict(f.split("=", 1) for f in fields if "=" in f)
+
+    def wait_ended(self, job_id: str, out: Path) -> dict[str, str]:
+        deadline = time.monotonic() + self.job_timeout
+        while time.monotonic() < deadline:
+            job = self.job(job_id)
+            if job["JobState"] in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"):
+                return job
+            time.sleep(0.5)
+        raise TimeoutError(f"job {job_id} did not end within {self.job_timeout} s: {self.job(job_id)['JobState']}; "
+                           f"its output: {out.read_text()[-2000:] if out.exists() else '(none)'}")
+
+    def daemon_pids(self) -> set[int]:
+        """The SLURM and munge daemons of this bed: those whose command line or environment names
+        its state directory (SLURM_CONF, munged's socket)."""
+        found = set()
+        for proc in Path("/proc").iterdir():
+            try:
+                if proc.name.isdigit() and (proc / "comm").read_text().strip() in SLURM_DAEMONS:
+                    if str(self.state).encode() in (proc / "cmdline").read_bytes() + (proc / "environ").read_bytes():
+                        found.add(int(proc.name))
+            except OSError:  # ended meanwhile
+                continue
+        return found

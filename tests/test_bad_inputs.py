@@ -75,7 +75,7 @@ def put_token_id(dataset, token_id):
     """Write an out-of-range id into the training shard, with a manifest checksum to match."""
     tokens = dataset / "train" / "00000.bin"
     ids = np.fromfile(tokens, dtype="<u2")
-    ids[::97] = token_id
+    ids[::7] = token_id  # dense enough to be in the first batch, whatever the corpus's order
     ids.tofile(tokens)
     digest = hashlib.sha256(tokens.read_bytes()).hexdigest()
 

@@ -41,7 +41,8 @@ def test_built_once_then_reused_and_keyed_by_its_inputs(tmp_path, monkeypatch):
     cfg = data_config(tmp_path)
     path = default_corpus.default_dataset(cfg, root=root, progress=False)
     dataset = PreparedDataset.open(path)
-    assert dataset.splits["train"].num_documents == 36 and dataset.splits["val"].num_documents == 4
+    train, val = dataset.splits["train"].num_documents, dataset.splits["val"].num_documents
+    assert train + val == 40 and 1 <= val <= 10  # each file held out with probability 0.1
     assert dataset.vocab_size <= 400
 
     def no_rebuild(*args, **kwargs):

@@ -11,7 +11,8 @@ import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 from trinity_train.data.prepare import PrepareOptions, add_prepare_arguments, prepare, run_prepare
-from trinity_train.data.shards import PreparedDataset, ShardWriter
+from trinity_train.data.prepare_steps import is_validation
+from trinity_train.data.shards import PreparedDataset, ShardWriter, TokenSizedShards
 from trinity_train.errors import ArgumentError, DataError
 
 WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()
@@ -29,6 +30,7 @@ def write_jsonl(path: Path, texts: list[str], field: str = "text") -> Path:
 
 def options(inputs, out, **kw) -> PrepareOptions:
     kw.setdefault("train_tokenizer", 300)
+    kw.setdefault("val_fraction", 0.2)  # held out by a hash per document: some of a dozen or two
     return PrepareOptions(inputs=[str(i) for i in inputs], out=str(out), progress=False, **kw)
 
 
@@ -49,17 +51,39 @@ def decoded_documents(out: Path, split: str) -> list[str]:
 def test_jsonl_to_shards_round_trips_every_document(tmp_path):
     texts = documents(60)
     out = prepare(options([write_jsonl(tmp_path / "a.jsonl", texts)], tmp_path / "out",
-                          val_fraction=0.1, shard_documents=20))
+                          val_fraction=0.1, shard_tokens=300))
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["dtype"] == "<u2" and manifest["tokenizer"]["vocab_size"] <= 300
     train, val = manifest["splits"]["train"], manifest["splits"]["val"]
-    assert (train["num_documents"], val["num_documents"]) == (54, 6) and len(train["shards"]) == 3
+    assert train["num_documents"] + val["num_documents"] == 60 and 2 <= val["num_documents"] <= 12
+    assert len(train["shards"]) > 1 and all(s["num_tokens"] <= 300 for s in train["shards"])
+    held_out = is_validation(texts, 0, 0.1)  # one seeded hash per document, nothing global
+    assert val["num_documents"] == held_out.sum()
     for shard in train["shards"]:
         for name, info in shard["files"].items():
             assert (out / "train" / name).stat().st_size == info["bytes"] and len(info["sha256"]) == 64
     train_docs, val_docs = decoded_documents(out, "train"), decoded_documents(out, "val")
     assert sorted(train_docs + val_docs) == sorted(texts)
-    assert train_docs == [t for t in texts if t not in val_docs]  # input order kept
+    assert train_docs == [t for t, out in zip(texts, held_out) if not out]  # input order kept
+    assert val_docs == [t for t, out in zip(texts, held_out) if out]
+
+
+def test_shards_are_cut_by_tokens_whatever_the_batching(tmp_path):
+    lengths = np.array([3, 5, 2, 9, 4, 4, 1])
+    tokens = np.arange(lengths.sum())
+    cuts = []
+    for batches in ([7], [1] * 7, [2, 5]):
+        split_dir = tmp_path / f"b{len(batches)}"
+        shards = TokenSizedShards(split_dir, 2, np.dtype("<u2"), "key", shard_tokens=8)
+        start = 0
+        for n in batches:
+            shards.add(tokens[lengths[:start].sum():lengths[:start + n].sum()], lengths[start:start + n])
+            start += n
+        records = shards.finish()
+        cuts.append([(r["index"], r["num_tokens"], r["num_documents"]) for r in records])
+    # 3+5 | 2 | 9 (longer than a shard: alone) | 4+4 | 1; numbered from task 2's first shard
+    assert cuts[0] == [(200000, 8, 2), (200001, 2, 1), (200002, 9, 1), (200003, 8, 2), (200004, 1, 1)]
+    assert cuts[0] == cuts[1] == cuts[2]
 
 
 @pytest.mark.parametrize("fmt", ["parquet", "csv", "txt", "json-array"])
@@ -93,22 +117,26 @@ def test_directory_input_and_given_tokenizer(tmp_path):
     assert len(decoded_documents(first, "train")) + len(decoded_documents(first, "val")) == 20
 
 
-def test_rerun_reuses_finished_shards_and_redoes_unfinished_ones(tmp_path):
-    src = write_jsonl(tmp_path / "a.jsonl", documents(60))
+def test_rerun_reuses_finished_tasks_and_redoes_unfinished_ones(tmp_path):
+    srcs = [write_jsonl(tmp_path / f"{i}.jsonl", documents(20, seed=i)) for i in range(3)]
     out = tmp_path / "out"
-    opts = options([src], out, shard_documents=20)
-    prepare(opts)
+    prepare(options(srcs, out, tasks=3, workers=1))
     shards = sorted((out / "train").glob("*.bin"))
     before = {p: p.stat().st_mtime_ns for p in shards}
     manifest = (out / "manifest.json").read_text()
-    again = options([src], out, shard_documents=20)
+    again = options(srcs, out, tasks=3, workers=1)
     prepare(again)
     assert again.stats["reused"] and {p: p.stat().st_mtime_ns for p in shards} == before
-    # An interruption: no manifest, the last shard never finished (no record, a stray temp file).
+    # An interruption: no manifest, task 2 never finished (no completion marker, a stray temp file),
+    # and task 1's shard damaged after it finished.
     (out / "manifest.json").unlink()
-    (out / "train" / "00002.json").unlink()
-    (out / "train" / ".00002.bin.tmp-1").write_bytes(b"partial")
-    prepare(options([src], out, shard_documents=20))
+    (completions,) = (out / ".prepare").glob("*/completions")
+    (completions / "00002").unlink()
+    (out / "train" / ".200000.bin.tmp-1").write_bytes(b"partial")
+    (out / "train" / "100000.bin").write_bytes(b"torn")
+    rerun = options(srcs, out, tasks=3, workers=1)
+    prepare(rerun)
+    assert rerun.stats["tasks_run"] == [1, 2]
     assert (out / "manifest.json").read_text() == manifest
     assert shards[0].stat().st_mtime_ns == before[shards[0]]
     assert shards[2].stat().st_mtime_ns != before[shards[2]]
@@ -170,7 +198,7 @@ def test_missing_and_empty_inputs(tmp_path):
 
 
 def test_malformed_json_line_names_file_and_line(tmp_path):
-    src = write_jsonl(tmp_path / "a.jsonl", documents(10))
+    src = write_jsonl(tmp_path / "a.jsonl", documents(20))
     lines = src.read_text().splitlines(keepends=True)
     lines[6] = '{"text": "broken", \n'
     src.write_text("".join(lines))
@@ -180,14 +208,14 @@ def test_malformed_json_line_names_file_and_line(tmp_path):
     opts = options([src], tmp_path / "out", skip_bad_records=True)
     out = prepare(opts)
     assert opts.stats["bad_records"] == 1 and "a.jsonl:7" in opts.stats["bad_examples"][0]
-    assert len(decoded_documents(out, "train")) + len(decoded_documents(out, "val")) == 9
+    assert len(decoded_documents(out, "train")) + len(decoded_documents(out, "val")) == 19
 
 
 def test_missing_text_field(tmp_path):
-    src = write_jsonl(tmp_path / "a.jsonl", documents(10), field="content")
+    src = write_jsonl(tmp_path / "a.jsonl", documents(20), field="content")
     with pytest.raises(DataError, match="no string field 'text'.*content.*--text-field"):
         prepare(options([src], tmp_path / "out"))
-    records = [{"text": t} for t in documents(10)]
+    records = [{"text": t} for t in documents(20)]
     del records[3]["text"]
     (tmp_path / "b.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     with pytest.raises(DataError, match=r"b\.jsonl:4: no string field 'text'"):
@@ -211,7 +239,7 @@ def test_command_line(tmp_path, capsys):
     add_prepare_arguments(parser)
     src = write_jsonl(tmp_path / "a.jsonl", documents(30))
     args = parser.parse_args(["--input", str(src), "--out", str(tmp_path / "out"), "--train-tokenizer", "300",
-                              "--num-proc", "1", "--no-progress"])
+                              "--num-proc", "1", "--val-fraction", "0.2", "--no-progress"])
     assert run_prepare(args) == 0
     assert "tokens/s" in capsys.readouterr().out
     assert run_prepare(args) == 0 and "nothing to do" in capsys.readouterr().out
@@ -220,12 +248,19 @@ def test_command_line(tmp_path, capsys):
 
 
 def test_worker_processes_write_the_same_shards(tmp_path):
-    src = write_jsonl(tmp_path / "a.jsonl", documents(1100))  # > 2 encode batches: two workers run
-    one = prepare(options([src], tmp_path / "one", num_proc=1))
-    two = prepare(options([src], tmp_path / "two", num_proc=2))
+    srcs = [write_jsonl(tmp_path / f"{i}.jsonl", documents(700, seed=i)) for i in range(3)]  # > an encode batch
+    one = prepare(options(srcs, tmp_path / "one", tasks=2, workers=1))
+    two = prepare(options(srcs, tmp_path / "two", tasks=2, workers=2))
+    assert (one / "manifest.json").read_bytes() == (two / "manifest.json").read_bytes()
     for split in ("train", "val"):
         a, b = PreparedDataset.open(one).splits[split], PreparedDataset.open(two).splits[split]
         assert np.array_equal(a.read(0, a.num_tokens), b.read(0, b.num_tokens))
+    # Another task count is another token order (files go to tasks round-robin), so another build;
+    # the same documents are held out.
+    three = prepare(options(srcs, tmp_path / "three", tasks=3, workers=1))
+    manifests = [json.loads((d / "manifest.json").read_text()) for d in (one, three)]
+    assert manifests[0]["build_key"] != manifests[1]["build_key"]
+    assert sorted(decoded_documents(one, "val")) == sorted(decoded_documents(three, "val"))
 
 
 def test_bad_input_through_the_cli_is_one_line_and_exit_1(tmp_path, capsys):

@@ -14,7 +14,6 @@ reason, except in CI, where it must run (.ci/run installs them).
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import subprocess
 import time
@@ -22,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from cluster_bed import leftovers
+from cluster_bed import SlurmBed, leftovers, slurm_unavailable
 from conftest import ONE_THREAD_ENV, ROOT, layout_config
 from trinity_train.config import save_config
 from trinity_train.files import read_jsonl
@@ -31,82 +30,10 @@ from trinity_train.records import EventName, RecordKind
 pytestmark = pytest.mark.slow
 
 PREFIX, SUBNET = "tq", "10.215.0"
-STATE = Path(f"/run/trinity-cluster-{PREFIX}")
-HEAD = f"{PREFIX}node0"
 # 24 steps, a checkpoint every 8: the first job is cancelled once step 8's is on disk, 16 steps
 # (seconds) before it would end.
 STEPS, EVERY = 24, 8
 JOB_TIMEOUT = 120  # seconds any one job may take (queued and running) before the test fails
-DAEMONS = ("slurmctld", "slurmscriptd", "slurmd", "slurmstepd", "munged")
-
-
-def unavailable() -> str | None:
-    if os.geteuid() != 0:
-        return "the SLURM bed needs root (network namespaces, daemons)"
-    for tools, package in ((("ip", "tc", "nsenter", "unshare"), "iproute2 util-linux"),
-                           (("slurmctld", "slurmd", "sbatch", "munged", "munge"), "slurm-wlm munge")):
-        missing = [tool for tool in tools if shutil.which(tool) is None]
-        if missing:
-            return f"the SLURM bed needs {', '.join(missing)} (apt-get install -y {package})"
-    return None
-
-
-class SlurmBed:
-    """Two bed hosts with SLURM on them; the clients run on host 0, where slurmctld listens."""
-
-    def __init__(self):
-        self.env = {**ONE_THREAD_ENV, "TRINITY_CLUSTER_PREFIX": PREFIX, "TRINITY_CLUSTER_SUBNET": SUBNET,
-                    "SLURM_CONF": str(STATE / "slurm" / "slurm.conf")}
-        self.env.pop("TRINITY_CLUSTER_STATE", None)
-
-    def script(self, *args: str, timeout: float = 90) -> subprocess.CompletedProcess:
-        done = subprocess.run([str(a) for a in args], cwd=ROOT, env=self.env, capture_output=True,
-                              text=True, timeout=timeout)
-        assert done.returncode == 0, f"{' '.join(map(str, args))}: {done.stderr[-2000:]}"
-        return done
-
-    def up(self) -> None:
-        self.down()  # a bed a crashed run left behind
-        self.script("launch/cluster.sh", "up", "2")
-        exported = self.script("launch/cluster_slurm.sh", "up").stdout.strip()
-        assert exported == f"export SLURM_CONF={self.env['SLURM_CONF']}", exported
-
-    def down(self) -> None:
-        subprocess.run(["launch/cluster.sh", "down"], cwd=ROOT, env=self.env, capture_output=True, timeout=120)
-
-    def client(self, *cmd: str) -> str:
-        return self.script("launch/cluster.sh", "exec", HEAD, *cmd, timeout=30).stdout
-
-    def submit(self, out: Path, *train_args: str) -> str:
-        return self.client("sbatch", "--parsable", "--nodes=2", "--ntasks-per-node=1", "--gpus-per-node=0",
-                           "--cpus-per-task=1", f"--output={out}", "launch/slurm.sbatch", *train_args).strip()
-
-    def job(self, job_id: str) -> dict[str, str]:
-        fields = self.client("scontrol", "show", "job", "-o", job_id).split()
-        return dict(f.split("=", 1) for f in fields if "=" in f)
-
-    def wait_ended(self, job_id: str, out: Path) -> dict[str, str]:
-        deadline = time.monotonic() + JOB_TIMEOUT
-        while time.monotonic() < deadline:
-            job = self.job(job_id)
-            if job["JobState"] in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"):
-                return job
-            time.sleep(0.5)
-        raise TimeoutError(f"job {job_id} did not end within {JOB_TIMEOUT} s: {self.job(job_id)['JobState']}; "
-                           f"its output: {out.read_text()[-2000:] if out.exists() else '(none)'}")
-
-    def daemon_pids(self) -> set[int]:
-        """The SLURM and munge daemons of this bed: those whose command line or environment names
-        its state directory (SLURM_CONF, munged's socket)."""
-        found = set()
-        for proc in Path("/proc").iterdir():
-            try:
-                if proc.name.isdigit() and (proc / "comm").read_text().strip() in DAEMONS:
-                    if str(STATE).encode() in (proc / "cmdline").read_bytes() + (proc / "environ").read_bytes():
-                        found.add(int(proc.name))
-            except OSError:  # ended meanwhile
-                continue
-        return found
 
 
 def train_losses(run_dir: Path) -> dict[int, float]:
@@ -115,7 +42,7 @@ def train_losses(run_dir: Path) -> dict[int, float]:
 
 
 def test_sbatch_trains_across_two_hosts_and_a_cancelled_job_resumes(corpus, tmp_path):
-    reason = unavailable()
+    reason = slurm_unavailable()
     if reason is not None:
         if os.environ.get("CI") == "true":
             pytest.fail(f"CI must run the SLURM test: {reason}")
@@ -126,7 +53,7 @@ def test_sbatch_trains_across_two_hosts_and_a_cancelled_job_resumes(corpus, tmp_
     save_config(layout_config(corpus, tmp_path / "unused", {"parallel": parallel}, world=2), config)
     common = ("--config", str(config), f"--train.steps={STEPS}", f"--checkpoint.every={EVERY}",
               "--checkpoint.resume=auto")
-    bed = SlurmBed()
+    bed = SlurmBed(PREFIX, SUBNET, ONE_THREAD_ENV, JOB_TIMEOUT)
     reference = None
     try:
         bed.up()
@@ -173,7 +100,7 @@ def test_sbatch_trains_across_two_hosts_and_a_cancelled_job_resumes(corpus, tmp_
         assert len(resumes) == 1 and resumes[0]["step"] >= EVERY, resumes
         assert train_losses(run) == pytest.approx(one, rel=1e-6)
         # Host 1's slurmd started a task of each job: a rank of each trained there.
-        slurmd_log = (STATE / "slurm" / "log" / f"slurmd-{PREFIX}node1.log").read_text()
+        slurmd_log = (bed.state / "slurm" / "log" / f"slurmd-{PREFIX}node1.log").read_text()
         assert f"launch task StepId={first}.0 " in slurmd_log and f"launch task StepId={again}.0 " in slurmd_log
     finally:
         if reference is not None and reference.poll() is None:

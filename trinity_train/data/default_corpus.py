@@ -8,7 +8,7 @@ library's own tests stay in: they double the corpus (CPython 3.11: ~1,800 files,
 still building in seconds. Each file is one document.
 
 It is built by the same `prepare()` as `prepare-data` (an 8k byte-level BPE trained on it, a held-out
-validation split), under `data.cache_dir`, in a directory keyed by the Python version, the file list
+validation split, two pipeline tasks), under `data.cache_dir`, in a directory keyed by the Python version, the file list
 and the data options, so another interpreter gets its own. prepare()'s file lock makes concurrent
 first runs (several torchrun ranks) safe: one builds, the others wait and then reuse it.
 """
@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import sys
 import sysconfig
 from pathlib import Path
@@ -28,6 +27,7 @@ from trinity_train.data.shards import FORMAT_VERSION, MANIFEST
 
 _EXCLUDED_DIRS = {"site-packages", "dist-packages", "__pycache__"}
 _SPLIT_SEED = 0  # which files are held out; fixed so that data.seed only changes the order
+_TASKS = 2  # pipeline tasks (part of the token order): two local worker processes on a 2-CPU machine
 
 
 def stdlib_root() -> Path:
@@ -46,7 +46,7 @@ def corpus_dir(cfg: DataConfig, root: Path, files: list[Path]) -> Path:
     listing = [[str(p.relative_to(root)), p.stat().st_size] for p in files]
     key = hashlib.sha256(json.dumps({
         "python": sys.version, "files": listing, "vocab_size": cfg.vocab_size,
-        "val_fraction": cfg.val_fraction, "format_version": FORMAT_VERSION,
+        "val_fraction": cfg.val_fraction, "format_version": FORMAT_VERSION, "tasks": _TASKS,
     }, sort_keys=True).encode()).hexdigest()[:16]
     version = f"{sys.version_info.major}{sys.version_info.minor}"
     return Path(cfg.cache_dir).expanduser() / f"stdlib-py{version}-{key}"
@@ -73,4 +73,4 @@ def default_dataset(cfg: DataConfig, root: Path | None = None, progress: bool = 
         inputs=[str(p) for p in files], out=str(out), format="text", sample_by="document",
         encoding_errors="replace",  # a few test files are deliberately not UTF-8
         train_tokenizer=cfg.vocab_size, val_fraction=cfg.val_fraction, seed=_SPLIT_SEED,
-        num_proc=min(2, os.cpu_count() or 1), progress=progress))
+        tasks=_TASKS, progress=progress))

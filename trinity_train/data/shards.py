@@ -9,11 +9,14 @@ A prepared dataset is a directory:
     train/00000.json    the shard's record (counts, sizes, sha256, build key): the shard is finished
     val/...             the held-out validation split, same layout
 
-Every document ends with the EOS token and lies wholly inside one shard, so shard edges are
-document edges. A shard imported from another tool's corpus (`import_data.py`) is a hard link
-to (or, across filesystems, a symlink to) that tool's token file, never a copy; its record's
-`token_range` [start, end) says which tokens of the file are the shard's (the rest belong to the
-other split), and its .idx offsets count from `start`.
+A shard's number (its `index`, and its file name) is `task * TASK_SHARDS + n` for the n-th shard
+that preparation task `task` wrote (task 0: 00000, 00001, ...; task 3: 300000, ...), so names and
+the manifest's order follow from the data alone, whatever ran the tasks. A shard holds at most
+`shard_tokens` tokens (a longer document alone). Every document ends with the EOS token and lies
+wholly inside one shard, so shard edges are document edges. A shard imported from another tool's
+corpus (`import_data.py`) is a hard link to (or, across filesystems, a symlink to) that tool's
+token file, never a copy; its record's `token_range` [start, end) says which tokens of the file
+are the shard's (the rest belong to the other split), and its .idx offsets count from `start`.
 
 Data files are written under temporary names and renamed; the record is written after them, and
 the manifest after all records, so an interrupted build leaves nothing that looks complete but
@@ -43,6 +46,7 @@ SPLITS = ("train", "val")
 OFFSET_DTYPE = np.dtype("<i8")
 _HASH_CHUNK = 1 << 24
 OPEN_SHARDS = 64  # memory maps a split keeps open (each holds one file descriptor)
+TASK_SHARDS = 100_000  # shard numbers per preparation task: task t writes t * TASK_SHARDS + 0, 1, ...
 
 
 def token_dtype_for(vocab_size: int) -> np.dtype:
@@ -68,6 +72,14 @@ def sha256_and_largest_id(path: str | Path, dtype: np.dtype) -> tuple[str, int]:
     """A token file's sha256 and its largest id (-1 when empty), in one read (measured on the
     default corpus: +1 ms over the 30 ms of hashing alone, benchmarks/README.md)."""
     return _hash_pass(path, dtype)
+
+
+def shard_index(task: int, number: int) -> int:
+    """The index (and file name) of the `number`-th shard preparation task `task` writes."""
+    if number >= TASK_SHARDS:
+        raise DataError(f"task {task} would write more than {TASK_SHARDS:,} shards; use more --tasks "
+                        "or a larger --shard-tokens")
+    return task * TASK_SHARDS + number
 
 
 def shard_names(index: int) -> tuple[str, str, str]:
@@ -130,11 +142,15 @@ class ShardWriter:
     def __enter__(self) -> "ShardWriter":
         return self
 
+    def abort(self) -> None:
+        """Leave nothing behind: the temporary files go, no record is written."""
+        self._bin_file.close()
+        self._tmp_bin.unlink(missing_ok=True)
+        self._tmp_idx.unlink(missing_ok=True)
+
     def __exit__(self, exc_type, exc, tb) -> None:
         if exc_type is not None:
-            self._bin_file.close()
-            self._tmp_bin.unlink(missing_ok=True)
-            self._tmp_idx.unlink(missing_ok=True)
+            self.abort()
 
 
 def shard_record(index: int, build_key: str, num_tokens: int, num_documents: int, max_token_id: int,
@@ -155,20 +171,54 @@ def write_shard_record(path: Path, record: dict) -> dict:
     return record
 
 
-def finished_shard(split_dir: Path, index: int, build_key: str) -> dict | None:
-    """The record of a shard a previous run finished for the same build, or None."""
-    _, _, record_path = shard_paths(split_dir, index)
-    try:
-        record = read_json_object(record_path, DataError)
-    except DataError:
-        return None
-    if record.get("build_key") != build_key:
-        return None
-    for name, info in record["files"].items():
-        path = split_dir / name
-        if not path.is_file() or path.stat().st_size != info["bytes"]:
-            return None
-    return record
+class TokenSizedShards:
+    """One task's shards of one split: documents in order, a new shard whenever the next document
+    would take the open one past `shard_tokens` (a document longer than that gets a shard alone).
+    The cut depends only on the documents' lengths, never on how they were batched."""
+
+    def __init__(self, split_dir: Path, task: int, dtype: np.dtype, build_key: str, shard_tokens: int,
+                 on_finished=None):
+        self.split_dir, self.task, self.dtype = split_dir, task, dtype
+        self.build_key, self.shard_tokens = build_key, shard_tokens
+        self.on_finished = on_finished  # called with each finished shard's record
+        self.records: list[dict] = []
+        self._writer: ShardWriter | None = None
+
+    def add(self, tokens: np.ndarray, doc_lengths: np.ndarray) -> None:
+        """Documents as their concatenated ids and their lengths (each > 0)."""
+        first_doc = first_token = 0
+        while first_doc < len(doc_lengths):
+            if self._writer is None:
+                self._writer = ShardWriter(self.split_dir, shard_index(self.task, len(self.records)),
+                                           self.dtype, self.build_key)
+            ends = np.cumsum(doc_lengths[first_doc:], dtype=np.int64)
+            fitting = int(np.searchsorted(ends, self.shard_tokens - self._writer.num_tokens, side="right"))
+            if fitting == 0 and self._writer.num_tokens == 0:
+                fitting = 1  # a document longer than a shard: a shard of its own
+            if fitting:
+                taken = int(ends[fitting - 1])
+                self._writer.add(tokens[first_token:first_token + taken], doc_lengths[first_doc:first_doc + fitting])
+                first_doc, first_token = first_doc + fitting, first_token + taken
+            if first_doc < len(doc_lengths):  # the next document does not fit: this shard is full
+                self._close()
+
+    def _close(self) -> None:
+        record = self._writer.finish()
+        self._writer = None
+        self.records.append(record)
+        if self.on_finished is not None:
+            self.on_finished(record)
+
+    def finish(self) -> list[dict]:
+        """Every shard's record, the open one finished first."""
+        if self._writer is not None:
+            self._close()
+        return self.records
+
+    def abort(self) -> None:
+        if self._writer is not None:
+            self._writer.abort()
+            self._writer = None
 
 
 def split_summary(shard_records: list[dict]) -> dict:
