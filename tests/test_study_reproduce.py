@@ -57,8 +57,24 @@ def signals(run: RunDir) -> list[tuple[int, float, float]]:
     return [(r["iter"], r["loss"], r["grad_norm"]) for r in run.read_metrics(RecordKind.TRAIN)][:ITERATIONS]
 
 
+def default_corpus_predates_the_pipeline(study: StudyDir, name: str) -> bool:
+    """Whether the cell's default corpus is the one it trained on: the committed cells trained on
+    the default corpus as `prepare-data` built it before it became a datatrove pipeline (another
+    validation split and task order, so other training tokens); a corpus the pipeline built
+    records its `tasks` in the manifest."""
+    from trinity_train.data.default_corpus import default_dataset
+    from trinity_train.data.shards import read_manifest
+
+    cfg = load_config(study.cell_config(name), {})
+    return "tasks" not in read_manifest(default_dataset(cfg.data, progress=False))
+
+
 def test_a_committed_cell_runs_again_from_its_stored_config(tmp_path):
     study, name, exact = committed_cell()
+    if not default_corpus_predates_the_pipeline(study, name):
+        pytest.skip("the committed study cells trained on the default corpus as prepare-data built it before "
+                    "the datatrove pipeline; this code builds another: run the study again "
+                    "(trinity-train ablate --study configs/studies/norm_placement.toml) to commit cells it reproduces")
     recorded = signals(study.cell(name))
     again = train_from_stored_config(study, name, tmp_path / "again")
     if exact:
