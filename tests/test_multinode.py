@@ -252,7 +252,7 @@ def test_exposed_communication_grows_when_the_link_is_shaped(bed, one_process, t
     computes), so the exposed seconds per iteration grow by at least that time less the compute
     (halved for the shaper's burst and the end's bytes in the count)."""
     run_dir = tmp_path / "run"
-    job = Job(bed, run_dir, *FSDP_EP, f"--train.steps={EXPOSED_STEPS}", "--checkpoint.every=0",
+    job = Job(bed, run_dir, *FSDP_EP, EP_ACROSS_HOSTS, f"--train.steps={EXPOSED_STEPS}", "--checkpoint.every=0",
               "--metrics.rank_stats_every=2", nproc=1).start_all()
     try:
         def reported_or_ended() -> bool:  # a job that failed ends early: finish() then says why

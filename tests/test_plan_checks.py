@@ -15,6 +15,7 @@ memory, and the time check.
 from __future__ import annotations
 
 import importlib.util
+import sys
 
 import pytest
 
@@ -31,7 +32,11 @@ def multinode_job() -> tuple[str, ...]:
     """The overrides of benchmarks/multinode.py's job (`COMMON`), the job whose bytes are checked."""
     spec = importlib.util.spec_from_file_location("multinode_benchmark", ROOT / "benchmarks" / "multinode.py")
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    sys.modules[spec.name] = module  # its dataclasses look their module up there
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        del sys.modules[spec.name]
     return module.COMMON
 
 
