@@ -486,8 +486,13 @@ class Trainer:
         def committed(path: Path) -> None:
             self._failed_saves = 0
             self.callbacks.after_checkpoint(self, step, iteration, path)
-        with self.phase(Phase.CHECKPOINT_SAVE), self._saving():
-            self.checkpoints.save(step, self.checkpoint_state(), self.cfg, iteration=iteration, on_commit=committed)
+        with self.phase(Phase.CHECKPOINT_SAVE):
+            if self.checkpoints.pending:  # the asynchronous save before this one: its failure is its own
+                with self._saving():
+                    self.checkpoints.wait()
+            with self._saving():
+                self.checkpoints.save(step, self.checkpoint_state(), self.cfg, iteration=iteration,
+                                      on_commit=committed)
 
     @contextlib.contextmanager
     def _saving(self):
@@ -498,7 +503,8 @@ class Trainer:
             yield
         except CheckpointError as e:
             self._failed_saves += 1
-            if self.state.step >= self.cfg.train.steps:
+            # The save that failed (an earlier asynchronous one may fail while a later step runs).
+            if (self.checkpoints.saving_step or 0) >= self.cfg.train.steps:
                 raise CheckpointError(f"{e}; the final checkpoint (step {self.state.step}) was not written: "
                                       f"{self._last_checkpoint_advice()}") from None
             if self._failed_saves >= self.cfg.checkpoint.max_failed_saves:
