@@ -50,8 +50,10 @@ def drill_config(corpus: Path, run_dir: Path, *faults: dict, train: dict | None 
                       train={"steps": STEPS, "micro_batch_size": 4, "grad_accum": 1, "eval_every": STEPS,
                              "eval_batches": 2, **(train or {})},
                       optim={"lr": 3e-3, "warmup_steps": 2},
-                      # The drills' thresholds were set on this order; in order 2 the clean run's
-                      # tiny model drifts at iteration 52 and the guard opens a drift incident.
+                      # The drills' thresholds were set on this order; in order 2 (other batches)
+                      # the clean run's tiny model drifts at iteration 52 and the guard opens a
+                      # drift incident. Order 2's shuffle itself mixes like a random permutation
+                      # (gaps between consecutive picks, N = 100-1e5).
                       data={"sample_order": 1},
                       checkpoint={"every": 5, "keep": 3},
                       metrics=metrics or {},

@@ -14,8 +14,8 @@ TINY = ["--model.vocab_size=320", "--model.hidden_size=32", "--model.num_heads=2
         "--model.moe_intermediate_size=16", "--model.sliding_window=8", "--data.seq_len=16",
         "--train.micro_batch_size=4", "--optim.warmup_steps=2", "--stability.min_history=8",
         "--stability.window=32", "--stability.rollback_lookback=2", "--stability.skip_extra_batches=2",
-        # data order 1, as the drill tests (tests/drill_run.py): in order 2 the clean tiny run
-        # skips loss spikes at iterations 38-50
+        # data order 1, as the drill tests (tests/drill_run.py): in order 2's other batches the
+        # clean tiny run skips loss spikes at iterations 38-50
         "--data.sample_order=1"]
 
 
