@@ -65,6 +65,29 @@ def chunk_span(size: int, parts: int, index: int) -> tuple[int, int]:
     return start, max(0, min(step, size - start))
 
 
+def cut_chunks(sizes: list[float]) -> list[list[int]]:
+    """Indices of `sizes` (bytes of a rank's piece of each matrix, in exchange order) cut into
+    consecutive chunks of at most `EXCHANGE_BYTES` (a larger piece is a chunk of its own). The one
+    rule for the exchange and for `trinity-train plan`'s count of its calls."""
+    chunks: list[list[int]] = [[]]
+    used = 0.0
+    for i, size in enumerate(sizes):
+        if chunks[-1] and used + size > EXCHANGE_BYTES:
+            chunks.append([])
+            used = 0.0
+        chunks[-1].append(i)
+        used += size
+    return chunks
+
+
+def piece_shape(local_shape: torch.Size, dim: int, size: int, n: int, t: int) -> list[int]:
+    """The shape of rank t's piece of a matrix whose split dim `dim` has `size` elements: this rank's
+    shape with t's span of that dim (the group's ranks share every other extent)."""
+    shape = list(local_shape)
+    shape[dim] = chunk_span(size, n, t)[1]
+    return shape
+
+
 @dataclass
 class Assignment:
     """One matrix (or expert stack) of the step: who owns it and how this rank holds it."""
@@ -74,9 +97,6 @@ class Assignment:
     owner: int  # the slot (rank of the gather group) that orthogonalises it
     dim: int  # the tensor dimension the group splits
     steps: int  # Newton-Schulz iterations
-
-    def global_bytes(self, n: int, element_size: int) -> float:
-        return self.param.numel() * element_size / n
 
 
 @dataclass
@@ -97,17 +117,10 @@ class Exchange:
             self._run_chunk(chunk, n, update_of, apply)
 
     def _chunks(self, n: int) -> list[list[Assignment]]:
+        # By the matrices' global sizes, so every rank cuts the same chunks.
         size = torch.empty((), dtype=self.dtype).element_size()
-        chunks: list[list[Assignment]] = [[]]
-        used = 0.0
-        for a in self.members:
-            piece = a.global_bytes(n, size)
-            if chunks[-1] and used + piece > EXCHANGE_BYTES:
-                chunks.append([])
-                used = 0.0
-            chunks[-1].append(a)
-            used += piece
-        return chunks
+        pieces = [a.param.numel() * size / n for a in self.members]
+        return [[self.members[i] for i in chunk] for chunk in cut_chunks(pieces)]
 
     def _run_chunk(self, chunk: list[Assignment], n: int, update_of, apply) -> None:
         group = self.mesh.get_group(self.mesh_dim)
@@ -121,7 +134,9 @@ class Exchange:
         send_splits = [sum(updates[id(a)].numel() for a in by_owner[t]) for t in range(n)]
         local_shape = {id(a): updates[id(a)].shape for a in chunk}
         del updates
-        piece_numel = {(id(a), t): _piece_numel(local_shape[id(a)], a, n, t) for a in mine for t in range(n)}
+        piece_shapes = {(id(a), t): piece_shape(local_shape[id(a)], a.dim, a.param.shape[a.dim], n, t)
+                        for a in mine for t in range(n)}
+        piece_numel = {key: math.prod(shape) for key, shape in piece_shapes.items()}
         recv_splits = [sum(piece_numel[(id(a), t)] for a in mine) for t in range(n)]
         received = send.new_empty(sum(recv_splits))
         dist.all_to_all_single(received, send, recv_splits, send_splits, group=group)
@@ -131,11 +146,7 @@ class Exchange:
         pieces = _split(received, recv_splits, [[piece_numel[(id(a), t)] for a in mine] for t in range(n)])
         results = []
         for i, a in enumerate(mine):
-            shape = list(local_shape[id(a)])
-            parts = []
-            for t in range(n):
-                shape[a.dim] = chunk_span(a.param.shape[a.dim], n, t)[1]
-                parts.append(pieces[t][i].view(shape))
+            parts = [pieces[t][i].view(piece_shapes[(id(a), t)]) for t in range(n)]
             results.append(newton_schulz(torch.cat(parts, dim=a.dim), a.steps, self.dtype))
         like = received[:0]
         del pieces, received
@@ -153,14 +164,6 @@ class Exchange:
         for t in range(n):
             for a, flat in zip(by_owner[t], mine_back[t]):
                 apply(a, flat.view(local_shape[id(a)]))
-
-
-def _piece_numel(local_shape: torch.Size, a: Assignment, n: int, t: int) -> int:
-    """Elements of rank t's piece of matrix `a`: this rank's shape with t's span of the split dim
-    (the group's ranks share every other coordinate, so every other extent)."""
-    shape = list(local_shape)
-    shape[a.dim] = chunk_span(a.param.shape[a.dim], n, t)[1]
-    return math.prod(shape)
 
 
 def _split(flat: torch.Tensor, segments: list[int], sizes: list[list[int]]) -> list[list[torch.Tensor]]:

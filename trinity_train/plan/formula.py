@@ -36,7 +36,7 @@ from trinity_train.config import Config, ModelConfig, grad_accum_for
 from trinity_train.model.blocks import block_style, is_global_layer
 from trinity_train.optim.groups import is_muon_param
 from trinity_train.optim.muon import deal_rounds, ns_cost
-from trinity_train.optim.muon_exchange import EXCHANGE_BYTES
+from trinity_train.optim.muon_exchange import EXCHANGE_BYTES, cut_chunks
 from trinity_train.parallel.assumed_routing import AssumedRouting
 from trinity_train.parallel.mesh import ParallelDims
 from trinity_train.plan.collectives import (EP_ALL_TO_ALL, FSDP_ALL_GATHER, FSDP_ALL_REDUCE, FSDP_REDUCE_SCATTER,
@@ -553,7 +553,7 @@ def _muon_flows(cfg: Config, dims: ParallelDims, params: Counter, nums: Numerics
             key = ("experts" if p.unit == "experts" else "dense", p.shape, _gather_group(p, dims), _packed(p, dims))
             buckets[key] = (p, buckets.get(key, (p, 0))[1] + count)
     loads: dict[tuple[str, int], list[int]] = {}
-    chunks: dict[tuple[str, int], list[float]] = {}  # bytes of each chunk of a packed exchange
+    pieces: dict[tuple[str, int], list[float]] = {}  # a packed exchange's pieces, by global size
     calls, sent, packed_sent = 0, 0.0, 0.0
     for key in sorted(buckets, key=lambda k: -ns_cost(k[1])):  # stable: ties keep the model's order
         mesh, shape, n, packed = key
@@ -563,12 +563,7 @@ def _muon_flows(cfg: Config, dims: ParallelDims, params: Counter, nums: Numerics
         rounds = len(deal_rounds(count, ns_cost(shape), loads.setdefault((mesh, n), [0] * n)))
         piece = shard_numel(member, dims) * nums.ns  # this rank's piece of one matrix
         if packed:
-            sizes = chunks.setdefault((mesh, n), [0.0])
-            for _ in range(count):  # every rank cuts the chunks by the matrices' global sizes
-                global_piece = member.global_numel * nums.ns / n
-                if sizes[-1] and sizes[-1] + global_piece > EXCHANGE_BYTES:
-                    sizes.append(0.0)
-                sizes[-1] += global_piece
+            pieces.setdefault((mesh, n), []).extend([member.global_numel * nums.ns / n] * count)
             packed_sent += count * piece * 2 * (n - 1) / n
             continue
         calls += 2 * rounds
@@ -577,9 +572,9 @@ def _muon_flows(cfg: Config, dims: ParallelDims, params: Counter, nums: Numerics
     if calls:
         flows.append(Flow(MUON_REDISTRIBUTE, "all_to_all" if gpu else "all_gather", "fsdp", dims.dp_shard,
                           calls, sent))
-    if chunks:
+    if pieces:
         flows.append(Flow(MUON_REDISTRIBUTE, "all_to_all", "fsdp", dims.dp_shard,
-                          2 * sum(len(c) for c in chunks.values()), packed_sent))
+                          2 * sum(len(cut_chunks(p)) for p in pieces.values()), packed_sent))
     return flows
 
 
