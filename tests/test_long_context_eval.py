@@ -218,3 +218,19 @@ def test_bad_long_context_settings_are_refused(overrides, message):
     with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("]", r"\]")):
         load_config(None, {"metrics": overrides})
     assert Config().metrics.passkey_every == 0  # off unless a config turns it on
+
+
+def test_sinks_name_each_bucket_and_length_by_its_value():
+    from trinity_train.observe.scalars import named_values
+    from trinity_train.records import passkey_record, val_record
+
+    val = val_record(iter=5, step=5, val_loss=3.0, val_ppl=20.0, val_tokens=30, val_position_starts=[0, 64],
+                     val_loss_by_position=[3.5, 2.5], val_tokens_by_position=[10, 20])
+    scalars, _ = named_values(val, "val")
+    assert scalars == {"val/val_loss": 3.0, "val/val_ppl": 20.0, "val/val_tokens": 30.0,
+                       "val/val_loss_by_position/0": 3.5, "val/val_loss_by_position/64": 2.5,
+                       "val/val_tokens_by_position/0": 10.0, "val/val_tokens_by_position/64": 20.0}
+    probe = passkey_record(iter=5, step=5, passkey_lengths=[128, 256], passkey_accuracy=[1.0, 0.5],
+                           passkey_logprob=[-0.1, -0.7], passkey_prompts=[6, 6])
+    scalars, _ = named_values(probe, "passkey")
+    assert scalars["passkey/passkey_accuracy/256"] == 0.5 and "passkey/passkey_lengths/0" not in scalars

@@ -243,15 +243,9 @@ def _add_import_data(subparsers) -> None:
 
 
 def _add_probe_context(subparsers) -> None:
-    from trinity_train.evaluation.command import add_probe_arguments
+    from trinity_train.evaluation.command import add_probe_parser
 
-    probe = subparsers.add_parser(
-        "probe-context", allow_abbrev=False,
-        help="the passkey retrieval probe on a checkpoint: is a key hidden in long prompts found?",
-        description="Hide a 5-digit pass key at several depths of filler text, ask for it at the end, and "
-                    "report at each prompt length the share of prompts whose key the model continues with "
-                    "(greedy) and the mean log-likelihood of the key's tokens (docs/guides/long-context-eval.md).")
-    add_probe_arguments(probe)
+    add_probe_parser(subparsers)
 
 
 def build_parser(argv: list[str]) -> argparse.ArgumentParser:

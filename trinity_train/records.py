@@ -185,6 +185,12 @@ TIMELINE: dict[TimelineKind, Shape] = {
     TimelineKind.END: _shape("iter step end status"),
 }
 
+# List fields whose positions another field of the record names (a position bucket's first
+# position, a prompt length): a sink labels each value by it, e.g. `val_loss_by_position/1024`.
+INDEXED_BY = {"val_loss_by_position": "val_position_starts", "val_tokens_by_position": "val_position_starts",
+              "passkey_accuracy": "passkey_lengths", "passkey_logprob": "passkey_lengths",
+              "passkey_prompts": "passkey_lengths"}
+
 ROLLBACK_OF = "rollback"  # the incident report's field holding its rollback event's fields
 INCIDENT = _shape(f"iter step action reason onset_iter signals layer_grad_norms batches drill lr {ROLLBACK_OF}",
                   optional=ROLLBACK_OF)

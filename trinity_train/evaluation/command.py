@@ -32,7 +32,14 @@ def token_lengths(text: str) -> list[int]:
     return lengths
 
 
-def add_probe_arguments(parser: argparse.ArgumentParser) -> None:
+def add_probe_parser(subparsers) -> None:
+    """The `probe-context` command's parser (built only when it runs: it loads torch)."""
+    parser = subparsers.add_parser(
+        "probe-context", allow_abbrev=False,
+        help="the passkey retrieval probe on a checkpoint: is a key hidden in long prompts found?",
+        description="Hide a 5-digit pass key at several depths of filler text, ask for it at the end, and "
+                    "report at each prompt length the share of prompts whose key the model continues with "
+                    "(greedy) and the mean log-likelihood of the key's tokens (docs/guides/long-context-eval.md).")
     which = parser.add_mutually_exclusive_group(required=True)
     which.add_argument("--run", type=user_path, metavar="RUN_DIR", help="probe the newest sound checkpoint of this run")
     which.add_argument("--checkpoint", type=user_path, metavar="PATH", help="probe this checkpoint")
