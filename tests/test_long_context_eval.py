@@ -234,3 +234,41 @@ def test_sinks_name_each_bucket_and_length_by_its_value():
                            passkey_logprob=[-0.1, -0.7], passkey_prompts=[6, 6])
     scalars, _ = named_values(probe, "passkey")
     assert scalars["passkey/passkey_accuracy/256"] == 0.5 and "passkey/passkey_lengths/0" not in scalars
+
+
+# ---------------------------------------------------------------------------- on several ranks
+
+# The long-context evaluation of the layout tests' model (conftest.layout_config) at 256 tokens.
+LONG_CONTEXT = {"data": {"seq_len": 256}, "metrics": {"passkey_every": 1, "passkey_lengths": [256], "passkey_keys": 1}}
+RANK_LAYOUTS = {"fsdp2": {"parallel": {"dp_shard": 2}}, "tp2": {"parallel": {"tp": 2}}, "ep2": {"parallel": {"ep": 2}}}
+
+
+def evaluate_long_context(corpus, root, layouts: dict) -> dict:
+    """In each rank (or one process): {layout: (Validation, PasskeyResult)} of the untrained model."""
+    import torch.distributed as dist
+
+    from conftest import layout_config, merge_sections
+    from ranks import rank_trainer
+
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    results = {}
+    for name, changes in layouts.items():
+        cfg = layout_config(corpus, root / name, merge_sections(LONG_CONTEXT, changes), world)
+        trainer = rank_trainer(cfg) if world > 1 else Trainer(cfg)
+        val = evaluate(trainer.model, trainer.val_loader, cfg, trainer.device, trainer.dims)
+        results[name] = (val, trainer.passkey.run(trainer.model, cfg, trainer.device))
+    return results
+
+
+@pytest.mark.slow
+def test_data_parallel_tensor_and_expert_parallel_ranks_evaluate_as_one_process(corpus, tmp_path, rank_pool):
+    from helpers import assert_values_close
+
+    (reference_val, reference_probe), = evaluate_long_context(corpus, tmp_path / "one", {"one": {}}).values()
+    assert sum(reference_val.tokens_by_position) == reference_val.tokens > 0
+    for rank, results in enumerate(rank_pool(2).run(evaluate_long_context, corpus, tmp_path / "two", RANK_LAYOUTS)):
+        for layout, (val, probe) in results.items():
+            where = f"rank {rank} {layout}"
+            assert val.tokens_by_position == reference_val.tokens_by_position, where  # the buckets summed over ranks
+            assert_values_close(vars(val), vars(reference_val), rel=1e-5, path=where)
+            assert_values_close(vars(probe), vars(reference_probe), rel=1e-5, path=where)
