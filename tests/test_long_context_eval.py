@@ -200,6 +200,8 @@ def test_probe_context_errors_are_one_line(corpus, tmp_path, capsys):
     capsys.readouterr()  # the run's console lines
     code, err = cli_in_process(capsys, "probe-context", "--run", tmp_path / "empty")
     assert code == 1 and err.startswith("error: RUN_DIR") and "has no sound checkpoint" in err and err.count("\n") == 1
+    code, err = cli_in_process(capsys, "probe-context", "--run", tmp_path / "empty", "--out", tmp_path)
+    assert code == 2 and f"--out '{tmp_path}' is a directory" in err and err.count("\n") == 1
     with pytest.raises(SystemExit) as exit_:  # argparse's usage error
         cli.main(["probe-context", "--run", str(tmp_path / "empty"), "--lengths", "12,x"])
     assert exit_.value.code == 2 and "expected comma-separated positive token counts" in capsys.readouterr().err

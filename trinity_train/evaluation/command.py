@@ -16,7 +16,7 @@ from trinity_train.checkpoint.integrity import newest_sound_checkpoint
 from trinity_train.checkpoint.layout import read_meta
 from trinity_train.errors import ArgumentError, CheckpointError, DataError
 from trinity_train.evaluation.passkey import PasskeyProbe, PasskeyResult, probe_lengths
-from trinity_train.files import atomic_write_json, user_path
+from trinity_train.files import atomic_write_json, output_file, user_path
 from trinity_train.interop.tokenizer import training_tokenizer_file
 from trinity_train.rundir import RunDir
 
@@ -80,6 +80,7 @@ def format_table(result: PasskeyResult) -> str:
 
 
 def run_probe_context(args: argparse.Namespace) -> int:
+    out = output_file(args.out, "--out", "probe.json") if args.out else None  # before any weights are read
     path = checkpoint_to_probe(args)
     device = device_of(args.device)
     model, cfg = load_model_checkpoint(path, device)
@@ -93,7 +94,7 @@ def run_probe_context(args: argparse.Namespace) -> int:
         raise DataError(f"the probe needs the run's tokenizer: {where}; pass --tokenizer PATH")
     result = PasskeyProbe.from_tokenizer(tokenizer, cfg.metrics, lengths).run(model, cfg, device)
     report = {"checkpoint": str(path), "step": read_meta(path)["step"], **result.record_fields()}
-    if args.out:
-        atomic_write_json(args.out, report)
+    if out is not None:
+        atomic_write_json(out, report)
     print(json.dumps(report, indent=2) if args.json else f"{path} (step {report['step']}):\n{format_table(result)}")
     return exit_codes.DONE
