@@ -68,7 +68,7 @@ def test_mixed_kinds_become_columns_with_nan_for_null_and_absent():
          "residual_rms": [1, 2], "moe_layers": [1], "tokens_per_expert": [[3, 5, 4]]},
         {"kind": RecordKind.RANKS, "iter": 2, "step": 1, "iterations": 2, "iter_s": [0.5, 0.5], "compute_s": [0.25, None],
          "wait_s": [0.25, 0.5], "data_s": [0.0, 0.0]}))
-    assert counts == {"train": 2, "val": 1, "layers": 1, "ranks": 1}
+    assert counts == {"train": 2, "val": 1, "layers": 1, "ranks": 1, "passkey": 0}
     assert cols.ranks["compute_s"].tolist()[0][0] == 0.25 and np.isnan(cols.ranks["compute_s"][0, 1])
     assert cols.train["iter"].tolist() == [1, 2] and cols.train["loss"].tolist() == [2.0, 9.5]
     assert np.isnan(cols.train["grad_norm"]).all() and cols.train["skipped"].tolist() == [0.0, 1.0]

@@ -15,6 +15,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "trinity_train"
 LAYERS = [
     {"cli"},
     {"train", "study", "plan"},
+    {"evaluation"},  # probes that run a model as validation does (the passkey probe)
     {"step", "run_config"},
     {"parallel", "checkpoint", "stability", "observe", "health", "interop", "dashboard", "runlock"},
     {"model", "optim", "data", "goodput"},

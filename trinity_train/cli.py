@@ -1,5 +1,5 @@
 """`trinity-train <command>`: train, plan, prepare-data, import-data, export-hf, import-hf,
-ckpt inspect|verify, incidents, goodput, dashboard, report, ablate.
+ckpt inspect|verify, probe-context, incidents, goodput, dashboard, report, ablate.
 
 A user mistake (any `UserError`) ends with one line `error: <message>` on stderr and the error's
 exit code (`exit_codes`: 2 for configuration, 3 diverged, 1 otherwise); a lost peer of a
@@ -123,6 +123,12 @@ def cmd_ckpt(args: argparse.Namespace) -> int:
     return exit_codes.DONE
 
 
+def cmd_probe_context(args: argparse.Namespace) -> int:
+    from trinity_train.evaluation.command import run_probe_context
+
+    return run_probe_context(args)
+
+
 def cmd_incidents(args: argparse.Namespace) -> int:
     from trinity_train.rundir import RunDir
     from trinity_train.stability.incidents import format_table, incident_rows
@@ -236,6 +242,12 @@ def _add_import_data(subparsers) -> None:
     add_import_arguments(parser)
 
 
+def _add_probe_context(subparsers) -> None:
+    from trinity_train.evaluation.command import add_probe_parser
+
+    add_probe_parser(subparsers)
+
+
 def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="trinity-train", allow_abbrev=False,
                                      description="Pretrain Trinity-style Mixture-of-Experts language models.")
@@ -278,6 +290,9 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     verify.add_argument("--deep", action="store_true",
                         help="also check that every tensor (optimizer state included) is finite")
 
+    if not argv or argv[0] in ("probe-context", "-h", "--help"):
+        _add_probe_context(sub)
+
     incidents = sub.add_parser("incidents", help="list a run's skipped steps, rollbacks and stragglers",
                                description="One line per incident report in RUN_DIR/incidents/: what the guard "
                                            "saw, what it did, and which data the step came from; "
@@ -307,7 +322,8 @@ def run(argv: list[str], callbacks: list | None = None) -> int:
     if extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     handlers = {"prepare-data": cmd_prepare_data, "import-data": cmd_import_data, "export-hf": cmd_export_hf,
-                "import-hf": cmd_import_hf, "ckpt": cmd_ckpt, "incidents": cmd_incidents,
+                "import-hf": cmd_import_hf, "ckpt": cmd_ckpt, "probe-context": cmd_probe_context,
+                "incidents": cmd_incidents,
                 "goodput": cmd_goodput, "dashboard": cmd_dashboard, "report": cmd_report, "ablate": cmd_ablate}
     return handlers[args.command](args)
 

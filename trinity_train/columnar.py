@@ -31,6 +31,10 @@ from trinity_train.files import temp_sibling
 TRAIN_SCALARS = tuple(dict.fromkeys(("loss", "grad_norm", *(s.name for s in signals.SIGNALS), "lr", "lr_muon",
                                      "tokens_per_s", "mfu")))
 VAL_SCALARS = ("val_loss",)
+# val records: the loss by position bucket and each bucket's first position (lists by bucket).
+VAL_LISTS = ("val_position_starts", "val_loss_by_position")
+# passkey records: lists by prompt length.
+PASSKEY_LISTS = ("passkey_lengths", "passkey_accuracy", "passkey_logprob")
 # Per-layer lists: train records carry one value per MoE layer, layers records one per layer.
 TRAIN_LISTS = ("moe_max_load_per_layer",)
 LAYER_LISTS = ("grad_norm_attn", "grad_norm_ffn", "residual_rms")
@@ -43,7 +47,7 @@ SCHEMA = pa.schema(
      ("superseded_at", pa.int64()), ("moe_layers", pa.list_(pa.int64())),
      ("tokens_per_expert", pa.list_(pa.list_(_F64)))]
     + [(name, _F64) for name in TRAIN_SCALARS + VAL_SCALARS]
-    + [(name, pa.list_(_F64)) for name in TRAIN_LISTS + LAYER_LISTS + RANK_LISTS])
+    + [(name, pa.list_(_F64)) for name in TRAIN_LISTS + LAYER_LISTS + RANK_LISTS + VAL_LISTS + PASSKEY_LISTS])
 END_COLUMN = "_jsonl_end"  # byte offset in metrics.jsonl just past the row's line
 MIRROR_SCHEMA = SCHEMA.append(pa.field(END_COLUMN, pa.int64()))
 BATCH_ROWS = 256

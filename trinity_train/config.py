@@ -259,6 +259,16 @@ class MetricsConfig:
     straggler_ratio: float = 1.5  # a rank whose compute time is this many times the median of the
     #                               others' ...
     straggler_reports: int = 3  # ... in this many reports in a row is a straggler (an event)
+    position_buckets: list[int] = field(default_factory=list)  # first positions of the buckets of
+    #   the validation loss by position (position in the document with model.doc_masking, else in
+    #   the row), increasing from 0; empty: 0 and the powers of two from 64 below data.seq_len
+    passkey_every: int = 0  # the passkey retrieval probe at validation every this many steps
+    #                         (and at the last); 0: off (configs/extend_context.toml turns it on)
+    passkey_lengths: list[int] = field(default_factory=lambda: [128, 256, 512, 1024, 2048, 4096])  # probe
+    #   prompt lengths in tokens; those above data.seq_len are left out
+    passkey_depths: list[float] = field(default_factory=lambda: [0.1, 0.5, 0.9])  # where the key sits in
+    #   the filler, as a fraction of it (0: at the start, 1: just before the question)
+    passkey_keys: int = 2  # keys (5-digit, fixed by length, depth and number) probed per depth
 
 
 @dataclass
@@ -517,6 +527,10 @@ def validate(cfg: Config) -> None:
     _validate_metrics(cfg.metrics)
     _validate_watchdog(cfg.watchdog)
     require(bool(cfg.run.dir), "run.dir", "must not be empty")
+    require(cfg.metrics.passkey_every == 0 or min(cfg.metrics.passkey_lengths) <= cfg.data.seq_len,
+            "metrics.passkey_lengths", f"none of {cfg.metrics.passkey_lengths} is at most data.seq_len="
+            f"{cfg.data.seq_len}: the probe runs at the lengths the model trains at; add one, or set "
+            "metrics.passkey_every=0")
     _no_negative_floats(cfg, "")
 
 
@@ -688,12 +702,37 @@ def _validate_metrics(mc: MetricsConfig) -> None:
     require(mc.straggler_ratio > 1, "metrics.straggler_ratio",
             f"must be above 1 (a rank this many times slower than the others), got {mc.straggler_ratio}")
     require(mc.straggler_reports >= 1, "metrics.straggler_reports", "must be >= 1")
+    b = mc.position_buckets
+    require(not b or (b[0] == 0 and all(x < y for x, y in zip(b, b[1:]))), "metrics.position_buckets",
+            f"must be the first position of each bucket, increasing from 0 (e.g. [0, 256, 1024]), got {b}")
+    require(mc.passkey_every >= 0, "metrics.passkey_every", f"must be >= 0 (0 turns the probe off), got {mc.passkey_every}")
+    require(bool(mc.passkey_lengths) and all(n > 0 for n in mc.passkey_lengths), "metrics.passkey_lengths",
+            f"must be positive token counts, got {mc.passkey_lengths}")
+    require(bool(mc.passkey_depths) and all(0 <= d <= 1 for d in mc.passkey_depths), "metrics.passkey_depths",
+            f"must be fractions of the filler in [0, 1], got {mc.passkey_depths}")
+    require(mc.passkey_keys >= 1, "metrics.passkey_keys", f"must be >= 1, got {mc.passkey_keys}")
 
 
 def _validate_watchdog(w: WatchdogConfig) -> None:
     require(w.multiple >= 1, "watchdog.multiple", f"must be >= 1, got {w.multiple}")
     require(w.floor_s > 0, "watchdog.floor_s", f"must be positive (seconds), got {w.floor_s}")
     require(w.first_s >= 0, "watchdog.first_s", f"must be >= 0 (seconds; 0: no limit), got {w.first_s}")
+
+
+# The smallest bucket of the default position buckets: [0, 64), then one per power of two.
+FIRST_POSITION_BUCKET = 64
+
+
+def position_bucket_starts(mc: MetricsConfig, seq_len: int) -> list[int]:
+    """The first position of each bucket of the validation loss by position: `metrics.position_buckets`,
+    or 0 and the powers of two from 64 below `seq_len` ([0, 64, 128] for 256 tokens)."""
+    if mc.position_buckets:
+        return list(mc.position_buckets)
+    starts, edge = [0], FIRST_POSITION_BUCKET
+    while edge < seq_len:
+        starts.append(edge)
+        edge *= 2
+    return starts
 
 
 def grad_accum_for(t: TrainConfig, dp: int) -> int:

@@ -3,7 +3,7 @@ the events in `events.jsonl`, of the `train` / `val` / `layers` records in `metr
 the incident reports in `incidents/`, and the run's status read back from its events.
 
 Writers build every record here (`event`, `train_record`, `val_record`, `layers_record`,
-`incident_report`): each kind has one `Shape`, its fields in the order they are written, and a
+`passkey_record`, `incident_report`): each kind has one `Shape`, its fields in the order they are written, and a
 record with a field the shape does not know, or without one it requires, is a bug caught where it
 is built. Readers name what they look for by the constants (`EventName.ROLLBACK`,
 `RecordKind.TRAIN`, `IncidentAction.HALT`); they are `str`s, so comparisons with what a JSON file
@@ -56,6 +56,7 @@ class RecordKind(StrEnum):
     VAL = "val"
     LAYERS = "layers"
     RANKS = "ranks"
+    PASSKEY = "passkey"
 
 
 class Phase(StrEnum):
@@ -166,11 +167,14 @@ RECORDS: dict[RecordKind, Shape] = {
                              f"tokens_per_s step_time_s mfu skipped {SIGNAL_ZS} skip_reason lr_scale {_MOE_LOAD} "
                              f"{SIGNAL_VALUES}",
                              optional=f"lr_muon skip_reason lr_scale {_MOE_LOAD}"),
-    RecordKind.VAL: _shape("iter step val_loss val_ppl val_tokens"),
+    RecordKind.VAL: _shape("iter step val_loss val_ppl val_tokens val_position_starts val_loss_by_position "
+                           "val_tokens_by_position",
+                           optional="val_position_starts val_loss_by_position val_tokens_by_position"),
     RecordKind.LAYERS: _shape("iter step grad_norm_attn grad_norm_ffn residual_rms attn_out_rms attn_post_rms "
                               "ffn_out_rms ffn_post_rms act_max_over_median act_kurtosis norm_gain moe_layers "
                               "tokens_per_expert expert_bias_spread router_entropy experts_without_tokens"),
     RecordKind.RANKS: _shape("iter step iterations iter_s compute_s wait_s data_s comm_exposed_s"),
+    RecordKind.PASSKEY: _shape("iter step passkey_lengths passkey_accuracy passkey_logprob passkey_prompts"),
 }
 
 TIMELINE: dict[TimelineKind, Shape] = {
@@ -180,6 +184,12 @@ TIMELINE: dict[TimelineKind, Shape] = {
     TimelineKind.SPAN: _shape("phase iter start end"),
     TimelineKind.END: _shape("iter step end status"),
 }
+
+# List fields whose positions another field of the record names (a position bucket's first
+# position, a prompt length): a sink labels each value by it, e.g. `val_loss_by_position/1024`.
+INDEXED_BY = {"val_loss_by_position": "val_position_starts", "val_tokens_by_position": "val_position_starts",
+              "passkey_accuracy": "passkey_lengths", "passkey_logprob": "passkey_lengths",
+              "passkey_prompts": "passkey_lengths"}
 
 ROLLBACK_OF = "rollback"  # the incident report's field holding its rollback event's fields
 INCIDENT = _shape(f"iter step action reason onset_iter signals layer_grad_norms batches drill lr {ROLLBACK_OF}",
@@ -213,6 +223,11 @@ def ranks_record(**fields: Any) -> dict[str, Any]:
     """A `ranks` record of metrics.jsonl: per-rank lists (index = rank) of the mean seconds per
     iteration over the `iterations` since the previous one."""
     return RECORDS[RecordKind.RANKS].build("ranks record", fields)
+
+
+def passkey_record(**fields: Any) -> dict[str, Any]:
+    """A `passkey` record of metrics.jsonl: the passkey retrieval probe, lists by prompt length."""
+    return RECORDS[RecordKind.PASSKEY].build("passkey record", fields)
 
 
 def timeline_record(kind: TimelineKind, **fields: Any) -> dict[str, Any]:

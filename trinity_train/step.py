@@ -26,8 +26,9 @@ import torch
 from torch import nn
 
 from trinity_train import signals
-from trinity_train.config import Config
-from trinity_train.model.loss import IGNORE_INDEX
+from trinity_train.config import Config, position_bucket_starts
+from trinity_train.model.attention import positions_from_documents
+from trinity_train.model.loss import GROUP_CE, GROUP_TOKENS, IGNORE_INDEX
 from trinity_train.observe.layer_stats import LayerStatsCollector, per_layer_grad_norms
 from trinity_train.parallel.fsdp import (all_reduce_across_replicas, finish_reductions, overlap_reductions,
                                          reduce_gradients)
@@ -69,11 +70,11 @@ def micro_batches(batch: Any, micro_batch_size: int) -> list[dict[str, torch.Ten
             for start in range(0, rows, micro_batch_size)]
 
 
-def _forward(model: nn.Module, mb: dict[str, torch.Tensor], cfg: Config, device: torch.device):
+def _forward(model: nn.Module, mb: dict[str, torch.Tensor], cfg: Config, device: torch.device, **extra):
     mb = {k: v.to(device, non_blocking=True) for k, v in mb.items()}
     with autocast_context(cfg, device):
         return model(mb["input_ids"], labels=mb["labels"], position_ids=mb.get("position_ids"),
-                     document_ids=mb.get("document_ids"))
+                     document_ids=mb.get("document_ids"), **extra)
 
 
 @dataclass
@@ -206,16 +207,54 @@ class TrainingStep:
                           layer_grad_norms, layer_stats, values)
 
 
+@dataclass
+class Validation:
+    """What `evaluate` measured, global over ranks."""
+
+    loss: float  # mean cross entropy over the counted tokens
+    tokens: int  # counted (label) tokens
+    position_starts: list[int]  # the first position of each bucket (`config.position_bucket_starts`)
+    loss_by_position: list[float | None]  # mean cross entropy of each bucket's tokens (None: no token)
+    tokens_by_position: list[int]
+
+
+def token_positions(mb: dict[str, torch.Tensor], doc_masking: bool) -> torch.Tensor:
+    """Each token's position for the loss by position: its position in its document with
+    document masking, else in the row. The micro-batch's `position_ids` when it has them (the
+    loader's say exactly this, and context parallelism splits them with the tokens, so each
+    rank's tokens keep their global positions)."""
+    if mb.get("position_ids") is not None:
+        return mb["position_ids"]
+    if doc_masking and mb.get("document_ids") is not None:
+        return positions_from_documents(mb["document_ids"])
+    return torch.arange(mb["input_ids"].shape[-1]).expand_as(mb["input_ids"])
+
+
+def position_buckets(positions: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
+    """The bucket of each position: the index of the last start at or below it."""
+    return torch.bucketize(positions.contiguous(), starts, right=True) - 1
+
+
 @torch.no_grad()
 def evaluate(model: nn.Module, val_loader: Any, cfg: Config, device: torch.device,
-             dims: ParallelDims | None = None) -> tuple[float, int]:
-    """Mean cross entropy over the first `train.eval_batches` validation batches (all ranks)."""
+             dims: ParallelDims | None = None) -> Validation:
+    """Mean cross entropy over the first `train.eval_batches` validation batches (all ranks), and
+    by position bucket (`metrics.position_buckets`, from the loss's own chunks)."""
     model.eval()
-    totals = torch.zeros(2, dtype=torch.float64, device=device)  # cross-entropy sum, tokens
+    starts = position_bucket_starts(cfg.metrics, cfg.data.seq_len)
+    starts_tensor = torch.tensor(starts)
+    # cross-entropy sum, tokens, then each bucket's cross-entropy sum, then each bucket's tokens
+    totals = torch.zeros(2 + 2 * len(starts), dtype=torch.float64, device=device)
     for batch in val_loader.batches(cfg.train.eval_batches):
         for mb in micro_batches(batch, cfg.train.micro_batch_size):
-            out = _forward(model, mb, cfg, device)
-            totals += torch.stack([out.ce_sum.double(), out.num_tokens.double()])
+            buckets = position_buckets(token_positions(mb, cfg.model.doc_masking), starts_tensor)
+            out = _forward(model, mb, cfg, device, token_groups=buckets.to(device), num_groups=len(starts))
+            totals += torch.cat([torch.stack([out.ce_sum.double(), out.num_tokens.double()]),
+                                 out.group_totals[GROUP_CE], out.group_totals[GROUP_TOKENS]])
     model.train()
-    ce_sum, tokens = sum_over_data_parallel(totals, dims or ParallelDims.one_process()).tolist()  # DP all-reduce
-    return ce_sum / max(tokens, 1.0), int(tokens)
+    totals = sum_over_data_parallel(totals, dims or ParallelDims.one_process()).tolist()  # DP all-reduce
+    ce_sum, tokens = totals[:2]
+    bucket_ce, bucket_tokens = totals[2:2 + len(starts)], totals[2 + len(starts):]
+    return Validation(ce_sum / max(tokens, 1.0), int(tokens), starts,
+                      [ce / n if n else None for ce, n in zip(bucket_ce, bucket_tokens)],
+                      [int(n) for n in bucket_tokens])

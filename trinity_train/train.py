@@ -43,6 +43,7 @@ from trinity_train.config import Config, config_to_dict, load_config, save_confi
 from trinity_train.data import build_loaders
 from trinity_train.data.ledger import SkipLedger
 from trinity_train.errors import CheckpointError, ConfigError
+from trinity_train.evaluation.passkey import probe_for_run
 from trinity_train.health.watchdog import WatchdogCallback
 from trinity_train.health.rank_stats import RankStatsCallback
 from trinity_train.model.counting import training_flops_per_token
@@ -55,7 +56,8 @@ from trinity_train.parallel.mesh import ParallelDims
 from trinity_train.parallel.parallelize import build_parallel_model
 from trinity_train.parallel.process_group import (destroy_distributed, init_distributed, leave_together,
                                                   resolve_device, world_size_from_env)
-from trinity_train.records import ENDED, FAILED, HALTED, RUNNING, EventName, Phase, event, train_record, val_record
+from trinity_train.records import (ENDED, FAILED, HALTED, RUNNING, EventName, Phase, event, passkey_record, train_record,
+                                   val_record)
 from trinity_train.rundir import RunDir
 from trinity_train.run_config import validate_rules
 from trinity_train.runlock import run_dir_owned
@@ -237,6 +239,7 @@ class Trainer:
         self.ledger = SkipLedger.load(self.rundir.ledger) if self.resume_from else SkipLedger(self.rundir.ledger)
         self.train_loader, self.val_loader = build_loaders(cfg, dp_rank=self.dims.dp_rank,
                                                            dp_size=self.dims.dp, ledger=self.ledger)
+        self.passkey = probe_for_run(cfg, self.train_loader.dataset_dirs[0]) if cfg.metrics.passkey_every else None
         self.step_fn = TrainingStep(self.model, self.optimizer, self.scheduler, self.guard, cfg, self.device,
                                     self.dims, lr_backoff=self.lr_backoff, faults=self.faults)
         self.recovery = Recovery(cfg, self.rundir, self.ledger, run=self, loader=self.train_loader,
@@ -526,12 +529,23 @@ class Trainer:
 
     def _validate(self) -> None:
         with self.phase(Phase.VALIDATION):
-            val_loss, val_tokens = evaluate(self.model, self.val_loader, self.cfg, self.device, self.dims)
-        self.recorder.validation(val_record(iter=self.state.iteration, step=self.state.step, val_loss=val_loss,
-                                            val_ppl=math.exp(min(val_loss, 50.0)), val_tokens=val_tokens))
+            val = evaluate(self.model, self.val_loader, self.cfg, self.device, self.dims)
+            passkey = self.passkey.run(self.model, self.cfg, self.device) if self._passkey_due() else None
+        self.recorder.validation(val_record(iter=self.state.iteration, step=self.state.step, val_loss=val.loss,
+                                            val_ppl=math.exp(min(val.loss, 50.0)), val_tokens=val.tokens,
+                                            val_position_starts=val.position_starts,
+                                            val_loss_by_position=val.loss_by_position,
+                                            val_tokens_by_position=val.tokens_by_position))
+        if passkey is not None:
+            self.recorder.passkey(passkey_record(iter=self.state.iteration, step=self.state.step,
+                                                 **passkey.record_fields()))
         if self.summary.first_val_loss is None:
-            self.summary.first_val_loss = val_loss
-        self.summary.last_val_loss = val_loss
+            self.summary.first_val_loss = val.loss
+        self.summary.last_val_loss = val.loss
+
+    def _passkey_due(self) -> bool:
+        every = self.cfg.metrics.passkey_every
+        return self.passkey is not None and (self.state.step % every == 0 or self.state.step == self.cfg.train.steps)
 
 
 class Throughput:

@@ -13,7 +13,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from trinity_train.columnar import LAYER_LISTS, RANK_LISTS, TRAIN_LISTS, TRAIN_SCALARS, VAL_SCALARS, parse_lines
+from trinity_train.columnar import (LAYER_LISTS, PASSKEY_LISTS, RANK_LISTS, TRAIN_LISTS, TRAIN_SCALARS, VAL_LISTS,
+                                   VAL_SCALARS, parse_lines)
 from trinity_train.records import RecordKind
 
 
@@ -104,11 +105,14 @@ class RecordColumns:
     """The records of one kind as named columns that grow as lines arrive."""
 
     def __init__(self, floats: tuple[str, ...], lists: tuple[str, ...] = (), nested: tuple[str, ...] = (),
-                 ints: tuple[str, ...] = ("iter", "step")):
+                 ints: tuple[str, ...] = ("iter", "step"), width: int | None = None):
+        """`width`: the lists' fixed length (longer ones cut, shorter ones NaN-padded) where a run's
+        lists may grow (more position buckets after a context extension); else the first row's."""
         self.ints, self.floats, self.lists, self.nested = ints, floats, lists, nested
         self.columns: dict[str, GrowingArray] = {name: GrowingArray(np.int64, ()) for name in ints}
         self.columns.update({name: GrowingArray(np.float32, ()) for name in floats})
-        self.columns.update({name: GrowingArray(np.float32) for name in lists + nested})
+        self.columns.update({name: GrowingArray(np.float32, None if width is None else (width,)) for name in lists})
+        self.columns.update({name: GrowingArray(np.float32) for name in nested})
 
     def __len__(self) -> int:
         return len(self.columns["iter"])
@@ -133,8 +137,17 @@ def train_columns() -> RecordColumns:
     return RecordColumns(TRAIN_SCALARS + ("skipped", "superseded_at"), TRAIN_LISTS)
 
 
+# The most position buckets and passkey lengths a run's dashboard shows (the first ones).
+MAX_POSITION_BUCKETS = 64
+MAX_PASSKEY_LENGTHS = 32
+
+
 def val_columns() -> RecordColumns:
-    return RecordColumns(VAL_SCALARS + ("superseded_at",))
+    return RecordColumns(VAL_SCALARS + ("superseded_at",), VAL_LISTS, width=MAX_POSITION_BUCKETS)
+
+
+def passkey_columns() -> RecordColumns:
+    return RecordColumns(("superseded_at",), PASSKEY_LISTS, width=MAX_PASSKEY_LENGTHS)
 
 
 def layer_columns() -> RecordColumns:
@@ -149,13 +162,15 @@ class MetricsColumns:
     """One metrics file (metrics.jsonl or metrics.superseded.jsonl) as columns per record kind;
     `moe_layers` is the MoE layer indices of the latest layers record."""
 
-    KINDS = (RecordKind.TRAIN, RecordKind.VAL, RecordKind.LAYERS, RecordKind.RANKS)  # the kinds it holds, by attribute
+    KINDS = (RecordKind.TRAIN, RecordKind.VAL, RecordKind.LAYERS, RecordKind.RANKS,
+             RecordKind.PASSKEY)  # the kinds it holds, by attribute
 
     def __init__(self):
         self.train = train_columns()
         self.val = val_columns()
         self.layers = layer_columns()
         self.ranks = rank_columns()
+        self.passkey = passkey_columns()
         self.moe_layers: list[int] = []
 
     def append_lines(self, data: bytes) -> dict[str, int]:

@@ -54,4 +54,5 @@ PANELS: tuple[Panel, ...] = (
     Panel("goodput", goodput_view.goodput, draw="goodput", slot="goodput"),
     Panel("ranks", views.rank_health, (RANGE,), draw="rankHealth", slot="rank-health"),
     Panel("layer_steps", views.layer_steps, draw="layers", slot="layer-statistics"),
+    Panel("long_context", views.long_context, draw="longContext", slot="long-context"),
 )

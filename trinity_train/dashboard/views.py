@@ -45,6 +45,7 @@ def run_summary(run: RunView) -> dict:
             "last_iter": int(iters[-1]) if len(iters) else None,
             "records": {RecordKind.TRAIN: len(train), RecordKind.VAL: len(run.metrics.val),
                         RecordKind.LAYERS: len(layers), RecordKind.RANKS: len(run.metrics.ranks),
+                        RecordKind.PASSKEY: len(run.metrics.passkey),
                         "superseded": len(run.superseded.train) + len(run.superseded.val), "events": len(run.events)},
             "moe_layers": run.metrics.moe_layers,
             "num_moe_layers": int(moe.shape[1]) if moe.ndim == 2 else 0,
@@ -180,6 +181,42 @@ def layer_record(run: RunView, iteration: int | None) -> dict:
         relative = tokens / np.nanmean(tokens, axis=1, keepdims=True) if tokens.size else tokens
     record["tokens_per_expert_relative"] = [numbers(row) for row in relative]
     return record
+
+
+def _by_value(keys: np.ndarray, values: np.ndarray) -> tuple[list[int], list[list]]:
+    """Rows of per-record lists keyed by `keys` (bucket starts, prompt lengths; NaN-padded) as one
+    series per distinct key, in key order: the value of each record at that key, None where the
+    record has none (a bucket or length added later in the run)."""
+    distinct = np.unique(keys[np.isfinite(keys)])
+    rows = np.arange(len(keys))
+    series = []
+    for key in distinct:
+        at = keys == key
+        series.append(numbers(np.where(at.any(axis=1), values[rows, at.argmax(axis=1)], np.nan)))
+    return [int(k) for k in distinct], series
+
+
+def long_context(run: RunView) -> dict:
+    """The long-context evaluation (docs/guides/long-context-eval.md): the validation loss of each
+    position bucket over the val records that have it, and each passkey probe's accuracy and key
+    log-likelihood by prompt length; iterations a rollback undid are flagged."""
+    with run.lock:
+        val, probes = run.metrics.val, run.metrics.passkey
+        with_buckets = np.isfinite(val["val_position_starts"]).any(axis=1) if len(val) else np.zeros(0, bool)
+        val_iters = val["iter"][with_buckets]
+        starts, loss = val["val_position_starts"][with_buckets], val["val_loss_by_position"][with_buckets]
+        probe_iters, lengths = probes["iter"], probes["passkey_lengths"]
+        accuracy, logprob = probes["passkey_accuracy"], probes["passkey_logprob"]
+        val_abandoned, probe_abandoned = run.abandoned_mask(val_iters), run.abandoned_mask(probe_iters)
+        generation = run.generation
+    bucket_starts, bucket_loss = _by_value(starts, loss)
+    probe_lengths, probe_accuracy = _by_value(lengths, accuracy)
+    _, probe_logprob = _by_value(lengths, logprob)
+    return {"run": run.index, "generation": generation,
+            "positions": {"iters": val_iters.tolist(), "abandoned": val_abandoned.tolist(), "starts": bucket_starts,
+                          "loss": bucket_loss},
+            "passkey": {"iters": probe_iters.tolist(), "abandoned": probe_abandoned.tolist(), "lengths": probe_lengths,
+                        "accuracy": probe_accuracy, "logprob": probe_logprob}}
 
 
 RANK_TIMES = ("compute_s", "iter_s", "wait_s", "data_s", "comm_exposed_s")  # the heatmap's value first, the hover's after

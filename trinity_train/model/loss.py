@@ -8,6 +8,10 @@ backward neither keeps nor recomputes any logits: three head GEMMs per token ins
 Otherwise (the tensor-parallel plan turns it off: its head is a vocabulary-split DTensor that only
 works called as a module) each chunk goes through the head under non-reentrant activation
 checkpointing, so backward keeps just the chunk's hidden states and recomputes its logits.
+
+Evaluation can also ask for totals by group of tokens (`cross_entropy_by_group`: a group index per
+token, e.g. its position bucket or its prompt), computed from the same chunks' logits; the
+training step never pays for them.
 """
 
 from __future__ import annotations
@@ -124,3 +128,40 @@ def chunked_cross_entropy(hidden: torch.Tensor, labels: torch.Tensor,
         else:
             ce_sum = ce_sum + _chunk_ce_sum(h, y, head)
     return ce_sum, num_tokens
+
+
+# The rows of `cross_entropy_by_group`'s totals.
+GROUP_CE, GROUP_TOKENS, GROUP_CORRECT = 0, 1, 2
+
+
+@torch.no_grad()
+def cross_entropy_by_group(hidden: torch.Tensor, labels: torch.Tensor,
+                           head: Callable[[torch.Tensor], torch.Tensor], chunk_tokens: int,
+                           groups: torch.Tensor, num_groups: int
+                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Evaluation only: `chunked_cross_entropy`'s (sum, count), the sum computed exactly as its
+    no-grad path does, and fp64 totals [3, num_groups] by group: summed cross entropy
+    (`GROUP_CE`), counted labels (`GROUP_TOKENS`) and labels that are the logits' argmax
+    (`GROUP_CORRECT`, a greedy next-token match).
+
+    `groups` [N] long in [0, num_groups): each token's group (the caller's choice: a position
+    bucket, a prompt), so a rank holding any subset of a row's tokens (context parallelism's
+    chunks) sums its own and the groups add up over ranks.
+    """
+    if groups.shape != labels.shape:
+        raise ValueError(f"cross_entropy_by_group: groups {tuple(groups.shape)} must match labels "
+                         f"{tuple(labels.shape)}")
+    num_tokens = (labels != IGNORE_INDEX).sum()
+    ce_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
+    totals = torch.zeros(3, num_groups, dtype=torch.float64, device=hidden.device)
+    for start in range(0, hidden.shape[0], chunk_tokens):
+        y = labels[start:start + chunk_tokens]
+        g = groups[start:start + chunk_tokens]
+        logits = head(hidden[start:start + chunk_tokens]).float()
+        ce_sum = ce_sum + F.cross_entropy(logits, y, ignore_index=IGNORE_INDEX, reduction="sum")
+        per_token = F.cross_entropy(logits, y, ignore_index=IGNORE_INDEX, reduction="none")  # 0 where ignored
+        counted = y != IGNORE_INDEX
+        correct = (logits.argmax(dim=-1) == y) & counted
+        totals.index_add_(1, g, torch.stack([per_token.double(), counted.double(), correct.double()]))
+        del logits
+    return ce_sum, num_tokens, totals

@@ -18,7 +18,7 @@ from trinity_train.model.attention import (Attention, AttentionMask, build_atten
                                            positions_from_documents, rotary_cos_sin,
                                            sliding_window_blocks)
 from trinity_train.model.blocks import TransformerBlock, block_style, make_rms_norm
-from trinity_train.model.loss import IGNORE_INDEX, chunked_cross_entropy
+from trinity_train.model.loss import IGNORE_INDEX, chunked_cross_entropy, cross_entropy_by_group
 from trinity_train.model.moe import MoE, expert_alignment_problem, update_expert_bias
 from trinity_train.model.norms import LayerNorm, RMSNorm
 
@@ -31,6 +31,9 @@ class ModelOutput:
     aux_loss: torch.Tensor  # fp32 scalar: alpha-weighted sequence-wise aux loss, summed over layers
     z_loss: torch.Tensor  # fp32 scalar: weighted router z-loss, summed over layers, token mean
     tokens_per_expert: torch.Tensor  # fp32 [num_moe_layers, E], detached
+    # fp64 [3, num_groups] (summed CE, counted labels, argmax matches) by the forward's
+    # `token_groups`; None without them (training)
+    group_totals: torch.Tensor | None = None
 
 
 def layer_attention_mask(seq_len: int, window: int | None, document_ids: torch.Tensor | None,
@@ -73,7 +76,10 @@ class TrinityModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None,
-                document_ids: torch.Tensor | None = None) -> ModelOutput:
+                document_ids: torch.Tensor | None = None, token_groups: torch.Tensor | None = None,
+                num_groups: int = 0) -> ModelOutput:
+        """`token_groups` [B, T] (evaluation, no grad, with `labels`): each token's group in
+        [0, num_groups), for totals by group (`loss.cross_entropy_by_group`) in `group_totals`."""
         cfg = self.cfg
         batch, seq_len = input_ids.shape
         device = input_ids.device
@@ -99,7 +105,15 @@ class TrinityModel(nn.Module):
         h = self.norm(h)
 
         zero = torch.zeros((), dtype=torch.float32, device=device)
-        if labels is None:
+        group_totals = None
+        if token_groups is not None:
+            if labels is None or torch.is_grad_enabled():
+                raise ValueError("token_groups are for evaluation: pass labels and run under torch.no_grad()")
+            logits = None
+            ce_sum, num_tokens, group_totals = cross_entropy_by_group(
+                h.reshape(-1, cfg.hidden_size), labels.reshape(-1), self.lm_head, cfg.loss_chunk_tokens,
+                token_groups.reshape(-1), num_groups)
+        elif labels is None:
             logits = self.lm_head(h)
             ce_sum, num_tokens = zero, torch.zeros((), dtype=torch.long, device=device)
         else:
@@ -117,7 +131,7 @@ class TrinityModel(nn.Module):
             z_loss = cfg.z_loss_weight * (router_z * counted).sum() / counted.sum().clamp_min(1)
         tokens_per_expert = (torch.stack([a.tokens_per_expert for a in moe_aux]) if moe_aux
                              else torch.zeros(0, cfg.num_experts, device=device))
-        return ModelOutput(logits, ce_sum, num_tokens, aux_loss, z_loss, tokens_per_expert)
+        return ModelOutput(logits, ce_sum, num_tokens, aux_loss, z_loss, tokens_per_expert, group_totals)
 
     def update_expert_biases(self, counts: torch.Tensor) -> None:
         """Apply the configured load-balancing rule once, from counts [num_moe_layers, E] summed

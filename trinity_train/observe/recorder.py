@@ -84,6 +84,11 @@ class MetricsRecorder:
         if self.is_main:
             self._write(RecordKind.RANKS, record)
 
+    def passkey(self, record: dict) -> None:
+        """A passkey retrieval probe's record (`evaluation/passkey.py`)."""
+        if self.is_main:
+            self._write(RecordKind.PASSKEY, record)
+
     def notice(self, text: str) -> None:
         """Tell the person watching the console (skips, rollbacks, drills)."""
         if self.is_main:

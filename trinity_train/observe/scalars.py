@@ -2,7 +2,9 @@
 
 - a number: `{prefix}/{key}`;
 - a list of numbers: one scalar per position, `{prefix}/{key}/{i}`; in a `layers` record `i` is
-  the layer index (the lists indexed by MoE layer are named through its `moe_layers`);
+  the layer index (the lists indexed by MoE layer are named through its `moe_layers`); a list of
+  `records.INDEXED_BY` is named by the values of its index field (a bucket's first position, a
+  prompt length), which is not written itself;
 - an object: its members, `{prefix}/{key}/{member}...`, by the same rules;
 - a list of lists (tokens per expert): one histogram per row, `{prefix}/{key}/{i}`.
 
@@ -15,8 +17,9 @@ import math
 import numbers
 
 from trinity_train.observe.layer_record import MOE_LAYERS, layer_indices
+from trinity_train.records import INDEXED_BY
 
-_NOT_VALUES = ("iter", "step", "kind", MOE_LAYERS)
+_NOT_VALUES = ("iter", "step", "kind", MOE_LAYERS, *INDEXED_BY.values())
 
 
 def _is_value(v) -> bool:
@@ -45,6 +48,13 @@ def _flatten(name: str, value, indices, scalars: dict[str, float], histograms: d
         scalars[name] = float(value)
 
 
+def _indices(record: dict, key: str, length: int) -> list:
+    named_by = record.get(INDEXED_BY.get(key, ""))
+    if isinstance(named_by, list) and len(named_by) == length:
+        return named_by
+    return layer_indices(record, key, length)
+
+
 def named_values(record: dict, prefix: str) -> tuple[dict[str, float], dict[str, list[float]]]:
     """(scalars, histograms) of a record, named as the module docstring says: e.g.
     `{"loss": 2.0, "moe_cv_per_layer": [a, b]}` -> `{"train/loss": 2.0, "train/moe_cv_per_layer/0": a,
@@ -54,6 +64,6 @@ def named_values(record: dict, prefix: str) -> tuple[dict[str, float], dict[str,
     for key, value in record.items():
         if key in _NOT_VALUES or isinstance(value, bool):
             continue
-        indices = layer_indices(record, key, len(value)) if isinstance(value, (list, tuple)) else None
+        indices = _indices(record, key, len(value)) if isinstance(value, (list, tuple)) else None
         _flatten(f"{prefix}/{key}", value, indices, scalars, histograms)
     return scalars, histograms

@@ -386,6 +386,64 @@
     depth("plot-depth-rms", have.map(([r, record]) => profile(r, record, "residual_rms", "solid", "residual RMS")), "RMS");
   };
 
+  // ---- long-context evaluation -----------------------------------------------------------
+
+  // One colour per position bucket (the later, the darker), one dash per run.
+  const BUCKET_COLORS = ["#9ecae1", "#6baed6", "#4292c6", "#2171b5", "#08519c", "#08306b", "#54278f", "#3f007d", "#67000d", "#a50f15"];
+  const bucketLabel = (starts, j) => (j + 1 < starts.length ? `positions [${starts[j]}, ${starts[j + 1]})` : `positions ≥ ${starts[j]}`);
+
+  // The loss of each position bucket over iterations (the iterations a rollback undid left out),
+  // and the passkey probes by prompt length: the run's first probe faded, its latest solid.
+  draw.longContext = function (panel) {
+    const runs = visibleRuns().filter((r) => state.data[r.index][panel.name]);
+    const ofRun = (r) => state.data[r.index][panel.name];
+    const withBuckets = runs.filter((r) => ofRun(r).positions.starts.length);
+    const noBuckets = "No validation loss by position: no run has a val record with val_loss_by_position (runs before the long-context evaluation).";
+    if (setEmpty("plot-position-loss", !withBuckets.length ? noBuckets : null)) {
+      const traces = withBuckets.flatMap((r, k) => {
+        const p = ofRun(r).positions;
+        const label = escapeHtml(r.name);
+        return p.starts.map((start, j) => ({
+          x: p.iters, y: p.loss[j].map((v, i) => (p.abandoned[i] ? null : v)), type: "scatter", mode: "lines+markers",
+          name: `${label} ${bucketLabel(p.starts, j)}`, legendgroup: `run${r.index}`, connectgaps: true,
+          line: { color: BUCKET_COLORS[j % BUCKET_COLORS.length], width: 1.5, dash: DASHES[k % DASHES.length] }, marker: { size: 4 },
+          hovertemplate: `${label}<br>${bucketLabel(p.starts, j)}<br>iter %{x}<br>val loss %{y:.4g}<extra></extra>`,
+          meta: { run: r.index, kind: "position-loss", start },
+        }));
+      });
+      react("plot-position-loss", traces, baseLayout({ shapes: withBuckets.flatMap(rollbackBands), yaxis: { title: { text: "val loss" }, automargin: true } }));
+    }
+    const withProbes = runs.filter((r) => ofRun(r).passkey.iters.length);
+    const noProbes = "No passkey probes: a run probes at validation every metrics.passkey_every steps (0, the default, turns it off).";
+    if (!setEmpty("plot-passkey", !withProbes.length ? noProbes : null)) return;
+    const lengths = new Set();
+    const traces = withProbes.flatMap((r) => {
+      const pk = ofRun(r).passkey;
+      pk.lengths.forEach((n) => lengths.add(n));
+      const kept = pk.iters.map((_, i) => i).filter((i) => !pk.abandoned[i]);
+      const shown = [...new Set([kept[0], kept[kept.length - 1]])].filter((i) => i !== undefined);
+      return shown.flatMap((i, n) => {
+        const latest = n === shown.length - 1;
+        const label = `${escapeHtml(r.name)} iter ${pk.iters[i]}`;
+        const common = { x: pk.lengths, type: "scatter", mode: "lines+markers", legendgroup: `run${r.index}`, opacity: latest ? 1 : 0.35, marker: { size: 6 } };
+        return [
+          Object.assign({}, common, { y: pk.accuracy.map((row) => row[i]), name: `${label} retrieved`, line: { color: color(r.index), width: 2 },
+            hovertemplate: `${label}<br>length %{x}<br>retrieved %{y:.0%}<extra></extra>`, meta: { run: r.index, kind: "passkey-accuracy", iter: pk.iters[i] } }),
+          Object.assign({}, common, { y: pk.logprob.map((row) => row[i]), yaxis: "y2", name: `${label} key log-likelihood`,
+            line: { color: color(r.index), width: 1.5, dash: "dash" },
+            hovertemplate: `${label}<br>length %{x}<br>key log-likelihood %{y:.3f} nats per token<extra></extra>`,
+            meta: { run: r.index, kind: "passkey-logprob", iter: pk.iters[i] } }),
+        ];
+      });
+    });
+    const ticks = [...lengths].sort((a, b) => a - b);
+    react("plot-passkey", traces, { margin: { l: 60, r: 60, t: 10, b: 40 }, hovermode: "closest", showlegend: true,
+      legend: { orientation: "h", y: -0.22, font: { size: 11 } }, font: { size: 12 }, paper_bgcolor: "#fff", plot_bgcolor: "#fff",
+      xaxis: { title: { text: "prompt length (tokens)" }, type: "log", tickvals: ticks, ticktext: ticks.map(String) },
+      yaxis: { title: { text: "retrieved" }, range: [-0.05, 1.05], tickformat: ".0%", zeroline: false },
+      yaxis2: { title: { text: "key log-likelihood" }, overlaying: "y", side: "right", showgrid: false, zeroline: false } });
+  };
+
   function react(id, traces, layout) {
     const div = $(id);
     Plotly.react(div, traces, layout, CONFIG);

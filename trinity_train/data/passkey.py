@@ -1,0 +1,67 @@
+"""Passkey retrieval prompts (Mohtashami & Jaggi, 2023): a 5-digit key hidden at a depth in
+repeated filler text, and the question that asks for it, tokenized by the run's tokenizer.
+
+A prompt of `length` tokens is the model's input; the `length + 1` tokens of `PasskeyPrompt.tokens`
+are that input and the key's last token, so the labels of the key's tokens (each predicted from the
+tokens before it) all lie inside the input. Every piece is tokenized on its own and the ids joined,
+so the key's tokens are the same in the needle and in the answer. Everything is a function of the
+tokenizer, the length, the depth and the key's number: the same prompts at every validation.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Callable
+
+from trinity_train.errors import ConfigError
+
+INTRO = ("There is an important piece of information hidden inside a lot of irrelevant text. "
+         "Find it and memorize it. I will quiz you about it.")
+FILLER = " The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
+NEEDLE = " The pass key is {key}. Remember it. {key} is the pass key."
+QUESTION = " What is the pass key? The pass key is"
+ANSWER = " {key}"
+
+
+@dataclass(frozen=True)
+class PasskeyPrompt:
+    length: int  # input tokens
+    depth: float  # where the needle starts, as a fraction of the filler
+    key: str  # the 5 digits
+    tokens: list[int]  # length + 1 ids: the input, then the key's last token
+    needle_start: int  # index of the needle's first token
+    answer_start: int  # index of the answer's first token (the key after the question)
+
+    @property
+    def answer_tokens(self) -> list[int]:
+        return self.tokens[self.answer_start:]
+
+
+def passkey_key(length: int, depth: float, number: int) -> str:
+    """The 5-digit key of one prompt, fixed by its length, depth and number (a string seed:
+    the same in every process and Python version)."""
+    return str(random.Random(f"passkey-{length}-{depth}-{number}").randint(10000, 99999))
+
+
+def passkey_prompt(encode: Callable[[str], list[int]], length: int, depth: float, key: str) -> PasskeyPrompt:
+    """The prompt of `length` input tokens with `key` at `depth` of its filler."""
+    intro, needle = encode(INTRO), encode(NEEDLE.format(key=key))
+    question, answer = encode(QUESTION), encode(ANSWER.format(key=key))
+    filler_tokens = length + 1 - len(intro) - len(needle) - len(question) - len(answer)
+    if filler_tokens < 0:
+        raise ConfigError(f"metrics.passkey_lengths: {length} tokens cannot hold the passkey prompt, which needs "
+                          f"{length - filler_tokens} with this tokenizer; use longer lengths")
+    unit = encode(FILLER)
+    filler = (unit * (filler_tokens // len(unit) + 1))[:filler_tokens]
+    before = round(depth * filler_tokens)
+    tokens = intro + filler[:before] + needle + filler[before:] + question + answer
+    return PasskeyPrompt(length, depth, key, tokens, needle_start=len(intro) + before,
+                         answer_start=len(tokens) - len(answer))
+
+
+def passkey_prompts(encode: Callable[[str], list[int]], lengths: list[int], depths: list[float],
+                    keys: int) -> dict[int, list[PasskeyPrompt]]:
+    """`keys` prompts per depth at each length, by length (in the order given)."""
+    return {length: [passkey_prompt(encode, length, depth, passkey_key(length, depth, k))
+                     for depth in depths for k in range(keys)] for length in lengths}

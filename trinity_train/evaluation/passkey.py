@@ -1,0 +1,105 @@
+"""The passkey retrieval probe: does the model find a key hidden at several depths of prompts of
+several lengths? (docs/guides/long-context-eval.md)
+
+For each length, one forward over its prompts (`data.passkey`) with the key's answer tokens as the
+only labels, grouped by prompt (`loss.cross_entropy_by_group`): a prompt counts as retrieved when
+every answer token is the model's greedy next token, and `passkey_logprob` is the mean
+log-likelihood of the answer tokens. The training loop runs it at validation every
+`metrics.passkey_every` steps; `trinity-train probe-context` runs it on a checkpoint. Every rank
+runs the same prompts (the forward is collective under FSDP, TP and EP) and gets the same result.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from trinity_train.config import Config, MetricsConfig
+from trinity_train.data.passkey import PasskeyPrompt, passkey_prompts
+from trinity_train.data.shards import TOKENIZER_FILE
+from trinity_train.data.tokenizer import load_tokenizer
+from trinity_train.errors import DataError
+from trinity_train.model.loss import GROUP_CE, GROUP_CORRECT, GROUP_TOKENS, IGNORE_INDEX
+from trinity_train.step import autocast_context
+
+
+@dataclass
+class PasskeyResult:
+    lengths: list[int]
+    accuracy: list[float]  # share of the prompts whose whole key was the greedy continuation
+    logprob: list[float]  # mean log-likelihood of an answer token (nats; 0 is certain)
+    prompts: list[int]  # prompts per length
+
+    def record_fields(self) -> dict:
+        """The `passkey` record's fields (`records.passkey_record`) less iter and step."""
+        return {"passkey_lengths": self.lengths, "passkey_accuracy": self.accuracy,
+                "passkey_logprob": self.logprob, "passkey_prompts": self.prompts}
+
+
+def probe_inputs(prompts: list[PasskeyPrompt]) -> dict[str, torch.Tensor]:
+    """Model inputs of prompts of one length: input ids, labels only on the answer's tokens, and
+    each token's group (its prompt)."""
+    tokens = torch.tensor([p.tokens for p in prompts], dtype=torch.long)
+    rows, length = tokens.shape[0], tokens.shape[1] - 1
+    labels = torch.full((rows, length), IGNORE_INDEX, dtype=torch.long)
+    for row, p in enumerate(prompts):
+        # label t is token t+1: the answer's tokens are predicted from the position before each
+        labels[row, p.answer_start - 1:] = tokens[row, p.answer_start:]
+    return {"input_ids": tokens[:, :-1], "labels": labels,
+            "position_ids": torch.arange(length).expand(rows, length),
+            "document_ids": torch.zeros(rows, length, dtype=torch.long),
+            "token_groups": torch.arange(rows)[:, None].expand(rows, length)}
+
+
+class PasskeyProbe:
+    """The fixed prompts of a run (built once), scored on the model as it is at each call."""
+
+    def __init__(self, prompts: dict[int, list[PasskeyPrompt]]):
+        self.prompts = prompts
+
+    @classmethod
+    def from_tokenizer(cls, tokenizer_file: str | Path, metrics: MetricsConfig, lengths: list[int]) -> PasskeyProbe:
+        tokenizer = load_tokenizer(tokenizer_file)
+
+        def encode(text: str) -> list[int]:
+            return tokenizer.encode(text, add_special_tokens=False).ids
+
+        return cls(passkey_prompts(encode, lengths, metrics.passkey_depths, metrics.passkey_keys))
+
+    @torch.no_grad()
+    def run(self, model: nn.Module, cfg: Config, device: torch.device) -> PasskeyResult:
+        was_training = model.training
+        model.eval()
+        result = PasskeyResult([], [], [], [])
+        for length, prompts in self.prompts.items():
+            inputs = {k: v.to(device) for k, v in probe_inputs(prompts).items()}
+            with autocast_context(cfg, device):
+                out = model(inputs["input_ids"], labels=inputs["labels"], position_ids=inputs["position_ids"],
+                            document_ids=inputs["document_ids"], token_groups=inputs["token_groups"],
+                            num_groups=len(prompts))
+            totals = out.group_totals.cpu()
+            retrieved = totals[GROUP_CORRECT] == totals[GROUP_TOKENS]
+            result.lengths.append(length)
+            result.accuracy.append(float(retrieved.double().mean()))
+            result.logprob.append(float(-totals[GROUP_CE].sum() / totals[GROUP_TOKENS].sum()))
+            result.prompts.append(len(prompts))
+        model.train(was_training)
+        return result
+
+
+def probe_lengths(metrics: MetricsConfig, seq_len: int) -> list[int]:
+    """The configured lengths the run can probe: those up to `data.seq_len`."""
+    return [n for n in metrics.passkey_lengths if n <= seq_len]
+
+
+def probe_for_run(cfg: Config, dataset_dir: Path) -> PasskeyProbe:
+    """The training run's probe (`metrics.passkey_every`): its lengths up to `data.seq_len`,
+    tokenized by the tokenizer of the run's (first) dataset."""
+    tokenizer = Path(dataset_dir) / TOKENIZER_FILE
+    if not tokenizer.is_file():
+        raise DataError(f"metrics.passkey_every: the passkey probe needs the run's tokenizer, and '{tokenizer}' "
+                        "is missing; prepare the dataset with its tokenizer.json or set metrics.passkey_every=0")
+    return PasskeyProbe.from_tokenizer(tokenizer, cfg.metrics, probe_lengths(cfg.metrics, cfg.data.seq_len))
