@@ -10,11 +10,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import run_config
+from conftest import CONFIGS, RUN_MODEL, assert_one_line_error, cli_in_process, run_config
 from drill_run import drill_config
 from helpers import StopAfterStep, stop_after
 from trinity_train.checkpoint import ModelState, OptimizerState, save_model_checkpoint
+from trinity_train.checkpoint.compat import model_architecture
 from trinity_train.checkpoint.layout import list_checkpoints
+from trinity_train.config import load_config
 from trinity_train.errors import ConfigError
 from trinity_train.records import EventName, RecordKind
 from trinity_train.rundir import RunDir
@@ -152,3 +154,34 @@ def test_init_from_a_run_directory_without_checkpoints_is_refused(corpus, tmp_pa
     (tmp_path / "empty" / "checkpoints").mkdir(parents=True)
     with pytest.raises(ConfigError, match="checkpoint.init_from: the run directory .* holds no sound checkpoint"):
         Trainer(phase_config(corpus, tmp_path / "phase", tmp_path / "empty"))
+
+
+def test_the_shipped_phase_extends_the_default_model_keeping_its_window_and_rope():
+    default, phase = load_config(CONFIGS / "debug.toml"), load_config(CONFIGS / "extend_context.toml")
+    assert model_architecture(phase.model) == model_architecture(default.model)  # window and RoPE included
+    assert (default.data.seq_len, phase.data.seq_len) == (256, 4096)
+    assert (phase.checkpoint.init_from, phase.checkpoint.init_optimizer) == (default.run.dir, True)
+    assert (phase.optim.schedule, phase.optim.peak_lr_ratio, phase.optim.min_lr_ratio) == ("linear", 0.1, 0.0)
+    assert phase.run.dir != default.run.dir
+
+
+@pytest.mark.slow  # two runs through the CLI
+def test_the_shipped_configs_extend_a_run_through_the_cli(corpus, tmp_path, capsys):
+    # The shipped files on the tiny model and corpus: the default job, then its extension from its run directory.
+    tiny = [f"--model.{k}={v}" for k, v in RUN_MODEL.items()] + [
+        f"--data.path={corpus}", "--train.steps=4", "--train.micro_batch_size=2", "--train.eval_every=0",
+        "--checkpoint.every=2", "--metrics.progress_bar=false", "--metrics.peak_flops=1e11"]
+    base, phase = tmp_path / "base", tmp_path / "phase"
+    code, err = cli_in_process(capsys, "train", "--config", CONFIGS / "debug.toml", *tiny, "--data.seq_len=16",
+                               f"--run.dir={base}")
+    assert code == 0, err
+    code, err = cli_in_process(capsys, "train", "--config", CONFIGS / "extend_context.toml", *tiny,
+                               "--data.seq_len=64", f"--checkpoint.init_from={base}", f"--run.dir={phase}")
+    assert code == 0, err
+    (extended,) = RunDir(phase).read_events(EventName.CONTEXT_EXTENDED)
+    assert (extended["step"], extended["from_seq_len"], extended["to_seq_len"]) == (4, 16, 64)
+    assert [r["tokens"] for r in RunDir(phase).read_metrics(RecordKind.TRAIN)] == [2 * 64] * 4
+    # A resume of the finished base run at the phase's length is refused in one line.
+    code, err = cli_in_process(capsys, "train", "--config", CONFIGS / "debug.toml", *tiny, "--data.seq_len=64",
+                               f"--run.dir={base}", "--checkpoint.resume=auto")
+    assert_one_line_error(code, err, 2, "data.seq_len", "--checkpoint.init_from=")
