@@ -147,7 +147,7 @@ class OptimConfig:
     schedule: str = "wsd"  # "wsd", "cosine", "linear" (warm-up, then linear decay to min_lr_ratio) or "constant"
     warmup_steps: int = 30  # steps of linear learning-rate warm-up
     decay_fraction: float = 0.2  # WSD: last fraction of steps decays linearly to min_lr_ratio
-    min_lr_ratio: float = 0.0  # WSD decays to this; cosine to this (Trinity Large: 0.1)
+    min_lr_ratio: float = 0.0  # WSD, cosine and linear decay to this fraction of the peaks (Trinity Large: 0.1)
     peak_lr_ratio: float = 1.0  # the schedule's top, a fraction of lr and muon_lr: a phase that continues
     #                             a trained run at part of its peaks (context extension: 0.1)
 
