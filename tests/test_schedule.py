@@ -1,4 +1,4 @@
-"""Learning-rate schedules (WSD, cosine, constant) and the AdamW parameter groups."""
+"""Learning-rate schedules (WSD, cosine, linear, constant; their tops and floors) and the AdamW parameter groups."""
 
 import math
 
@@ -32,6 +32,32 @@ def test_cosine_runs_from_peak_to_floor_after_warmup():
     assert m[7] == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.5)))
     assert all(a > b for a, b in zip(m[2:], m[3:]))
     assert lr_multiplier(12, OptimConfig(schedule="cosine", warmup_steps=2, min_lr_ratio=0.1), 12) == pytest.approx(0.1)
+
+
+def test_linear_warms_up_to_the_top_then_decays_linearly_to_the_floor():
+    # Trinity Nano and Mini's context extension: re-warm linearly to 1/10 of the peak, then decay to 0.
+    m = multipliers(10, schedule="linear", warmup_steps=2, peak_lr_ratio=0.1, min_lr_ratio=0.0)
+    assert m == pytest.approx([0.05, 0.1, 0.1, 0.0875, 0.075, 0.0625, 0.05, 0.0375, 0.025, 0.0125])
+    assert lr_multiplier(10, OptimConfig(schedule="linear", warmup_steps=2, peak_lr_ratio=0.1), 10) == 0.0
+
+
+def test_cosine_continues_between_two_fractions_of_the_peak():
+    # Trinity Large's context extension: the cosine continues from 1/10 to 1/20 of the peak, no warmup.
+    m = multipliers(5, schedule="cosine", warmup_steps=0, peak_lr_ratio=0.1, min_lr_ratio=0.05)
+    assert m == pytest.approx([0.1, 0.05 + 0.05 * 0.5 * (1 + math.cos(math.pi * 0.2)),
+                               0.05 + 0.05 * 0.5 * (1 + math.cos(math.pi * 0.4)),
+                               0.05 + 0.05 * 0.5 * (1 + math.cos(math.pi * 0.6)),
+                               0.05 + 0.05 * 0.5 * (1 + math.cos(math.pi * 0.8))])
+    assert lr_multiplier(5, OptimConfig(schedule="cosine", warmup_steps=0, peak_lr_ratio=0.1,
+                                        min_lr_ratio=0.05), 5) == pytest.approx(0.05)
+
+
+def test_every_schedule_tops_out_at_the_peak_ratio():
+    for schedule in ("wsd", "cosine", "linear", "constant"):
+        full = multipliers(20, schedule=schedule, warmup_steps=4, min_lr_ratio=0.0)
+        part = multipliers(20, schedule=schedule, warmup_steps=4, min_lr_ratio=0.0, peak_lr_ratio=0.25)
+        assert max(part) == pytest.approx(0.25), schedule
+        assert part == pytest.approx([0.25 * f for f in full]), schedule
 
 
 def test_constant_only_warms_up():

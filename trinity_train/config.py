@@ -144,10 +144,12 @@ class OptimConfig:
     muon_scale: str = "spectral"  # "spectral" (lr*sqrt(max(1, out/in))) or "rms_match" (Moonlight)
     muon_ns_dtype: str = "auto"  # Newton-Schulz precision: "auto" (bf16 on GPU, fp32 on CPU), "bf16", "fp32"
     muon_router: bool = True  # router gate goes to Muon (else AdamW)
-    schedule: str = "wsd"  # "wsd", "cosine" or "constant"
+    schedule: str = "wsd"  # "wsd", "cosine", "linear" (warm-up, then linear decay to min_lr_ratio) or "constant"
     warmup_steps: int = 30  # steps of linear learning-rate warm-up
     decay_fraction: float = 0.2  # WSD: last fraction of steps decays linearly to min_lr_ratio
-    min_lr_ratio: float = 0.0  # WSD decays to this; cosine to this (Trinity Large: 0.1)
+    min_lr_ratio: float = 0.0  # WSD, cosine and linear decay to this fraction of the peaks (Trinity Large: 0.1)
+    peak_lr_ratio: float = 1.0  # the schedule's top, a fraction of lr and muon_lr: a phase that continues
+    #                             a trained run at part of its peaks (context extension: 0.1)
 
 
 @dataclass
@@ -183,7 +185,11 @@ class CheckpointConfig:
     every: int = 50  # a checkpoint every this many steps, and at the last; 0: none
     keep: int = 3  # the newest this many sound checkpoints are kept
     resume: UserPath = "none"  # "none", "auto" (newest in the run directory) or a checkpoint path
-    init_from: UserPath = ""  # a checkpoint (e.g. from import-hf) whose model weights start the run
+    init_from: UserPath = ""  # a checkpoint (e.g. from import-hf), or a run directory (its newest sound
+    #                           checkpoint), whose model weights start the run: a later phase such as a
+    #                           context extension (data.seq_len above the checkpoint's) starts this way
+    init_optimizer: bool = False  # also continue init_from's optimizer state (a training checkpoint's), as
+    #                               Trinity's context extension does; the schedule is this run's own
     async_save: bool = False  # write in the background (dcp.async_save); committed at the first step after
     max_failed_saves: int = 3  # a save that fails (a full or broken disk) is recorded and training goes
     #                            on, keeping the checkpoints it has; this many in a row stop the run
@@ -624,7 +630,7 @@ def _validate_train(t: TrainConfig) -> None:
 
 def _validate_optim(o: OptimConfig) -> None:
     one_of(o.name, ("adamw", "muon"), "optim.name")
-    one_of(o.schedule, ("wsd", "cosine", "constant"), "optim.schedule")
+    one_of(o.schedule, ("wsd", "cosine", "linear", "constant"), "optim.schedule")
     one_of(o.muon_scale, ("spectral", "rms_match"), "optim.muon_scale")
     for key in ("lr", "muon_lr"):
         value = getattr(o, key)
@@ -636,7 +642,9 @@ def _validate_optim(o: OptimConfig) -> None:
     require(o.eps > 0, "optim.eps", f"must be positive (it keeps AdamW's division finite), got {o.eps}")
     require(o.warmup_steps >= 0, "optim.warmup_steps", "must be >= 0")
     require(0 <= o.decay_fraction <= 1, "optim.decay_fraction", "must be in [0, 1]")
-    require(0 <= o.min_lr_ratio <= 1, "optim.min_lr_ratio", "must be in [0, 1]")
+    require(0 < o.peak_lr_ratio <= 1, "optim.peak_lr_ratio", f"must be in (0, 1], got {o.peak_lr_ratio}")
+    require(0 <= o.min_lr_ratio <= o.peak_lr_ratio, "optim.min_lr_ratio",
+            f"must be in [0, optim.peak_lr_ratio={o.peak_lr_ratio}] (the schedule decays to it), got {o.min_lr_ratio}")
     require(o.muon_ns_steps > 0, "optim.muon_ns_steps", "must be positive")
     require(0 <= o.muon_momentum < 1, "optim.muon_momentum", f"must be in [0, 1), got {o.muon_momentum}")
     one_of(o.muon_ns_dtype, ("auto", "bf16", "fp32"), "optim.muon_ns_dtype")
@@ -655,6 +663,8 @@ def _validate_parallel(p: ParallelConfig) -> None:
 def _validate_checkpoint(c: CheckpointConfig) -> None:
     require(c.every >= 0, "checkpoint.every", "must be >= 0 (0 disables periodic checkpoints)")
     require(c.keep >= 1, "checkpoint.keep", "must be >= 1")
+    require(not c.init_optimizer or bool(c.init_from), "checkpoint.init_optimizer",
+            "needs checkpoint.init_from: the checkpoint whose optimizer state the run continues")
     require(c.max_failed_saves >= 1, "checkpoint.max_failed_saves", "must be >= 1 (1: the first failed save stops the run)")
 
 

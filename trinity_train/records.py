@@ -26,6 +26,7 @@ class EventName(StrEnum):
     RUN_START = "run_start"
     RESUME = "resume"
     INIT_FROM = "init_from"
+    CONTEXT_EXTENDED = "context_extended"
     CONFIG_CHANGED = "config_changed"
     SCHEDULE_REPLANNED = "schedule_replanned"
     SUPERSEDED = "superseded"
@@ -137,6 +138,7 @@ EVENTS: dict[EventName, Shape] = {
     EventName.RUN_START: _shape("step iter device devices resumed_from"),
     EventName.RESUME: _shape("checkpoint step iter sample_order", optional="sample_order"),
     EventName.INIT_FROM: _shape("checkpoint"),
+    EventName.CONTEXT_EXTENDED: _shape("checkpoint step from_seq_len to_seq_len optimizer"),
     EventName.CONFIG_CHANGED: _shape("changes"),
     EventName.SCHEDULE_REPLANNED: _shape("step schedule from_steps to_steps lr_from lr_to"),
     EventName.SUPERSEDED: _shape("from_iter records"),

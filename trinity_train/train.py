@@ -36,8 +36,9 @@ from torch import nn
 from trinity_train import signals
 from trinity_train.callbacks import CallbackList, TrainerCallback
 from trinity_train.checkpoint import CheckpointManager, ModelState, OptimizerState, RNGState, load_checkpoint
-from trinity_train.checkpoint.compat import config_differences, config_from_meta, describe_differences
-from trinity_train.checkpoint.integrity import require_sound
+from trinity_train.checkpoint.compat import (check_same_seq_len, config_differences, config_from_meta,
+                                             describe_differences)
+from trinity_train.checkpoint.init_from import check_init_from, init_checkpoint, start_events
 from trinity_train.checkpoint.manager import read_compatible_meta
 from trinity_train.config import Config, config_to_dict, load_config, save_config
 from trinity_train.data import build_loaders
@@ -217,11 +218,15 @@ class Trainer:
                                              protect_lookback=protected_lookback(cfg.stability),
                                              collective_timeout_s=cfg.parallel.collective_timeout_s)
         self.resume_from = self.checkpoints.resume_path()
+        # A fresh start from another run's checkpoint (a later phase), checked before any work.
+        self.init_from: Path | None = None
+        self._init_source: Config | None = None
         if self.resume_from is not None:
-            read_compatible_meta(self.resume_from, cfg)
+            meta = read_compatible_meta(self.resume_from, cfg)
+            check_same_seq_len(config_from_meta(meta, self.resume_from), cfg, self.resume_from)
         elif cfg.checkpoint.init_from:
-            require_sound(cfg.checkpoint.init_from)  # damaged weights are refused before any work
-            read_compatible_meta(Path(cfg.checkpoint.init_from), cfg)
+            self.init_from = init_checkpoint(cfg.checkpoint.init_from)
+            self._init_source = check_init_from(self.init_from, cfg)
         self.device = device or resolve_device(cfg)
         self.is_main = self.dims.is_main  # writes files (metrics, config, ledger); checkpoints coordinate themselves
 
@@ -316,8 +321,8 @@ class Trainer:
         self.lr_backoff.apply(self.optimizer, self.scheduler.get_last_lr(), self.state.step)
 
     def restore(self) -> list[dict]:
-        """Load the resume checkpoint if there is one, else the init_from weights if asked;
-        returns the events to record."""
+        """Load the resume checkpoint if there is one, else start from the init_from checkpoint
+        if asked; returns the events to record."""
         self.checkpoints.remove_interrupted_saves()
         if self.resume_from is not None:
             meta = self._load(self.resume_from)
@@ -333,11 +338,20 @@ class Trainer:
             if replan is not None and self.is_main:
                 print(describe_replanned(replan), file=sys.stderr)
             return resumed + ([replan] if replan is not None else [])
-        if self.cfg.checkpoint.init_from:
-            with self.phase(Phase.CHECKPOINT_LOAD):
-                load_checkpoint(Path(self.cfg.checkpoint.init_from), {"model": ModelState(self.model)}, self.cfg)
-            return [event(EventName.INIT_FROM, checkpoint=self.cfg.checkpoint.init_from)]
+        if self.init_from is not None:
+            return self._start_phase()
         return []
+
+    def _start_phase(self) -> list[dict]:
+        """Load the `init_from` weights (and, with `checkpoint.init_optimizer`, the optimizer's
+        state); everything else starts anew (checkpoint/init_from.py); returns the events."""
+        state = {"model": ModelState(self.model)}
+        if self.cfg.checkpoint.init_optimizer:
+            state["optim"] = OptimizerState(self.model, self.optimizer)
+        with self.phase(Phase.CHECKPOINT_LOAD):
+            meta = load_checkpoint(self.init_from, state, self.cfg)
+        self._apply_lr()  # the optimizer keeps its configured rates; the schedule's are the phase's
+        return start_events(self.init_from, self._init_source, int(meta["step"]), self.cfg)
 
     def _prepare_run_dir(self) -> list[dict]:
         """Write the config and the ledger; returns the events to record."""

@@ -42,3 +42,15 @@ def check_model_compatible(checkpoint_cfg: Config, cfg: Config, path: Path) -> N
         raise CheckpointError(
             f"checkpoint '{path}' holds a different model than this run ({describe_differences(diffs)}); "
             "use the checkpoint's model settings or another checkpoint")
+
+
+def check_same_seq_len(checkpoint_cfg: Config, cfg: Config, path: Path) -> None:
+    """A resume continues its checkpoint's data position, which counts sequences of the
+    checkpoint's `data.seq_len`: a longer context is a phase of its own (checkpoint/init_from.py)."""
+    theirs, ours = checkpoint_cfg.data.seq_len, cfg.data.seq_len
+    if theirs != ours:
+        raise ConfigError(
+            f"data.seq_len: checkpoint '{path}' was trained at data.seq_len={theirs}, this run asks for {ours}, "
+            f"and a resume keeps its sequence length; resume with --data.seq_len={theirs}, or start a "
+            f"context-extension phase from it in a new run directory with --checkpoint.init_from={path} "
+            "(docs/guides/context-extension.md)")

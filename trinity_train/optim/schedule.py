@@ -1,4 +1,4 @@
-"""Learning-rate schedules: warmup-stable-decay (WSD), cosine and constant, all with linear warmup.
+"""Learning-rate schedules: warmup-stable-decay (WSD), cosine, linear and constant, all with linear warmup.
 
 The schedule is a multiplier on each parameter group's own peak learning rate (AdamW and Muon
 groups have different peaks), applied through `torch.optim.lr_scheduler.LambdaLR`. Step `s`
@@ -15,6 +15,12 @@ goes back to the stable phase (no warmup again) and decays over the new last
 `decay_fraction` of steps; it never trains at the old schedule's final rate of 0. To extend a WSD
 run the usual way, resume from a checkpoint taken before its decay began. `replanned` says what
 such a resume chose (the run records it and prints it).
+
+Every schedule's top is `optim.peak_lr_ratio` of the peaks (1 for a run from scratch) and its
+floor `optim.min_lr_ratio` of them, so a phase that continues a trained run expresses its curve
+in fractions of the run's own peaks: Trinity's context extension continues the cosine from 1/10
+to 1/20 (`cosine`, ratios 0.1 and 0.05, no warmup), or re-warms linearly to 1/10 and decays
+linearly to 0 (`linear`, Nano and Mini; docs/guides/context-extension.md).
 """
 
 from __future__ import annotations
@@ -33,25 +39,28 @@ def lr_multiplier(step: int, optim_cfg: OptimConfig, total_steps: int) -> float:
     """The fraction of the peak learning rate used by optimizer step `step` (0-based)."""
     # Warmup starts at 1/warmup rather than 0: a step at learning rate 0 would be wasted.
     warmup = optim_cfg.warmup_steps
-    warmup_mult = (step + 1) / warmup if step < warmup else 1.0
-    floor = optim_cfg.min_lr_ratio
+    top, floor = optim_cfg.peak_lr_ratio, optim_cfg.min_lr_ratio
+    warmup_mult = top * (step + 1) / warmup if step < warmup else top
 
     if optim_cfg.schedule == "constant":
         return warmup_mult
-    if optim_cfg.schedule == "cosine":
-        span = max(1, total_steps - warmup)
-        progress = min(1.0, max(0.0, (step - warmup) / span))
-        cosine = floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
-        return warmup_mult if step < warmup else cosine
+    if optim_cfg.schedule in ("cosine", "linear"):
+        if step < warmup:
+            return warmup_mult
+        # From the top at the first step after warmup to `floor` at step `total_steps`.
+        progress = min(1.0, max(0.0, (step - warmup) / max(1, total_steps - warmup)))
+        if optim_cfg.schedule == "linear":
+            return top - (top - floor) * progress
+        return floor + (top - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
     if optim_cfg.schedule == "wsd":
         decay_steps = round(optim_cfg.decay_fraction * total_steps)
         decay_start = total_steps - decay_steps
         if decay_steps == 0 or step < decay_start:
             return warmup_mult
-        # Linear from 1 at the first decay step towards `floor`, which the step after the last
-        # would reach; min() keeps a warmup that overlaps the decay from jumping above it.
+        # Linear from the top at the first decay step towards `floor`, which the step after the
+        # last would reach; min() keeps a warmup that overlaps the decay from jumping above it.
         progress = min(1.0, (step - decay_start) / decay_steps)
-        return min(warmup_mult, 1.0 - (1.0 - floor) * progress)
+        return min(warmup_mult, top - (top - floor) * progress)
     raise ValueError(f"unknown schedule {optim_cfg.schedule!r}")  # validate() rejects it earlier
 
 
