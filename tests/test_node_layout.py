@@ -99,7 +99,7 @@ def test_ep_across_nodes_is_refused_unless_asked():
 
 def test_hsdp_shards_cut_by_a_node_boundary_are_refused():
     # 12 ranks, 4 per node: shard groups of 6 ranks straddle nodes 0-1 and 1-2.
-    with pytest.raises(ConfigError, match=r"^parallel.dp_shard: HSDP's shard groups \(dp_shard x tp = 6 "
+    with pytest.raises(ConfigError, match=r"^parallel.dp_shard: HSDP's shard groups \(dp_shard x cp x tp = 6 "
                                           r"neighbouring ranks\) are cut by the boundaries of nodes of 4"):
         ParallelDims.from_config(cfg_with(dp_replicate=2), 12, Nodes(4, "test"))
     # Shard groups inside a node, or of whole nodes, and FSDP alone over any nodes, are fine.
