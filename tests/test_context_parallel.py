@@ -12,7 +12,7 @@ biases 1e-7 and rank-identical, bit-identical initial weights, the same layer st
 2 and 4, cp 2 x dp_shard 2, cp 2 x ep 2 and cp 2 x tp 2, at the issue's setting (seq_len 4,096,
 sliding window 128, document masking, three local layers to one global, MoE with the aux and z
 losses on) and at a short one (seq_len 32, window 8: at cp = 4 each chunk holds 4 tokens, so the
-7-token halo spans two chunks). And a resume that changes cp keeps the data order: a cp = 2 run's
+7-token halo spans two chunks), where HSDP 2 x cp 2 and Muon (cp 2, HSDP 2 x cp 2) are checked too. And a resume that changes cp keeps the data order: a cp = 2 run's
 checkpoint resumed by one process trains on the same batches as an uninterrupted run.
 """
 
@@ -168,14 +168,22 @@ def test_cp_ranks_shard_the_weights_and_lend_ranks_to_ep(corpus, tmp_path):
 LONG = {"model": {"num_layers": 4, "global_every": 4, "doc_masking": True, "aux_loss_alpha": 0.01,
                   "z_loss_weight": 0.001, "sliding_window": 128}, "data": {"seq_len": 4096}}
 SHORT = merge_sections(LONG, {"model": {"sliding_window": 8}, "data": {"seq_len": 32}})
-REFERENCES = {"long": LONG, "short": SHORT}
-TWO_RANK_LAYOUTS = {f"{name}_{layout}": merge_sections(setting, {"parallel": parallel})
-                    for name, setting in REFERENCES.items()
-                    for layout, parallel in {"cp2": {"cp": 2}, "cp2_ep2": {"cp": 2, "ep": 2}}.items()}
-FOUR_RANK_LAYOUTS = {f"{name}_{layout}": merge_sections(setting, {"parallel": parallel})
-                     for name, setting in REFERENCES.items()
-                     for layout, parallel in {"cp4": {"cp": 4}, "cp2_fsdp2": {"cp": 2, "dp_shard": 2},
-                                              "cp2_tp2": {"cp": 2, "tp": 2}}.items()}
+# Muon's exchange over the FSDP dim dp_shard_cp (and HSDP's 2-D mesh with it), at the short setting.
+MUON = merge_sections(SHORT, {"optim": {"name": "muon", "muon_lr": 1e-2}})
+REFERENCES = {"long": LONG, "short": SHORT, "muon": MUON}
+# name: (reference, the parallel section)
+TWO_RANK = {"cp2": {"cp": 2}, "cp2_ep2": {"cp": 2, "ep": 2}}
+FOUR_RANK = {"cp4": {"cp": 4}, "cp2_fsdp2": {"cp": 2, "dp_shard": 2}, "cp2_tp2": {"cp": 2, "tp": 2}}
+TWO_RANK_LAYOUTS = {**{f"{ref}_{name}": (ref, parallel) for ref in ("long", "short") for name, parallel in TWO_RANK.items()},
+                    "muon_cp2": ("muon", {"cp": 2})}
+FOUR_RANK_LAYOUTS = {**{f"{ref}_{name}": (ref, parallel) for ref in ("long", "short") for name, parallel in FOUR_RANK.items()},
+                     "short_hsdp2_cp2": ("short", {"dp_replicate": 2, "dp_shard": 1, "cp": 2}),
+                     "muon_hsdp2_cp2": ("muon", {"dp_replicate": 2, "dp_shard": 1, "cp": 2})}
+
+
+def sections(layouts: dict) -> dict:
+    """{layout: its config sections} for `run_layouts`."""
+    return {name: merge_sections(REFERENCES[ref], {"parallel": parallel}) for name, (ref, parallel) in layouts.items()}
 
 
 @pytest.fixture(scope="module")
@@ -191,15 +199,16 @@ def cp_runs(long_corpus, tmp_path_factory, rank_pool) -> dict:
     references = {name: recorded(Trainer(layout_config(long_corpus, root / name, merge_sections(COMMON, setting), 1)))
                   for name, setting in REFERENCES.items()}
     return {"references": references,
-            2: rank_pool(2).run(run_layouts, long_corpus, root / "two", TWO_RANK_LAYOUTS, recorded, COMMON),
-            4: rank_pool(4).run(run_layouts, long_corpus, root / "four", FOUR_RANK_LAYOUTS, recorded, COMMON)}
+            2: rank_pool(2).run(run_layouts, long_corpus, root / "two", sections(TWO_RANK_LAYOUTS), recorded, COMMON),
+            4: rank_pool(4).run(run_layouts, long_corpus, root / "four", sections(FOUR_RANK_LAYOUTS), recorded,
+                                COMMON)}
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", [*TWO_RANK_LAYOUTS, *FOUR_RANK_LAYOUTS])
 def test_context_parallel_layout_trains_like_one_process(cp_runs, layout):
     world = 2 if layout in TWO_RANK_LAYOUTS else 4
-    reference = cp_runs["references"][layout.split("_")[0]]
+    reference = cp_runs["references"][{**TWO_RANK_LAYOUTS, **FOUR_RANK_LAYOUTS}[layout][0]]
     assert reference["losses"][-1] < reference["losses"][0]
     assert_run_matches(cp_runs[world], layout, reference)
     assert_stats_match(cp_runs[world], layout, reference)
