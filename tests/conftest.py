@@ -125,7 +125,8 @@ def layout_config(corpus: Path, run_dir: Path, changes: dict, world: int) -> Con
     """The run the parallel-layout tests compare: three AdamW steps on 4-row global batches for any
     number of ranks (grad_accum makes up for fewer data-parallel ranks), with `changes` (config
     sections) naming the layout."""
-    dp = world // changes.get("parallel", {}).get("tp", 1)
+    parallel = changes.get("parallel", {})
+    dp = world // (parallel.get("tp", 1) * parallel.get("cp", 1))
     table = {
         "model": {"num_layers": 3, "num_kv_heads": 2, "route_scale": 2.0, "global_every": 2},
         "train": {"steps": 3, "micro_batch_size": 1, "grad_accum": LAYOUT_GLOBAL_ROWS // dp,

@@ -154,11 +154,13 @@ class OptimConfig:
 
 @dataclass
 class ParallelConfig:
-    # world size = dp_replicate * dp_shard * tp; ep takes its ranks from dp_shard (DESIGN §4)
+    # world size = dp_replicate * dp_shard * cp * tp; ep takes its ranks from dp_shard * cp (DESIGN §4)
     dp_replicate: int = 1  # HSDP replicas (each holds a full FSDP-sharded copy)
-    dp_shard: int = -1  # ranks FSDP shards weights over; -1: whatever is left of the world size
+    dp_shard: int = -1  # data-parallel ranks FSDP shards weights over (with the cp ranks); -1: what is left
+    cp: int = 1  # context parallel: each sequence split over this many ranks (halo exchange for the
+    #              sliding-window layers, keys and values all-gathered for the global ones)
     tp: int = 1  # tensor parallel (heads and FFN width split, sequence-parallel norms)
-    ep: int = 1  # expert parallel: routed experts split whole over this many of the dp_shard ranks
+    ep: int = 1  # expert parallel: routed experts split whole over this many of the dp_shard x cp ranks
     init_timeout_s: float = 300.0  # joining the process group and building the mesh; a rank that
     #                                does not arrive fails the others after this (torch: 30 min)
     collective_timeout_s: float = 600.0  # any one collective while training (and a checkpoint's);
@@ -176,7 +178,7 @@ class ParallelConfig:
     ranks_per_node: int = 0  # ranks that share a node's fast link (ranks 0..n-1 are node 0, ...);
     #   tp and ep groups must lie inside one, HSDP shard groups inside one or on whole nodes.
     #   0: the launcher's processes per node (torchrun's LOCAL_WORLD_SIZE); `plan`: --gpus-per-node
-    allow_ep_tp_across_nodes: bool = False  # true: run a layout whose tp or ep groups span nodes
+    allow_ep_tp_across_nodes: bool = False  # true: run a layout whose tp, cp or ep groups span nodes
     #   (their collectives on the slow link between nodes) instead of refusing it
 
 
@@ -651,7 +653,7 @@ def _validate_optim(o: OptimConfig) -> None:
 
 
 def _validate_parallel(p: ParallelConfig) -> None:
-    for name in ("dp_replicate", "tp", "ep"):
+    for name in ("dp_replicate", "cp", "tp", "ep"):
         require(getattr(p, name) >= 1, f"parallel.{name}", f"must be >= 1, got {getattr(p, name)}")
     require(p.dp_shard == -1 or p.dp_shard >= 1, "parallel.dp_shard", "must be >= 1, or -1 for the rest")
     for name in ("init_timeout_s", "collective_timeout_s"):

@@ -8,7 +8,8 @@ update from the step's tokens per expert, scheduler step (and the LR back-off af
 Fault drills act through the `StepFaults` hooks (`stability.drills`), no-ops without drills.
 
 Every place where a distributed run must combine values across data-parallel ranks goes through
-`parallel.reductions` with the run's `ParallelDims` (marked "DP all-reduce"); in one process the
+`parallel.reductions` with the run's `ParallelDims` (marked "DP all-reduce": over the data- and
+context-parallel ranks, every rank holding other tokens); in one process the
 dims have no mesh and the sums are the identity, so one code path serves one and N ranks. Each
 rank's loss is its share of the global token-weighted mean, so the data-parallel gradient
 reduction must SUM rank gradients, not average them (FSDP2: `set_gradient_divide_factor(1.0)`).
@@ -30,6 +31,7 @@ from trinity_train.config import Config, position_bucket_starts
 from trinity_train.model.attention import positions_from_documents
 from trinity_train.model.loss import GROUP_CE, GROUP_TOKENS, IGNORE_INDEX
 from trinity_train.observe.layer_stats import LayerStatsCollector, per_layer_grad_norms
+from trinity_train.parallel.context import sequence_shard, shard_micro_batch
 from trinity_train.parallel.fsdp import (all_reduce_across_replicas, finish_reductions, overlap_reductions,
                                          reduce_gradients)
 from trinity_train.parallel.mesh import ParallelDims
@@ -61,20 +63,28 @@ class StepResult:
     signals: dict[str, float] = field(default_factory=dict)  # the guard's signals' values, by name
 
 
-def micro_batches(batch: Any, micro_batch_size: int) -> list[dict[str, torch.Tensor]]:
-    """Split the rank's rows of a global batch into micro-batches of model inputs."""
+def micro_batches(batch: Any, micro_batch_size: int, dims: ParallelDims | None = None,
+                  doc_masking: bool = False) -> list[dict[str, torch.Tensor]]:
+    """Split the rank's rows of a global batch into micro-batches of model inputs. Context
+    parallelism splits the sequence here: with `dims.cp > 1` each micro-batch keeps this rank's
+    share of every row (`parallel.context.shard_micro_batch`; `doc_masking`: the model's)."""
     fields = ("input_ids", "labels", "position_ids", "document_ids")
     tensors = {f: getattr(batch, f) for f in fields if getattr(batch, f, None) is not None}
     rows = tensors["input_ids"].shape[0]
-    return [{f: t[start:start + micro_batch_size] for f, t in tensors.items()}
-            for start in range(0, rows, micro_batch_size)]
+    parts = [{f: t[start:start + micro_batch_size] for f, t in tensors.items()}
+             for start in range(0, rows, micro_batch_size)]
+    if dims is not None and dims.cp > 1:
+        parts = [shard_micro_batch(mb, dims.cp, dims.cp_rank, doc_masking) for mb in parts]
+    return parts
 
 
-def _forward(model: nn.Module, mb: dict[str, torch.Tensor], cfg: Config, device: torch.device, **extra):
+def _forward(model: nn.Module, mb: dict[str, torch.Tensor], cfg: Config, device: torch.device,
+             dims: ParallelDims, **extra):
     mb = {k: v.to(device, non_blocking=True) for k, v in mb.items()}
+    context = sequence_shard(mb, dims)
     with autocast_context(cfg, device):
         return model(mb["input_ids"], labels=mb["labels"], position_ids=mb.get("position_ids"),
-                     document_ids=mb.get("document_ids"), **extra)
+                     document_ids=mb.get("document_ids"), **({"context": context} if context else {}), **extra)
 
 
 @dataclass
@@ -120,7 +130,8 @@ class TrainingStep:
 
     def __call__(self, batch: Any, iteration: int, steps_applied: int) -> StepResult:
         """Train on `batch` as iteration `iteration`, after `steps_applied` optimizer steps."""
-        totals = self.forward_backward(micro_batches(batch, self.cfg.train.micro_batch_size), iteration)
+        parts = micro_batches(batch, self.cfg.train.micro_batch_size, self.dims, self.cfg.model.doc_masking)
+        totals = self.forward_backward(parts, iteration)
         return self.apply(totals, iteration, steps_applied)
 
     def forward_backward(self, parts: list[dict[str, torch.Tensor]], iteration: int) -> StepTotals:
@@ -145,8 +156,9 @@ class TrainingStep:
         # The token-weighted mean needs the global token count before the first backward.
         tokens = sum_over_data_parallel(sum((mb["labels"] != IGNORE_INDEX).sum() for mb in parts).to(self.device),
                                         self.dims)  # DP all-reduce
-        # Aux and z losses are means per micro-batch: average them over micro-batches and ranks.
-        per_part = 1.0 / (len(parts) * self.dims.dp)
+        # Aux and z losses are means per micro-batch: average them over micro-batches and ranks
+        # (the cp ranks of a row each hold its micro-batch's whole value: model._router_losses).
+        per_part = 1.0 / (len(parts) * self.dims.dp * self.dims.cp)
 
         totals = torch.zeros(3, device=self.device)  # cross-entropy sum, aux loss, z loss
         counts = None
@@ -160,7 +172,7 @@ class TrainingStep:
             # The reduced shards start out empty only in the first backward that reduces.
             overlap_reductions(self.model, fresh=i == 0 if sync_every else last)
             with self.layer_stats.recording(stats_due):  # the forward only: not recomputations in backward
-                out = _forward(self.model, mb, self.cfg, self.device)
+                out = _forward(self.model, mb, self.cfg, self.device, self.dims)
             ce_sum = self.faults.scale_loss(out.ce_sum, iteration)
             loss = ce_sum / tokens.clamp_min(1) + (out.aux_loss + out.z_loss) * per_part
             loss.backward()
@@ -240,19 +252,20 @@ def evaluate(model: nn.Module, val_loader: Any, cfg: Config, device: torch.devic
              dims: ParallelDims | None = None) -> Validation:
     """Mean cross entropy over the first `train.eval_batches` validation batches (all ranks), and
     by position bucket (`metrics.position_buckets`, from the loss's own chunks)."""
+    dims = dims or ParallelDims.one_process()
     model.eval()
     starts = position_bucket_starts(cfg.metrics, cfg.data.seq_len)
     starts_tensor = torch.tensor(starts)
     # cross-entropy sum, tokens, then each bucket's cross-entropy sum, then each bucket's tokens
     totals = torch.zeros(2 + 2 * len(starts), dtype=torch.float64, device=device)
     for batch in val_loader.batches(cfg.train.eval_batches):
-        for mb in micro_batches(batch, cfg.train.micro_batch_size):
+        for mb in micro_batches(batch, cfg.train.micro_batch_size, dims, cfg.model.doc_masking):
             buckets = position_buckets(token_positions(mb, cfg.model.doc_masking), starts_tensor)
-            out = _forward(model, mb, cfg, device, token_groups=buckets.to(device), num_groups=len(starts))
+            out = _forward(model, mb, cfg, device, dims, token_groups=buckets.to(device), num_groups=len(starts))
             totals += torch.cat([torch.stack([out.ce_sum.double(), out.num_tokens.double()]),
                                  out.group_totals[GROUP_CE], out.group_totals[GROUP_TOKENS]])
     model.train()
-    totals = sum_over_data_parallel(totals, dims or ParallelDims.one_process()).tolist()  # DP all-reduce
+    totals = sum_over_data_parallel(totals, dims).tolist()  # DP all-reduce
     ce_sum, tokens = totals[:2]
     bucket_ce, bucket_tokens = totals[2:2 + len(starts)], totals[2 + len(starts):]
     return Validation(ce_sum / max(tokens, 1.0), int(tokens), starts,

@@ -4,7 +4,8 @@ masks, and a sigmoid output gate. NormFormer's per-head scale is optional.
 
 Masks and rotary tables depend only on the batch, not on the layer, so the model builds them once
 per forward (`build_attention_mask` or `sliding_window_blocks`, and `rotary_cos_sin`) and hands the
-same tensors to every layer of a kind.
+same tensors to every layer of a kind. Under context parallelism the model builds
+`context_attention.ContextMask` objects instead, which attend themselves.
 
 A sliding window much shorter than the sequence is computed block by block
 (`SlidingWindowBlocks`): each block of window/2 queries attends to the window + window/2 keys that
@@ -219,9 +220,11 @@ class Attention(nn.Module):
         scale = self.head_dim ** -0.5
         if isinstance(mask, SlidingWindowBlocks):
             out = sliding_window_attention(q, k, v, mask, scale)
-        else:
+        elif mask is None or isinstance(mask, torch.Tensor):
             out = scaled_dot_product(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask,
                                      scale).transpose(1, 2)  # [B, T, heads, hd]
+        else:  # context parallelism's mask (model/context_attention.py), which fetches the keys it needs
+            out = mask.attend(q, k, v, scale)
         if self.head_scale is not None:
             out = out * self.head_scale.to(out.dtype)[:, None]
         out = out.reshape(b, t, -1) * torch.sigmoid(self.gate_proj(x))

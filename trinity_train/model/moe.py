@@ -136,23 +136,39 @@ class MoEAux(NamedTuple):
     tokens_per_expert: torch.Tensor  # [E] fp32, detached
     aux_loss: torch.Tensor  # fp32 scalar, alpha-weighted sequence-wise balance loss (0 if off)
     router_z: torch.Tensor | None  # [B, T] fp32 logsumexp(router logits)^2, None if z-loss is off
+    # [2, B, E] fp32, the aux loss's statistics of this rank's tokens (`sequence_balance`); None
+    # when the aux loss is off. Context parallelism sums them over the rows' ranks.
+    balance: torch.Tensor | None = None
 
 
-def sequence_aux_loss(scores: torch.Tensor, experts: torch.Tensor, batch: int, top_k: int,
-                      alpha: float) -> torch.Tensor:
-    """DeepSeek-V3's sequence-wise balance loss `alpha * sum_i f_i * P_i`, averaged over sequences.
-
-    f_i = E / (k T) * (times expert i is chosen in the sequence); P_i = mean over the sequence of
-    the scores normalised over all experts. scores [N, E], experts [N, k] with N = batch * T.
-    """
+def sequence_balance(scores: torch.Tensor, experts: torch.Tensor, batch: int, top_k: int) -> torch.Tensor:
+    """Per sequence: [0] how often each expert is chosen, [1] the scores normalised over all
+    experts, summed over the tokens. scores [N, E], experts [N, k] with N = batch * T. [2, B, E]."""
     num_experts = scores.shape[-1]
     seq_len = scores.shape[0] // batch
     chosen = experts.view(batch, seq_len * top_k)
     counts = torch.zeros(batch, num_experts, device=scores.device, dtype=torch.float32)
     counts.scatter_add_(1, chosen, torch.ones_like(chosen, dtype=torch.float32))
+    score_sums = (scores / scores.sum(dim=-1, keepdim=True)).view(batch, seq_len, num_experts).sum(dim=1)
+    return torch.stack([counts, score_sums])
+
+
+def balance_loss(balance: torch.Tensor, seq_len: int, top_k: int, alpha: float) -> torch.Tensor:
+    """DeepSeek-V3's sequence-wise balance loss `alpha * sum_i f_i * P_i`, averaged over sequences,
+    from the `sequence_balance` statistics of sequences of `seq_len` tokens:
+    f_i = E / (k T) * (times expert i is chosen in the sequence); P_i = the mean over the sequence
+    of the normalised scores."""
+    counts, score_sums = balance
+    num_experts = counts.shape[-1]
     f = counts * (num_experts / (top_k * seq_len))
-    p = (scores / scores.sum(dim=-1, keepdim=True)).view(batch, seq_len, num_experts).mean(dim=1)
+    p = score_sums / seq_len
     return alpha * (f * p).sum(dim=-1).mean()
+
+
+def sequence_aux_loss(scores: torch.Tensor, experts: torch.Tensor, batch: int, top_k: int,
+                      alpha: float) -> torch.Tensor:
+    """The balance loss of whole sequences: scores [N, E], experts [N, k] with N = batch * T."""
+    return balance_loss(sequence_balance(scores, experts, batch, top_k), scores.shape[0] // batch, top_k, alpha)
 
 
 # Both gathers below have a gather as their backward (index_select by the inverse permutation)
@@ -242,12 +258,13 @@ class MoE(nn.Module):
         if self.shared_expert is not None:
             out = out + self.shared_expert(flat)
 
-        aux = (sequence_aux_loss(routing.scores, routing.experts, batch, self.top_k,
-                                 self.aux_loss_alpha)
-               if self.aux_loss_alpha > 0 else torch.zeros((), device=x.device))
+        balance, aux = None, torch.zeros((), device=x.device)
+        if self.aux_loss_alpha > 0:
+            balance = sequence_balance(routing.scores, routing.experts, batch, self.top_k)
+            aux = balance_loss(balance, seq_len, self.top_k, self.aux_loss_alpha)
         router_z = (torch.logsumexp(routing.logits, dim=-1).square().view(batch, seq_len)
                     if self.z_loss else None)
-        return out.view(batch, seq_len, hidden), MoEAux(counts.detach().float(), aux, router_z)
+        return out.view(batch, seq_len, hidden), MoEAux(counts.detach().float(), aux, router_z, balance)
 
 
 @torch.no_grad()

@@ -18,8 +18,9 @@ from trinity_train.model.attention import (Attention, AttentionMask, build_atten
                                            positions_from_documents, rotary_cos_sin,
                                            sliding_window_blocks)
 from trinity_train.model.blocks import TransformerBlock, block_style, make_rms_norm
+from trinity_train.model.context_attention import SequenceShard, context_attention_mask
 from trinity_train.model.loss import IGNORE_INDEX, chunked_cross_entropy, cross_entropy_by_group
-from trinity_train.model.moe import MoE, expert_alignment_problem, update_expert_bias
+from trinity_train.model.moe import MoE, MoEAux, balance_loss, expert_alignment_problem, update_expert_bias
 from trinity_train.model.norms import LayerNorm, RMSNorm
 
 
@@ -77,9 +78,11 @@ class TrinityModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None,
                 document_ids: torch.Tensor | None = None, token_groups: torch.Tensor | None = None,
-                num_groups: int = 0) -> ModelOutput:
+                num_groups: int = 0, context: SequenceShard | None = None) -> ModelOutput:
         """`token_groups` [B, T] (evaluation, no grad, with `labels`): each token's group in
-        [0, num_groups), for totals by group (`loss.cross_entropy_by_group`) in `group_totals`."""
+        [0, num_groups), for totals by group (`loss.cross_entropy_by_group`) in `group_totals`.
+        `context`: this rank's part of rows split over a context-parallel group (the inputs, labels,
+        positions and document ids are then this rank's tokens only, the positions given)."""
         cfg = self.cfg
         batch, seq_len = input_ids.shape
         device = input_ids.device
@@ -91,9 +94,13 @@ class TrinityModel(nn.Module):
         h = self.embed(input_ids) * math.sqrt(cfg.hidden_size)
 
         # Built once per forward and shared by every layer of the same kind.
-        masks = {is_global: layer_attention_mask(seq_len, None if is_global else cfg.sliding_window,
-                                                 documents, batch, device)
-                 for is_global in {layer.is_global for layer in self.layers}}
+        kinds = {layer.is_global for layer in self.layers}
+        if context is None:
+            masks = {is_global: layer_attention_mask(seq_len, None if is_global else cfg.sliding_window,
+                                                     documents, batch, device) for is_global in kinds}
+        else:
+            masks = {is_global: context_attention_mask(context, None if is_global else cfg.sliding_window, batch,
+                                                       layer_attention_mask) for is_global in kinds}
         rotary = {theta: rotary_cos_sin(position_ids, cfg.head_dim, theta, h.dtype)
                   for theta in {layer.rope_theta for layer in self.layers} if theta is not None}
 
@@ -122,16 +129,34 @@ class TrinityModel(nn.Module):
                                                        labels.reshape(-1), self.lm_head,
                                                        cfg.loss_chunk_tokens, fused=self.fused_loss)
 
-        aux_loss = sum((a.aux_loss for a in moe_aux), zero)
-        z_loss = zero
-        if cfg.z_loss_weight > 0 and moe_aux:
-            router_z = sum(a.router_z for a in moe_aux)  # [B, T]
-            counted = (labels != IGNORE_INDEX) if labels is not None else torch.ones_like(router_z,
-                                                                                          dtype=torch.bool)
-            z_loss = cfg.z_loss_weight * (router_z * counted).sum() / counted.sum().clamp_min(1)
+        aux_loss, z_loss = self._router_losses(moe_aux, labels, context, zero)
         tokens_per_expert = (torch.stack([a.tokens_per_expert for a in moe_aux]) if moe_aux
                              else torch.zeros(0, cfg.num_experts, device=device))
         return ModelOutput(logits, ce_sum, num_tokens, aux_loss, z_loss, tokens_per_expert, group_totals)
+
+    def _router_losses(self, moe_aux: list[MoEAux], labels: torch.Tensor | None, context: SequenceShard | None,
+                       zero: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(aux loss, z-loss) of the micro-batch. Under context parallelism both are functions of
+        sums over each row's tokens, which lie on every rank of the group: the per-sequence
+        balance statistics and the z-loss's sum and count are summed over it (one all-reduce,
+        whose backward sums the gradients back), so every rank of the group holds the whole
+        micro-batch's values (the step weighs them by 1/cp)."""
+        cfg = self.cfg
+        aux_on, z_on = cfg.aux_loss_alpha > 0 and bool(moe_aux), cfg.z_loss_weight > 0 and bool(moe_aux)
+        aux_loss = sum((a.aux_loss for a in moe_aux), zero)
+        z_sums = None
+        if z_on:
+            router_z = sum(a.router_z for a in moe_aux)  # [B, T]
+            counted = (labels != IGNORE_INDEX) if labels is not None else torch.ones_like(router_z, dtype=torch.bool)
+            z_sums = torch.stack([(router_z * counted).sum(), counted.sum().float()])
+        if context is not None and (aux_on or z_on):
+            balance = torch.stack([a.balance for a in moe_aux]) if aux_on else zero.new_zeros(0)  # [layers, 2, B, E]
+            summed = context.all_reduce_sum(torch.cat([balance.flatten()] + ([z_sums] if z_on else [])))
+            balance, z_sums = summed[:balance.numel()].view_as(balance), summed[balance.numel():]
+            aux_loss = sum((balance_loss(b, context.seq_len, cfg.num_experts_per_tok, cfg.aux_loss_alpha)
+                            for b in balance), zero)
+        z_loss = cfg.z_loss_weight * z_sums[0] / z_sums[1].clamp_min(1) if z_on else zero
+        return aux_loss, z_loss
 
     def update_expert_biases(self, counts: torch.Tensor) -> None:
         """Apply the configured load-balancing rule once, from counts [num_moe_layers, E] summed

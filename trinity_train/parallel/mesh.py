@@ -1,22 +1,26 @@
 """The parallel layout: how many ranks replicate, shard, split tensors and split experts, and the one
 DeviceMesh that names those groups.
 
-The world is `dp_replicate x dp_shard x tp` ranks. Expert parallelism borrows its ranks from
-`dp_shard` (as in torchtitan): the `ep` ranks of a group see different data in attention and the
-dense layers, and exchange tokens so that each routed expert lives whole on one of them. What is
-left of `dp_shard` after `ep` (`efsdp = dp_shard / ep`) shards the experts FSDP-style: along the
-expert dim when each rank's `num_experts / ep` experts split evenly over `efsdp`, otherwise along
-dim 1 of each weight, so that no rank holds padding (`expert_shard_dim`, applied by
-`parallel/fsdp.py`).
+The world is `dp_replicate x dp_shard x cp x tp` ranks (torchtitan's order). Context parallelism
+(`cp`, `parallel/context.py`) splits each row over `cp` ranks that read the same rows; for the
+weights those ranks are data-parallel ranks like the others: FSDP shards over `dp_shard x cp`
+(the flattened dim `dp_shard_cp`; named `dp_shard` when cp = 1) and their gradients sum.
+Expert parallelism borrows its ranks from `dp_shard x cp` (as in torchtitan): the `ep` ranks of
+a group see different tokens in attention and the dense layers, and exchange tokens so that each
+routed expert lives whole on one of them. What is left after `ep` (`efsdp = dp_shard x cp / ep`)
+shards the experts FSDP-style: along the expert dim when each rank's `num_experts / ep` experts
+split evenly over `efsdp`, otherwise along dim 1 of each weight, so that no rank holds padding
+(`expert_shard_dim`, applied by `parallel/fsdp.py`).
 
 Three views of one world mesh name the groups the rest of the code asks for, tp innermost so a
-tensor-parallel group sits on neighbouring ranks (one node), then ep, the FSDP shard, and the HSDP
-replicas outermost (across nodes); `node_layout` refuses sizes that would not fit the nodes so:
+tensor-parallel group sits on neighbouring ranks (one node), then cp, ep, the FSDP shard, and the
+HSDP replicas outermost (across nodes); `node_layout` refuses sizes that would not fit the nodes so:
 
-- dense  `(dp_replicate, dp_shard, tp)`: FSDP/HSDP and TP of everything but the routed experts;
+- dense  `(dp_replicate, dp_shard_cp, tp)`: FSDP/HSDP and TP of everything but the routed experts;
 - sparse `(dp_replicate, efsdp, ep, tp)`: the routed experts, split over ep (and tp) and sharded
   FSDP-style over efsdp;
-- data   `(dp, tp)`: which slice of the batch a rank reads, and what losses are summed over.
+- data   `(dp, cp, tp)` (`(dp, tp)` when cp = 1): which slice of the batch a rank reads (dp), which
+  share of each row (cp), and, flattened `dp_cp`, what losses and token counts are summed over.
 
 They are unflattened from the same 1-D world mesh, so DTensors and FSDP can combine their dims.
 """
@@ -68,11 +72,14 @@ def check_layout_config(cfg: Config) -> None:
     require(d.seq_len % p.tp == 0, "parallel.tp",
             f"tp={p.tp} must divide data.seq_len={d.seq_len} (sequence parallelism splits the "
             f"sequence over the tp ranks)")
+    require(p.cp == 1 or d.seq_len % (2 * p.cp * p.tp) == 0, "parallel.cp",
+            f"data.seq_len={d.seq_len} must be a multiple of 2 x cp x tp = {2 * p.cp * p.tp} (context "
+            f"parallelism cuts each row into 2 x cp equal chunks, and tp splits each rank's share again)")
     require(m.num_experts % p.ep == 0, "parallel.ep",
             f"ep={p.ep} must divide model.num_experts={m.num_experts} (each rank holds whole experts)")
-    require(p.dp_shard == -1 or p.dp_shard % p.ep == 0, "parallel.ep",
-            f"ep={p.ep} must divide the expert-data-parallel size parallel.dp_shard={p.dp_shard} "
-            f"(expert parallelism takes its ranks from dp_shard)")
+    require(p.dp_shard == -1 or (p.dp_shard * p.cp) % p.ep == 0, "parallel.ep",
+            f"ep={p.ep} must divide the expert-data-parallel size parallel.dp_shard x cp = "
+            f"{p.dp_shard} x {p.cp} (expert parallelism takes its ranks from dp_shard x cp)")
 
 
 @dataclass
@@ -84,10 +91,12 @@ class ParallelDims:
     tp: int
     ep: int
     world_size: int
+    cp: int = 1  # context parallel: ranks that split each row (after world_size: positional callers)
     mesh: DeviceMesh | None = field(default=None, repr=False)  # the 1-D world, set by build_mesh
     _dense: DeviceMesh | None = field(default=None, repr=False)
     _sparse: DeviceMesh | None = field(default=None, repr=False)
     _data: DeviceMesh | None = field(default=None, repr=False)
+    _flat: dict[str, DeviceMesh] = field(default_factory=dict, repr=False)  # by "_".join(dims)
 
     @classmethod
     def from_config(cls, cfg: Config, world_size: int, nodes: Nodes | None = None) -> ParallelDims:
@@ -96,26 +105,26 @@ class ParallelDims:
         whose groups would sit badly on nodes of that many ranks (`node_layout`)."""
         check_layout_config(cfg)
         p = cfg.parallel
-        fixed = p.dp_replicate * p.tp
+        fixed = p.dp_replicate * p.cp * p.tp
         if p.dp_shard == -1:
             if world_size % fixed:
                 raise ConfigError(
                     f"parallel: {world_size} ranks cannot be split into dp_replicate={p.dp_replicate} "
-                    f"x tp={p.tp} = {fixed} groups; start a multiple of {fixed} processes or change "
-                    f"parallel.dp_replicate / parallel.tp")
+                    f"x cp={p.cp} x tp={p.tp} = {fixed} groups; start a multiple of {fixed} processes or "
+                    f"change parallel.dp_replicate / parallel.cp / parallel.tp")
             dp_shard = world_size // fixed
         else:
             dp_shard = p.dp_shard
             if fixed * dp_shard != world_size:
                 raise ConfigError(
-                    f"parallel: dp_replicate={p.dp_replicate} x dp_shard={dp_shard} x tp={p.tp} = "
+                    f"parallel: dp_replicate={p.dp_replicate} x dp_shard={dp_shard} x cp={p.cp} x tp={p.tp} = "
                     f"{fixed * dp_shard} ranks, but {world_size} processes were started; start "
                     f"{fixed * dp_shard} processes or set parallel.dp_shard=-1 to use what is left")
-        if dp_shard % p.ep:
+        if (dp_shard * p.cp) % p.ep:
             raise ConfigError(
-                f"parallel.ep: ep={p.ep} must divide the expert-data-parallel size "
-                f"dp_shard={dp_shard} (expert parallelism takes its ranks from dp_shard); "
-                f"choose an ep that divides {dp_shard} or start more processes")
+                f"parallel.ep: ep={p.ep} must divide the expert-data-parallel size dp_shard x cp = "
+                f"{dp_shard} x {p.cp} (expert parallelism takes its ranks from dp_shard x cp); "
+                f"choose an ep that divides {dp_shard * p.cp} or start more processes")
         grad_accum_for(cfg.train, p.dp_replicate * dp_shard)  # a fixed global batch must split over the ranks
         m = cfg.model
         if m.expert_impl == "grouped" and (m.moe_intermediate_size // p.tp) % GROUPED_MM_ALIGNMENT:
@@ -123,7 +132,7 @@ class ParallelDims:
                 f"parallel.tp: each rank's expert width model.moe_intermediate_size / tp = "
                 f"{m.moe_intermediate_size // p.tp} must be a multiple of {GROUPED_MM_ALIGNMENT} for "
                 f"model.expert_impl='grouped'; use a smaller tp or model.expert_impl='loop'")
-        dims = cls(p.dp_replicate, dp_shard, p.tp, p.ep, world_size)
+        dims = cls(p.dp_replicate, dp_shard, p.tp, p.ep, world_size, p.cp)
         if nodes is not None:
             check_groups_within_nodes(dims, p, nodes)
         return dims
@@ -133,14 +142,24 @@ class ParallelDims:
         return cls(1, 1, 1, 1, 1)
 
     @property
+    def fsdp_shards(self) -> int:
+        """Ranks FSDP shards each weight over (HSDP: within a replica): dp_shard x cp."""
+        return self.dp_shard * self.cp
+
+    @property
     def efsdp(self) -> int:
-        """Ranks that shard each expert FSDP-style: what is left of dp_shard after ep."""
-        return self.dp_shard // self.ep
+        """Ranks that shard each expert FSDP-style: what is left of dp_shard x cp after ep."""
+        return self.fsdp_shards // self.ep
 
     @property
     def dp(self) -> int:
         """Data-parallel ranks: each reads a different slice of the global batch."""
         return self.dp_replicate * self.dp_shard
+
+    @property
+    def fsdp_dim(self) -> str:
+        """The name of the dense view's FSDP dim: the flattened dp_shard x cp."""
+        return "dp_shard_cp" if self.cp > 1 else "dp_shard"
 
     @property
     def is_distributed(self) -> bool:
@@ -151,23 +170,28 @@ class ParallelDims:
         from torch.distributed.device_mesh import init_device_mesh
 
         world = init_device_mesh(device_type, (self.world_size,), mesh_dim_names=("world",))
-        self._dense = world._unflatten(0, (self.dp_replicate, self.dp_shard, self.tp),
-                                       ("dp_replicate", "dp_shard", "tp"))
+        self._dense = world._unflatten(0, (self.dp_replicate, self.fsdp_shards, self.tp),
+                                       ("dp_replicate", self.fsdp_dim, "tp"))
         self._sparse = world._unflatten(0, (self.dp_replicate, self.efsdp, self.ep, self.tp),
                                         ("dp_replicate", "efsdp", "ep", "tp"))
-        self._data = world._unflatten(0, (self.dp, self.tp), ("dp", "tp"))
+        if self.cp > 1:
+            self._data = world._unflatten(0, (self.dp, self.cp, self.tp), ("dp", "cp", "tp"))
+        else:
+            self._data = world._unflatten(0, (self.dp, self.tp), ("dp", "tp"))
         # Flattened groups for reductions over several dims at once (a global gradient norm of a
         # weight sharded over FSDP and TP is one all-reduce over both, not one per dim).
         for view, dims in self.flattened_views():
-            view[dims]._flatten("_".join(dims))
+            self._flat["_".join(dims)] = view[dims]._flatten("_".join(dims))
         self.mesh = world
         return world
 
     def flattened_views(self) -> list[tuple[DeviceMesh, tuple[str, ...]]]:
         """(view, dims) of every group `build_mesh` flattens (named "_".join(dims))."""
-        return [(self._dense, ("dp_shard", "tp")), (self._dense, ("dp_replicate", "dp_shard", "tp")),
-                (self._sparse, ("efsdp", "ep")), (self._sparse, ("efsdp", "ep", "tp")),
-                (self._sparse, ("dp_replicate", "efsdp", "ep", "tp"))]
+        shard = self.fsdp_dim
+        views = [(self._dense, (shard, "tp")), (self._dense, ("dp_replicate", shard, "tp")),
+                 (self._sparse, ("efsdp", "ep")), (self._sparse, ("efsdp", "ep", "tp")),
+                 (self._sparse, ("dp_replicate", "efsdp", "ep", "tp"))]
+        return views + ([(self._data, ("dp", "cp"))] if self.cp > 1 else [])
 
     def _require_mesh(self) -> None:
         if self.mesh is None:
@@ -175,15 +199,35 @@ class ParallelDims:
 
     @property
     def dp_mesh(self) -> DeviceMesh:
-        """1-D mesh over all data-parallel ranks (batch slices, loss and token-count sums)."""
+        """1-D mesh over all data-parallel ranks (batch slices)."""
         self._require_mesh()
         return self._data["dp"]
 
     @property
-    def fsdp_mesh(self) -> DeviceMesh:
-        """FSDP mesh of the non-expert weights: 1-D (FSDP) or 2-D (HSDP: replicate, shard)."""
+    def token_mesh(self) -> DeviceMesh:
+        """1-D mesh over every rank holding other tokens, dp x cp (loss, token-count and
+        statistics sums); the dp mesh when cp = 1."""
         self._require_mesh()
-        return self._dense["dp_replicate", "dp_shard"] if self.dp_replicate > 1 else self._dense["dp_shard"]
+        return self._flat["dp_cp"] if self.cp > 1 else self._data["dp"]
+
+    @property
+    def cp_mesh(self) -> DeviceMesh:
+        """1-D mesh over the ranks that split the same rows (context parallelism, cp > 1)."""
+        self._require_mesh()
+        return self._data["cp"]
+
+    @property
+    def cp_rank(self) -> int:
+        """This rank's index in its context-parallel group (0 without cp)."""
+        return self.cp_mesh.get_local_rank() if self.cp > 1 and self.mesh is not None else 0
+
+    @property
+    def fsdp_mesh(self) -> DeviceMesh:
+        """FSDP mesh of the non-expert weights: 1-D (FSDP over dp_shard x cp) or 2-D (HSDP:
+        replicate, shard)."""
+        self._require_mesh()
+        shard = self.fsdp_dim
+        return self._dense["dp_replicate", shard] if self.dp_replicate > 1 else self._dense[shard]
 
     @property
     def expert_fsdp_mesh(self) -> DeviceMesh:
@@ -230,7 +274,7 @@ class ParallelDims:
     def describe(self, model: ModelConfig | None = None) -> str:
         """The layout in one line; with `model`, also how its routed experts are sharded."""
         line = (f"world={self.world_size} dp_replicate={self.dp_replicate} dp_shard={self.dp_shard} "
-                f"(ep={self.ep} x efsdp={self.efsdp}) tp={self.tp}")
+                + (f"cp={self.cp} " if self.cp > 1 else "") + f"(ep={self.ep} x efsdp={self.efsdp}) tp={self.tp}")
         if model is None or self.efsdp == 1 or model.num_layers <= model.num_dense_layers:
             return line
         shard_dims = self.expert_shard_dims(model)

@@ -3,16 +3,16 @@ node's fast link would use the slow one between nodes.
 
 Launchers number the ranks node by node: with n ranks per node, node k holds ranks k*n .. k*n+n-1
 (torchrun: global rank = node rank x LOCAL_WORLD_SIZE + local rank). The world mesh is
-`(dp_replicate, dp_shard, tp)` with the last dim varying fastest, and ep splits dp_shard as
-`(efsdp, ep)` (`parallel/mesh.py`), so the groups of a dim are every `stride`-th rank, `size` of
-them, and tile blocks of `stride x size` neighbouring ranks. Those blocks lie inside nodes exactly
-when the block divides n (or the world is one node). That order is already the one a cluster
-wants (tp innermost, then ep, then the FSDP shard, the replicas outermost): nothing is
-rearranged, and what can go wrong is a size that does not fit the nodes, refused here in one line:
+`(dp_replicate, dp_shard, cp, tp)` with the last dim varying fastest, and ep splits dp_shard x cp
+as `(efsdp, ep)` (`parallel/mesh.py`), so the groups of a dim are every `stride`-th rank, `size`
+of them, and tile blocks of `stride x size` neighbouring ranks. Those blocks lie inside nodes
+exactly when the block divides n (or the world is one node). That order is already the one a
+cluster wants (tp innermost, then cp and ep, then the FSDP shard, the replicas outermost): nothing
+is rearranged, and what can go wrong is a size that does not fit the nodes, refused here in one line:
 
-- tp or ep groups that span nodes (an all-reduce or all-to-all in every layer on the slow link),
-  unless `parallel.allow_ep_tp_across_nodes`;
-- HSDP (dp_replicate > 1) whose shard groups (dp_shard x tp neighbouring ranks) are cut by a node
+- tp, cp or ep groups that span nodes (an all-reduce, halo exchange, key/value all-gather or
+  all-to-all in every layer on the slow link), unless `parallel.allow_ep_tp_across_nodes`;
+- HSDP (dp_replicate > 1) whose shard groups (dp_shard x cp x tp neighbouring ranks) are cut by a node
   boundary, neither inside one node nor made of whole nodes: some groups would all-gather across
   nodes and the replicas' all-reduce partly stay inside one. FSDP alone (dp_replicate = 1) over
   several nodes is the usual layout and stays allowed.
@@ -53,12 +53,12 @@ def nodes_for(p: ParallelConfig, launcher_ranks: int | None, launcher_source: st
 
 def group_stride_and_size(dim: str, dims: ParallelDims) -> tuple[int, int]:
     """The stride between neighbouring ranks of mesh dimension `dim`'s groups, and their size, in
-    world order (dp_replicate, dp_shard, tp); ep and efsdp split dp_shard as (efsdp, ep). A name
-    not listed stands for the whole world."""
-    tp, ep = dims.tp, dims.ep
-    table = {"tp": (1, tp), "ep": (tp, ep), "efsdp": (tp * ep, dims.efsdp),
-             "dp_shard": (tp, dims.dp_shard), "fsdp": (tp, dims.dp_shard),
-             "dp_replicate": (tp * dims.dp_shard, dims.dp_replicate), "dp": (tp, dims.dp)}
+    world order (dp_replicate, dp_shard, cp, tp); ep and efsdp split dp_shard x cp as (efsdp, ep).
+    A name not listed stands for the whole world."""
+    tp, ep, cp = dims.tp, dims.ep, dims.cp
+    table = {"tp": (1, tp), "cp": (tp, cp), "ep": (tp, ep), "efsdp": (tp * ep, dims.efsdp),
+             "dp_shard": (tp * cp, dims.dp_shard), "fsdp": (tp, dims.fsdp_shards),
+             "dp_replicate": (tp * dims.fsdp_shards, dims.dp_replicate), "dp": (tp * cp, dims.dp)}
     return table.get(dim, (1, dims.world_size))
 
 
@@ -71,11 +71,12 @@ def within_nodes(dim: str, dims: ParallelDims, ranks_per_node: int) -> bool:
 # Of a dim whose groups must stay inside nodes: the product its groups span, and what would cross
 # the slow link if they did not.
 _NODE_BOUND = {"tp": ("tp", "every layer's tensor-parallel all-reduces and all-gathers"),
+               "cp": ("cp x tp", "every attention layer's halo exchange or key/value all-gather"),
                "ep": ("ep x tp", "every MoE layer's token all-to-alls")}
 
 
 def check_groups_within_nodes(dims: ParallelDims, p: ParallelConfig, nodes: Nodes) -> None:
-    """Refuse (ConfigError, one line) a layout whose tp or ep groups span nodes, unless asked, or
+    """Refuse (ConfigError, one line) a layout whose tp, cp or ep groups span nodes, unless asked, or
     whose HSDP shard groups are cut by a node boundary (see the module doc)."""
     n = nodes.ranks
     if dims.world_size <= n:
@@ -91,9 +92,9 @@ def check_groups_within_nodes(dims: ParallelDims, p: ParallelConfig, nodes: Node
                 f"{stride * size} neighbouring ranks, which {where} do not hold whole, so {traffic} would "
                 f"cross the slow link between nodes; make {span} divide {n} (or start more ranks per "
                 f"node), or set parallel.allow_ep_tp_across_nodes=true to run it anyway")
-    span = dims.dp_shard * dims.tp
+    span = dims.fsdp_shards * dims.tp
     if dims.dp_replicate > 1 and n % span and span % n:
         raise ConfigError(
-            f"parallel.dp_shard: HSDP's shard groups (dp_shard x tp = {span} neighbouring ranks) are "
-            f"cut by the boundaries of {where}, so some would all-gather across nodes; make dp_shard x "
-            f"tp divide {n} (shards inside a node, replicas across nodes) or a multiple of it (whole nodes)")
+            f"parallel.dp_shard: HSDP's shard groups (dp_shard x cp x tp = {span} neighbouring ranks) are "
+            f"cut by the boundaries of {where}, so some would all-gather across nodes; make dp_shard x cp "
+            f"x tp divide {n} (shards inside a node, replicas across nodes) or a multiple of it (whole nodes)")

@@ -3,8 +3,9 @@
 One code path for one process and for N ranks: with `ParallelDims.one_process()` (no mesh) the
 sums are the identity and the gradients are plain tensors.
 
-Data-parallel ranks see different tokens, so loss sums, token counts and tokens-per-expert are
-summed over the `dp` mesh dim; tensor-parallel ranks see the same tokens and hold the same
+Data-parallel ranks see different tokens, and so do the context-parallel ranks that split each
+row, so loss sums, token counts and tokens-per-expert are summed over dp x cp (the `token_mesh`);
+tensor-parallel ranks see the same tokens and hold the same
 values, so they are not summed again. The gradient norm is computed from DTensor gradients, which
 know how each one is split: a gradient sharded by FSDP, TP and EP, or replicated over some ranks,
 contributes its squared norm exactly once (expert gradients are not counted once per ep rank).
@@ -23,17 +24,18 @@ from trinity_train.parallel.mesh import ParallelDims
 
 
 def sum_over_data_parallel(tensor: torch.Tensor, dims: ParallelDims) -> torch.Tensor:
-    """Sum `tensor` over the data-parallel ranks, in place (and return it); a no-op on one rank."""
-    if dims.mesh is not None and dims.dp > 1:
-        dist.all_reduce(tensor, group=dims.dp_mesh.get_group())
+    """Sum `tensor` over the data- and context-parallel ranks (dp x cp), in place (and return it);
+    a no-op on one rank."""
+    if dims.mesh is not None and dims.dp * dims.cp > 1:
+        dist.all_reduce(tensor, group=dims.token_mesh.get_group())
     return tensor
 
 
 def max_over_data_parallel(tensor: torch.Tensor, dims: ParallelDims) -> torch.Tensor:
-    """The elementwise maximum of `tensor` over the data-parallel ranks, in place (and return it);
-    a no-op on one rank."""
-    if dims.mesh is not None and dims.dp > 1:
-        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=dims.dp_mesh.get_group())
+    """The elementwise maximum of `tensor` over the data- and context-parallel ranks (dp x cp), in
+    place (and return it); a no-op on one rank."""
+    if dims.mesh is not None and dims.dp * dims.cp > 1:
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=dims.token_mesh.get_group())
     return tensor
 
 

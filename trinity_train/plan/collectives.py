@@ -31,6 +31,9 @@ FSDP_REDUCE_SCATTER = "FSDP reduce-scatter"
 FSDP_ALL_REDUCE = "FSDP all-reduce"  # HSDP: across the replica groups
 EP_ALL_TO_ALL = "EP all-to-all"
 MUON_REDISTRIBUTE = "Muon redistribute"
+# Context parallelism's collectives (parallel/context.py), forward and backward.
+CP_CATEGORY = {"all_to_all": "CP halo all-to-all", "all_gather": "CP key/value all-gather",
+               "reduce_scatter": "CP key/value reduce-scatter", "all_reduce": "CP loss all-reduce"}
 
 
 def nbytes(t) -> int:
@@ -91,6 +94,8 @@ def category(kind: str, frames: list[str]) -> str:
         return f"FSDP {kind}"
     if any(f.endswith("optim/muon.py") for f in frames):
         return MUON_REDISTRIBUTE
+    if any(f.endswith("parallel/context.py") for f in frames):
+        return CP_CATEGORY.get(kind, f"CP {kind}")
     if kind == "all_to_all":  # the dispatch's forward, or its backward (autograd's frames only)
         return EP_ALL_TO_ALL
     where = next((Path(f).name for f in frames if "/trinity_train/" in f and "/trinity_train/plan/" not in f),

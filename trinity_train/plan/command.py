@@ -64,4 +64,4 @@ def _world_from_layout(cfg) -> int:
     """Without --world: the config's fixed layout, or one process where dp_shard = -1 leaves the
     world open."""
     p = cfg.parallel
-    return p.dp_replicate * p.tp * (p.dp_shard if p.dp_shard != -1 else 1)
+    return p.dp_replicate * p.cp * p.tp * (p.dp_shard if p.dp_shard != -1 else 1)

@@ -39,8 +39,8 @@ from trinity_train.optim.muon import deal_rounds, ns_cost
 from trinity_train.optim.muon_exchange import EXCHANGE_BYTES, cut_chunks
 from trinity_train.parallel.assumed_routing import AssumedRouting
 from trinity_train.parallel.mesh import ParallelDims
-from trinity_train.plan.collectives import (EP_ALL_TO_ALL, FSDP_ALL_GATHER, FSDP_ALL_REDUCE, FSDP_REDUCE_SCATTER,
-                                            MUON_REDISTRIBUTE)
+from trinity_train.plan.collectives import (CP_CATEGORY, EP_ALL_TO_ALL, FSDP_ALL_GATHER, FSDP_ALL_REDUCE,
+                                            FSDP_REDUCE_SCATTER, MUON_REDISTRIBUTE)
 from trinity_train.plan.trace import CATEGORIES
 
 FP32, LONG = 4, 8
@@ -145,7 +145,7 @@ def _rest(shape: tuple[int, ...]) -> int:
 
 def shard_numel(p: Param, dims: ParallelDims) -> int:
     """Elements this rank allocates for its FSDP shard of `p`, padding included."""
-    n = dims.efsdp if p.unit == "experts" else dims.dp_shard
+    n = dims.efsdp if p.unit == "experts" else dims.fsdp_shards
     if n == 1 or not dims.is_distributed:
         return math.prod(p.shape)
     if p.unit == "experts" and n > p.shape[0]:
@@ -155,7 +155,7 @@ def shard_numel(p: Param, dims: ParallelDims) -> int:
 
 def unsharded_numel(p: Param, dims: ParallelDims) -> int:
     """Elements of `p` once all-gathered (FSDP's padded flat buffer)."""
-    n = dims.efsdp if p.unit == "experts" else dims.dp_shard
+    n = dims.efsdp if p.unit == "experts" else dims.fsdp_shards
     return shard_numel(p, dims) * n if dims.is_distributed else math.prod(p.shape)
 
 
@@ -174,6 +174,12 @@ class Numerics:
 
 
 # ------------------------------------------------------------------------------ activations
+
+
+def local_tokens(cfg: Config, dims: ParallelDims) -> int:
+    """Tokens of one micro-batch on this rank: its rows, 1/cp of each under context parallelism
+    (whose attention extras, the halo and the gathered keys and values, are not modelled here)."""
+    return cfg.train.micro_batch_size * cfg.data.seq_len // dims.cp
 
 
 def _attention_saved(m: ModelConfig, tokens: float, tp: int, a: int, seq_len: int, layer: int,
@@ -238,7 +244,7 @@ def block_activation_bytes(cfg: Config, dims: ParallelDims, layer: int, a: int, 
     """Everything block `layer` keeps for backward for one micro-batch on this rank (`gpu`: the
     kernels a GPU runs)."""
     m = cfg.model
-    tokens = cfg.train.micro_batch_size * cfg.data.seq_len
+    tokens = local_tokens(cfg, dims)
     saved = _attention_saved(m, tokens, dims.tp, a, cfg.data.seq_len, layer, cfg.train.micro_batch_size, gpu)
     saved += tokens * 2 * FP32 * 2 * m.hidden_size / dims.tp  # mlp_norm, mlp_post_norm: input, normalized
     if layer >= m.num_dense_layers:
@@ -260,7 +266,7 @@ def model_level_activation_bytes(cfg: Config, dims: ParallelDims, a: int) -> flo
     input, and the fused loss's gradients (hidden and the head's fp32 weight gradient,
     computed in the forward)."""
     m = cfg.model
-    tokens = cfg.train.micro_batch_size * cfg.data.seq_len
+    tokens = local_tokens(cfg, dims)
     out = shared_activation_bytes(cfg, a) + tokens * FP32 * m.hidden_size / dims.tp  # final norm input
     if dims.tp == 1:  # the fused loss: grad_hidden and the head's fp32 weight gradient
         out += tokens * a * m.hidden_size + FP32 * m.vocab_size * m.hidden_size
@@ -272,7 +278,7 @@ def loss_chunk_bytes(cfg: Config, dims: ParallelDims, a: int) -> float:
     in place in them) with their cast back to the compute dtype, and, in a compute dtype
     narrower than fp32, the head-gradient product and its fp32 copy (`model/loss.py`)."""
     m = cfg.model
-    rows = min(m.loss_chunk_tokens, cfg.train.micro_batch_size * cfg.data.seq_len)
+    rows = min(m.loss_chunk_tokens, local_tokens(cfg, dims))
     if dims.tp > 1:
         # The vocabulary-split head (ColwiseParallel, output Replicate) all-gathers each chunk's
         # logits: its local slices, the gathered [rows, vocab] and cross entropy's fp32 work.
@@ -357,7 +363,7 @@ def memory_per_rank(cfg: Config, dims: ParallelDims, *, gpu: bool,
     root = unit_bytes(layers[-1], ("root",))
     root_grads = FP32 * sum(shard_numel(p, dims) for p in layers[-1])
 
-    tokens = cfg.train.micro_batch_size * cfg.data.seq_len
+    tokens = local_tokens(cfg, dims)
     per_block = [block_activation_bytes(cfg, dims, i, a, routing.skew, gpu) for i in range(m.num_layers)]
     block_input = tokens * a * m.hidden_size / dims.tp  # what a checkpointed block keeps
 
@@ -424,7 +430,7 @@ def _gather_factors(p: Param, dims: ParallelDims) -> tuple[int, ...]:
     elif p.batch > 1:  # experts inside their block's unit: FSDP's dim 0 is the expert dim
         fsdp = 1
     else:
-        fsdp = dims.dp_shard
+        fsdp = dims.fsdp_shards
     return tuple(f for f in (fsdp, tp) if f > 1)
 
 
@@ -489,8 +495,7 @@ def traffic_per_rank(cfg: Config, dims: ParallelDims, *, gpu: bool,
     accum = grad_accum_for(cfg.train, dims.dp)
     layers = model_params(m, dims.tp, dims.ep)
     flows: list[Flow] = []
-    dense_dim = "dp_shard"
-    for unit, n, dim in (("dense", dims.dp_shard, dense_dim), ("experts", dims.efsdp, "efsdp")):
+    for unit, n, dim in (("dense", dims.fsdp_shards, dims.fsdp_dim), ("experts", dims.efsdp, "efsdp")):
         if n == 1 and dims.dp_replicate == 1:
             continue
         names = ("experts",) if unit == "experts" else ("embed", "block", "root")
@@ -518,19 +523,53 @@ def traffic_per_rank(cfg: Config, dims: ParallelDims, *, gpu: bool,
                               sum(shards) * FP32 * 2 * (r - 1) / r))
     moe_layers = m.num_layers - m.num_dense_layers
     if dims.ep > 1 and moe_layers:
-        tokens = cfg.train.micro_batch_size * cfg.data.seq_len
+        tokens = local_tokens(cfg, dims)
         out_of_rank = tokens * m.num_experts_per_tok * (dims.ep - 1) / dims.ep * m.hidden_size * a
         per_layer = 2 * out_of_rank * (1 + routing.skew)  # dispatch and combine, forward and backward
         forwards = 2 if cfg.train.activation_checkpointing else 1  # the recomputation dispatches again
         calls = 2 * (forwards + 1) * moe_layers * accum
         sent = (per_layer + (forwards - 1) * out_of_rank * (1 + routing.skew)) * moe_layers * accum
         flows.append(Flow(EP_ALL_TO_ALL, "all_to_all", "ep", dims.ep, calls, sent))
+    if dims.cp > 1:
+        flows += _context_flows(cfg, dims, a, accum)
     if cfg.optim.name == "muon":
         flows += _muon_flows(cfg, dims, param_counts(m, dims.tp, dims.ep), nums, gpu)
-    dp = dims.dp
+    dp = dims.dp * dims.cp
     if dp > 1:  # token count, loss totals, tokens per expert
         small = (LONG + 3 * FP32 + FP32 * moe_layers * m.num_experts) * 2 * (dp - 1) / dp
-        flows.append(Flow("other: all_reduce", "all_reduce", "dp", dp, 3, small))
+        flows.append(Flow("other: all_reduce", "all_reduce", "dp_cp" if dims.cp > 1 else "dp", dp, 3, small))
+    return flows
+
+
+def _context_flows(cfg: Config, dims: ParallelDims, a: int, accum: int) -> list[Flow]:
+    """Context parallelism's exchanges per step (`model/context_attention.py`, docs/concepts/parallel.md):
+    a sliding-window layer receives each of its two chunks' halo of window - 1 positions (at
+    most; the row's first chunk has none), a global layer all-gathers every rank's keys and
+    values, each again in backward (and in the recomputation under activation checkpointing);
+    the aux and z losses' sums travel in one all-reduce a forward."""
+    m, b, cp = cfg.model, cfg.train.micro_batch_size, dims.cp
+    per_token = 2 * (m.num_kv_heads // dims.tp) * m.head_dim * a  # keys and values
+    forwards = 2 if cfg.train.activation_checkpointing else 1
+    passes = (forwards + 1) * accum  # forward(s) and backward, every micro-batch
+    local = sum(1 for i in range(m.num_layers) if not is_global_layer(m, i) and m.sliding_window < cfg.data.seq_len)
+    gathered = m.num_layers - local
+    flows = []
+    if local:
+        # 2cp - 1 chunks need a halo, one from its own rank (chunk cp's, on rank cp - 1): on average
+        # 2(cp - 1)/cp halos leave a rank
+        halo = 2 * (cp - 1) / cp * (m.sliding_window - 1) * b * per_token
+        flows.append(Flow(CP_CATEGORY["all_to_all"], "all_to_all", "cp", cp, local * passes, local * passes * halo))
+    if gathered:
+        share = cfg.data.seq_len // cp * b * per_token
+        flows += [Flow(CP_CATEGORY["all_gather"], "all_gather", "cp", cp, gathered * forwards * accum,
+                       gathered * forwards * accum * share * (cp - 1)),
+                  Flow(CP_CATEGORY["reduce_scatter"], "reduce_scatter", "cp", cp, gathered * accum,
+                       gathered * accum * share * (cp - 1))]
+    moe_layers = m.num_layers - m.num_dense_layers
+    sums = (2 * moe_layers * b * m.num_experts if m.aux_loss_alpha > 0 else 0) + (2 if m.z_loss_weight > 0 else 0)
+    if sums and moe_layers:
+        flows.append(Flow(CP_CATEGORY["all_reduce"], "all_reduce", "cp", cp, passes,
+                          passes * FP32 * sums * 2 * (cp - 1) / cp))
     return flows
 
 
@@ -570,10 +609,10 @@ def _muon_flows(cfg: Config, dims: ParallelDims, params: Counter, nums: Numerics
         sent += rounds * 2 * n * piece * ((n - 1) / n if gpu else (n - 1))
     flows = []
     if calls:
-        flows.append(Flow(MUON_REDISTRIBUTE, "all_to_all" if gpu else "all_gather", "fsdp", dims.dp_shard,
+        flows.append(Flow(MUON_REDISTRIBUTE, "all_to_all" if gpu else "all_gather", "fsdp", dims.fsdp_shards,
                           calls, sent))
     if pieces:
-        flows.append(Flow(MUON_REDISTRIBUTE, "all_to_all", "fsdp", dims.dp_shard,
+        flows.append(Flow(MUON_REDISTRIBUTE, "all_to_all", "fsdp", dims.fsdp_shards,
                           2 * sum(len(cut_chunks(p)) for p in pieces.values()), packed_sent))
     return flows
 
@@ -582,8 +621,9 @@ def communicators(dims: ParallelDims) -> int:
     """NCCL communicators a rank uses (distinct groups of more than one rank): FSDP, TP, EP,
     expert FSDP, the data-parallel group, the replicas, and the flattened FSDP x TP group of
     the gradient norm."""
-    groups = {("dp_shard", dims.dp_shard), ("tp", dims.tp), ("ep", dims.ep), ("efsdp", dims.efsdp),
-              ("dp", dims.dp), ("dp_replicate", dims.dp_replicate), ("dp_shard_tp", dims.dp_shard * dims.tp)}
+    groups = {("dp_shard", dims.fsdp_shards), ("tp", dims.tp), ("ep", dims.ep), ("efsdp", dims.efsdp),
+              ("dp", dims.dp), ("dp_replicate", dims.dp_replicate), ("dp_shard_tp", dims.fsdp_shards * dims.tp),
+              ("cp", dims.cp), ("dp_cp", dims.dp * dims.cp if dims.cp > 1 else 1)}
     sizes = {}
     for name, size in groups:
         if size > 1:

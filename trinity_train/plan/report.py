@@ -149,7 +149,7 @@ def summary(plan: JobPlan, hardware: Hardware | None = None, mfu: float = DEFAUL
     priced = hardware is not None and plan.gpu
     data = {
         "layout": {"world": dims.world_size, "dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard,
-                   "tp": dims.tp, "ep": dims.ep, "efsdp": dims.efsdp, "gpus_per_node": plan.gpus_per_node,
+                   "cp": dims.cp, "tp": dims.tp, "ep": dims.ep, "efsdp": dims.efsdp, "gpus_per_node": plan.gpus_per_node,
                    "describe": dims.describe(cfg.model)},
         "model": {"parameters": counts.total, "active": counts.active},
         "batch": {"micro_batch_size": cfg.train.micro_batch_size, "grad_accum": plan.grad_accum,

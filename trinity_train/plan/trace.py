@@ -41,6 +41,7 @@ from trinity_train.model import build_model
 from trinity_train.optim.groups import build_optimizer
 from trinity_train.optim.schedule import build_scheduler
 from trinity_train.parallel.assumed_routing import AssumedRouting, assume_routing
+from trinity_train.parallel.context import shard_micro_batch
 from trinity_train.parallel.fsdp import apply_fsdp
 from trinity_train.parallel.mesh import ParallelDims
 from trinity_train.parallel.parallelize import split_model
@@ -86,12 +87,15 @@ class RankTrace:
         return sum(self.memory.values())
 
 
-def _micro_batch(cfg: Config) -> dict[str, torch.Tensor]:
+def _micro_batch(cfg: Config, dims: ParallelDims) -> dict[str, torch.Tensor]:
+    """One micro-batch of this rank's inputs (its share of each row under context parallelism)."""
     rows, seq = cfg.train.micro_batch_size, cfg.data.seq_len
     mb = {"input_ids": torch.zeros(rows, seq, dtype=torch.long), "labels": torch.zeros(rows, seq, dtype=torch.long)}
     if cfg.model.doc_masking:
         mb["document_ids"] = torch.zeros(rows, seq, dtype=torch.long)
         mb["position_ids"] = torch.arange(seq).expand(rows, seq)
+    if dims.cp > 1:
+        mb = shard_micro_batch(mb, dims.cp, dims.cp_rank, cfg.model.doc_masking)
     return mb
 
 
@@ -139,7 +143,7 @@ def group_dim_namer(dims: ParallelDims):
         if name not in names:
             names.append(name)
 
-    for view in (dims._dense, dims._sparse):
+    for view in (dims._dense, dims._sparse, *([dims._data] if dims.cp > 1 else [])):
         for i, name in enumerate(view.mesh_dim_names):
             if view.size(i) > 1:
                 add(view.get_group(i), name)
@@ -185,7 +189,7 @@ def trace_rank(cfg: Config, world_size: int, rank: int, *, gpu: bool,
             step = TrainingStep(model, optimizer, build_scheduler(optimizer, cfg),
                                 StepGuard(cfg.stability), cfg, torch.device("cpu"), dims)
             grad_accum = grad_accum_for(cfg.train, dims.dp)
-            parts = [_micro_batch(cfg) for _ in range(min(grad_accum, micro_batches))]
+            parts = [_micro_batch(cfg, dims) for _ in range(min(grad_accum, micro_batches))]
             create_optimizer_state(model, optimizer)
             log = CollectiveLog(dim_of=namer)
             # The step's own autocast (train.dtype = "bf16") gives the traced tensors bf16 compute.
