@@ -34,12 +34,13 @@ from typing import NamedTuple
 
 from trinity_train.config import Config, ModelConfig, grad_accum_for
 from trinity_train.model.blocks import block_style, is_global_layer
+from trinity_train.model.context_attention import halo_plan
 from trinity_train.optim.groups import is_muon_param
 from trinity_train.optim.muon import deal_rounds, ns_cost
 from trinity_train.optim.muon_exchange import EXCHANGE_BYTES, cut_chunks
 from trinity_train.parallel.assumed_routing import AssumedRouting
 from trinity_train.parallel.mesh import ParallelDims
-from trinity_train.plan.collectives import (EP_ALL_TO_ALL, FSDP_ALL_GATHER, FSDP_ALL_REDUCE, FSDP_REDUCE_SCATTER,
+from trinity_train.plan.collectives import (CP_CATEGORY, EP_ALL_TO_ALL, FSDP_ALL_GATHER, FSDP_ALL_REDUCE, FSDP_REDUCE_SCATTER,
                                             MUON_REDISTRIBUTE)
 from trinity_train.plan.trace import CATEGORIES
 
@@ -145,7 +146,7 @@ def _rest(shape: tuple[int, ...]) -> int:
 
 def shard_numel(p: Param, dims: ParallelDims) -> int:
     """Elements this rank allocates for its FSDP shard of `p`, padding included."""
-    n = dims.efsdp if p.unit == "experts" else dims.dp_shard
+    n = dims.efsdp if p.unit == "experts" else dims.fsdp_shards
     if n == 1 or not dims.is_distributed:
         return math.prod(p.shape)
     if p.unit == "experts" and n > p.shape[0]:
@@ -155,7 +156,7 @@ def shard_numel(p: Param, dims: ParallelDims) -> int:
 
 def unsharded_numel(p: Param, dims: ParallelDims) -> int:
     """Elements of `p` once all-gathered (FSDP's padded flat buffer)."""
-    n = dims.efsdp if p.unit == "experts" else dims.dp_shard
+    n = dims.efsdp if p.unit == "experts" else dims.fsdp_shards
     return shard_numel(p, dims) * n if dims.is_distributed else math.prod(p.shape)
 
 
@@ -190,25 +191,66 @@ def _attention_saved(m: ModelConfig, tokens: float, tp: int, a: int, seq_len: in
       sequence (one for the batch without document masking).
     With a mask on GPUs the kv heads are expanded to every head (the memory-efficient kernel does
     not take grouped-query heads); CPUs' fused kernel takes them as they are."""
-    d, hd = m.hidden_size, m.head_dim
-    h, kv = m.num_heads // tp, m.num_kv_heads // tp
     window = m.sliding_window
     is_local = not is_global_layer(m, layer) and window < seq_len
     blocks = is_local and seq_len > 2 * window
     dense_mask = not blocks and (is_local or m.doc_masking)
-    # attn_norm and attn_post_norm (sequence-split under TP), q_norm and k_norm
-    norms = 2 * FP32 * (2 * d / tp + (h + kv) * hd)
-    proj_in = a * d  # the normed input of q/k/v/gate (whole sequence under TP)
     kv_copies, mask = 1.0, 0.0
     if blocks:
         block = window // 2 if window % 2 == 0 else window
         kv_copies, mask = (window + block) / block, a * (window + block)
     elif dense_mask:
         mask = a * seq_len * (1 if m.doc_masking else 1 / batch)
-    kv_heads = h if gpu and (blocks or dense_mask) else kv
-    sdpa = a * hd * (h + 2 * kv_heads * kv_copies + h) + FP32 * h + mask  # q, k, v, out, lse, mask
-    gate = a * hd * h * 3  # out (reshaped copy), sigmoid(gate), their product (o_proj's input)
-    return tokens * (norms + proj_in + sdpa + gate)
+    keys = _sdpa_keys(m, tp, a, gpu, masked=blocks or dense_mask) * kv_copies
+    return tokens * (_attention_per_token(m, tp, a) + _sdpa_per_query(m, tp, a) + keys + mask)
+
+
+def _attention_per_token(m: ModelConfig, tp: int, a: int) -> float:
+    """What an attention sublayer keeps per token outside SDPA: attn_norm and attn_post_norm
+    (sequence-split under TP), q_norm and k_norm (fp32 input and output each), the normed input
+    of q/k/v/gate (whole sequence under TP), and the gate's three tensors (the attention output
+    reshaped, sigmoid(gate), their product that o_proj takes)."""
+    d, hd = m.hidden_size, m.head_dim
+    h, kv = m.num_heads // tp, m.num_kv_heads // tp
+    return 2 * FP32 * (2 * d / tp + (h + kv) * hd) + a * d + a * hd * h * 3
+
+
+def _sdpa_per_query(m: ModelConfig, tp: int, a: int) -> float:
+    """SDPA's saved q, output and log-sum-exp, per query."""
+    h = m.num_heads // tp
+    return a * m.head_dim * 2 * h + FP32 * h
+
+
+def _sdpa_keys(m: ModelConfig, tp: int, a: int, gpu: bool, masked: bool) -> float:
+    """SDPA's saved key and value, per key (expanded to every head by a GPU's masked kernel)."""
+    heads = m.num_heads // tp if gpu and masked else m.num_kv_heads // tp
+    return a * m.head_dim * 2 * heads
+
+
+def _context_attention_saved(cfg: Config, dims: ParallelDims, a: int, layer: int, gpu: bool) -> float:
+    """An attention sublayer's saved bytes under context parallelism (`model/context_attention.py`),
+    for this rank's B x T / cp tokens:
+    - a global layer keeps the keys and values of the whole row (all-gathered, put in row order)
+      and a [T / cp, T] mask, converted to the compute dtype (per row with document masking);
+    - a sliding-window layer attends each of its two chunks of c = T / (2 cp) tokens as a row of
+      its own, extended by the halo of window - 1 positions before it: SDPA's tensors over
+      2B rows of L = window - 1 + c positions (the halo's query slots zero), a per-row mask
+      (every extended row has document ids), blocks when L > 2 x window."""
+    m, b, t, cp, tp = cfg.model, cfg.train.micro_batch_size, cfg.data.seq_len, dims.cp, dims.tp
+    local = b * t / cp
+    per_token = _attention_per_token(m, tp, a) * local
+    if is_global_layer(m, layer) or m.sliding_window >= t:
+        mask = a * local * t * (1 if m.doc_masking else 1 / b)
+        return per_token + _sdpa_per_query(m, tp, a) * local + _sdpa_keys(m, tp, a, gpu, True) * b * t + mask
+    window = m.sliding_window
+    length = window - 1 + t // (2 * cp)  # a chunk and its halo
+    if length > 2 * window:  # computed in blocks of queries, as in one process
+        block = window // 2 if window % 2 == 0 else window
+        kv_copies, mask = (window + block) / block, a * (window + block)
+    else:
+        kv_copies, mask = 1.0, a * length
+    extended = 2 * b * length
+    return per_token + extended * (_sdpa_per_query(m, tp, a) + _sdpa_keys(m, tp, a, gpu, True) * kv_copies + mask)
 
 
 def _ffn_saved(tokens: float, d: int, width: int, a: int) -> float:
@@ -238,21 +280,32 @@ def block_activation_bytes(cfg: Config, dims: ParallelDims, layer: int, a: int, 
     """Everything block `layer` keeps for backward for one micro-batch on this rank (`gpu`: the
     kernels a GPU runs)."""
     m = cfg.model
-    tokens = cfg.train.micro_batch_size * cfg.data.seq_len
-    saved = _attention_saved(m, tokens, dims.tp, a, cfg.data.seq_len, layer, cfg.train.micro_batch_size, gpu)
+    tokens = local_tokens(cfg, dims)
+    saved = (_context_attention_saved(cfg, dims, a, layer, gpu) if dims.cp > 1 else
+             _attention_saved(m, tokens, dims.tp, a, cfg.data.seq_len, layer, cfg.train.micro_batch_size, gpu))
     saved += tokens * 2 * FP32 * 2 * m.hidden_size / dims.tp  # mlp_norm, mlp_post_norm: input, normalized
     if layer >= m.num_dense_layers:
         return saved + _moe_saved(m, tokens, dims, a, skew)
     return saved + _ffn_saved(tokens, m.hidden_size, m.intermediate_size // dims.tp, a)
 
 
-def shared_activation_bytes(cfg: Config, a: int) -> float:
-    """What every layer shares and the whole backward keeps: the rotary tables and the masks."""
-    m, b, t = cfg.model, cfg.train.micro_batch_size, cfg.data.seq_len
-    out = 2 * b * t * m.head_dim * a * (1 + (0 if m.block != "gemma3" else 1))  # cos, sin
+def shared_activation_bytes(cfg: Config, dims: ParallelDims, a: int) -> float:
+    """What every layer shares and the whole backward keeps: the rotary tables and the masks
+    (under context parallelism: the global layers' [T / cp, T], the sliding-window layers' over
+    2B extended chunks of window - 1 + T / (2 cp) positions)."""
+    m, b, t, cp = cfg.model, cfg.train.micro_batch_size, cfg.data.seq_len, dims.cp
+    out = 2 * b * t / cp * m.head_dim * a * (1 + (0 if m.block != "gemma3" else 1))  # cos, sin
+    if cp > 1:
+        length = m.sliding_window - 1 + t // (2 * cp)
+        return out + (b if m.doc_masking else 1) * t / cp * t + 2 * b * length * length
     if m.doc_masking or m.sliding_window < t:
         out += (b if m.doc_masking else 1) * t * t  # a bool mask per layer kind
     return out
+
+
+def local_tokens(cfg: Config, dims: ParallelDims) -> int:
+    """Tokens of one micro-batch on this rank: its rows, and its 1/cp of each under context parallelism."""
+    return cfg.train.micro_batch_size * cfg.data.seq_len // dims.cp
 
 
 def model_level_activation_bytes(cfg: Config, dims: ParallelDims, a: int) -> float:
@@ -260,8 +313,8 @@ def model_level_activation_bytes(cfg: Config, dims: ParallelDims, a: int) -> flo
     input, and the fused loss's gradients (hidden and the head's fp32 weight gradient,
     computed in the forward)."""
     m = cfg.model
-    tokens = cfg.train.micro_batch_size * cfg.data.seq_len
-    out = shared_activation_bytes(cfg, a) + tokens * FP32 * m.hidden_size / dims.tp  # final norm input
+    tokens = local_tokens(cfg, dims)
+    out = shared_activation_bytes(cfg, dims, a) + tokens * FP32 * m.hidden_size / dims.tp  # final norm input
     if dims.tp == 1:  # the fused loss: grad_hidden and the head's fp32 weight gradient
         out += tokens * a * m.hidden_size + FP32 * m.vocab_size * m.hidden_size
     return out
@@ -272,7 +325,7 @@ def loss_chunk_bytes(cfg: Config, dims: ParallelDims, a: int) -> float:
     in place in them) with their cast back to the compute dtype, and, in a compute dtype
     narrower than fp32, the head-gradient product and its fp32 copy (`model/loss.py`)."""
     m = cfg.model
-    rows = min(m.loss_chunk_tokens, cfg.train.micro_batch_size * cfg.data.seq_len)
+    rows = min(m.loss_chunk_tokens, local_tokens(cfg, dims))
     if dims.tp > 1:
         # The vocabulary-split head (ColwiseParallel, output Replicate) all-gathers each chunk's
         # logits: its local slices, the gathered [rows, vocab] and cross entropy's fp32 work.
@@ -357,7 +410,7 @@ def memory_per_rank(cfg: Config, dims: ParallelDims, *, gpu: bool,
     root = unit_bytes(layers[-1], ("root",))
     root_grads = FP32 * sum(shard_numel(p, dims) for p in layers[-1])
 
-    tokens = cfg.train.micro_batch_size * cfg.data.seq_len
+    tokens = local_tokens(cfg, dims)
     per_block = [block_activation_bytes(cfg, dims, i, a, routing.skew, gpu) for i in range(m.num_layers)]
     block_input = tokens * a * m.hidden_size / dims.tp  # what a checkpointed block keeps
 
@@ -381,7 +434,7 @@ def memory_per_rank(cfg: Config, dims: ParallelDims, *, gpu: bool,
     # A CPU job's reduce-scatter left travelling (parallel.overlap_reduce_scatter) holds what it
     # receives beside its input until the next one is issued.
     in_flight = 2 if (not gpu and cfg.parallel.overlap_reduce_scatter and dims.dp_replicate == 1) else 1
-    shared = shared_activation_bytes(cfg, a)
+    shared = shared_activation_bytes(cfg, dims, a)
     backward, later_grads, below = {}, 0.0, sum(per_block)
     for i in reversed(range(m.num_layers)):
         below -= per_block[i]
@@ -424,7 +477,7 @@ def _gather_factors(p: Param, dims: ParallelDims) -> tuple[int, ...]:
     elif p.batch > 1:  # experts inside their block's unit: FSDP's dim 0 is the expert dim
         fsdp = 1
     else:
-        fsdp = dims.dp_shard
+        fsdp = dims.fsdp_shards
     return tuple(f for f in (fsdp, tp) if f > 1)
 
 
@@ -489,8 +542,7 @@ def traffic_per_rank(cfg: Config, dims: ParallelDims, *, gpu: bool,
     accum = grad_accum_for(cfg.train, dims.dp)
     layers = model_params(m, dims.tp, dims.ep)
     flows: list[Flow] = []
-    dense_dim = "dp_shard"
-    for unit, n, dim in (("dense", dims.dp_shard, dense_dim), ("experts", dims.efsdp, "efsdp")):
+    for unit, n, dim in (("dense", dims.fsdp_shards, dims.fsdp_dim), ("experts", dims.efsdp, "efsdp")):
         if n == 1 and dims.dp_replicate == 1:
             continue
         names = ("experts",) if unit == "experts" else ("embed", "block", "root")
@@ -518,19 +570,51 @@ def traffic_per_rank(cfg: Config, dims: ParallelDims, *, gpu: bool,
                               sum(shards) * FP32 * 2 * (r - 1) / r))
     moe_layers = m.num_layers - m.num_dense_layers
     if dims.ep > 1 and moe_layers:
-        tokens = cfg.train.micro_batch_size * cfg.data.seq_len
+        tokens = local_tokens(cfg, dims)
         out_of_rank = tokens * m.num_experts_per_tok * (dims.ep - 1) / dims.ep * m.hidden_size * a
         per_layer = 2 * out_of_rank * (1 + routing.skew)  # dispatch and combine, forward and backward
         forwards = 2 if cfg.train.activation_checkpointing else 1  # the recomputation dispatches again
         calls = 2 * (forwards + 1) * moe_layers * accum
         sent = (per_layer + (forwards - 1) * out_of_rank * (1 + routing.skew)) * moe_layers * accum
         flows.append(Flow(EP_ALL_TO_ALL, "all_to_all", "ep", dims.ep, calls, sent))
+    if dims.cp > 1:
+        flows += _context_flows(cfg, dims, a, accum)
     if cfg.optim.name == "muon":
         flows += _muon_flows(cfg, dims, param_counts(m, dims.tp, dims.ep), nums, gpu)
-    dp = dims.dp
+    dp = dims.dp * dims.cp  # every rank holding other tokens
     if dp > 1:  # token count, loss totals, tokens per expert
         small = (LONG + 3 * FP32 + FP32 * moe_layers * m.num_experts) * 2 * (dp - 1) / dp
-        flows.append(Flow("other: all_reduce", "all_reduce", "dp", dp, 3, small))
+        flows.append(Flow("other: all_reduce", "all_reduce", "dp_cp" if dims.cp > 1 else "dp", dp, 3, small))
+    return flows
+
+
+def _context_flows(cfg: Config, dims: ParallelDims, a: int, accum: int) -> list[Flow]:
+    """Context parallelism's exchanges of keys and values (`model/context_attention.py`), each
+    micro-batch, again in an activation-checkpointed block's recomputation:
+    - a global layer all-gathers its T / cp tokens' keys and values ((cp - 1) copies sent) and
+      reduce-scatters their gradients in backward ((cp - 1) / cp of the whole row's);
+    - a sliding-window layer sends the halo rows its neighbours need (the window - 1 positions
+      before each of their chunks that this rank holds) and takes their gradients back in backward,
+      one all-to-all each way: rank 0's rows (`halo_plan`), the traced rank's.
+    The MoE balance loss's per-sequence statistics (an all-reduce of a few floats a layer) are left
+    out."""
+    m, b, t, cp = cfg.model, cfg.train.micro_batch_size, cfg.data.seq_len, dims.cp
+    kv_row = b * (m.num_kv_heads // dims.tp) * 2 * m.head_dim * a  # one position's keys and values, every row
+    forwards = 2 if cfg.train.activation_checkpointing else 1
+    gathered = sum(1 for i in range(m.num_layers) if is_global_layer(m, i) or m.sliding_window >= t)
+    windowed = m.num_layers - gathered
+    flows = []
+    if gathered:
+        flows += [Flow(CP_CATEGORY["all_gather"], "all_gather", "cp", cp, gathered * forwards * accum,
+                       t / cp * kv_row * (cp - 1) * gathered * forwards * accum),
+                  Flow(CP_CATEGORY["reduce_scatter"], "reduce_scatter", "cp", cp, gathered * accum,
+                       t * kv_row * (cp - 1) / cp * gathered * accum)]
+    if windowed:
+        plan = halo_plan(t, cp, 0, m.sliding_window)
+        out_rows = sum(plan.input_splits) - plan.input_splits[0]
+        back_rows = sum(plan.output_splits) - plan.output_splits[0]
+        flows.append(Flow(CP_CATEGORY["all_to_all"], "all_to_all", "cp", cp, windowed * (forwards + 1) * accum,
+                          (out_rows * forwards + back_rows) * kv_row * windowed * accum))
     return flows
 
 
@@ -570,20 +654,22 @@ def _muon_flows(cfg: Config, dims: ParallelDims, params: Counter, nums: Numerics
         sent += rounds * 2 * n * piece * ((n - 1) / n if gpu else (n - 1))
     flows = []
     if calls:
-        flows.append(Flow(MUON_REDISTRIBUTE, "all_to_all" if gpu else "all_gather", "fsdp", dims.dp_shard,
+        flows.append(Flow(MUON_REDISTRIBUTE, "all_to_all" if gpu else "all_gather", "fsdp", dims.fsdp_shards,
                           calls, sent))
     if pieces:
-        flows.append(Flow(MUON_REDISTRIBUTE, "all_to_all", "fsdp", dims.dp_shard,
+        flows.append(Flow(MUON_REDISTRIBUTE, "all_to_all", "fsdp", dims.fsdp_shards,
                           2 * sum(len(cut_chunks(p)) for p in pieces.values()), packed_sent))
     return flows
 
 
 def communicators(dims: ParallelDims) -> int:
     """NCCL communicators a rank uses (distinct groups of more than one rank): FSDP, TP, EP,
-    expert FSDP, the data-parallel group, the replicas, and the flattened FSDP x TP group of
-    the gradient norm."""
-    groups = {("dp_shard", dims.dp_shard), ("tp", dims.tp), ("ep", dims.ep), ("efsdp", dims.efsdp),
-              ("dp", dims.dp), ("dp_replicate", dims.dp_replicate), ("dp_shard_tp", dims.dp_shard * dims.tp)}
+    expert FSDP, the data-parallel group, the replicas, the flattened FSDP x TP group of the
+    gradient norm, and under context parallelism the cp group and the dp x cp group of the loss
+    sums."""
+    groups = {(dims.fsdp_dim, dims.fsdp_shards), ("tp", dims.tp), ("ep", dims.ep), ("efsdp", dims.efsdp),
+              ("dp", dims.dp), ("dp_replicate", dims.dp_replicate), ("dp_shard_tp", dims.fsdp_shards * dims.tp),
+              ("cp", dims.cp), ("dp_cp", dims.dp * dims.cp if dims.cp > 1 and dims.dp > 1 else 1)}
     sizes = {}
     for name, size in groups:
         if size > 1:

@@ -35,8 +35,8 @@ def chunk_length(size: int, parts: int, index: int) -> int:
 def fsdp_units(model, dims: ParallelDims) -> list[tuple[tuple[int, ...], int, bool]]:
     """(local shape after TP/EP, the dim FSDP shards, routed expert?) of every parameter of a
     model that `split_model` has split (FSDP not yet applied). Routed experts are sharded over
-    efsdp (= dp_shard without EP) along `expert_shard_dim`'s dim, everything else along dim 0
-    over dp_shard (`parallel.fsdp`)."""
+    efsdp (= dp_shard x cp without EP) along `expert_shard_dim`'s dim, everything else along dim 0
+    over dp_shard x cp (`parallel.fsdp`)."""
     expert_ids = {id(p) for moe in model.moe_layers for p in moe.experts.parameters()}
     out = []
     for p in model.parameters():
@@ -48,24 +48,24 @@ def fsdp_units(model, dims: ParallelDims) -> list[tuple[tuple[int, ...], int, bo
 
 
 def _signature(units, dims: ParallelDims, d: int) -> tuple[int, ...]:
-    return tuple(chunk_length(shape[dim], dims.efsdp if expert else dims.dp_shard, d // dims.ep if expert else d)
+    return tuple(chunk_length(shape[dim], dims.efsdp if expert else dims.fsdp_shards, d // dims.ep if expert else d)
                  for shape, dim, expert in units)
 
 
 def rank_classes(model, dims: ParallelDims) -> list[RankClass]:
     """The classes of ranks with equal local shapes (see the module doc), in the order of their
-    first dp_shard index; beyond `MAX_TRACED` classes only the first, the last, the largest and
+    first FSDP shard index (over dp_shard x cp); beyond `MAX_TRACED` classes only the first, the last, the largest and
     the smallest are returned (the others are left out of a plan's tables and totals)."""
     units = fsdp_units(model, dims)
     by_signature: dict[tuple[int, ...], list[int]] = {}
     sizes: dict[tuple[int, ...], int] = {}
-    for d in range(dims.dp_shard):
+    for d in range(dims.fsdp_shards):
         signature = _signature(units, dims, d)
         by_signature.setdefault(signature, []).append(d)
         if signature not in sizes:
             sizes[signature] = sum(length * math.prod(shape) // max(shape[dim], 1)
                                    for length, (shape, dim, _) in zip(signature, units))
-    per_index = dims.world_size // dims.dp_shard
+    per_index = dims.world_size // dims.fsdp_shards
     classes = [RankClass(indices[0] * dims.tp, len(indices) * per_index, sizes[sig])
                for sig, indices in by_signature.items()]
     if len(classes) <= MAX_TRACED:
