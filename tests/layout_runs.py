@@ -10,10 +10,12 @@ every rank keeps of its run.
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from helpers import assert_values_close
 from trinity_train.callbacks import TrainerCallback
 from trinity_train.files import read_jsonl
 from trinity_train.train import Trainer
@@ -50,3 +52,47 @@ def recorded(trainer: Trainer) -> dict:
             "biases": torch.stack([moe.expert_bias.clone() for moe in trainer.model.moe_layers]),
             "losses": [r["loss"] for r in records], "norms": [r["grad_norm"] for r in records],
             "layer_stats": layer_stats}
+
+
+def assert_run_matches(ranks: list[dict], layout: str, reference: dict) -> None:
+    """`layout`'s run (`recorded` on every rank) trained like the single process `reference`:
+    bit-identical initial weights, losses and gradient norms within rel 1e-5, parameters within
+    1e-4, expert biases identical on every rank and within 1e-7 of the reference's."""
+    ours = ranks[0][layout]
+    for name, want in reference["initial"].items():
+        assert torch.equal(ours["initial"][name], want), f"{layout}: {name} starts differently"
+    assert len(ours["losses"]) == STEPS
+    for step, (got, want) in enumerate(zip(ours["losses"], reference["losses"])):
+        assert abs(got - want) <= 1e-5 * abs(want), f"{layout} step {step}: loss {got} vs {want}"
+    assert ours["norms"] == pytest.approx(reference["norms"], rel=1e-5)
+    for rank, results in enumerate(ranks):
+        biases = results[layout]["biases"]
+        assert torch.equal(biases, ours["biases"]), f"{layout}: expert_bias of rank {rank} differs"
+    assert torch.allclose(ours["biases"], reference["biases"], rtol=0, atol=1e-7)
+    assert ours["params"].keys() == reference["params"].keys()
+    for name, want in reference["params"].items():
+        err = (ours["params"][name] - want).abs().max().item()
+        assert err <= 1e-4, f"{layout}: {name} differs from the single process by {err}"
+
+
+# Layer statistics: relative tolerance on every float of the `"layers"` records.
+TOLERANCE = 1e-5
+
+
+def with_kurtosis(record: dict) -> dict:
+    """The excess kurtosis as the kurtosis (+3): a relative tolerance on a value near 0 would ask
+    for more digits than float32 activations carry."""
+    return {**record, "act_kurtosis": [k + 3.0 for k in record["act_kurtosis"]]}
+
+
+def assert_stats_match(ranks: list[dict], layout: str, reference: dict) -> None:
+    """`layout`'s `"layers"` records equal the single process `reference`'s on every step, and
+    every rank computed the same ones."""
+    ours = ranks[0][layout]["layer_stats"]
+    assert len(ours) == STEPS and all(r is not None for r in ours)
+    for rank, results in enumerate(ranks[1:], start=1):
+        assert results[layout]["layer_stats"] == ours, f"{layout}: rank {rank} computed another record"
+    for step, (got, want) in enumerate(zip(ours, reference["layer_stats"]), start=1):
+        for key in ("moe_layers", "tokens_per_expert", "experts_without_tokens"):
+            assert got[key] == want[key], f"{layout} step {step}: {key}"
+        assert_values_close(with_kurtosis(got), with_kurtosis(want), TOLERANCE, path=f"{layout} step {step}")

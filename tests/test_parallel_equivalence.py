@@ -25,12 +25,10 @@ run must agree bit for bit (every value comes out of the same all-reduces).
 from __future__ import annotations
 
 import pytest
-import torch
 
 from conftest import (FOUR_RANK_LAYOUTS, LAYOUT_REFERENCES, TWO_RANK_LAYOUTS, layout_config, layout_reference,
                       merge_sections, run_layouts)
-from helpers import assert_values_close
-from layout_runs import COMMON, STEPS, recorded
+from layout_runs import COMMON, assert_run_matches, assert_stats_match, recorded
 from trinity_train.train import Trainer
 
 pytestmark = pytest.mark.slow  # every layout on 2 and 4 gloo ranks: the suite's largest fixture
@@ -51,22 +49,7 @@ def layout_runs(corpus, tmp_path_factory, rank_pool) -> dict:
 
 
 def assert_matches_reference(ranks: list[dict], layout: str, references: dict) -> None:
-    reference = references[layout_reference(layout)]
-    ours = ranks[0][layout]
-    for name, want in reference["initial"].items():
-        assert torch.equal(ours["initial"][name], want), f"{layout}: {name} starts differently"
-    assert len(ours["losses"]) == STEPS
-    for step, (got, want) in enumerate(zip(ours["losses"], reference["losses"])):
-        assert abs(got - want) <= 1e-5 * abs(want), f"{layout} step {step}: loss {got} vs {want}"
-    assert ours["norms"] == pytest.approx(reference["norms"], rel=1e-5)
-    for rank, results in enumerate(ranks):
-        biases = results[layout]["biases"]
-        assert torch.equal(biases, ours["biases"]), f"{layout}: expert_bias of rank {rank} differs"
-    assert torch.allclose(ours["biases"], reference["biases"], rtol=0, atol=1e-7)
-    assert ours["params"].keys() == reference["params"].keys()
-    for name, want in reference["params"].items():
-        err = (ours["params"][name] - want).abs().max().item()
-        assert err <= 1e-4, f"{layout}: {name} differs from the single process by {err}"
+    assert_run_matches(ranks, layout, references[layout_reference(layout)])
 
 
 @pytest.mark.parametrize("name", list(LAYOUT_REFERENCES))
@@ -88,25 +71,8 @@ def test_four_rank_layout_matches_one_process(layout_runs, layout):
 
 # ---------------------------------------------------------------------------- layer statistics
 
-TOLERANCE = 1e-5
-
-
-def with_kurtosis(record: dict) -> dict:
-    """The excess kurtosis as the kurtosis (+3): a relative tolerance on a value near 0 would ask
-    for more digits than float32 activations carry."""
-    return {**record, "act_kurtosis": [k + 3.0 for k in record["act_kurtosis"]]}
-
-
 def assert_like_one_process(ranks: list[dict], layout: str, references: dict) -> None:
-    ours = ranks[0][layout]["layer_stats"]
-    assert len(ours) == STEPS and all(r is not None for r in ours)
-    for rank, results in enumerate(ranks[1:], start=1):
-        assert results[layout]["layer_stats"] == ours, f"{layout}: rank {rank} computed another record"
-    want_records = references[layout_reference(layout)]["layer_stats"]
-    for step, (got, want) in enumerate(zip(ours, want_records), start=1):
-        for key in ("moe_layers", "tokens_per_expert", "experts_without_tokens"):
-            assert got[key] == want[key], f"{layout} step {step}: {key}"
-        assert_values_close(with_kurtosis(got), with_kurtosis(want), TOLERANCE, path=f"{layout} step {step}")
+    assert_stats_match(ranks, layout, references[layout_reference(layout)])
 
 
 def test_reference_records_are_complete(layout_runs):

@@ -595,9 +595,8 @@ def _context_flows(cfg: Config, dims: ParallelDims, a: int, accum: int) -> list[
       reduce-scatters their gradients in backward ((cp - 1) / cp of the whole row's);
     - a sliding-window layer sends the halo rows its neighbours need (the window - 1 positions
       before each of their chunks that this rank holds) and takes their gradients back in backward,
-      one all-to-all each way: rank 0's rows (`halo_plan`), the traced rank's.
-    The MoE balance loss's per-sequence statistics (an all-reduce of a few floats a layer) are left
-    out."""
+      one all-to-all each way: rank 0's rows (`halo_plan`), the traced rank's;
+    - the MoE losses' per-sequence statistics, summed over the group."""
     m, b, t, cp = cfg.model, cfg.train.micro_batch_size, cfg.data.seq_len, dims.cp
     kv_row = b * (m.num_kv_heads // dims.tp) * 2 * m.head_dim * a  # one position's keys and values, every row
     forwards = 2 if cfg.train.activation_checkpointing else 1
@@ -615,6 +614,13 @@ def _context_flows(cfg: Config, dims: ParallelDims, a: int, accum: int) -> list[
         back_rows = sum(plan.output_splits) - plan.output_splits[0]
         flows.append(Flow(CP_CATEGORY["all_to_all"], "all_to_all", "cp", cp, windowed * (forwards + 1) * accum,
                           (out_rows * forwards + back_rows) * kv_row * windowed * accum))
+    # The MoE losses' per-sequence sums (balance loss: scores and counts per expert; z-loss: a sum
+    # and a count), one all-reduce a forward and one in backward.
+    moe_layers = m.num_layers - m.num_dense_layers
+    sums = (2 * moe_layers * b * m.num_experts if m.aux_loss_alpha > 0 else 0) + (2 if m.z_loss_weight > 0 else 0)
+    if sums and moe_layers:
+        passes = (forwards + 1) * accum
+        flows.append(Flow(CP_CATEGORY["all_reduce"], "all_reduce", "cp", cp, passes, passes * FP32 * sums * 2 * (cp - 1) / cp))
     return flows
 
 
