@@ -5,7 +5,7 @@ import pytest
 
 from trinity_train.config import load_config
 from trinity_train.parallel.mesh import ParallelDims
-from trinity_train.plan.collectives import (EP_ALL_TO_ALL, FSDP_ALL_GATHER, FSDP_REDUCE_SCATTER, MUON_REDISTRIBUTE,
+from trinity_train.plan.collectives import (CP_CATEGORY, EP_ALL_TO_ALL, FSDP_ALL_GATHER, FSDP_REDUCE_SCATTER, MUON_REDISTRIBUTE,
                                             sent_by_category)
 from trinity_train.plan.formula import memory_per_rank, traffic_per_rank
 from trinity_train.plan.trace import trace_rank
@@ -39,6 +39,41 @@ def test_formula_agrees_with_the_trace(overrides, gpu):
     predicted = sent_by_category(traffic_per_rank(cfg, dims, gpu=gpu))
     for category in (FSDP_ALL_GATHER, FSDP_REDUCE_SCATTER, EP_ALL_TO_ALL, MUON_REDISTRIBUTE):
         assert predicted.get(category, 0) == pytest.approx(sent.get(category, 0), rel=0.10), category
+
+
+# Context parallelism: the halo exchange and the key/value all-gather (model/context_attention.py).
+CP_LONG = ["--data.seq_len=4096", "--train.micro_batch_size=1", "--train.global_batch_size=1", "--model.doc_masking=true"]
+CP_CASES = [
+    pytest.param(["--parallel.cp=2"], 2, id="cp2"),
+    pytest.param(["--parallel.cp=2", "--parallel.ep=2", AC], 2, id="cp2-ep2-ac", marks=pytest.mark.slow),
+    pytest.param(["--parallel.cp=2", *CP_LONG], 2, id="cp2-4096-docs", marks=pytest.mark.slow),
+    pytest.param(["--parallel.cp=4", *CP_LONG], 4, id="cp4-4096-docs", marks=pytest.mark.slow),
+]
+
+
+@pytest.mark.parametrize("overrides, world", CP_CASES)
+def test_formula_agrees_with_the_trace_under_context_parallelism(overrides, world):
+    cfg = load_config(None, overrides)
+    traced = trace_rank(cfg, world, 0, gpu=False)
+    dims = ParallelDims.from_config(cfg, world)
+    assert memory_per_rank(cfg, dims, gpu=False).peak == pytest.approx(traced.peak, rel=0.10)
+    sent = sent_by_category(traced.collectives)
+    predicted = sent_by_category(traffic_per_rank(cfg, dims, gpu=False))
+    assert {c for c in sent if c.startswith("CP ") and sent[c]} >= set(CP_CATEGORY.values()) - {CP_CATEGORY["all_reduce"]}
+    for category in (FSDP_ALL_GATHER, FSDP_REDUCE_SCATTER, EP_ALL_TO_ALL, MUON_REDISTRIBUTE, *CP_CATEGORY.values()):
+        if category != CP_CATEGORY["all_reduce"]:  # the balance loss's few floats: left out of the formula
+            assert predicted.get(category, 0) == pytest.approx(sent.get(category, 0), rel=0.10), category
+
+
+def test_context_parallelism_divides_the_activations():
+    """The closed form's activations at a long row fall about as 1/cp (the keys and values a
+    global layer gathers do not)."""
+    acts = {}
+    for cp in (1, 2, 4):
+        cfg = load_config(None, [f"--parallel.cp={cp}", "--data.seq_len=16384", "--train.micro_batch_size=1",
+                                 "--train.global_batch_size=1", "--model.doc_masking=true"])
+        acts[cp] = memory_per_rank(cfg, ParallelDims.from_config(cfg, cp), gpu=False).moments["end of forward"]["activations"]
+    assert 1.7 < acts[1] / acts[2] < 2.1 and 3.2 < acts[1] / acts[4] < 4.2
 
 
 def test_steady_state_holds_the_optimizer_state_through_backward():

@@ -58,7 +58,8 @@ def group_stride_and_size(dim: str, dims: ParallelDims) -> tuple[int, int]:
     tp, ep, cp = dims.tp, dims.ep, dims.cp
     table = {"tp": (1, tp), "cp": (tp, cp), "ep": (tp, ep), "efsdp": (tp * ep, dims.efsdp),
              "dp_shard": (tp * cp, dims.dp_shard), "fsdp": (tp, dims.fsdp_shards),
-             "dp_replicate": (tp * dims.fsdp_shards, dims.dp_replicate), "dp": (tp * cp, dims.dp)}
+             "dp_shard_cp": (tp, dims.fsdp_shards), "dp_replicate": (tp * dims.fsdp_shards, dims.dp_replicate),
+             "dp": (tp * cp, dims.dp), "dp_cp": (tp, dims.dp * cp)}
     return table.get(dim, (1, dims.world_size))
 
 

@@ -34,13 +34,14 @@ from typing import NamedTuple
 
 from trinity_train.config import Config, ModelConfig, grad_accum_for
 from trinity_train.model.blocks import block_style, is_global_layer
+from trinity_train.model.context_attention import halo_plan
 from trinity_train.optim.groups import is_muon_param
 from trinity_train.optim.muon import deal_rounds, ns_cost
 from trinity_train.optim.muon_exchange import EXCHANGE_BYTES, cut_chunks
 from trinity_train.parallel.assumed_routing import AssumedRouting
 from trinity_train.parallel.mesh import ParallelDims
-from trinity_train.plan.collectives import (CP_CATEGORY, EP_ALL_TO_ALL, FSDP_ALL_GATHER, FSDP_ALL_REDUCE,
-                                            FSDP_REDUCE_SCATTER, MUON_REDISTRIBUTE)
+from trinity_train.plan.collectives import (CP_CATEGORY, EP_ALL_TO_ALL, FSDP_ALL_GATHER, FSDP_ALL_REDUCE, FSDP_REDUCE_SCATTER,
+                                            MUON_REDISTRIBUTE)
 from trinity_train.plan.trace import CATEGORIES
 
 FP32, LONG = 4, 8
@@ -176,12 +177,6 @@ class Numerics:
 # ------------------------------------------------------------------------------ activations
 
 
-def local_tokens(cfg: Config, dims: ParallelDims) -> int:
-    """Tokens of one micro-batch on this rank: its rows, 1/cp of each under context parallelism
-    (whose attention extras, the halo and the gathered keys and values, are not modelled here)."""
-    return cfg.train.micro_batch_size * cfg.data.seq_len // dims.cp
-
-
 def _attention_saved(m: ModelConfig, tokens: float, tp: int, a: int, seq_len: int, layer: int,
                      batch: int, gpu: bool) -> float:
     """Bytes one attention sublayer keeps for backward, for `tokens` tokens of this tp rank's
@@ -196,25 +191,66 @@ def _attention_saved(m: ModelConfig, tokens: float, tp: int, a: int, seq_len: in
       sequence (one for the batch without document masking).
     With a mask on GPUs the kv heads are expanded to every head (the memory-efficient kernel does
     not take grouped-query heads); CPUs' fused kernel takes them as they are."""
-    d, hd = m.hidden_size, m.head_dim
-    h, kv = m.num_heads // tp, m.num_kv_heads // tp
     window = m.sliding_window
     is_local = not is_global_layer(m, layer) and window < seq_len
     blocks = is_local and seq_len > 2 * window
     dense_mask = not blocks and (is_local or m.doc_masking)
-    # attn_norm and attn_post_norm (sequence-split under TP), q_norm and k_norm
-    norms = 2 * FP32 * (2 * d / tp + (h + kv) * hd)
-    proj_in = a * d  # the normed input of q/k/v/gate (whole sequence under TP)
     kv_copies, mask = 1.0, 0.0
     if blocks:
         block = window // 2 if window % 2 == 0 else window
         kv_copies, mask = (window + block) / block, a * (window + block)
     elif dense_mask:
         mask = a * seq_len * (1 if m.doc_masking else 1 / batch)
-    kv_heads = h if gpu and (blocks or dense_mask) else kv
-    sdpa = a * hd * (h + 2 * kv_heads * kv_copies + h) + FP32 * h + mask  # q, k, v, out, lse, mask
-    gate = a * hd * h * 3  # out (reshaped copy), sigmoid(gate), their product (o_proj's input)
-    return tokens * (norms + proj_in + sdpa + gate)
+    keys = _sdpa_keys(m, tp, a, gpu, masked=blocks or dense_mask) * kv_copies
+    return tokens * (_attention_per_token(m, tp, a) + _sdpa_per_query(m, tp, a) + keys + mask)
+
+
+def _attention_per_token(m: ModelConfig, tp: int, a: int) -> float:
+    """What an attention sublayer keeps per token outside SDPA: attn_norm and attn_post_norm
+    (sequence-split under TP), q_norm and k_norm (fp32 input and output each), the normed input
+    of q/k/v/gate (whole sequence under TP), and the gate's three tensors (the attention output
+    reshaped, sigmoid(gate), their product that o_proj takes)."""
+    d, hd = m.hidden_size, m.head_dim
+    h, kv = m.num_heads // tp, m.num_kv_heads // tp
+    return 2 * FP32 * (2 * d / tp + (h + kv) * hd) + a * d + a * hd * h * 3
+
+
+def _sdpa_per_query(m: ModelConfig, tp: int, a: int) -> float:
+    """SDPA's saved q, output and log-sum-exp, per query."""
+    h = m.num_heads // tp
+    return a * m.head_dim * 2 * h + FP32 * h
+
+
+def _sdpa_keys(m: ModelConfig, tp: int, a: int, gpu: bool, masked: bool) -> float:
+    """SDPA's saved key and value, per key (expanded to every head by a GPU's masked kernel)."""
+    heads = m.num_heads // tp if gpu and masked else m.num_kv_heads // tp
+    return a * m.head_dim * 2 * heads
+
+
+def _context_attention_saved(cfg: Config, dims: ParallelDims, a: int, layer: int, gpu: bool) -> float:
+    """An attention sublayer's saved bytes under context parallelism (`model/context_attention.py`),
+    for this rank's B x T / cp tokens:
+    - a global layer keeps the keys and values of the whole row (all-gathered, put in row order)
+      and a [T / cp, T] mask, converted to the compute dtype (per row with document masking);
+    - a sliding-window layer attends each of its two chunks of c = T / (2 cp) tokens as a row of
+      its own, extended by the halo of window - 1 positions before it: SDPA's tensors over
+      2B rows of L = window - 1 + c positions (the halo's query slots zero), a per-row mask
+      (every extended row has document ids), blocks when L > 2 x window."""
+    m, b, t, cp, tp = cfg.model, cfg.train.micro_batch_size, cfg.data.seq_len, dims.cp, dims.tp
+    local = b * t / cp
+    per_token = _attention_per_token(m, tp, a) * local
+    if is_global_layer(m, layer) or m.sliding_window >= t:
+        mask = a * local * t * (1 if m.doc_masking else 1 / b)
+        return per_token + _sdpa_per_query(m, tp, a) * local + _sdpa_keys(m, tp, a, gpu, True) * b * t + mask
+    window = m.sliding_window
+    length = window - 1 + t // (2 * cp)  # a chunk and its halo
+    if length > 2 * window:  # computed in blocks of queries, as in one process
+        block = window // 2 if window % 2 == 0 else window
+        kv_copies, mask = (window + block) / block, a * (window + block)
+    else:
+        kv_copies, mask = 1.0, a * length
+    extended = 2 * b * length
+    return per_token + extended * (_sdpa_per_query(m, tp, a) + _sdpa_keys(m, tp, a, gpu, True) * kv_copies + mask)
 
 
 def _ffn_saved(tokens: float, d: int, width: int, a: int) -> float:
@@ -245,20 +281,31 @@ def block_activation_bytes(cfg: Config, dims: ParallelDims, layer: int, a: int, 
     kernels a GPU runs)."""
     m = cfg.model
     tokens = local_tokens(cfg, dims)
-    saved = _attention_saved(m, tokens, dims.tp, a, cfg.data.seq_len, layer, cfg.train.micro_batch_size, gpu)
+    saved = (_context_attention_saved(cfg, dims, a, layer, gpu) if dims.cp > 1 else
+             _attention_saved(m, tokens, dims.tp, a, cfg.data.seq_len, layer, cfg.train.micro_batch_size, gpu))
     saved += tokens * 2 * FP32 * 2 * m.hidden_size / dims.tp  # mlp_norm, mlp_post_norm: input, normalized
     if layer >= m.num_dense_layers:
         return saved + _moe_saved(m, tokens, dims, a, skew)
     return saved + _ffn_saved(tokens, m.hidden_size, m.intermediate_size // dims.tp, a)
 
 
-def shared_activation_bytes(cfg: Config, a: int) -> float:
-    """What every layer shares and the whole backward keeps: the rotary tables and the masks."""
-    m, b, t = cfg.model, cfg.train.micro_batch_size, cfg.data.seq_len
-    out = 2 * b * t * m.head_dim * a * (1 + (0 if m.block != "gemma3" else 1))  # cos, sin
+def shared_activation_bytes(cfg: Config, dims: ParallelDims, a: int) -> float:
+    """What every layer shares and the whole backward keeps: the rotary tables and the masks
+    (under context parallelism: the global layers' [T / cp, T], the sliding-window layers' over
+    2B extended chunks of window - 1 + T / (2 cp) positions)."""
+    m, b, t, cp = cfg.model, cfg.train.micro_batch_size, cfg.data.seq_len, dims.cp
+    out = 2 * b * t / cp * m.head_dim * a * (1 + (0 if m.block != "gemma3" else 1))  # cos, sin
+    if cp > 1:
+        length = m.sliding_window - 1 + t // (2 * cp)
+        return out + (b if m.doc_masking else 1) * t / cp * t + 2 * b * length * length
     if m.doc_masking or m.sliding_window < t:
         out += (b if m.doc_masking else 1) * t * t  # a bool mask per layer kind
     return out
+
+
+def local_tokens(cfg: Config, dims: ParallelDims) -> int:
+    """Tokens of one micro-batch on this rank: its rows, and its 1/cp of each under context parallelism."""
+    return cfg.train.micro_batch_size * cfg.data.seq_len // dims.cp
 
 
 def model_level_activation_bytes(cfg: Config, dims: ParallelDims, a: int) -> float:
@@ -267,7 +314,7 @@ def model_level_activation_bytes(cfg: Config, dims: ParallelDims, a: int) -> flo
     computed in the forward)."""
     m = cfg.model
     tokens = local_tokens(cfg, dims)
-    out = shared_activation_bytes(cfg, a) + tokens * FP32 * m.hidden_size / dims.tp  # final norm input
+    out = shared_activation_bytes(cfg, dims, a) + tokens * FP32 * m.hidden_size / dims.tp  # final norm input
     if dims.tp == 1:  # the fused loss: grad_hidden and the head's fp32 weight gradient
         out += tokens * a * m.hidden_size + FP32 * m.vocab_size * m.hidden_size
     return out
@@ -387,7 +434,7 @@ def memory_per_rank(cfg: Config, dims: ParallelDims, *, gpu: bool,
     # A CPU job's reduce-scatter left travelling (parallel.overlap_reduce_scatter) holds what it
     # receives beside its input until the next one is issued.
     in_flight = 2 if (not gpu and cfg.parallel.overlap_reduce_scatter and dims.dp_replicate == 1) else 1
-    shared = shared_activation_bytes(cfg, a)
+    shared = shared_activation_bytes(cfg, dims, a)
     backward, later_grads, below = {}, 0.0, sum(per_block)
     for i in reversed(range(m.num_layers)):
         below -= per_block[i]
@@ -534,7 +581,7 @@ def traffic_per_rank(cfg: Config, dims: ParallelDims, *, gpu: bool,
         flows += _context_flows(cfg, dims, a, accum)
     if cfg.optim.name == "muon":
         flows += _muon_flows(cfg, dims, param_counts(m, dims.tp, dims.ep), nums, gpu)
-    dp = dims.dp * dims.cp
+    dp = dims.dp * dims.cp  # every rank holding other tokens
     if dp > 1:  # token count, loss totals, tokens per expert
         small = (LONG + 3 * FP32 + FP32 * moe_layers * m.num_experts) * 2 * (dp - 1) / dp
         flows.append(Flow("other: all_reduce", "all_reduce", "dp_cp" if dims.cp > 1 else "dp", dp, 3, small))
@@ -542,34 +589,38 @@ def traffic_per_rank(cfg: Config, dims: ParallelDims, *, gpu: bool,
 
 
 def _context_flows(cfg: Config, dims: ParallelDims, a: int, accum: int) -> list[Flow]:
-    """Context parallelism's exchanges per step (`model/context_attention.py`, docs/concepts/parallel.md):
-    a sliding-window layer receives each of its two chunks' halo of window - 1 positions (at
-    most; the row's first chunk has none), a global layer all-gathers every rank's keys and
-    values, each again in backward (and in the recomputation under activation checkpointing);
-    the aux and z losses' sums travel in one all-reduce a forward."""
-    m, b, cp = cfg.model, cfg.train.micro_batch_size, dims.cp
-    per_token = 2 * (m.num_kv_heads // dims.tp) * m.head_dim * a  # keys and values
+    """Context parallelism's exchanges of keys and values (`model/context_attention.py`), each
+    micro-batch, again in an activation-checkpointed block's recomputation:
+    - a global layer all-gathers its T / cp tokens' keys and values ((cp - 1) copies sent) and
+      reduce-scatters their gradients in backward ((cp - 1) / cp of the whole row's);
+    - a sliding-window layer sends the halo rows its neighbours need (the window - 1 positions
+      before each of their chunks that this rank holds) and takes their gradients back in backward,
+      one all-to-all each way: rank 0's rows (`halo_plan`), the traced rank's;
+    - the MoE losses' per-sequence statistics, summed over the group."""
+    m, b, t, cp = cfg.model, cfg.train.micro_batch_size, cfg.data.seq_len, dims.cp
+    kv_row = b * (m.num_kv_heads // dims.tp) * 2 * m.head_dim * a  # one position's keys and values, every row
     forwards = 2 if cfg.train.activation_checkpointing else 1
-    passes = (forwards + 1) * accum  # forward(s) and backward, every micro-batch
-    local = sum(1 for i in range(m.num_layers) if not is_global_layer(m, i) and m.sliding_window < cfg.data.seq_len)
-    gathered = m.num_layers - local
+    gathered = sum(1 for i in range(m.num_layers) if is_global_layer(m, i) or m.sliding_window >= t)
+    windowed = m.num_layers - gathered
     flows = []
-    if local:
-        # 2cp - 1 chunks need a halo, one from its own rank (chunk cp's, on rank cp - 1): on average
-        # 2(cp - 1)/cp halos leave a rank
-        halo = 2 * (cp - 1) / cp * (m.sliding_window - 1) * b * per_token
-        flows.append(Flow(CP_CATEGORY["all_to_all"], "all_to_all", "cp", cp, local * passes, local * passes * halo))
     if gathered:
-        share = cfg.data.seq_len // cp * b * per_token
         flows += [Flow(CP_CATEGORY["all_gather"], "all_gather", "cp", cp, gathered * forwards * accum,
-                       gathered * forwards * accum * share * (cp - 1)),
+                       t / cp * kv_row * (cp - 1) * gathered * forwards * accum),
                   Flow(CP_CATEGORY["reduce_scatter"], "reduce_scatter", "cp", cp, gathered * accum,
-                       gathered * accum * share * (cp - 1))]
+                       t * kv_row * (cp - 1) / cp * gathered * accum)]
+    if windowed:
+        plan = halo_plan(t, cp, 0, m.sliding_window)
+        out_rows = sum(plan.input_splits) - plan.input_splits[0]
+        back_rows = sum(plan.output_splits) - plan.output_splits[0]
+        flows.append(Flow(CP_CATEGORY["all_to_all"], "all_to_all", "cp", cp, windowed * (forwards + 1) * accum,
+                          (out_rows * forwards + back_rows) * kv_row * windowed * accum))
+    # The MoE losses' per-sequence sums (balance loss: scores and counts per expert; z-loss: a sum
+    # and a count), one all-reduce a forward and one in backward.
     moe_layers = m.num_layers - m.num_dense_layers
     sums = (2 * moe_layers * b * m.num_experts if m.aux_loss_alpha > 0 else 0) + (2 if m.z_loss_weight > 0 else 0)
     if sums and moe_layers:
-        flows.append(Flow(CP_CATEGORY["all_reduce"], "all_reduce", "cp", cp, passes,
-                          passes * FP32 * sums * 2 * (cp - 1) / cp))
+        passes = (forwards + 1) * accum
+        flows.append(Flow(CP_CATEGORY["all_reduce"], "all_reduce", "cp", cp, passes, passes * FP32 * sums * 2 * (cp - 1) / cp))
     return flows
 
 
@@ -619,11 +670,12 @@ def _muon_flows(cfg: Config, dims: ParallelDims, params: Counter, nums: Numerics
 
 def communicators(dims: ParallelDims) -> int:
     """NCCL communicators a rank uses (distinct groups of more than one rank): FSDP, TP, EP,
-    expert FSDP, the data-parallel group, the replicas, and the flattened FSDP x TP group of
-    the gradient norm."""
-    groups = {("dp_shard", dims.fsdp_shards), ("tp", dims.tp), ("ep", dims.ep), ("efsdp", dims.efsdp),
+    expert FSDP, the data-parallel group, the replicas, the flattened FSDP x TP group of the
+    gradient norm, and under context parallelism the cp group and the dp x cp group of the loss
+    sums."""
+    groups = {(dims.fsdp_dim, dims.fsdp_shards), ("tp", dims.tp), ("ep", dims.ep), ("efsdp", dims.efsdp),
               ("dp", dims.dp), ("dp_replicate", dims.dp_replicate), ("dp_shard_tp", dims.fsdp_shards * dims.tp),
-              ("cp", dims.cp), ("dp_cp", dims.dp * dims.cp if dims.cp > 1 else 1)}
+              ("cp", dims.cp), ("dp_cp", dims.dp * dims.cp if dims.cp > 1 and dims.dp > 1 else 1)}
     sizes = {}
     for name, size in groups:
         if size > 1:

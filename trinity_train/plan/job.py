@@ -65,7 +65,7 @@ def layout_for(cfg: Config, world_size: int, nodes: Nodes) -> ParallelDims:
 
 def nearby_layouts(cfg: Config, world_size: int, nodes: Nodes, limit: int = 3) -> list[str]:
     """Up to `limit` changes that make the layout valid: another world size with the same
-    settings, or another ep / tp / dp_replicate (dp_shard = what is left) at this world size."""
+    settings, or another ep / tp / cp / dp_replicate (dp_shard = what is left) at this world size."""
     p = cfg.parallel
 
     def valid(world: int, **changes) -> bool:
@@ -83,7 +83,7 @@ def nearby_layouts(cfg: Config, world_size: int, nodes: Nodes, limit: int = 3) -
                 found.append(f"--world {world}")
         if found:
             break
-    for key, values in (("ep", _divisors(cfg.model.num_experts)), ("tp", (1, 2, 4, 8)),
+    for key, values in (("ep", _divisors(cfg.model.num_experts)), ("tp", (1, 2, 4, 8)), ("cp", (1, 2, 4, 8)),
                         ("dp_replicate", _divisors(world_size))):
         current = getattr(p, key)
         for value in sorted(values, key=lambda v: (abs(v - current), v)):

@@ -61,6 +61,9 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
                              "form, no trace) and print them as ready overrides; plan the one you pick without "
                              "--search to trace it")
     search.add_argument("--top", default=None, metavar="N", help="how many layouts --search prints (default 10)")
+    search.add_argument("--max-cp", default=None, metavar="N",
+                        help="--search also splits each row over up to N context-parallel ranks (long "
+                             "sequences; default 1: no context parallelism)")
     parser.add_argument("--json", action="store_true", help="print the plan (or the search) as JSON")
 
 
@@ -120,6 +123,19 @@ def mfu_option(args: argparse.Namespace) -> float:
     if not 0 < value <= 1:
         raise ConfigError(f"--mfu {args.mfu!r} must be a fraction in (0, 1] (e.g. 0.4 for 40 % of the peak)")
     return value
+
+
+def max_cp_option(args: argparse.Namespace) -> int:
+    if args.max_cp is None:
+        return 1
+    if not args.search:
+        raise ConfigError("--max-cp only widens --search's layouts: add --search, or set parallel.cp to plan "
+                          "one layout with context parallelism")
+    try:
+        return positive_int(args.max_cp)
+    except argparse.ArgumentTypeError:
+        raise ConfigError(f"--max-cp {args.max_cp!r} must be a whole number >= 1 (the most ranks a row is "
+                          "split over)") from None
 
 
 def top_option(args: argparse.Namespace) -> int:

@@ -54,7 +54,7 @@ def _signature(units, dims: ParallelDims, d: int) -> tuple[int, ...]:
 
 def rank_classes(model, dims: ParallelDims) -> list[RankClass]:
     """The classes of ranks with equal local shapes (see the module doc), in the order of their
-    first FSDP index (dp_shard x cp); beyond `MAX_TRACED` classes only the first, the last, the largest and
+    first FSDP shard index (over dp_shard x cp); beyond `MAX_TRACED` classes only the first, the last, the largest and
     the smallest are returned (the others are left out of a plan's tables and totals)."""
     units = fsdp_units(model, dims)
     by_signature: dict[tuple[int, ...], list[int]] = {}

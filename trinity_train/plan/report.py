@@ -267,7 +267,8 @@ def search_summary(cfg: Config, world: int, hardware: Hardware, candidates: list
             {"overrides": list(c.overrides),
              "command": f"trinity-train plan --config {config} --world {world} --gpus-per-node {gpus_per_node} "
                         + " ".join(c.overrides),
-             "layout": {"dp_replicate": c.dims.dp_replicate, "dp_shard": c.dims.dp_shard, "tp": c.dims.tp,
+             "layout": {"dp_replicate": c.dims.dp_replicate, "dp_shard": c.dims.dp_shard, "cp": c.dims.cp,
+                        "tp": c.dims.tp,
                         "ep": c.dims.ep, "efsdp": c.dims.efsdp},
              "memory_with_reserve_bytes": c.memory_bytes, "compute_s": c.time.compute_s, "comm_s": c.time.comm_s,
              "overlap_s": c.time.overlap_s, "no_overlap_s": c.time.no_overlap_s,
@@ -286,14 +287,16 @@ def render_search(data: dict) -> str:
              "plan one without --search to trace it and check the formula", ""]
     if not data["candidates"]:
         return "\n".join(lines + [f"no layout fits on {data['gpu']}: try more GPUs or a GPU with more memory"])
+    with_cp = any(c["layout"]["cp"] > 1 for c in data["candidates"])  # a column only when some layout has it
     lines.append(f"  {'#':>3}  {'step (overlap)':>15}{'(none)':>12}{'tokens/s/GPU':>14}{'GiB':>8}  "
-                 "dp_replicate x dp_shard x tp x ep (efsdp)")
+                 f"dp_replicate x dp_shard x {'cp x ' if with_cp else ''}tp x ep (efsdp)")
     for i, c in enumerate(data["candidates"], 1):
         lay = c["layout"]
+        cp = f"{lay['cp']} x " if with_cp else ""
         lines.append(f"  {i:>3}  {seconds(c['overlap_s']):>15}{seconds(c['no_overlap_s']):>12}"
                      f"{c['tokens_per_s_per_gpu']['overlap']:>14,.0f}"
                      f"{c['memory_with_reserve_bytes'] / GIB:>8.1f}  {lay['dp_replicate']} x {lay['dp_shard']} x "
-                     f"{lay['tp']} x {lay['ep']} ({lay['efsdp']})")
+                     f"{cp}{lay['tp']} x {lay['ep']} ({lay['efsdp']})")
         lines.append(f"       {' '.join(c['overrides'])}")
     lines += ["", "GiB: the formula's peak plus the reserve (CUDA context, NCCL buffers, allocator headroom)"]
     return "\n".join(lines)

@@ -5,7 +5,7 @@ Compute is `training_flops_per_token` (model/counting.py) x the tokens a rank tr
 matmuls cost 8/6 of their training FLOPs (the head's do not).
 
 A collective goes at NVLink speed when every rank of its group sits in one node, else at the
-NIC's: the world's rank order is (dp_replicate, dp_shard, tp) with tp innermost, so rank r lives
+NIC's: the world's rank order is (dp_replicate, dp_shard, cp, tp) with tp innermost, so rank r lives
 on node r // gpus_per_node, and a dim's groups stay inside nodes when the block of neighbouring
 ranks they tile divides the node (`parallel.node_layout`, the rule training checks). The time is bytes sent / link rate (the bytes already follow the ring
 algorithms of `plan/collectives.py`). Two bounds are reported: no overlap (compute + comm) and
@@ -50,8 +50,9 @@ class StepTime:
 
 
 def tokens_per_rank(cfg: Config, dims: ParallelDims) -> float:
-    """Tokens one rank trains per step: its micro-batches' (the tp ranks of a group train the same ones)."""
-    return cfg.train.micro_batch_size * grad_accum_for(cfg.train, dims.dp) * cfg.data.seq_len
+    """Tokens one rank trains per step: its micro-batches' (the tp ranks of a group train the same
+    ones; the cp ranks of a group 1/cp of each row)."""
+    return cfg.train.micro_batch_size * grad_accum_for(cfg.train, dims.dp) * cfg.data.seq_len / dims.cp
 
 
 def flops_per_gpu(cfg: Config, dims: ParallelDims) -> float:
