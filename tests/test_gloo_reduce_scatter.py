@@ -160,23 +160,31 @@ class Measured(ReduceScatter):
         return work
 
 
-def _fsdp_backward() -> dict:
-    """One forward/backward of the tiny model under FSDP over both ranks, with gloo's
-    reduce-scatter and with the all-to-all one: their gradients, bytes, and the planner's log."""
+def _unit_groups(model):
+    return [group for m in model.modules() if isinstance(m, FSDPModule) for group in m._get_fsdp_state()._fsdp_param_groups]
+
+
+def _tiny_fsdp_model(**parallel) -> tuple:
+    """The tiny model under FSDP over both ranks (`parallel` on top) and this rank's batch. No
+    all-gather prefetched on gloo's threads while a reduce-scatter's bytes are counted."""
     from trinity_train.parallel.mesh import ParallelDims
     from trinity_train.parallel.parallelize import build_parallel_model
 
     init_gloo()
-    # No all-gather prefetched on gloo's threads while a reduce-scatter's bytes are counted.
-    cfg = load_config(None, {"model": dict(TINY_MODEL), "parallel": {"dp_shard": 2, "prefetch_all_gather": False}})
+    cfg = load_config(None, {"model": dict(TINY_MODEL),
+                             "parallel": {"dp_shard": 2, "prefetch_all_gather": False, **parallel}})
     dims = ParallelDims.from_config(cfg, dist.get_world_size())
     dims.build_mesh("cpu")
     model = build_parallel_model(cfg, dims, torch.device("cpu"))
-    installed = {type(group._reduce_scatter_comm) for m in model.modules() if isinstance(m, FSDPModule)
-                 for group in m._get_fsdp_state()._fsdp_param_groups}
     g = torch.Generator().manual_seed(dist.get_rank())
-    ids = torch.randint(0, cfg.model.vocab_size, (2, 16), generator=g)
-    result = {"installed": installed}
+    return model, torch.randint(0, cfg.model.vocab_size, (2, 16), generator=g)
+
+
+def _fsdp_backward() -> dict:
+    """One forward/backward of the tiny model under FSDP over both ranks, with gloo's
+    reduce-scatter and with the all-to-all one: their gradients, bytes, and the planner's log."""
+    model, ids = _tiny_fsdp_model()
+    result = {"installed": {type(group._reduce_scatter_comm) for group in _unit_groups(model)}}
     for name, comm in (("gloo", DefaultReduceScatter), ("all_to_all", AllToAllReduceScatter),
                        ("overlapped", AllToAllReduceScatter)):
         calls: list = []
@@ -247,29 +255,15 @@ def test_each_reduce_scatter_writes_half_the_bytes(fsdp_backward):
 
 # ------------------------------------------------------------------- bf16 on the wire, in FSDP
 
-def _unit_groups(model):
-    return [group for m in model.modules() if isinstance(m, FSDPModule) for group in m._get_fsdp_state()._fsdp_param_groups]
-
-
 def _fsdp_backward_bf16_wire() -> dict:
     """`_fsdp_backward`'s model and batch built with `parallel.reduce_wire_dtype = "bf16"`, its
     reduce-scatters overlapped as in training: the gradients, bytes, log, and each call's output
     against the hand-made fp32 sum of every rank's bf16-rounded chunk."""
-    from trinity_train.parallel.mesh import ParallelDims
-    from trinity_train.parallel.parallelize import build_parallel_model
-
-    init_gloo()
-    cfg = load_config(None, {"model": dict(TINY_MODEL), "parallel": {
-        "dp_shard": 2, "prefetch_all_gather": False, "reduce_wire_dtype": "bf16"}})
-    dims = ParallelDims.from_config(cfg, dist.get_world_size())
-    dims.build_mesh("cpu")
-    model = build_parallel_model(cfg, dims, torch.device("cpu"))
+    model, ids = _tiny_fsdp_model(reduce_wire_dtype="bf16")
     groups = _unit_groups(model)
     shared = groups[0]._reduce_scatter_comm
     result = {"installed": {(type(g._reduce_scatter_comm), g._reduce_scatter_comm.wire_dtype) for g in groups},
               "reduce_dtypes": {g.mp_policy.reduce_dtype for g in groups}}
-    g = torch.Generator().manual_seed(dist.get_rank())
-    ids = torch.randint(0, cfg.model.vocab_size, (2, 16), generator=g)
     # Overlapped (as in training) for the sums; then blocking, so that each call's bytes are
     # written before it returns.
     calls, tensors = [], []
@@ -368,6 +362,7 @@ def hsdp_backward(rank_pool) -> list[dict]:
     return rank_pool(2).run(_hsdp_backward)
 
 
+@pytest.mark.slow  # three models built and run on both ranks
 def test_hsdp_all_reduce_sends_bf16_and_sums_in_bf16(hsdp_backward):
     """Under HSDP FSDP's own all-reduce carries the bf16 gradients (its policy casts them): half
     the bytes, and gloo sums the two replicas' bf16 gradients in bf16."""
