@@ -176,8 +176,9 @@ class ParallelConfig:
     #   the bytes of an fp32 job's dispatch and combine; "compute": as computed (bf16 already under
     #   a GPU's train.dtype = "bf16")
     reduce_wire_dtype: str = "fp32"  # "bf16": FSDP's gradient reduce-scatter (and HSDP's all-reduce
-    #   across replicas) sends bf16 gradients, half the bytes; the received pieces are summed in fp32
-    #   on CPUs (gloo), by NCCL in bf16 on GPUs (docs/concepts/parallel.md, Low precision on the wire)
+    #   across replicas) sends bf16 gradients, half the bytes; a CPU (gloo) job sums the received
+    #   pieces in fp32, NCCL and HSDP's all-reduce in bf16 (docs/concepts/parallel.md, Low precision
+    #   on the wire)
     ranks_per_node: int = 0  # ranks that share a node's fast link (ranks 0..n-1 are node 0, ...);
     #   tp and ep groups must lie inside one, HSDP shard groups inside one or on whole nodes.
     #   0: the launcher's processes per node (torchrun's LOCAL_WORLD_SIZE); `plan`: --gpus-per-node
