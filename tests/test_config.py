@@ -88,6 +88,8 @@ def test_override_values_read_as_toml_with_bare_strings():
     (["--stability.inject=[{fault='poison_repeat', first=5, token=9000}]"], "stability.inject[0].token: must be a token id below model.vocab_size (8192)"),
     (["--model.block=postnorm"], "model.block: must be one of 'trinity'"),
     (["--parallel.tp=3"], "parallel.tp: tp=3 must divide model.num_heads=4"),
+    (["--parallel.reduce_wire_dtype=fp16"], "parallel.reduce_wire_dtype: must be one of 'fp32', 'bf16', got 'fp16'"),
+    (["--parallel.ep_wire_dtype=fp32"], "parallel.ep_wire_dtype: must be one of 'compute', 'bf16', got 'fp32'"),
     (["--train.steps"], "override '--train.steps' has no value"),
     (["steps=5"], "unexpected argument 'steps=5'"),
 ])

@@ -3,6 +3,12 @@
 One 4-rank gloo group checks several layouts of the model's own `GroupedExperts`: every rank's
 outputs, input gradients and the summed expert-weight gradients must equal what the unsplit
 module computes for the same tokens. Token counts are uneven and some experts get no tokens.
+
+With bf16 on the wire (`ExpertParallel(torch.bfloat16)`, `parallel.ep_wire_dtype = "bf16"`) every
+token and every gradient that crosses between ranks is rounded to bf16 once: the results equal
+the unsplit module's run by hand on bf16-rounded inputs, output gradients, and rounded outputs
+and input gradients (without tp, whose partial sums travel rounded each); every all-to-all of activations or their gradients sends bf16, half the
+bytes of fp32, and the results stay within bf16 rounding of the fp32 path.
 """
 
 from __future__ import annotations
@@ -13,6 +19,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import parallelize_module
+
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from ranks import init_gloo
 from trinity_train.model.moe import GroupedExperts
@@ -25,6 +33,7 @@ LAYOUTS = {  # name: (efsdp, ep, tp) over 4 ranks
     "tp2": (2, 1, 2),
     "ep2_tp2": (1, 2, 2),
 }
+BF16_LAYOUTS = ["ep2", "ep4", "ep2_tp2"]  # the layouts with an ep all-to-all
 
 
 def _tokens(data_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -45,31 +54,56 @@ def _full_experts(impl: str) -> GroupedExperts:
     return experts
 
 
-def _check_layout(shape: tuple[int, int, int], impl: str) -> dict:
+class AllToAllDtypes(TorchDispatchMode):
+    """The dtype of every all-to-all's input (forward and backward), with its element count."""
+
+    def __init__(self):
+        super().__init__()
+        self.sent: list[tuple[torch.dtype, int]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func._schema.name.split("::")[-1] in ("all_to_all_single", "alltoall_base_"):
+            tensor = args[0] if func._schema.name.endswith("all_to_all_single") else args[1]
+            self.sent.append((tensor.dtype, tensor.numel()))
+        return func(*args, **(kwargs or {}))
+
+
+def _bf16(t: torch.Tensor) -> torch.Tensor:
+    return t.to(torch.bfloat16).float()
+
+
+def _check_layout(shape: tuple[int, int, int], impl: str, wire_dtype: torch.dtype | None = None) -> dict:
     mesh = init_device_mesh("cpu", shape, mesh_dim_names=("efsdp", "ep", "tp"))
     data_rank = mesh["efsdp", "ep"]._flatten().get_local_rank()
     x, counts = _tokens(data_rank)
     proj = torch.randn(x.shape[0], D, generator=torch.Generator().manual_seed(7 + data_rank))
+    # bf16 on the wire, by hand: the experts see bf16-rounded tokens and output gradients, and
+    # the combine and the dispatch's backward return bf16-rounded outputs and input gradients.
+    wire = _bf16 if wire_dtype is not None and shape[1] > 1 else (lambda t: t)
 
     ref = _full_experts(impl)
-    x_ref = x.clone().requires_grad_()
+    x_ref = wire(x).clone().requires_grad_()
     out_ref = ref(x_ref, counts)
-    (out_ref * proj).sum().backward()
+    (out_ref * wire(proj)).sum().backward()
+    out_ref, x_ref_grad = wire(out_ref.detach()), wire(x_ref.grad)
     ref_grads = {n: p.grad.clone() for n, p in ref.named_parameters()}
     for g in ref_grads.values():  # the experts see the tokens of every rank of the ep group
         dist.all_reduce(g, group=mesh["ep"].get_group())
 
-    par = parallelize_module(_full_experts(impl), mesh["ep", "tp"], ExpertParallel())
+    par = parallelize_module(_full_experts(impl), mesh["ep", "tp"], ExpertParallel(wire_dtype))
     x_par = x.clone().requires_grad_()
-    out = par(x_par, counts)
-    (out * proj).sum().backward()
+    sent = AllToAllDtypes()
+    with sent:
+        out = par(x_par, counts)
+        (out * proj).sum().backward()
     errors = {"out": (out - out_ref).abs().max().item(),
-              "x_grad": (x_par.grad - x_ref.grad).abs().max().item()}
+              "x_grad": (x_par.grad - x_ref_grad).abs().max().item()}
     for n, p in par.named_parameters():
         assert isinstance(p, DTensor) and p.shape == ref_grads[n].shape
         errors[n] = (p.grad.full_tensor() - ref_grads[n]).abs().max().item()
     local_experts = par.gate_proj.to_local().shape[0]
-    return {"errors": errors, "local_experts": local_experts}
+    return {"errors": errors, "local_experts": local_experts, "sent": sent.sent,
+            "out": out.detach(), "x_grad": x_par.grad}
 
 
 def _dispatch_roundtrip() -> list:
@@ -89,6 +123,8 @@ def _all_checks() -> dict:
     init_gloo()
     results = {(name, impl): _check_layout(shape, impl)
                for name, shape in LAYOUTS.items() for impl in ("grouped", "loop")}
+    results.update({(name, "bf16 wire"): _check_layout(LAYOUTS[name], "grouped", torch.bfloat16)
+                    for name in BF16_LAYOUTS})
     results["roundtrip"] = _dispatch_roundtrip()
     return results
 
@@ -107,6 +143,33 @@ def test_expert_parallel_matches_single_process(rank_results, layout, impl):
             assert err < 1e-5, f"rank {rank} {layout}/{impl}: {what} differs by {err}"
         _, ep, _ = LAYOUTS[layout]
         assert res["local_experts"] == E // ep
+
+
+@pytest.mark.parametrize("layout", ["ep2", "ep4"])  # under tp each tp rank's partial sums travel, each rounded
+def test_bf16_wire_is_the_unsplit_module_on_bf16_rounded_traffic(rank_results, layout):
+    for rank, results in enumerate(rank_results):
+        for what, err in results[(layout, "bf16 wire")]["errors"].items():
+            assert err < 1e-5, f"rank {rank} {layout}: {what} differs by {err}"
+
+
+@pytest.mark.parametrize("layout", BF16_LAYOUTS)
+def test_bf16_wire_stays_within_bf16_rounding_of_fp32(rank_results, layout):
+    for rank, results in enumerate(rank_results):
+        fp32, bf16 = results[(layout, "grouped")], results[(layout, "bf16 wire")]
+        for what in ("out", "x_grad"):
+            diff = (bf16[what] - fp32[what]).norm()
+            assert 0 < diff <= 2**-7 * fp32[what].norm(), f"rank {rank} {layout}: {what} off by {diff}"
+
+
+@pytest.mark.parametrize("layout", BF16_LAYOUTS)
+def test_bf16_wire_sends_every_token_and_gradient_in_bf16(rank_results, layout):
+    """The dispatch and the combine, forward and backward: four all-to-alls of bf16 rows, as
+    many elements as the fp32 path's four, so half the bytes; the counts' exchange stays exact."""
+    for rank, results in enumerate(rank_results):
+        fp32, bf16 = results[(layout, "grouped")]["sent"], results[(layout, "bf16 wire")]["sent"]
+        assert [dtype for dtype, _ in fp32] == [torch.int64] + [torch.float32] * 4, fp32
+        assert [dtype for dtype, _ in bf16] == [torch.int64] + [torch.bfloat16] * 4, bf16
+        assert [numel for _, numel in bf16] == [numel for _, numel in fp32]
 
 
 def test_dispatch_groups_tokens_by_local_expert_and_combine_restores_them(rank_results):

@@ -1,16 +1,19 @@
 """The closed-form model (plan/formula.py) agrees with the trace of the real code (plan/trace.py)
 within 10 % on the peak and on the FSDP, EP and Muon bytes, for small traced cases."""
 
+import functools
+
 import pytest
 
 from trinity_train.config import load_config
 from trinity_train.parallel.mesh import ParallelDims
-from trinity_train.plan.collectives import (CP_CATEGORY, EP_ALL_TO_ALL, FSDP_ALL_GATHER, FSDP_REDUCE_SCATTER, MUON_REDISTRIBUTE,
-                                            sent_by_category)
+from trinity_train.plan.collectives import (CP_CATEGORY, EP_ALL_TO_ALL, FSDP_ALL_GATHER, FSDP_ALL_REDUCE,
+                                            FSDP_REDUCE_SCATTER, MUON_REDISTRIBUTE, sent_by_category)
 from trinity_train.plan.formula import memory_per_rank, traffic_per_rank
 from trinity_train.plan.trace import trace_rank
 
 AC = "--train.activation_checkpointing=true"
+BF16_WIRE = ["--parallel.ep_wire_dtype=bf16", "--parallel.reduce_wire_dtype=bf16"]
 CASES = [
     pytest.param(["--parallel.ep=2"], False, id="fsdp2-ep2"),
     pytest.param(["--parallel.ep=2", AC], False, id="fsdp2-ep2-ac"),
@@ -24,20 +27,31 @@ CASES = [
     pytest.param(["--parallel.dp_shard=2", "--parallel.reshard_after_forward=false"], False, id="fsdp2-no-reshard"),
     # GPU numerics: bf16, the memory-efficient kernel's expanded kv heads and converted mask.
     pytest.param(["--parallel.dp_shard=2", "--train.dtype=bf16"], True, id="fsdp2-gpu-bf16"),
+    # bf16 on the wire: the EP all-to-alls and the reduce-scatter (CPU: cast by the all-to-all
+    # reduce-scatter; GPU: by FSDP's reduce dtype, its buffers bf16), HSDP's all-reduce.
+    pytest.param(["--parallel.ep=2", *BF16_WIRE], False, id="fsdp2-ep2-bf16-wire"),
+    pytest.param(["--parallel.ep=2", *BF16_WIRE], True, id="fsdp2-ep2-gpu-bf16-wire"),
+    pytest.param(["--parallel.dp_replicate=2", "--parallel.dp_shard=1", *BF16_WIRE], False, id="hsdp2-bf16-wire"),
 ]
+
+
+@functools.cache
+def _traced(overrides: tuple[str, ...], gpu: bool):
+    """Rank 0 of 2 traced (once per module: the halving test reads the same traces)."""
+    return trace_rank(load_config(None, list(overrides)), 2, 0, gpu=gpu)
 
 
 @pytest.mark.parametrize("overrides, gpu", CASES)
 def test_formula_agrees_with_the_trace(overrides, gpu):
     cfg = load_config(None, overrides)
-    traced = trace_rank(cfg, 2, 0, gpu=gpu)
+    traced = _traced(tuple(overrides), gpu)
     dims = ParallelDims.from_config(cfg, 2)
     # The trace is a steady-state iteration: the optimizer state exists before its forward.
     model = memory_per_rank(cfg, dims, gpu=gpu)
     assert model.peak == pytest.approx(traced.peak, rel=0.10)
     sent = sent_by_category(traced.collectives)
     predicted = sent_by_category(traffic_per_rank(cfg, dims, gpu=gpu))
-    for category in (FSDP_ALL_GATHER, FSDP_REDUCE_SCATTER, EP_ALL_TO_ALL, MUON_REDISTRIBUTE):
+    for category in (FSDP_ALL_GATHER, FSDP_REDUCE_SCATTER, FSDP_ALL_REDUCE, EP_ALL_TO_ALL, MUON_REDISTRIBUTE):
         assert predicted.get(category, 0) == pytest.approx(sent.get(category, 0), rel=0.10), category
 
 
@@ -61,7 +75,7 @@ def test_formula_agrees_with_the_trace_under_context_parallelism(overrides, worl
     predicted = sent_by_category(traffic_per_rank(cfg, dims, gpu=False))
     assert {c for c in sent if c.startswith("CP ") and sent[c]} >= set(CP_CATEGORY.values()) - {CP_CATEGORY["all_reduce"]}
     for category in (FSDP_ALL_GATHER, FSDP_REDUCE_SCATTER, EP_ALL_TO_ALL, MUON_REDISTRIBUTE, *CP_CATEGORY.values()):
-        if category != CP_CATEGORY["all_reduce"]:  # the balance loss's few floats: left out of the formula
+        if category != CP_CATEGORY["all_reduce"]:  # the MoE losses' sums: none with the default's aux and z losses off
             assert predicted.get(category, 0) == pytest.approx(sent.get(category, 0), rel=0.10), category
 
 
@@ -74,6 +88,18 @@ def test_context_parallelism_divides_the_activations():
                                  "--train.global_batch_size=1", "--model.doc_masking=true"])
         acts[cp] = memory_per_rank(cfg, ParallelDims.from_config(cfg, cp), gpu=False).moments["end of forward"]["activations"]
     assert 1.7 < acts[1] / acts[2] < 2.1 and 3.2 < acts[1] / acts[4] < 4.2
+
+
+@pytest.mark.parametrize("gpu", [False, True])
+def test_bf16_on_the_wire_halves_the_traced_bytes_it_names(gpu):
+    """The real code's collectives, traced: the EP all-to-alls and the reduce-scatters send half
+    the bytes, the all-gathers and Muon's exchanges the same."""
+    fp32 = sent_by_category(_traced(("--parallel.ep=2",), gpu).collectives)
+    bf16 = sent_by_category(_traced(("--parallel.ep=2", *BF16_WIRE), gpu).collectives)
+    assert fp32.keys() == bf16.keys()
+    for category in fp32:
+        halved = category in (EP_ALL_TO_ALL, FSDP_REDUCE_SCATTER)
+        assert bf16[category] == fp32[category] / (2 if halved else 1) > 0, category
 
 
 def test_steady_state_holds_the_optimizer_state_through_backward():

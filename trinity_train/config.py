@@ -175,6 +175,14 @@ class ParallelConfig:
     #   travels while the next unit's backward computes (GPUs overlap on NCCL's stream anyway)
     prefetch_all_gather: bool = True  # CPU (gloo) jobs: each block's FSDP all-gather is issued while
     #   the block before it computes (GPUs prefetch on a CUDA stream anyway)
+    ep_wire_dtype: str = "compute"  # "bf16": the EP all-to-alls carry the routed tokens' activations
+    #   (and, in backward, their gradients) in bf16, cast back to the compute dtype on arrival: half
+    #   the bytes of an fp32 job's dispatch and combine; "compute": as computed (bf16 already under
+    #   a GPU's train.dtype = "bf16")
+    reduce_wire_dtype: str = "fp32"  # "bf16": FSDP's gradient reduce-scatter (and HSDP's all-reduce
+    #   across replicas) sends bf16 gradients, half the bytes; a CPU (gloo) job sums the received
+    #   pieces in fp32, NCCL and HSDP's all-reduce in bf16 (docs/concepts/parallel.md, Low precision
+    #   on the wire)
     ranks_per_node: int = 0  # ranks that share a node's fast link (ranks 0..n-1 are node 0, ...);
     #   tp and ep groups must lie inside one, HSDP shard groups inside one or on whole nodes.
     #   0: the launcher's processes per node (torchrun's LOCAL_WORLD_SIZE); `plan`: --gpus-per-node
@@ -658,6 +666,8 @@ def _validate_parallel(p: ParallelConfig) -> None:
     require(p.dp_shard == -1 or p.dp_shard >= 1, "parallel.dp_shard", "must be >= 1, or -1 for the rest")
     for name in ("init_timeout_s", "collective_timeout_s"):
         require(getattr(p, name) > 0, f"parallel.{name}", f"must be positive (seconds), got {getattr(p, name)}")
+    one_of(p.ep_wire_dtype, ("compute", "bf16"), "parallel.ep_wire_dtype")
+    one_of(p.reduce_wire_dtype, ("fp32", "bf16"), "parallel.reduce_wire_dtype")
     require(p.ranks_per_node >= 0, "parallel.ranks_per_node",
             f"must be >= 1, or 0 for the launcher's processes per node, got {p.ranks_per_node}")
 

@@ -18,6 +18,13 @@ down by columns). Every tp rank holds the same tokens, so the expert input gets 
 The expert weights are DTensors on the `ep` and/or `tp` mesh dims: `Shard(0)` over ep (whole
 experts) and the width shard over tp, so FSDP, the optimizer and checkpoints see their global
 `[E, ...]` shape.
+
+`ExpertParallel(wire_dtype=torch.bfloat16)` (`parallel.ep_wire_dtype = "bf16"`) sends the tokens
+of the dispatch and the combine in bf16 and casts them back to the dtype they were computed in on
+arrival; the casts' backward sends the gradients of both in bf16 too. The experts then compute on
+bf16-rounded inputs and the combine returns bf16-rounded outputs: half the bytes of an fp32 job's
+all-to-alls for one bf16 rounding of each (the counts stay exact). Under tp the combine carries each
+tp rank's partial sums, each rounded before the tp all-reduce adds them in the compute dtype.
 """
 
 from __future__ import annotations
@@ -71,9 +78,19 @@ def _exchange_counts(counts: torch.Tensor, group, ep: int, num_local: int, copie
     return received, input_splits, output_splits
 
 
-def dispatch_tokens(x_sorted: torch.Tensor, counts: torch.Tensor, group
+def _all_to_all(x: torch.Tensor, output_splits: list[int], input_splits: list[int], group,
+                wire_dtype: torch.dtype | None) -> torch.Tensor:
+    """The autograd-aware all-to-all of `x`, sent as `wire_dtype` (None: as it is) and returned in
+    `x`'s dtype; the backward's gradient travels as `wire_dtype` too (each cast's backward casts
+    the gradient)."""
+    if wire_dtype is None or wire_dtype == x.dtype:
+        return all_to_all_single_autograd(x, output_splits, input_splits, group)
+    return all_to_all_single_autograd(x.to(wire_dtype), output_splits, input_splits, group).to(x.dtype)
+
+
+def dispatch_tokens(x_sorted: torch.Tensor, counts: torch.Tensor, group, wire_dtype: torch.dtype | None = None
                     ) -> tuple[torch.Tensor, torch.Tensor, DispatchPlan]:
-    """Send each token copy to the rank that owns its expert.
+    """Send each token copy to the rank that owns its expert (as `wire_dtype`, if given).
 
     x_sorted [N, d] token copies sorted by global expert id, counts [E] long copies per expert.
     Returns (tokens [M, d] grouped by local expert, counts per local expert [E / ep], plan).
@@ -81,7 +98,7 @@ def dispatch_tokens(x_sorted: torch.Tensor, counts: torch.Tensor, group
     ep = group.size()
     num_local = counts.numel() // ep
     received, input_splits, output_splits = _exchange_counts(counts, group, ep, num_local, x_sorted.shape[0])
-    tokens = all_to_all_single_autograd(x_sorted, output_splits, input_splits, group)
+    tokens = _all_to_all(x_sorted, output_splits, input_splits, group, wire_dtype)
 
     # Arrived blocks are ordered (source s, expert j); gather them in (expert j, source s) order.
     with torch.no_grad():
@@ -95,10 +112,11 @@ def dispatch_tokens(x_sorted: torch.Tensor, counts: torch.Tensor, group
     return tokens[order], local_counts, DispatchPlan(input_splits, output_splits, order)
 
 
-def combine_tokens(y_local: torch.Tensor, plan: DispatchPlan, group) -> torch.Tensor:
+def combine_tokens(y_local: torch.Tensor, plan: DispatchPlan, group, wire_dtype: torch.dtype | None = None
+                   ) -> torch.Tensor:
     """Inverse of `dispatch_tokens`: results back to the ranks and rows their tokens came from."""
     arrived_order = torch.empty_like(y_local).index_copy(0, plan.order, y_local)
-    return all_to_all_single_autograd(arrived_order, plan.input_splits, plan.output_splits, group)
+    return _all_to_all(arrived_order, plan.input_splits, plan.output_splits, group, wire_dtype)
 
 
 def _tp_input(x: torch.Tensor, tp_mesh: DeviceMesh) -> torch.Tensor:
@@ -113,7 +131,12 @@ def _tp_output(y: torch.Tensor, tp_mesh: DeviceMesh) -> torch.Tensor:
 
 
 class ExpertParallel(ParallelStyle):
-    """Apply to a `GroupedExperts` module with a mesh whose dims are "ep", "tp" or both."""
+    """Apply to a `GroupedExperts` module with a mesh whose dims are "ep", "tp" or both; the
+    tokens travel between the ep ranks as `wire_dtype` (None: in the dtype they are computed in)."""
+
+    def __init__(self, wire_dtype: torch.dtype | None = None):
+        super().__init__()
+        self.wire_dtype = wire_dtype
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         names = device_mesh.mesh_dim_names or ()
@@ -126,16 +149,17 @@ class ExpertParallel(ParallelStyle):
                 getattr(module, name).data, device_mesh, placements, src_data_rank=None)))
         ep_group = device_mesh["ep"].get_group() if "ep" in names else None
         tp = device_mesh["tp"] if "tp" in names else None
+        wire_dtype = self.wire_dtype
 
         def around(mod: nn.Module, forward, x_sorted: torch.Tensor, counts: torch.Tensor):
             if tp is not None:
                 x_sorted = _tp_input(x_sorted, tp)
             if ep_group is not None:
-                x_sorted, counts, plan = dispatch_tokens(x_sorted, counts, ep_group)
+                x_sorted, counts, plan = dispatch_tokens(x_sorted, counts, ep_group, wire_dtype)
             with local_shards(mod):
                 out = forward(x_sorted, counts)
             if ep_group is not None:
-                out = combine_tokens(out, plan, ep_group)
+                out = combine_tokens(out, plan, ep_group, wire_dtype)
             if tp is not None:
                 out = _tp_output(out, tp)
             return out

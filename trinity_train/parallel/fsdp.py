@@ -39,6 +39,14 @@ threads instead, with the same collectives and the same numbers:
   not in a micro-batch that adds to the gradients of an earlier one (`overlap_reductions`).
 - `parallel.prefetch_all_gather`: each block's all-gather is issued asynchronously while the block
   before it computes (in backward, the block after it), FSDP2's explicit prefetch.
+
+Gradients in bf16 on the wire (`parallel.reduce_wire_dtype = "bf16"`, off by default): half the
+bytes of every reduce-scatter and of HSDP's all-reduce, for the rounding of each rank's gradient
+to bf16. On CPUs the all-to-all reduce-scatter casts what it sends and sums what it receives in
+fp32 (the fp32 sum of the bf16-rounded shards, overlapped or not); under HSDP FSDP's policy casts
+the gradients to bf16 instead, so that its all-reduce across replicas sends bf16 too: the shard
+group's fp32 sum is rounded to bf16 for it, and gloo sums the replicas' in bf16. On GPUs FSDP's
+policy reduces in bf16 and NCCL sums in bf16 (`mixed_precision_policy`).
 """
 
 from __future__ import annotations
@@ -54,6 +62,7 @@ from torch.distributed.tensor import DTensor, Shard
 from trinity_train.config import ParallelConfig
 from trinity_train.parallel.gloo_reduce_scatter import AllToAllReduceScatter
 from trinity_train.parallel.mesh import ParallelDims, expert_shard_dim
+from trinity_train.parallel.wire_precision import wire_dtype
 
 # The model's one reduce-scatter object on a CPU job, which the step tells when it may overlap.
 _REDUCE_SCATTERS: WeakKeyDictionary[nn.Module, AllToAllReduceScatter] = WeakKeyDictionary()
@@ -77,11 +86,19 @@ def _for_params(params, placement: Callable[[nn.Parameter], Shard]
     return lambda p: placement(p) if id(p) in ids else None
 
 
-def mixed_precision_policy(device: torch.device, dtype: str) -> MixedPrecisionPolicy:
-    """bf16 compute with fp32 gradient reduction on GPUs when `train.dtype = "bf16"`; fp32
-    otherwise (the CPU has no fast bf16 path). Sharded master weights are always fp32."""
-    if device.type == "cuda" and dtype == "bf16":
-        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+def mixed_precision_policy(device: torch.device, dtype: str, reduce_wire_dtype: str = "fp32",
+                           hsdp: bool = False) -> MixedPrecisionPolicy:
+    """bf16 compute on GPUs when `train.dtype = "bf16"`; fp32 otherwise (the CPU has no fast bf16
+    path). Sharded master weights are always fp32. Gradients are reduced in fp32, or in bf16 under
+    `parallel.reduce_wire_dtype = "bf16"` where the backend's own collective must carry bf16:
+    NCCL's reduce-scatter, and HSDP's all-reduce across replicas on any backend (FSDP runs it on
+    the reduce-scatter's output, in the reduce dtype). A CPU job without HSDP keeps fp32 here: its
+    all-to-all reduce-scatter sends bf16 itself and lands an fp32 sum (`gloo_reduce_scatter`)."""
+    param_dtype = torch.bfloat16 if device.type == "cuda" and dtype == "bf16" else None
+    if reduce_wire_dtype == "bf16" and (device.type != "cpu" or hsdp):
+        return MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.bfloat16)
+    if param_dtype is not None:
+        return MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     return MixedPrecisionPolicy()
 
 
@@ -91,7 +108,7 @@ def apply_fsdp(model: nn.Module, dims: ParallelDims, device: torch.device, dtype
     `device` computing in `dtype` (`train.dtype`; a CPU job's collectives run on gloo), with the
     overlap `parallel` asks for."""
     mesh = dims.fsdp_mesh
-    mp_policy = mixed_precision_policy(device, dtype)
+    mp_policy = mixed_precision_policy(device, dtype, parallel.reduce_wire_dtype, dims.dp_replicate > 1)
     placement = expert_placement(dims.efsdp)
     fully_shard(model.embed, mesh=mesh, mp_policy=mp_policy)
     # The embedding's backward reads only the token ids, never its weight: no all-gather for it.
@@ -107,7 +124,7 @@ def apply_fsdp(model: nn.Module, dims: ParallelDims, device: torch.device, dtype
         fully_shard(block, mesh=mesh, mp_policy=mp_policy, shard_placement_fn=block_placement,
                     reshard_after_forward=reshard)
     fully_shard(model, mesh=mesh, mp_policy=mp_policy)
-    reduce_scatter = AllToAllReduceScatter()
+    reduce_scatter = AllToAllReduceScatter(wire_dtype(parallel.reduce_wire_dtype))
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)

@@ -13,6 +13,12 @@ sum gloo's all-reduce computes (a float sum of two terms does not depend on thei
 the results are bitwise today's (tests/test_gloo_reduce_scatter.py). On more ranks gloo's ring
 sums each chunk starting at a different rank, so the last bits may differ, as they already do
 between any two summation orders.
+
+`AllToAllReduceScatter(wire_dtype=torch.bfloat16)` (`parallel.reduce_wire_dtype = "bf16"`) sends
+the chunks in bf16 (cast here, or by FSDP when its policy's reduce dtype is bf16 already, as under
+HSDP) and sums the received bf16 pieces in fp32, in the same rank order: the output is the fp32
+sum of the bf16-rounded shards (Megatron's fp32 accumulation), rounded once more only if FSDP
+hands it a bf16 output.
 """
 
 from __future__ import annotations
@@ -38,8 +44,9 @@ class AllToAllReduceScatter(ReduceScatter):
 
     IN_FLIGHT = 1  # unit reduce-scatters left travelling behind the newest
 
-    def __init__(self):
+    def __init__(self, wire_dtype: torch.dtype | None = None):
         self.overlapping = False
+        self.wire_dtype = wire_dtype  # what the chunks travel as (None: FSDP's reduce dtype)
         self._pending: list[tuple[dist.Work, torch.Tensor, torch.Tensor, torch.Tensor]] = []
 
     def allocate(self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype,
@@ -57,9 +64,10 @@ class AllToAllReduceScatter(ReduceScatter):
         if input_tensor.numel() != n * output_tensor.numel():
             raise ValueError(f"reduce-scatter of {input_tensor.numel()} elements into {n} x "
                              f"{output_tensor.numel()}")
-        received = torch.empty_like(input_tensor)  # every rank's copy of this rank's chunk
-        work = dist.all_to_all_single(received, input_tensor, group=group, async_op=self.overlapping)
-        self._pending.append((work, received, output_tensor, input_tensor))
+        sent = input_tensor if self.wire_dtype is None else input_tensor.to(self.wire_dtype)
+        received = torch.empty_like(sent)  # every rank's copy of this rank's chunk
+        work = dist.all_to_all_single(received, sent, group=group, async_op=self.overlapping)
+        self._pending.append((work, received, output_tensor, sent))
         while len(self._pending) > (self.IN_FLIGHT if self.overlapping else 0):
             self._complete(*self._pending.pop(0))
         return None
@@ -70,12 +78,17 @@ class AllToAllReduceScatter(ReduceScatter):
             self._complete(*self._pending.pop(0))
 
     @staticmethod
-    def _complete(work: dist.Work | None, received: torch.Tensor, output: torch.Tensor, _input) -> None:
+    def _complete(work: dist.Work | None, received: torch.Tensor, output: torch.Tensor, _sent) -> None:
         if work is not None:
             work.wait()
         n = received.numel() // output.numel()
         chunks = received.view(n, -1)
         out = output.view(-1)
-        out.copy_(chunks[0])
+        # An fp32 sum whatever travelled (a bf16 chunk added to fp32 is added in fp32), in the
+        # output itself when it is fp32.
+        total = out if out.dtype == torch.float32 else torch.empty_like(out, dtype=torch.float32)
+        total.copy_(chunks[0])
         for chunk in chunks[1:]:  # rank order, whatever this rank's place in it
-            out.add_(chunk)
+            total.add_(chunk)
+        if total is not out:
+            out.copy_(total)

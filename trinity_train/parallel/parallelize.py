@@ -22,19 +22,21 @@ from trinity_train.parallel.fsdp import apply_fsdp
 from trinity_train.parallel.mesh import ParallelDims
 from trinity_train.parallel.sharded_init import init_weights_like_one_process
 from trinity_train.parallel.tensor_parallel import apply_tensor_parallel
+from trinity_train.parallel.wire_precision import wire_dtype
 
 # Applied between the model-splitting steps and FSDP (activation checkpointing, compile).
 Wrap = Callable[[nn.Module, Config], nn.Module]
 
 
-def split_model(model: TrinityModel, dims: ParallelDims) -> TrinityModel:
-    """Tensor and expert parallelism, in place, on a model built on the meta device."""
+def split_model(model: TrinityModel, dims: ParallelDims, ep_wire_dtype: str = "compute") -> TrinityModel:
+    """Tensor and expert parallelism, in place, on a model built on the meta device; the EP
+    all-to-alls send as `ep_wire_dtype` says (`parallel.ep_wire_dtype`)."""
     if dims.tp > 1:
         apply_tensor_parallel(model, dims.tp_mesh)
     expert_mesh = dims.expert_mesh
     if expert_mesh is not None:
         for moe in model.moe_layers:
-            parallelize_module(moe.experts, expert_mesh, ExpertParallel())
+            parallelize_module(moe.experts, expert_mesh, ExpertParallel(wire_dtype(ep_wire_dtype)))
     return model
 
 
@@ -43,7 +45,7 @@ def build_parallel_model(cfg: Config, dims: ParallelDims, device: torch.device,
     """Build, parallelise, materialise and initialise (seeded with `train.seed`) the model."""
     model = build_model(cfg.model, device="meta")
     if dims.is_distributed:
-        split_model(model, dims)
+        split_model(model, dims, cfg.parallel.ep_wire_dtype)
     if wrap is not None:
         model = wrap(model, cfg)
     if dims.is_distributed:

@@ -166,12 +166,21 @@ class Numerics:
 
     compute: int  # activations and gathered parameters (bf16 on GPUs under train.dtype = bf16)
     ns: int  # Newton-Schulz working precision
+    ep_wire: int  # the EP all-to-alls' tokens (parallel.ep_wire_dtype)
+    grad_wire: int  # the gradients FSDP reduces (parallel.reduce_wire_dtype)
 
     @staticmethod
     def of(cfg: Config, gpu: bool) -> Numerics:
-        bf16 = gpu and cfg.train.dtype == "bf16"
+        compute = 2 if gpu and cfg.train.dtype == "bf16" else 4
         ns = {"bf16": 2, "fp32": 4}.get(cfg.optim.muon_ns_dtype, 2 if gpu else 4)
-        return Numerics(2 if bf16 else 4, ns)
+        ep_wire = 2 if cfg.parallel.ep_wire_dtype == "bf16" else compute
+        return Numerics(compute, ns, ep_wire, 2 if cfg.parallel.reduce_wire_dtype == "bf16" else FP32)
+
+    def reduce_buffer(self, dims: ParallelDims, gpu: bool) -> int:
+        """FSDP's reduce dtype (its reduce-scatter input, HSDP's partial sums): the wire's where
+        FSDP's policy casts (GPUs, HSDP), fp32 where a CPU job's reduce-scatter casts what it sends
+        (`parallel/fsdp.py` `mixed_precision_policy`)."""
+        return self.grad_wire if gpu or dims.dp_replicate > 1 else FP32
 
 
 # ------------------------------------------------------------------------------ activations
@@ -393,7 +402,8 @@ def memory_per_rank(cfg: Config, dims: ParallelDims, *, gpu: bool,
     partial = dims.dp_replicate > 1
     if accum > 1 and distributed and not cfg.parallel.sync_every_micro_batch:
         kept_grads, partial = FP32 * sum(unsharded_numel(p, dims) * count for p, count in counts.items()), False
-    kept = {"gradients": 0.0 if partial else kept_grads, "temporaries": kept_grads if partial else 0.0}
+    kept = {"gradients": 0.0 if partial else kept_grads,
+            "temporaries": kept_grads * nums.reduce_buffer(dims, gpu) / FP32 if partial else 0.0}
 
     def unit_bytes(layer, unit_names=("block", "experts")):
         """A layer's FSDP units (the block, and its experts under EP) gathered, in the compute dtype."""
@@ -405,7 +415,7 @@ def memory_per_rank(cfg: Config, dims: ParallelDims, *, gpu: bool,
         layer = layers[1 + (m.num_dense_layers if moe else 0)]
         own, experts = unit_bytes(layer, ("block",)), unit_bytes(layer, ("experts",))
         kinds[moe] = BlockBytes(gathered=own + experts, grad_shards=FP32 * sum(shard_numel(p, dims) for p in layer),
-                                prefetched=max(own, experts), reducing=own * FP32 / a)
+                                prefetched=max(own, experts), reducing=own * nums.reduce_buffer(dims, gpu) / a)
     block = [kinds[i >= m.num_dense_layers] for i in range(m.num_layers)]
     root = unit_bytes(layers[-1], ("root",))
     root_grads = FP32 * sum(shard_numel(p, dims) for p in layers[-1])
@@ -556,9 +566,9 @@ def traffic_per_rank(cfg: Config, dims: ParallelDims, *, gpu: bool,
         rooted = [u[0].unit in ("root", "embed") or not cfg.parallel.reshard_after_forward for u in kinds]
         gathers = sum(1 if r else 2 for r in rooted) * accum
         ag = sum(s * (1 if r else 2) for s, r in zip(shards, rooted)) * a * (n - 1) * accum
-        # fp32 gradients, (n-1)/n of the n-shard input: every micro-batch, or the last only
+        # fp32 (or bf16) gradients, (n-1)/n of the n-shard input: every micro-batch, or the last only
         reductions = accum if cfg.parallel.sync_every_micro_batch else 1
-        rs = sum(shards) * FP32 * (n - 1) * reductions
+        rs = sum(shards) * nums.grad_wire * (n - 1) * reductions
         if not units:
             continue
         if n > 1:  # (experts outside expert FSDP are not sharded, but still all-reduced under HSDP)
@@ -567,11 +577,11 @@ def traffic_per_rank(cfg: Config, dims: ParallelDims, *, gpu: bool,
         if dims.dp_replicate > 1:  # HSDP: the shards' gradients, all-reduced over the replicas once a step
             r = dims.dp_replicate
             flows.append(Flow(FSDP_ALL_REDUCE, "all_reduce", "dp_replicate", r, len(units),
-                              sum(shards) * FP32 * 2 * (r - 1) / r))
+                              sum(shards) * nums.grad_wire * 2 * (r - 1) / r))
     moe_layers = m.num_layers - m.num_dense_layers
     if dims.ep > 1 and moe_layers:
         tokens = local_tokens(cfg, dims)
-        out_of_rank = tokens * m.num_experts_per_tok * (dims.ep - 1) / dims.ep * m.hidden_size * a
+        out_of_rank = tokens * m.num_experts_per_tok * (dims.ep - 1) / dims.ep * m.hidden_size * nums.ep_wire
         per_layer = 2 * out_of_rank * (1 + routing.skew)  # dispatch and combine, forward and backward
         forwards = 2 if cfg.train.activation_checkpointing else 1  # the recomputation dispatches again
         calls = 2 * (forwards + 1) * moe_layers * accum
