@@ -12,7 +12,8 @@ biases 1e-7 and rank-identical, bit-identical initial weights, the same layer st
 2 and 4, cp 2 x dp_shard 2, cp 2 x ep 2 and cp 2 x tp 2, at the issue's setting (seq_len 4,096,
 sliding window 128, document masking, three local layers to one global, MoE with the aux and z
 losses on) and at a short one (seq_len 32, window 8: at cp = 4 each chunk holds 4 tokens, so the
-7-token halo spans two chunks), where HSDP 2 x cp 2 and Muon (cp 2, HSDP 2 x cp 2) are checked too. And a resume that changes cp keeps the data order: a cp = 2 run's
+7-token halo spans two chunks), where HSDP 2 x cp 2, activation checkpointing and Muon (cp 2,
+HSDP 2 x cp 2) are checked too. And a resume that changes cp keeps the data order: a cp = 2 run's
 checkpoint resumed by one process trains on the same batches as an uninterrupted run.
 """
 
@@ -171,10 +172,12 @@ SHORT = merge_sections(LONG, {"model": {"sliding_window": 8}, "data": {"seq_len"
 # Muon's exchange over the FSDP dim dp_shard_cp (and HSDP's 2-D mesh with it), at the short setting.
 MUON = merge_sections(SHORT, {"optim": {"name": "muon", "muon_lr": 1e-2}})
 REFERENCES = {"long": LONG, "short": SHORT, "muon": MUON}
-# name: (reference, the parallel section)
+# name: (reference, the parallel section[, other sections])
 TWO_RANK = {"cp2": {"cp": 2}, "cp2_ep2": {"cp": 2, "ep": 2}}
 FOUR_RANK = {"cp4": {"cp": 4}, "cp2_fsdp2": {"cp": 2, "dp_shard": 2}, "cp2_tp2": {"cp": 2, "tp": 2}}
 TWO_RANK_LAYOUTS = {**{f"{ref}_{name}": (ref, parallel) for ref in ("long", "short") for name, parallel in TWO_RANK.items()},
+                    # the recomputation exchanges the halos and gathers the keys again in backward
+                    "short_cp2_checkpointed": ("short", {"cp": 2}, {"train": {"activation_checkpointing": True}}),
                     "muon_cp2": ("muon", {"cp": 2})}
 FOUR_RANK_LAYOUTS = {**{f"{ref}_{name}": (ref, parallel) for ref in ("long", "short") for name, parallel in FOUR_RANK.items()},
                      "short_hsdp2_cp2": ("short", {"dp_replicate": 2, "dp_shard": 1, "cp": 2}),
@@ -183,7 +186,8 @@ FOUR_RANK_LAYOUTS = {**{f"{ref}_{name}": (ref, parallel) for ref in ("long", "sh
 
 def sections(layouts: dict) -> dict:
     """{layout: its config sections} for `run_layouts`."""
-    return {name: merge_sections(REFERENCES[ref], {"parallel": parallel}) for name, (ref, parallel) in layouts.items()}
+    return {name: merge_sections(REFERENCES[ref], {"parallel": parallel, **(other[0] if other else {})})
+            for name, (ref, parallel, *other) in layouts.items()}
 
 
 @pytest.fixture(scope="module")

@@ -85,9 +85,6 @@ class SequenceShard:
         """Tokens of a whole row."""
         return self.token_index.numel() * self.cp
 
-    def all_reduce_sum(self, x: torch.Tensor) -> torch.Tensor:
-        return self.exchange.all_reduce(x)
-
 
 @dataclass(frozen=True)
 class HaloPlan:
@@ -194,8 +191,8 @@ def gathered_keys(shard: SequenceShard, batch: int) -> GatheredKeys:
 class HaloWindow:
     """A sliding-window layer's attention under context parallelism: each of the rank's two chunks
     extended by the halo before it (`plan`), attended as a row of its own with `mask` (the layer's
-    usual mask over [2B] rows of halo + chunk positions; padding and halo query slots masked by
-    document id -1)."""
+    usual mask over [2B] rows of halo + chunk positions, the padding before a row's start masked
+    by document id -1; the halo's own query slots are zeros, dropped from the output)."""
 
     exchange: ContextExchange
     plan: HaloPlan

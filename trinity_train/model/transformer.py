@@ -151,7 +151,7 @@ class TrinityModel(nn.Module):
             z_sums = torch.stack([(router_z * counted).sum(), counted.sum().float()])
         if context is not None and (aux_on or z_on):
             balance = torch.stack([a.balance for a in moe_aux]) if aux_on else zero.new_zeros(0)  # [layers, 2, B, E]
-            summed = context.all_reduce_sum(torch.cat([balance.flatten()] + ([z_sums] if z_on else [])))
+            summed = context.exchange.all_reduce(torch.cat([balance.flatten()] + ([z_sums] if z_on else [])))
             balance, z_sums = summed[:balance.numel()].view_as(balance), summed[balance.numel():]
             aux_loss = sum((balance_loss(b, context.seq_len, cfg.num_experts_per_tok, cfg.aux_loss_alpha)
                             for b in balance), zero)
