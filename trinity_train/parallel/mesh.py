@@ -106,25 +106,27 @@ class ParallelDims:
         check_layout_config(cfg)
         p = cfg.parallel
         fixed = p.dp_replicate * p.cp * p.tp
+        cp, cp_key = (f"cp={p.cp} x ", " / parallel.cp") if p.cp > 1 else ("", "")  # named only when used
         if p.dp_shard == -1:
             if world_size % fixed:
                 raise ConfigError(
                     f"parallel: {world_size} ranks cannot be split into dp_replicate={p.dp_replicate} "
-                    f"x cp={p.cp} x tp={p.tp} = {fixed} groups; start a multiple of {fixed} processes or "
-                    f"change parallel.dp_replicate / parallel.cp / parallel.tp")
+                    f"x {cp}tp={p.tp} = {fixed} groups; start a multiple of {fixed} processes or "
+                    f"change parallel.dp_replicate{cp_key} / parallel.tp")
             dp_shard = world_size // fixed
         else:
             dp_shard = p.dp_shard
             if fixed * dp_shard != world_size:
                 raise ConfigError(
-                    f"parallel: dp_replicate={p.dp_replicate} x dp_shard={dp_shard} x cp={p.cp} x tp={p.tp} = "
+                    f"parallel: dp_replicate={p.dp_replicate} x dp_shard={dp_shard} x {cp}tp={p.tp} = "
                     f"{fixed * dp_shard} ranks, but {world_size} processes were started; start "
                     f"{fixed * dp_shard} processes or set parallel.dp_shard=-1 to use what is left")
         if (dp_shard * p.cp) % p.ep:
+            size, dims = (f"dp_shard x cp = {dp_shard} x {p.cp}", "dp_shard x cp") if p.cp > 1 else (
+                f"dp_shard={dp_shard}", "dp_shard")
             raise ConfigError(
-                f"parallel.ep: ep={p.ep} must divide the expert-data-parallel size dp_shard x cp = "
-                f"{dp_shard} x {p.cp} (expert parallelism takes its ranks from dp_shard x cp); "
-                f"choose an ep that divides {dp_shard * p.cp} or start more processes")
+                f"parallel.ep: ep={p.ep} must divide the expert-data-parallel size {size} (expert parallelism "
+                f"takes its ranks from {dims}); choose an ep that divides {dp_shard * p.cp} or start more processes")
         grad_accum_for(cfg.train, p.dp_replicate * dp_shard)  # a fixed global batch must split over the ranks
         m = cfg.model
         if m.expert_impl == "grouped" and (m.moe_intermediate_size // p.tp) % GROUPED_MM_ALIGNMENT:
