@@ -142,3 +142,24 @@ def test_a_clean_two_rank_run_of_300_steps_flags_nobody(corpus, tmp_path, rank_p
     run = RunDir(tmp_path / "run")
     assert len(run.read_metrics(RecordKind.RANKS)) == 30
     assert run.read_events(EventName.STRAGGLER) == []
+
+
+def test_no_module_waits_for_a_collective_behind_the_exposed_communication_timer():
+    """`CollectiveWaits` wraps `_functional_collectives.wait_tensor` where callers look it up:
+    a name bound at import (`from ... import wait_tensor`) or torch's op called directly would
+    wait untimed, and the collective's wait would be missing from `comm_exposed_s`."""
+    import ast
+    from pathlib import Path
+
+    import trinity_train
+
+    root = Path(trinity_train.__file__).parent
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            bound = isinstance(node, ast.ImportFrom) and any(a.name == "wait_tensor" for a in node.names)
+            direct = (isinstance(node, ast.Attribute) and node.attr == "wait_tensor"
+                      and isinstance(node.value, ast.Attribute) and node.value.attr == "_c10d_functional")
+            if bound or direct:
+                found.append(f"{path.relative_to(root)}:{node.lineno}")
+    assert found == []

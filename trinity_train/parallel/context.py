@@ -17,9 +17,12 @@ so that a planner's collective log can tell CP's traffic from the others' by the
 from __future__ import annotations
 
 import torch
+import torch.distributed._functional_collectives as funcol
 from torch.distributed import ProcessGroup
+# Waits go through `funcol.wait_tensor` looked up at call time, so the exposed-communication timer
+# (health/collective_waits.py) sees them.
 from torch.distributed._functional_collectives import (all_gather_single, all_reduce, all_to_all_single,
-                                                       reduce_scatter_single, wait_tensor)
+                                                       reduce_scatter_single)
 
 from trinity_train.model.attention import positions_from_documents
 from trinity_train.model.context_attention import SequenceShard, zigzag_index
@@ -60,11 +63,11 @@ class _AllGather(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
         ctx.group = group
-        return wait_tensor(all_gather_single(x.contiguous(), 0, group))
+        return funcol.wait_tensor(all_gather_single(x.contiguous(), 0, group))
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return wait_tensor(reduce_scatter_single(grad.contiguous(), "sum", 0, ctx.group)), None
+        return funcol.wait_tensor(reduce_scatter_single(grad.contiguous(), "sum", 0, ctx.group)), None
 
 
 class _AllToAll(torch.autograd.Function):
@@ -72,23 +75,23 @@ class _AllToAll(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, output_splits: list[int], input_splits: list[int],
                 group: ProcessGroup) -> torch.Tensor:
         ctx.splits, ctx.group = (output_splits, input_splits), group
-        return wait_tensor(all_to_all_single(x.contiguous(), output_splits, input_splits, group))
+        return funcol.wait_tensor(all_to_all_single(x.contiguous(), output_splits, input_splits, group))
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         output_splits, input_splits = ctx.splits
-        return wait_tensor(all_to_all_single(grad.contiguous(), input_splits, output_splits, ctx.group)), None, None, None
+        return funcol.wait_tensor(all_to_all_single(grad.contiguous(), input_splits, output_splits, ctx.group)), None, None, None
 
 
 class _AllReduce(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
         ctx.group = group
-        return wait_tensor(all_reduce(x.contiguous(), "sum", group))
+        return funcol.wait_tensor(all_reduce(x.contiguous(), "sum", group))
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return wait_tensor(all_reduce(grad.contiguous(), "sum", ctx.group)), None
+        return funcol.wait_tensor(all_reduce(grad.contiguous(), "sum", ctx.group)), None
 
 
 class GroupExchange:
