@@ -251,3 +251,33 @@ def test_a_resume_that_changes_cp_keeps_the_data_order(long_corpus, tmp_path, ra
     assert [(s, b) for s, b, _ in ours] == [(s, b) for s, b, _ in expected[2:]]  # the same batches, in order
     for (_, _, loss), (_, _, want) in zip(first_two + ours, expected):
         assert loss == pytest.approx(want, rel=1e-5)
+
+
+def phase_config(corpus, run_dir, source, steps: int, resume: str = "none"):
+    """A context-extension phase (docs/guides/context-extension.md) of a cp=2 run: rows of 64
+    tokens instead of 32, started from `source`'s newest checkpoint with its optimizer state."""
+    return layout_config(corpus, run_dir, merge_sections(SHORT, {
+        "parallel": {"cp": 2}, "data": {"seq_len": 64},
+        "train": {"steps": steps, "global_batch_size": 4, "grad_accum": 1},
+        "checkpoint": {"every": 2, "resume": resume, "init_from": str(source), "init_optimizer": True}}), 2)
+
+
+def phase_run(corpus, run_dir, source, steps: int, resume: str) -> int:
+    rank_trainer(phase_config(corpus, run_dir, source, steps, resume)).run()
+    dist.barrier()
+    return dist.get_rank()
+
+
+@pytest.mark.slow
+def test_an_extension_phase_under_cp_resumes_bit_exactly(long_corpus, tmp_path, rank_pool):
+    """The phase stopped after its step 2 (as a kill leaves it: the step-2 checkpoint) and resumed
+    trains steps 3 and 4 on the same batches with the same losses, bit for bit, as the phase run
+    straight through."""
+    pool = rank_pool(2)
+    pool.run(cp2_run, long_corpus, tmp_path / "source")
+    pool.run(phase_run, long_corpus, tmp_path / "straight", tmp_path / "source", 4, "none")
+    pool.run(phase_run, long_corpus, tmp_path / "resumed", tmp_path / "source", 2, "none")
+    pool.run(phase_run, long_corpus, tmp_path / "resumed", tmp_path / "source", 4, "auto")
+    straight, resumed = train_records(tmp_path / "straight"), train_records(tmp_path / "resumed")
+    assert [s for s, _, _ in straight] == [1, 2, 3, 4]
+    assert resumed == straight
