@@ -15,7 +15,7 @@ from trinity_train import cli
 from trinity_train.config import Config, MetricsConfig, position_bucket_starts
 from trinity_train.data import passkey
 from trinity_train.errors import ConfigError
-from trinity_train.evaluation.passkey import probe_inputs
+from trinity_train.evaluation.passkey import pad_inputs, padded_length, probe_inputs
 from trinity_train.files import read_jsonl
 from trinity_train.model.attention import positions_from_documents
 from trinity_train.model.loss import (GROUP_CE, GROUP_CORRECT, GROUP_TOKENS, IGNORE_INDEX, chunked_cross_entropy,
@@ -158,11 +158,45 @@ def test_probe_inputs_label_only_the_answer():
         assert inputs["token_groups"][row].unique().tolist() == [row]
 
 
+def test_prompts_are_padded_to_what_the_layout_splits_a_row_into():
+    from trinity_train.parallel.mesh import ParallelDims
+
+    assert padded_length(254, ParallelDims.one_process()) == 254
+    assert padded_length(254, ParallelDims(1, 1, 1, 1, 2, cp=2)) == 256  # 2 x cp zigzag chunks
+    assert padded_length(256, ParallelDims(1, 1, 1, 1, 2, cp=2)) == 256
+    assert padded_length(250, ParallelDims(1, 1, 2, 1, 4, cp=2)) == 256  # each chunk split again by tp
+    assert padded_length(251, ParallelDims(1, 1, 2, 1, 2)) == 252
+
+
+def test_padding_at_the_end_leaves_the_scores_unchanged():
+    """No earlier position attends to the trailing pad tokens and they have no labels."""
+    from conftest import tiny_model
+    from trinity_train.model.transformer import build_model
+
+    torch.manual_seed(0)
+    model = build_model(tiny_model(vocab_size=128)).eval()
+    def words(text: str) -> list[int]:  # one token a word: the prompt fits 62 tokens, the key is one
+        return [sum(map(ord, word)) % 128 for word in text.split()]
+
+    prompts = passkey.passkey_prompts(words, [62], [0.2, 0.8], keys=1)[62]
+    inputs = probe_inputs(prompts)
+    padded = pad_inputs(inputs, 64)
+    assert padded["input_ids"].shape == (2, 64) and (padded["labels"][:, 62:] == IGNORE_INDEX).all()
+    assert padded["position_ids"][:, 62:].tolist() == [[62, 63]] * 2
+    assert torch.equal(padded["token_groups"][:, 62:], inputs["token_groups"][:, -2:])
+    with torch.no_grad():
+        totals = [model(b["input_ids"], labels=b["labels"], position_ids=b["position_ids"],
+                        document_ids=b["document_ids"], token_groups=b["token_groups"], num_groups=2).group_totals
+                  for b in (inputs, padded)]
+    assert totals[1][GROUP_TOKENS].tolist() == totals[0][GROUP_TOKENS].tolist() == [1, 1]
+    assert torch.allclose(totals[1], totals[0], rtol=1e-6)
+
+
 # ---------------------------------------------------------------------------- a run's probe
 
 
-def probe_run_config(corpus, run_dir, **metrics):
-    return run_config(corpus, run_dir, data={"seq_len": 256},
+def probe_run_config(corpus, run_dir, parallel: dict | None = None, **metrics):
+    return run_config(corpus, run_dir, data={"seq_len": 256}, parallel=parallel or {},
                       train={"steps": 2, "micro_batch_size": 2, "eval_every": 1, "eval_batches": 1},
                       checkpoint={"every": 2},
                       metrics={"passkey_every": 2, "passkey_lengths": [256, 512], "passkey_depths": [0.25, 0.75],
@@ -241,12 +275,17 @@ def test_sinks_name_each_bucket_and_length_by_its_value():
 # ---------------------------------------------------------------------------- on several ranks
 
 # The long-context evaluation of the layout tests' model (conftest.layout_config) at 256 tokens.
-LONG_CONTEXT = {"data": {"seq_len": 256}, "metrics": {"passkey_every": 1, "passkey_lengths": [256], "passkey_keys": 1}}
-RANK_LAYOUTS = {"fsdp2": {"parallel": {"dp_shard": 2}}, "tp2": {"parallel": {"tp": 2}}, "ep2": {"parallel": {"ep": 2}}}
+# Under cp 2 each prompt is split zigzag (chunks of 64 at 256, the 7-token halo of the 8-token
+# window crossing ranks) and the 254-token prompts are padded to 256.
+LONG_CONTEXT = {"data": {"seq_len": 256},
+                "metrics": {"passkey_every": 1, "passkey_lengths": [256, 254], "passkey_keys": 1}}
+RANK_LAYOUTS = {"fsdp2": {"parallel": {"dp_shard": 2}}, "tp2": {"parallel": {"tp": 2}}, "ep2": {"parallel": {"ep": 2}},
+                "cp2": {"parallel": {"cp": 2}}}
 
 
 def evaluate_long_context(corpus, root, layouts: dict) -> dict:
-    """In each rank (or one process): {layout: (Validation, PasskeyResult)} of the untrained model."""
+    """In each rank (or one process): {layout: (Validation, PasskeyResult, the tokens a row of each
+    of the probe's forwards held on this rank)} of the untrained model."""
     import torch.distributed as dist
 
     from conftest import layout_config, merge_sections
@@ -258,19 +297,54 @@ def evaluate_long_context(corpus, root, layouts: dict) -> dict:
         cfg = layout_config(corpus, root / name, merge_sections(LONG_CONTEXT, changes), world)
         trainer = rank_trainer(cfg) if world > 1 else Trainer(cfg)
         val = evaluate(trainer.model, trainer.val_loader, cfg, trainer.device, trainer.dims)
-        results[name] = (val, trainer.passkey.run(trainer.model, cfg, trainer.device))
+        widths = []
+        hook = trainer.model.register_forward_pre_hook(lambda _, args: widths.append(args[0].shape[1]))
+        probe = trainer.passkey.run(trainer.model, cfg, trainer.device, trainer.dims)
+        hook.remove()
+        results[name] = (val, probe, widths)
     return results
 
 
 @pytest.mark.slow
-def test_data_parallel_tensor_and_expert_parallel_ranks_evaluate_as_one_process(corpus, tmp_path, rank_pool):
+def test_data_tensor_expert_and_context_parallel_ranks_evaluate_as_one_process(corpus, tmp_path, rank_pool):
     from helpers import assert_values_close
 
-    (reference_val, reference_probe), = evaluate_long_context(corpus, tmp_path / "one", {"one": {}}).values()
+    (reference_val, reference_probe, widths), = evaluate_long_context(corpus, tmp_path / "one", {"one": {}}).values()
     assert sum(reference_val.tokens_by_position) == reference_val.tokens > 0
+    assert widths == [256, 254] and reference_probe.lengths == [256, 254]
     for rank, results in enumerate(rank_pool(2).run(evaluate_long_context, corpus, tmp_path / "two", RANK_LAYOUTS)):
-        for layout, (val, probe) in results.items():
+        for layout, (val, probe, widths) in results.items():
             where = f"rank {rank} {layout}"
+            # cp 2 holds half of each prompt, the 254-token ones padded to 256 first
+            assert widths == ([128, 128] if layout == "cp2" else [256, 254]), where
             assert val.tokens_by_position == reference_val.tokens_by_position, where  # the buckets summed over ranks
             assert_values_close(vars(val), vars(reference_val), rel=1e-5, path=where)
             assert_values_close(vars(probe), vars(reference_probe), rel=1e-5, path=where)
+
+
+def cp2_probe_run(corpus, run_dir) -> int:
+    import torch.distributed as dist
+
+    from ranks import rank_trainer
+
+    rank_trainer(probe_run_config(corpus, run_dir, parallel={"cp": 2})).run()
+    dist.barrier()
+    return dist.get_rank()
+
+
+@pytest.mark.slow
+def test_a_cp_runs_probe_splits_its_prompts_and_the_command_probes_its_checkpoint_in_one_process(
+        corpus, tmp_path, rank_pool, capsys):
+    """The probe at validation of a cp = 2 run scores the split prompts as one process scores the
+    step-2 checkpoint's weights whole (`probe-context` loads a checkpoint of any layout into one
+    process)."""
+    run = tmp_path / "cp2"
+    rank_pool(2).run(cp2_probe_run, corpus, run)
+    probes = [r for r in read_jsonl(run / "metrics.jsonl") if r["kind"] == RecordKind.PASSKEY]
+    assert [r["step"] for r in probes] == [0, 2] and probes[-1]["passkey_lengths"] == [256]
+    capsys.readouterr()
+    assert cli.main(["probe-context", "--run", str(run), "--lengths", "256", "--device", "cpu", "--json"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["step"] == 2 and printed["passkey_prompts"] == probes[-1]["passkey_prompts"] == [4]
+    assert printed["passkey_accuracy"] == probes[-1]["passkey_accuracy"]
+    assert printed["passkey_logprob"][0] == pytest.approx(probes[-1]["passkey_logprob"][0], rel=1e-5)

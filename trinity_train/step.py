@@ -78,8 +78,10 @@ def micro_batches(batch: Any, micro_batch_size: int, dims: ParallelDims | None =
     return parts
 
 
-def _forward(model: nn.Module, mb: dict[str, torch.Tensor], cfg: Config, device: torch.device,
-             dims: ParallelDims, **extra):
+def forward_micro_batch(model: nn.Module, mb: dict[str, torch.Tensor], cfg: Config, device: torch.device,
+                        dims: ParallelDims, **extra):
+    """The model's forward on one micro-batch (moved to `device`), given this rank's
+    `SequenceShard` under context parallelism; `extra`: the model's evaluation arguments."""
     mb = {k: v.to(device, non_blocking=True) for k, v in mb.items()}
     context = sequence_shard(mb, dims)
     with autocast_context(cfg, device):
@@ -172,7 +174,7 @@ class TrainingStep:
             # The reduced shards start out empty only in the first backward that reduces.
             overlap_reductions(self.model, fresh=i == 0 if sync_every else last)
             with self.layer_stats.recording(stats_due):  # the forward only: not recomputations in backward
-                out = _forward(self.model, mb, self.cfg, self.device, self.dims)
+                out = forward_micro_batch(self.model, mb, self.cfg, self.device, self.dims)
             ce_sum = self.faults.scale_loss(out.ce_sum, iteration)
             loss = ce_sum / tokens.clamp_min(1) + (out.aux_loss + out.z_loss) * per_part
             loss.backward()
@@ -261,7 +263,8 @@ def evaluate(model: nn.Module, val_loader: Any, cfg: Config, device: torch.devic
     for batch in val_loader.batches(cfg.train.eval_batches):
         for mb in micro_batches(batch, cfg.train.micro_batch_size, dims, cfg.model.doc_masking):
             buckets = position_buckets(token_positions(mb, cfg.model.doc_masking), starts_tensor)
-            out = _forward(model, mb, cfg, device, dims, token_groups=buckets.to(device), num_groups=len(starts))
+            out = forward_micro_batch(model, mb, cfg, device, dims, token_groups=buckets.to(device),
+                                      num_groups=len(starts))
             totals += torch.cat([torch.stack([out.ce_sum.double(), out.num_tokens.double()]),
                                  out.group_totals[GROUP_CE], out.group_totals[GROUP_TOKENS]])
     model.train()

@@ -544,7 +544,7 @@ class Trainer:
     def _validate(self) -> None:
         with self.phase(Phase.VALIDATION):
             val = evaluate(self.model, self.val_loader, self.cfg, self.device, self.dims)
-            passkey = self.passkey.run(self.model, self.cfg, self.device) if self._passkey_due() else None
+            passkey = self.passkey.run(self.model, self.cfg, self.device, self.dims) if self._passkey_due() else None
         self.recorder.validation(val_record(iter=self.state.iteration, step=self.state.step, val_loss=val.loss,
                                             val_ppl=math.exp(min(val.loss, 50.0)), val_tokens=val.tokens,
                                             val_position_starts=val.position_starts,

@@ -5,8 +5,14 @@ For each length, one forward over its prompts (`data.passkey`) with the key's an
 only labels, grouped by prompt (`loss.cross_entropy_by_group`): a prompt counts as retrieved when
 every answer token is the model's greedy next token, and `passkey_logprob` is the mean
 log-likelihood of the answer tokens. The training loop runs it at validation every
-`metrics.passkey_every` steps; `trinity-train probe-context` runs it on a checkpoint. Every rank
-runs the same prompts (the forward is collective under FSDP, TP and EP) and gets the same result.
+`metrics.passkey_every` steps; `trinity-train probe-context` runs it on a checkpoint. Every
+data-parallel rank runs the same prompts (the forward is collective under FSDP, TP and EP) and gets
+the same result. Under context parallelism a prompt is split like a training row
+(`parallel.context.shard_micro_batch`: zigzag chunks, positions computed on the whole prompt), so
+each rank holds 1/cp of it; the key's tokens are scored where they live and the totals summed over
+the cp group. A prompt is padded at its end to a length the layout can split (`padded_length`):
+no earlier position attends to the padding (causal attention) and it has no labels, so the scores
+are the unpadded prompt's, and the lengths asked for need not know the layout.
 """
 
 from __future__ import annotations
@@ -23,7 +29,10 @@ from trinity_train.data.shards import TOKENIZER_FILE
 from trinity_train.data.tokenizer import load_tokenizer
 from trinity_train.errors import DataError
 from trinity_train.model.loss import GROUP_CE, GROUP_CORRECT, GROUP_TOKENS, IGNORE_INDEX
-from trinity_train.step import autocast_context
+from trinity_train.parallel.context import shard_micro_batch, split_for_context
+from trinity_train.parallel.mesh import ParallelDims
+from trinity_train.parallel.reductions import sum_over_context
+from trinity_train.step import forward_micro_batch
 
 
 @dataclass
@@ -54,6 +63,26 @@ def probe_inputs(prompts: list[PasskeyPrompt]) -> dict[str, torch.Tensor]:
             "token_groups": torch.arange(rows)[:, None].expand(rows, length)}
 
 
+def padded_length(length: int, dims: ParallelDims) -> int:
+    """`length` rounded up to what the layout splits a row into: 2 x cp x tp chunks under context
+    parallelism (the zigzag's, each split again by sequence parallelism), tp pieces without."""
+    multiple = dims.tp * (2 * dims.cp if dims.cp > 1 else 1)
+    return -(-length // multiple) * multiple
+
+
+def pad_inputs(inputs: dict[str, torch.Tensor], length: int) -> dict[str, torch.Tensor]:
+    """`probe_inputs` extended at the end to `length` tokens: token 0 with no label, positions
+    continued, the last token's document and group."""
+    rows, extra = inputs["input_ids"].shape[0], length - inputs["input_ids"].shape[1]
+    if extra == 0:
+        return inputs
+    fill = {"input_ids": torch.zeros(rows, extra, dtype=torch.long),
+            "labels": torch.full((rows, extra), IGNORE_INDEX, dtype=torch.long),
+            "position_ids": inputs["position_ids"][:, -1:] + torch.arange(1, extra + 1)}
+    return {name: torch.cat([t, fill.get(name, t[:, -1:].expand(rows, extra))], dim=1)
+            for name, t in inputs.items()}
+
+
 class PasskeyProbe:
     """The fixed prompts of a run (built once), scored on the model as it is at each call."""
 
@@ -70,17 +99,21 @@ class PasskeyProbe:
         return cls(passkey_prompts(encode, lengths, metrics.passkey_depths, metrics.passkey_keys))
 
     @torch.no_grad()
-    def run(self, model: nn.Module, cfg: Config, device: torch.device) -> PasskeyResult:
+    def run(self, model: nn.Module, cfg: Config, device: torch.device,
+            dims: ParallelDims | None = None) -> PasskeyResult:
+        dims = dims or ParallelDims.one_process()
         was_training = model.training
         model.eval()
         result = PasskeyResult([], [], [], [])
         for length, prompts in self.prompts.items():
-            inputs = {k: v.to(device) for k, v in probe_inputs(prompts).items()}
-            with autocast_context(cfg, device):
-                out = model(inputs["input_ids"], labels=inputs["labels"], position_ids=inputs["position_ids"],
-                            document_ids=inputs["document_ids"], token_groups=inputs["token_groups"],
-                            num_groups=len(prompts))
-            totals = out.group_totals.cpu()
+            inputs = pad_inputs(probe_inputs(prompts), padded_length(length, dims))
+            groups = inputs.pop("token_groups")
+            if dims.cp > 1:
+                inputs = shard_micro_batch(inputs, dims.cp, dims.cp_rank, cfg.model.doc_masking)
+                groups = split_for_context(groups, dims.cp, dims.cp_rank)
+            out = forward_micro_batch(model, inputs, cfg, device, dims, token_groups=groups.to(device),
+                                      num_groups=len(prompts))
+            totals = sum_over_context(out.group_totals, dims).cpu()
             retrieved = totals[GROUP_CORRECT] == totals[GROUP_TOKENS]
             result.lengths.append(length)
             result.accuracy.append(float(retrieved.double().mean()))

@@ -31,6 +31,14 @@ def sum_over_data_parallel(tensor: torch.Tensor, dims: ParallelDims) -> torch.Te
     return tensor
 
 
+def sum_over_context(tensor: torch.Tensor, dims: ParallelDims) -> torch.Tensor:
+    """Sum `tensor` over the context-parallel ranks that split the same rows, in place (and return
+    it); a no-op without context parallelism."""
+    if dims.mesh is not None and dims.cp > 1:
+        dist.all_reduce(tensor, group=dims.cp_mesh.get_group())
+    return tensor
+
+
 def max_over_data_parallel(tensor: torch.Tensor, dims: ParallelDims) -> torch.Tensor:
     """The elementwise maximum of `tensor` over the data- and context-parallel ranks (dp x cp), in
     place (and return it); a no-op on one rank."""
