@@ -2,9 +2,10 @@
 
 MoE = sigmoid router with a load-balancing `expert_bias` + one shared expert (unweighted) + top-k
 routed experts (dropless). Routed token copies are sorted by expert and handed to
-`self.experts(x_sorted, num_tokens_per_expert)`; that call is the expert-parallel seam
-(`parallel/expert_parallel.py` wraps it with all-to-all dispatch and combine), so nothing here
-knows about distribution. `GroupedExperts` runs every local expert with one `torch._grouped_mm`
+`self.experts(x_sorted, num_tokens_per_expert, alongside)`; that call is the expert-parallel seam
+(`parallel/expert_parallel.py` wraps it with all-to-all dispatch and combine, and runs
+`alongside`, the shared expert, while the tokens travel), so nothing here knows about
+distribution. `GroupedExperts` runs every local expert with one `torch._grouped_mm`
 per projection, or with a per-expert loop.
 """
 

@@ -7,7 +7,9 @@ The model's MoE sorts its token copies by expert and calls `experts(x_sorted, co
 1. dispatch: the per-expert counts are exchanged with an all-to-all, then the tokens themselves
    with an autograd-aware `all_to_all_single` of uneven splits; what arrives is ordered
    (source rank, local expert) and is permuted to (local expert, source rank), so every local
-   expert sees one contiguous group;
+   expert sees one contiguous group. Work of the caller that needs no expert (the MoE's shared
+   expert, `alongside`) runs between the token all-to-all's issue and its wait, and its backward
+   between the issue and the wait of the gradients' all-to-all home;
 2. the module's own forward runs on the local expert shards (one grouped GEMM per projection);
 3. combine: the permutation is undone and the results travel back with the reverse all-to-all.
 
@@ -99,10 +101,11 @@ class _InFlight:
         self.group_name = group.group_name
         self.grad: torch.Tensor | None = None  # the backward's all-to-all, issued and not yet waited
 
-    def issue(self, x: torch.Tensor, output_splits: list[int], input_splits: list[int]) -> torch.Tensor:
-        # torch's functional op, not funcol's wrapper: a plain tensor, filled when waited on
-        return torch.ops._c10d_functional.all_to_all_single(x.contiguous(), output_splits, input_splits,
-                                                            self.group_name)
+    def issue(self, x: torch.Tensor, back: bool = False) -> torch.Tensor:
+        """Start the all-to-all of `x` (`back`: the reverse one, of the gradients); torch's
+        functional op, not funcol's wrapper: a plain tensor, filled once waited on."""
+        splits = (self.input_splits, self.output_splits) if back else (self.output_splits, self.input_splits)
+        return torch.ops._c10d_functional.all_to_all_single(x.contiguous(), *splits, self.group_name)
 
 
 class _Send(torch.autograd.Function):
@@ -112,7 +115,7 @@ class _Send(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, flight: _InFlight) -> torch.Tensor:
         ctx.flight = flight
-        return flight.issue(x, flight.output_splits, flight.input_splits)
+        return flight.issue(x)
 
     @staticmethod
     def backward(ctx, _unused: torch.Tensor):
@@ -133,7 +136,7 @@ class _Receive(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         flight = ctx.flight
-        flight.grad = flight.issue(grad, flight.input_splits, flight.output_splits)
+        flight.grad = flight.issue(grad, back=True)
         return grad, None  # a stand-in of the right shape: `_Send`'s backward returns the real one
 
 
