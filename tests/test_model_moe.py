@@ -126,9 +126,9 @@ def test_experts_receive_token_copies_sorted_by_expert_through_the_seam():
     seen = {}
     inner = moe.experts.forward
 
-    def spy(x_sorted, num_tokens_per_expert):
+    def spy(x_sorted, num_tokens_per_expert, alongside):  # alongside: the shared expert, run once
         seen["x"], seen["counts"] = x_sorted, num_tokens_per_expert
-        return inner(x_sorted, num_tokens_per_expert)
+        return inner(x_sorted, num_tokens_per_expert, alongside)
 
     moe.experts.forward = spy
     x = torch.randn(1, 7, D)

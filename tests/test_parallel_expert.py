@@ -9,6 +9,10 @@ token and every gradient that crosses between ranks is rounded to bf16 once: the
 the unsplit module's run by hand on bf16-rounded inputs, output gradients, and rounded outputs
 and input gradients (without tp, whose partial sums travel rounded each); every all-to-all of activations or their gradients sends bf16, half the
 bytes of fp32, and the results stay within bf16 rounding of the fp32 path.
+
+A whole MoE layer over ep = 4 computes its shared expert while the dispatch's all-to-all travels,
+forward and backward (the order of issue, compute and wait, recorded at torch's dispatcher), with
+outputs and gradients bit for bit those of the shared expert computed after the routed ones.
 """
 
 from __future__ import annotations
@@ -22,8 +26,11 @@ from torch.distributed.tensor.parallel import parallelize_module
 
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from unittest import mock
+
 from ranks import init_gloo
-from trinity_train.model.moe import GroupedExperts
+from trinity_train.config import ModelConfig
+from trinity_train.model.moe import MoE, GroupedExperts
 from trinity_train.parallel.expert_parallel import ExpertParallel, dispatch_tokens, combine_tokens
 
 E, D, I = 8, 16, 16
@@ -118,6 +125,63 @@ def _dispatch_roundtrip() -> list:
     return [local_counts.tolist(), local.tolist(), (back - x).abs().max().item() if x.numel() else 0.0]
 
 
+class Timeline(TorchDispatchMode):
+    """In dispatch order: all-to-alls issued, tensors waited on, and ops that read `weights`."""
+
+    def __init__(self, weights: list[torch.Tensor]):
+        super().__init__()
+        self.weights = {w.data_ptr() for w in weights}  # a transposed view starts where its weight does
+        self.events: list[tuple[str, int]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func._schema.name.split("::")[-1]
+        if name == "wait_tensor":
+            self.events.append(("wait", args[0].data_ptr()))
+        out = func(*args, **(kwargs or {}))
+        if name == "all_to_all_single":
+            self.events.append(("issue", out.data_ptr()))
+        elif any(type(a) is torch.Tensor and a.data_ptr() in self.weights for a in args):
+            self.events.append(("shared", 0))
+        return out
+
+    def hidden(self, events: list[tuple[str, int]]) -> int:
+        """How many of `events`' shared-expert ops ran between an all-to-all's issue and its
+        recorded wait (a wait made inside a subclass's dispatch, the first use of funcol's
+        AsyncCollectiveTensor, is below this mode and unseen: that issue counts for nothing)."""
+        spans = []
+        for i, (kind, ptr) in enumerate(events):
+            if kind == "issue":
+                wait = next((j for j in range(i + 1, len(events)) if events[j] == ("wait", ptr)), None)
+                if wait is not None:
+                    spans.append((i, wait))
+        return sum(1 for i, (kind, _) in enumerate(events)
+                   if kind == "shared" and any(start < i < end for start, end in spans))
+
+
+def _moe_layer_run(overlapped: bool) -> dict:
+    """One MoE layer (shared expert, aux and z losses) over ep = all ranks, forward and backward;
+    not `overlapped`: the shared expert after the routed ones, as a compiled block runs it."""
+    torch.manual_seed(0)
+    cfg = ModelConfig(hidden_size=D, moe_intermediate_size=I, num_experts=E, num_experts_per_tok=2,
+                      aux_loss_alpha=1e-2, z_loss_weight=1e-3)
+    moe = MoE(cfg, "silu", mid_norm_eps=1e-5)
+    for p in moe.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    parallelize_module(moe.experts, init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("ep",)),
+                       ExpertParallel())
+    x = torch.randn(2, 6, D, generator=torch.Generator().manual_seed(dist.get_rank())).requires_grad_()
+    shared = [p for n, p in moe.shared_expert.named_parameters() if n.endswith("proj.weight")]
+    timeline = Timeline(shared)
+    with timeline, mock.patch("torch.compiler.is_compiling", return_value=not overlapped):
+        out, aux = moe(x)
+        loss = (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum() + aux.aux_loss + aux.router_z.sum()
+        forward = len(timeline.events)
+        loss.backward()
+    return {"out": out.detach(), "x_grad": x.grad,
+            **{n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad) for n, p in moe.named_parameters()},
+            "hidden": (timeline.hidden(timeline.events[:forward]), timeline.hidden(timeline.events[forward:]))}
+
+
 def _all_checks() -> dict:
     """Everything this file checks, in one spawned group (starting ranks is the slow part)."""
     init_gloo()
@@ -126,6 +190,7 @@ def _all_checks() -> dict:
     results.update({(name, "bf16 wire"): _check_layout(LAYOUTS[name], "grouped", torch.bfloat16)
                     for name in BF16_LAYOUTS})
     results["roundtrip"] = _dispatch_roundtrip()
+    results["shared expert"] = {overlapped: _moe_layer_run(overlapped) for overlapped in (True, False)}
     return results
 
 
@@ -182,3 +247,16 @@ def test_dispatch_groups_tokens_by_local_expert_and_combine_restores_them(rank_r
     assert firsts == [0.0, 2.0, 2000.0, 2002.0, 3000.0, 3002.0, 3004.0, 3006.0, 3008.0]
     for rank, (_, _, roundtrip_err) in enumerate(results):
         assert roundtrip_err == 0.0, f"rank {rank}: combine did not undo dispatch"
+
+
+def test_shared_expert_computes_while_the_dispatch_travels_with_the_same_numbers(rank_results):
+    for rank, results in enumerate(rank_results):
+        overlapped, after = results["shared expert"][True], results["shared expert"][False]
+        # gate, up and down each read their weight while the all-to-all travels, forward (one
+        # matmul each) and backward (the input gradients' matmuls)
+        forward, backward = overlapped["hidden"]
+        assert forward == 3 and backward >= 3, f"rank {rank}: {overlapped['hidden']}"
+        assert after["hidden"] == (0, 0), f"rank {rank}: {after['hidden']}"
+        for what, value in after.items():
+            if what != "hidden":
+                assert torch.equal(overlapped[what], value), f"rank {rank}: {what} differs"

@@ -2,9 +2,10 @@
 
 MoE = sigmoid router with a load-balancing `expert_bias` + one shared expert (unweighted) + top-k
 routed experts (dropless). Routed token copies are sorted by expert and handed to
-`self.experts(x_sorted, num_tokens_per_expert)`; that call is the expert-parallel seam
-(`parallel/expert_parallel.py` wraps it with all-to-all dispatch and combine), so nothing here
-knows about distribution. `GroupedExperts` runs every local expert with one `torch._grouped_mm`
+`self.experts(x_sorted, num_tokens_per_expert, alongside)`; that call is the expert-parallel seam
+(`parallel/expert_parallel.py` wraps it with all-to-all dispatch and combine, and runs
+`alongside`, the shared expert, while the tokens travel), so nothing here knows about
+distribution. `GroupedExperts` runs every local expert with one `torch._grouped_mm`
 per projection, or with a per-expert loop.
 """
 
@@ -99,12 +100,18 @@ class GroupedExperts(nn.Module):
     # Compiled blocks run the experts eagerly: their group sizes are data-dependent, and the
     # compiler's shape rules for _grouped_mm only admit bf16 (the eager CPU kernel takes fp32).
     @torch.compiler.disable
-    def forward(self, x_sorted: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
-        """x_sorted [N, d]: token copies grouped by expert in expert order; counts [E] long."""
+    def forward(self, x_sorted: torch.Tensor, num_tokens_per_expert: torch.Tensor,
+                alongside: Callable[[], None] | None = None) -> torch.Tensor:
+        """x_sorted [N, d]: token copies grouped by expert in expert order; counts [E] long.
+        `alongside`: the caller's work that does not need the experts, run once, here after them;
+        split over ranks (parallel/expert_parallel.py), while the tokens travel to them."""
         if self.impl == "grouped" and x_sorted.shape[0] > 0:
-            return self._grouped(x_sorted, num_tokens_per_expert)
-        # The loop also covers an empty batch, whose backward the grouped kernel rejects.
-        return self._loop(x_sorted, num_tokens_per_expert)
+            out = self._grouped(x_sorted, num_tokens_per_expert)
+        else:  # the loop also covers an empty batch, whose backward the grouped kernel rejects
+            out = self._loop(x_sorted, num_tokens_per_expert)
+        if alongside is not None:
+            alongside()
+        return out
 
     def _grouped(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
@@ -209,6 +216,17 @@ class _PermuteRows(torch.autograd.Function):
         return grad.index_select(0, inverse), None, None
 
 
+class _Deferred:
+    """`module(x)`, computed when called (once, without arguments) and kept in `result`."""
+
+    def __init__(self, module: nn.Module, x: torch.Tensor):
+        self.module, self.x = module, x
+        self.result: torch.Tensor | None = None
+
+    def __call__(self) -> None:
+        self.result = self.module(self.x)
+
+
 class MoE(nn.Module):
     def __init__(self, cfg: ModelConfig, activation: str, mid_norm_eps: float | None = None):
         super().__init__()
@@ -248,7 +266,12 @@ class MoE(nn.Module):
         # Under autocast the copies travel in the matmul dtype: one cast of the N tokens instead of
         # N*k copies, and half the bytes through the gathers (and the expert-parallel all-to-all).
         copies = _SortTokenCopies.apply(flat.to(compute_dtype(flat)), order, inverse, self.top_k)
-        routed = self.experts(copies, counts)
+        # The shared expert needs no routed result: the experts' call runs it while the expert-
+        # parallel all-to-all carries the tokens (nothing else to compute then). A compiled
+        # block keeps it in its graph instead (the experts' call is eager).
+        shared = (_Deferred(self.shared_expert, flat)
+                  if self.shared_expert is not None and not torch.compiler.is_compiling() else None)
+        routed = self.experts(copies, counts, shared)
         routed = _PermuteRows.apply(routed, inverse, order).view(-1, self.top_k, hidden)
         # The k weighted copies of a token summed as one batched product (deterministic, unlike
         # index_add), in fp32 under autocast too: the routing weights stay exact, and a
@@ -256,7 +279,7 @@ class MoE(nn.Module):
         with torch.autocast(x.device.type, enabled=False):
             out = torch.einsum("tk,tkh->th", routing.weights, routed.float()).to(x.dtype)
         if self.shared_expert is not None:
-            out = out + self.shared_expert(flat)
+            out = out + (shared.result if shared is not None else self.shared_expert(flat))
 
         balance, aux = None, torch.zeros((), device=x.device)
         if self.aux_loss_alpha > 0:

@@ -7,7 +7,9 @@ The model's MoE sorts its token copies by expert and calls `experts(x_sorted, co
 1. dispatch: the per-expert counts are exchanged with an all-to-all, then the tokens themselves
    with an autograd-aware `all_to_all_single` of uneven splits; what arrives is ordered
    (source rank, local expert) and is permuted to (local expert, source rank), so every local
-   expert sees one contiguous group;
+   expert sees one contiguous group. Work of the caller that needs no expert (the MoE's shared
+   expert, `alongside`) runs between the token all-to-all's issue and its wait, and its backward
+   between the issue and the wait of the gradients' all-to-all home;
 2. the module's own forward runs on the local expert shards (one grouped GEMM per projection);
 3. combine: the permutation is undone and the results travel back with the reverse all-to-all.
 
@@ -29,6 +31,7 @@ tp rank's partial sums, each rounded before the tp all-reduce adds them in the c
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -89,9 +92,70 @@ def _all_to_all(x: torch.Tensor, output_splits: list[int], input_splits: list[in
     return all_to_all_single_autograd(x.to(wire_dtype), output_splits, input_splits, group).to(x.dtype)
 
 
-def dispatch_tokens(x_sorted: torch.Tensor, counts: torch.Tensor, group, wire_dtype: torch.dtype | None = None
-                    ) -> tuple[torch.Tensor, torch.Tensor, DispatchPlan]:
-    """Send each token copy to the rank that owns its expert (as `wire_dtype`, if given).
+class _InFlight:
+    """One all-to-all whose two ends are two autograd nodes (`_Send`, `_Receive`), so that work
+    created between them runs, forward and backward, while the rows travel."""
+
+    def __init__(self, output_splits: list[int], input_splits: list[int], group):
+        self.output_splits, self.input_splits = output_splits, input_splits
+        self.group_name = group.group_name
+        self.grad: torch.Tensor | None = None  # the backward's all-to-all, issued and not yet waited
+
+    def issue(self, x: torch.Tensor, back: bool = False) -> torch.Tensor:
+        """Start the all-to-all of `x` (`back`: the reverse one, of the gradients); torch's
+        functional op, not funcol's wrapper: a plain tensor, filled once waited on."""
+        splits = (self.input_splits, self.output_splits) if back else (self.output_splits, self.input_splits)
+        return torch.ops._c10d_functional.all_to_all_single(x.contiguous(), *splits, self.group_name)
+
+
+class _Send(torch.autograd.Function):
+    """Forward: issue the all-to-all of `x`; the received tensor comes back unwaited. Backward:
+    wait for the gradient's all-to-all that `_Receive`'s backward issued."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, flight: _InFlight) -> torch.Tensor:
+        ctx.flight = flight
+        return flight.issue(x)
+
+    @staticmethod
+    def backward(ctx, _unused: torch.Tensor):
+        grad, ctx.flight.grad = ctx.flight.grad, None
+        return funcol.wait_tensor(grad), None  # through the module: the exposed-communication timer sees it
+
+
+class _Receive(torch.autograd.Function):
+    """Forward: wait for the rows `_Send` issued. Backward: issue the gradient's all-to-all home
+    and return at once; the autograd nodes created between the two ends run before `_Send`'s
+    backward waits (the engine runs the latest-created ready node first)."""
+
+    @staticmethod
+    def forward(ctx, in_flight: torch.Tensor, flight: _InFlight) -> torch.Tensor:
+        ctx.flight = flight
+        return funcol.wait_tensor(in_flight)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        flight = ctx.flight
+        flight.grad = flight.issue(grad, back=True)
+        return grad, None  # a stand-in of the right shape: `_Send`'s backward returns the real one
+
+
+def _all_to_all_alongside(x: torch.Tensor, output_splits: list[int], input_splits: list[int], group,
+                          wire_dtype: torch.dtype | None, alongside: Callable[[], None]) -> torch.Tensor:
+    """`_all_to_all` with `alongside()` run while the rows travel, and its backward while their
+    gradients travel back (the same collectives and casts, in the same order: the same numbers)."""
+    cast = wire_dtype is not None and wire_dtype != x.dtype
+    flight = _InFlight(output_splits, input_splits, group)
+    in_flight = _Send.apply(x.to(wire_dtype) if cast else x, flight)
+    alongside()
+    received = _Receive.apply(in_flight, flight)
+    return received.to(x.dtype) if cast else received
+
+
+def dispatch_tokens(x_sorted: torch.Tensor, counts: torch.Tensor, group, wire_dtype: torch.dtype | None = None,
+                    alongside: Callable[[], None] | None = None) -> tuple[torch.Tensor, torch.Tensor, DispatchPlan]:
+    """Send each token copy to the rank that owns its expert (as `wire_dtype`, if given), running
+    `alongside()` (the caller's work that does not need the experts) while the tokens travel.
 
     x_sorted [N, d] token copies sorted by global expert id, counts [E] long copies per expert.
     Returns (tokens [M, d] grouped by local expert, counts per local expert [E / ep], plan).
@@ -99,7 +163,10 @@ def dispatch_tokens(x_sorted: torch.Tensor, counts: torch.Tensor, group, wire_dt
     ep = group.size()
     num_local = counts.numel() // ep
     received, input_splits, output_splits = _exchange_counts(counts, group, ep, num_local, x_sorted.shape[0])
-    tokens = _all_to_all(x_sorted, output_splits, input_splits, group, wire_dtype)
+    if alongside is None:
+        tokens = _all_to_all(x_sorted, output_splits, input_splits, group, wire_dtype)
+    else:
+        tokens = _all_to_all_alongside(x_sorted, output_splits, input_splits, group, wire_dtype, alongside)
 
     # Arrived blocks are ordered (source s, expert j); gather them in (expert j, source s) order.
     with torch.no_grad():
@@ -152,13 +219,15 @@ class ExpertParallel(ParallelStyle):
         tp = device_mesh["tp"] if "tp" in names else None
         wire_dtype = self.wire_dtype
 
-        def around(mod: nn.Module, forward, x_sorted: torch.Tensor, counts: torch.Tensor):
+        def around(mod: nn.Module, forward, x_sorted: torch.Tensor, counts: torch.Tensor,
+                   alongside: Callable[[], None] | None = None):
             if tp is not None:
                 x_sorted = _tp_input(x_sorted, tp)
             if ep_group is not None:
-                x_sorted, counts, plan = dispatch_tokens(x_sorted, counts, ep_group, wire_dtype)
+                x_sorted, counts, plan = dispatch_tokens(x_sorted, counts, ep_group, wire_dtype, alongside)
+                alongside = None  # done while the tokens travelled
             with local_shards(mod):
-                out = forward(x_sorted, counts)
+                out = forward(x_sorted, counts, alongside)
             if ep_group is not None:
                 out = combine_tokens(out, plan, ep_group, wire_dtype)
             if tp is not None:
