@@ -327,7 +327,10 @@ def test_elastic_job_carries_on_without_a_lost_node_and_takes_it_back(bed, one_p
     carries on alone on the same global batches in the same order; host 1, started again,
     rejoins at the next rendezvous."""
     run_dir = tmp_path / "elastic"
-    steps = 10  # host 0 alone must still be training when host 1 is back
+    # Host 0 alone must still be training when host 1 is back: at low load it trained 9 steps in
+    # 4.8 s, finished the job and took the rendezvous store with it before host 1 had rejoined
+    # (CI, 2026-12-03); 30 steps leave host 1 ~20 s to start and rejoin.
+    steps = 30
     job = Job(bed, run_dir, "--checkpoint.every=1", f"--train.steps={steps}", nnodes="1:2", nproc=1,
               env={"RDZV_LAST_CALL_S": "2"}).start_all()
     wait_for(lambda: job.checkpointed(1), JOB_TIMEOUT, what="the first checkpoint")
