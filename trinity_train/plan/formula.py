@@ -206,12 +206,18 @@ def _attention_saved(m: ModelConfig, tokens: float, tp: int, a: int, seq_len: in
     dense_mask = not blocks and (is_local or m.doc_masking)
     kv_copies, mask = 1.0, 0.0
     if blocks:
-        block = window // 2 if window % 2 == 0 else window
-        kv_copies, mask = (window + block) / block, a * (window + block)
+        kv_copies, mask = _window_blocks(window, a)
     elif dense_mask:
         mask = a * seq_len * (1 if m.doc_masking else 1 / batch)
     keys = _sdpa_keys(m, tp, a, gpu, masked=blocks or dense_mask) * kv_copies
     return tokens * (_attention_per_token(m, tp, a) + _sdpa_per_query(m, tp, a) + keys + mask)
+
+
+def _window_blocks(window: int, a: int) -> tuple[float, float]:
+    """A sliding window computed in blocks (`attention.sliding_window_blocks`): the copies of the
+    keys and values per query, and the mask bytes per query ([block, window + block] a block)."""
+    block = window // 2 if window % 2 == 0 else window
+    return (window + block) / block, a * (window + block)
 
 
 def _attention_per_token(m: ModelConfig, tp: int, a: int) -> float:
@@ -254,8 +260,7 @@ def _context_attention_saved(cfg: Config, dims: ParallelDims, a: int, layer: int
     window = m.sliding_window
     length = window - 1 + t // (2 * cp)  # a chunk and its halo
     if length > 2 * window:  # computed in blocks of queries, as in one process
-        block = window // 2 if window % 2 == 0 else window
-        kv_copies, mask = (window + block) / block, a * (window + block)
+        kv_copies, mask = _window_blocks(window, a)
     else:
         kv_copies, mask = 1.0, a * length
     extended = 2 * b * length
