@@ -306,12 +306,15 @@ def block_activation_bytes(cfg: Config, dims: ParallelDims, layer: int, a: int, 
 def shared_activation_bytes(cfg: Config, dims: ParallelDims, a: int) -> float:
     """What every layer shares and the whole backward keeps: the rotary tables and the masks
     (under context parallelism: the global layers' [T / cp, T], the sliding-window layers' over
-    2B extended chunks of window - 1 + T / (2 cp) positions)."""
+    2B extended chunks of L = window - 1 + T / (2 cp) positions: [L, L] each, or a [block,
+    window + block] block per block of queries when they are computed in blocks, L > 2 x window)."""
     m, b, t, cp = cfg.model, cfg.train.micro_batch_size, cfg.data.seq_len, dims.cp
     out = 2 * b * t / cp * m.head_dim * a * (1 + (0 if m.block != "gemma3" else 1))  # cos, sin
     if cp > 1:
-        length = m.sliding_window - 1 + t // (2 * cp)
-        return out + (b if m.doc_masking else 1) * t / cp * t + 2 * b * length * length
+        window = m.sliding_window
+        length = window - 1 + t // (2 * cp)
+        keys_per_query = _window_blocks(window, 1)[1] if length > 2 * window else length  # bool: 1 byte a key
+        return out + (b if m.doc_masking else 1) * t / cp * t + 2 * b * length * keys_per_query
     if m.doc_masking or m.sliding_window < t:
         out += (b if m.doc_masking else 1) * t * t  # a bool mask per layer kind
     return out
