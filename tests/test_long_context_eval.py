@@ -119,17 +119,27 @@ def text_of(tokens: list[int]) -> str:
     return "".join(map(chr, tokens))
 
 
+@pytest.mark.parametrize("template", ["prose", "code"])
 @pytest.mark.parametrize("depth", [0.0, 0.5, 1.0])
-def test_a_passkey_prompt_holds_the_key_where_it_says(depth):
-    prompt = passkey.passkey_prompt(chars, 1000, depth, "12345")
+def test_a_passkey_prompt_holds_the_key_where_it_says(depth, template):
+    words = passkey.TEMPLATES[template]
+    prompt = passkey.passkey_prompt(chars, 1000, depth, "12345", template)
     assert len(prompt.tokens) == 1001  # the input and the key's last token
-    needle = passkey.NEEDLE.format(key="12345")
+    needle = words.needle.format(key="12345")
     assert text_of(prompt.tokens[prompt.needle_start:prompt.needle_start + len(needle)]) == needle
-    assert text_of(prompt.tokens).startswith(passkey.INTRO)
-    assert text_of(prompt.tokens).endswith(passkey.QUESTION + " 12345")
+    assert text_of(prompt.tokens).startswith(words.intro)
+    assert text_of(prompt.tokens).endswith(words.question + " 12345")
     assert text_of(prompt.answer_tokens) == " 12345"
-    filler = 1001 - len(passkey.INTRO) - len(needle) - len(passkey.QUESTION) - len(" 12345")
-    assert prompt.needle_start == len(passkey.INTRO) + round(depth * filler)
+    filler = 1001 - len(words.intro) - len(needle) - len(words.question) - len(" 12345")
+    assert prompt.needle_start == len(words.intro) + round(depth * filler)
+    # the question ends with the words that come before the key in the needle: what a copy finds
+    assert needle.split("12345")[0].rstrip().endswith(words.question.split("?")[-1].strip())
+
+
+def test_every_configurable_template_has_its_words():
+    from trinity_train.config import PASSKEY_TEMPLATES
+
+    assert set(passkey.TEMPLATES) == set(PASSKEY_TEMPLATES)
 
 
 def test_passkey_prompts_are_the_same_every_time_and_differ_by_key():
@@ -223,8 +233,15 @@ def test_a_tiny_runs_probe_writes_its_record_and_the_command_probes_its_checkpoi
     printed = json.loads(out.out)
     assert printed == json.loads((tmp_path / "probe.json").read_text())
     assert printed["step"] == 2 and printed["passkey_lengths"] == [256, 300] and printed["passkey_prompts"] == [4, 4]
+    assert printed["template"] == "prose"  # the run's metrics.passkey_template
     # the checkpoint holds the weights the run's last probe scored
     assert printed["passkey_logprob"][0] == pytest.approx(probes[-1]["passkey_logprob"][0], rel=1e-5)
+
+    code = cli.main(["probe-context", "--run", str(run), "--lengths", "256", "--device", "cpu", "--json",
+                     "--template", "code"])
+    code_prompts = json.loads(capsys.readouterr().out)
+    assert code == 0 and code_prompts["template"] == "code"
+    assert code_prompts["passkey_logprob"][0] != printed["passkey_logprob"][0]  # other prompts, other scores
 
 
 def test_probe_context_errors_are_one_line(corpus, tmp_path, capsys):
@@ -246,6 +263,7 @@ def test_probe_context_errors_are_one_line(corpus, tmp_path, capsys):
     ({"position_buckets": [0, 64, 64]}, "metrics.position_buckets"),
     ({"passkey_every": -1}, "metrics.passkey_every: must be >= 0"),
     ({"passkey_depths": [1.5]}, "metrics.passkey_depths: must be fractions"),
+    ({"passkey_template": "poetry"}, "metrics.passkey_template: must be one of prose, code, got 'poetry'"),
     ({"passkey_every": 10, "passkey_lengths": [4096]}, "metrics.passkey_lengths: none of [4096] is at most data.seq_len=256"),
 ])
 def test_bad_long_context_settings_are_refused(overrides, message):

@@ -285,6 +285,8 @@ class MetricsConfig:
     passkey_depths: list[float] = field(default_factory=lambda: [0.1, 0.5, 0.9])  # where the key sits in
     #   the filler, as a fraction of it (0: at the start, 1: just before the question)
     passkey_keys: int = 2  # keys (5-digit, fixed by length, depth and number) probed per depth
+    passkey_template: str = "prose"  # the prompts' words: "prose" (English filler and question) or
+    #   "code" (a Python module: PASS_KEY assigned in code filler), for a model trained on code
 
 
 @dataclass
@@ -681,6 +683,7 @@ def _validate_checkpoint(c: CheckpointConfig) -> None:
 
 
 STABILITY_MODES = ("act", "observe")
+PASSKEY_TEMPLATES = ("prose", "code")  # data/passkey.py TEMPLATES
 
 
 def _validate_stability(s: StabilityConfig) -> None:
@@ -733,6 +736,8 @@ def _validate_metrics(mc: MetricsConfig) -> None:
     require(bool(mc.passkey_depths) and all(0 <= d <= 1 for d in mc.passkey_depths), "metrics.passkey_depths",
             f"must be fractions of the filler in [0, 1], got {mc.passkey_depths}")
     require(mc.passkey_keys >= 1, "metrics.passkey_keys", f"must be >= 1, got {mc.passkey_keys}")
+    require(mc.passkey_template in PASSKEY_TEMPLATES, "metrics.passkey_template",
+            f"must be one of {', '.join(PASSKEY_TEMPLATES)}, got '{mc.passkey_template}'")
 
 
 def _validate_watchdog(w: WatchdogConfig) -> None:

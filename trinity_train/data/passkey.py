@@ -6,6 +6,12 @@ are that input and the key's last token, so the labels of the key's tokens (each
 tokens before it) all lie inside the input. Every piece is tokenized on its own and the ids joined,
 so the key's tokens are the same in the needle and in the answer. Everything is a function of the
 tokenizer, the length, the depth and the key's number: the same prompts at every validation.
+
+Two templates (`metrics.passkey_template`) pose the same task: "prose", Mohtashami & Jaggi's
+English, and "code", a Python module with the key assigned in it and asked for at its end, for
+models trained on code (the embedded default corpus is the Python standard library's source,
+where English prose is rare). Both end the question with the needle's own words before the key
+("The pass key is", "PASS_KEY ="), so a model that copies what followed them finds it.
 """
 
 from __future__ import annotations
@@ -16,12 +22,30 @@ from typing import Callable
 
 from trinity_train.errors import ConfigError
 
-INTRO = ("There is an important piece of information hidden inside a lot of irrelevant text. "
-         "Find it and memorize it. I will quiz you about it.")
-FILLER = " The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
-NEEDLE = " The pass key is {key}. Remember it. {key} is the pass key."
-QUESTION = " What is the pass key? The pass key is"
-ANSWER = " {key}"
+@dataclass(frozen=True)
+class PasskeyTemplate:
+    intro: str
+    filler: str  # repeated (and cut) to fill the prompt
+    needle: str  # holds {key}
+    question: str
+    answer: str  # holds {key}: the tokens scored
+
+
+TEMPLATES = {
+    "prose": PasskeyTemplate(
+        intro=("There is an important piece of information hidden inside a lot of irrelevant text. "
+               "Find it and memorize it. I will quiz you about it."),
+        filler=" The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again.",
+        needle=" The pass key is {key}. Remember it. {key} is the pass key.",
+        question=" What is the pass key? The pass key is",
+        answer=" {key}"),
+    "code": PasskeyTemplate(
+        intro='"""A module with a pass key hidden in it. Find it and remember it: the end asks for it."""\n',
+        filler="\nx = 1\ny = 2\nz = x + y\nprint(z)\n",
+        needle="\nPASS_KEY = {key}\n",
+        question="\n\n# What is the pass key?\nPASS_KEY =",
+        answer=" {key}"),
+}
 
 
 @dataclass(frozen=True)
@@ -44,15 +68,17 @@ def passkey_key(length: int, depth: float, number: int) -> str:
     return str(random.Random(f"passkey-{length}-{depth}-{number}").randint(10000, 99999))
 
 
-def passkey_prompt(encode: Callable[[str], list[int]], length: int, depth: float, key: str) -> PasskeyPrompt:
-    """The prompt of `length` input tokens with `key` at `depth` of its filler."""
-    intro, needle = encode(INTRO), encode(NEEDLE.format(key=key))
-    question, answer = encode(QUESTION), encode(ANSWER.format(key=key))
+def passkey_prompt(encode: Callable[[str], list[int]], length: int, depth: float, key: str,
+                   template: str = "prose") -> PasskeyPrompt:
+    """The prompt of `length` input tokens with `key` at `depth` of its filler (`TEMPLATES`)."""
+    words = TEMPLATES[template]
+    intro, needle = encode(words.intro), encode(words.needle.format(key=key))
+    question, answer = encode(words.question), encode(words.answer.format(key=key))
     filler_tokens = length + 1 - len(intro) - len(needle) - len(question) - len(answer)
     if filler_tokens < 0:
         raise ConfigError(f"metrics.passkey_lengths: {length} tokens cannot hold the passkey prompt, which needs "
                           f"{length - filler_tokens} with this tokenizer; use longer lengths")
-    unit = encode(FILLER)
+    unit = encode(words.filler)
     filler = (unit * (filler_tokens // len(unit) + 1))[:filler_tokens]
     before = round(depth * filler_tokens)
     tokens = intro + filler[:before] + needle + filler[before:] + question + answer
@@ -61,7 +87,7 @@ def passkey_prompt(encode: Callable[[str], list[int]], length: int, depth: float
 
 
 def passkey_prompts(encode: Callable[[str], list[int]], lengths: list[int], depths: list[float],
-                    keys: int) -> dict[int, list[PasskeyPrompt]]:
+                    keys: int, template: str = "prose") -> dict[int, list[PasskeyPrompt]]:
     """`keys` prompts per depth at each length, by length (in the order given)."""
-    return {length: [passkey_prompt(encode, length, depth, passkey_key(length, depth, k))
+    return {length: [passkey_prompt(encode, length, depth, passkey_key(length, depth, k), template)
                      for depth in depths for k in range(keys)] for length in lengths}

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -14,6 +15,7 @@ from trinity_train import exit_codes
 from trinity_train.checkpoint import load_model_checkpoint
 from trinity_train.checkpoint.integrity import newest_sound_checkpoint
 from trinity_train.checkpoint.layout import read_meta
+from trinity_train.config import PASSKEY_TEMPLATES
 from trinity_train.errors import ArgumentError, CheckpointError, DataError
 from trinity_train.evaluation.passkey import PasskeyProbe, PasskeyResult, probe_lengths
 from trinity_train.files import atomic_write_json, output_file, user_path
@@ -46,6 +48,9 @@ def add_probe_parser(subparsers) -> None:
     parser.add_argument("--lengths", type=token_lengths,
                         help="prompt lengths in tokens, comma-separated (default: the checkpoint config's "
                              "metrics.passkey_lengths up to its data.seq_len)")
+    parser.add_argument("--template", choices=PASSKEY_TEMPLATES,
+                        help="the prompts' words: prose (English) or code (a Python module) (default: the "
+                             "checkpoint config's metrics.passkey_template)")
     parser.add_argument("--tokenizer", type=user_path,
                         help="tokenizer.json (default: the one of the run's data, where its config says)")
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
@@ -92,9 +97,12 @@ def run_probe_context(args: argparse.Namespace) -> int:
     if tokenizer is None or not Path(tokenizer).is_file():
         where = f"'{tokenizer}' is not a file" if tokenizer else "the run's dataset (and its tokenizer.json) is not where its config says"
         raise DataError(f"the probe needs the run's tokenizer: {where}; pass --tokenizer PATH")
-    result = PasskeyProbe.from_tokenizer(tokenizer, cfg.metrics, lengths).run(model, cfg, device)
-    report = {"checkpoint": str(path), "step": read_meta(path)["step"], **result.record_fields()}
+    metrics = replace(cfg.metrics, passkey_template=args.template or cfg.metrics.passkey_template)
+    result = PasskeyProbe.from_tokenizer(tokenizer, metrics, lengths).run(model, cfg, device)
+    report = {"checkpoint": str(path), "step": read_meta(path)["step"], "template": metrics.passkey_template,
+              **result.record_fields()}
     if out is not None:
         atomic_write_json(out, report)
-    print(json.dumps(report, indent=2) if args.json else f"{path} (step {report['step']}):\n{format_table(result)}")
+    print(json.dumps(report, indent=2) if args.json else
+          f"{path} (step {report['step']}, {metrics.passkey_template} prompts):\n{format_table(result)}")
     return exit_codes.DONE

@@ -96,7 +96,8 @@ class PasskeyProbe:
         def encode(text: str) -> list[int]:
             return tokenizer.encode(text, add_special_tokens=False).ids
 
-        return cls(passkey_prompts(encode, lengths, metrics.passkey_depths, metrics.passkey_keys))
+        return cls(passkey_prompts(encode, lengths, metrics.passkey_depths, metrics.passkey_keys,
+                                   metrics.passkey_template))
 
     @torch.no_grad()
     def run(self, model: nn.Module, cfg: Config, device: torch.device,
