@@ -7,7 +7,8 @@
 #   launch/cluster.sh exec HOST CMD ...    run CMD on HOST (its network, hostname and /etc/hosts)
 #   launch/cluster.sh shape HOST [delay=2ms] [rate=200mbit] [loss=0.1%]   shape HOST's link, both
 #                                          directions (netem; where the kernel lacks netem, only
-#                                          rate=, with tbf); `shape HOST off` removes it
+#                                          rate=, with tbf, and queue=100ms its queue's length
+#                                          in time); `shape HOST off` removes it
 #   launch/cluster.sh partition HOST       cut HOST's link (packets dropped, its sockets time out)
 #   launch/cluster.sh heal HOST            reconnect it
 #   launch/cluster.sh hosts                print "NAME ADDRESS" per host
@@ -114,22 +115,28 @@ cmd_shape() {
         tc -n "$switch" qdisc del dev "port$index" root 2>/dev/null || true
         return
     fi
-    local netem=() rate="" arg
+    local netem=() rate="" queue="" arg
     for arg in "$@"; do
         case "$arg" in
             delay=*|loss=*) netem+=("${arg%%=*}" "${arg#*=}") ;;
             rate=*) rate="${arg#*=}" ;;
-            *) code=2 die "shape: unknown setting '$arg' (delay=2ms, rate=200mbit, loss=0.1%)" ;;
+            queue=*) queue="${arg#*=}" ;;
+            *) code=2 die "shape: unknown setting '$arg' (delay=2ms, rate=200mbit, loss=0.1%, queue=100ms)" ;;
         esac
     done
     local qdisc=()
     if has_netem; then
+        [[ -z "$queue" ]] || code=2 die "shape: queue= sets tbf's queue, used where the kernel has no netem; this one has netem"
         qdisc=(netem "${netem[@]}" ${rate:+rate "$rate"})
     elif [[ ${#netem[@]} -gt 0 ]]; then
         code=2 die "shape: this kernel has no netem qdisc (CONFIG_NET_SCH_NETEM is off), so delay and loss cannot be shaped here; rate=... alone works (tbf)"
+    elif [[ -z "$rate" ]]; then
+        code=2 die "shape: nothing to shape; give rate=R (e.g. rate=200mbit)"
     else
-        # Without netem, a token bucket at the rate (256 KB: more than a timer tick of 1 Gbit).
-        qdisc=(tbf rate "$rate" burst 256kb latency 100ms)
+        # Without netem, a token bucket at the rate (256 KB: more than a timer tick of 1 Gbit)
+        # before a queue of `queue` (default 100 ms). `python benchmarks/bed_link.py` measures
+        # what bulk TCP gets through it, one stream and two opposite ones, per queue length.
+        qdisc=(tbf rate "$rate" burst 256kb latency "${queue:-100ms}")
     fi
     # Both directions: the host's egress and the switch port's egress toward it.
     tc -n "$host" qdisc replace dev eth0 root "${qdisc[@]}"
