@@ -26,7 +26,8 @@ def val(iteration, starts, losses):
 
 def probe(iteration, lengths, accuracy, logprob):
     return {"kind": RecordKind.PASSKEY, "iter": iteration, "step": iteration, "passkey_lengths": lengths,
-            "passkey_accuracy": accuracy, "passkey_logprob": logprob, "passkey_prompts": [6] * len(lengths)}
+            "passkey_accuracy": accuracy, "passkey_logprob": logprob,
+            "passkey_logprob_other_key": [x - 1 for x in logprob], "passkey_prompts": [6] * len(lengths)}
 
 
 def loaded(path) -> RunView:

@@ -151,6 +151,22 @@ def test_passkey_prompts_are_the_same_every_time_and_differ_by_key():
     assert passkey.passkey_key(300, 0.1, 0) == "".join(first[300][0].key)  # the documented seed
 
 
+@pytest.mark.parametrize("template", ["prose", "code"])
+def test_a_control_prompt_hides_another_key_and_asks_for_the_same(template):
+    prompts = passkey.passkey_prompts(chars, [300, 600], [0.1, 0.9], keys=2, template=template)
+    controls = passkey.passkey_prompts(chars, [300, 600], [0.1, 0.9], keys=2, template=template, controls=True)
+    used = {p.key for ps in prompts.values() for p in ps}
+    for length in prompts:
+        for prompt, control in zip(prompts[length], controls[length]):
+            needle = passkey.TEMPLATES[template].needle
+            hidden = text_of(control.tokens[control.needle_start:control.needle_start + len(needle.format(key="00000"))])
+            assert len(control.tokens) == len(prompt.tokens) and control.key == prompt.key
+            assert control.answer_tokens == prompt.answer_tokens  # the same key scored ...
+            assert prompt.key in text_of(prompt.tokens[prompt.needle_start:prompt.answer_start])
+            assert prompt.key not in hidden and hidden != needle.format(key=prompt.key)  # ... another hidden
+            assert not any(k in hidden for k in used)  # a key no prompt of the probe asks for
+
+
 def test_a_length_too_short_for_the_prompt_is_one_clear_error():
     with pytest.raises(ConfigError, match=r"metrics.passkey_lengths: 50 tokens cannot hold the passkey prompt"):
         passkey.passkey_prompt(chars, 50, 0.5, "12345")
@@ -222,6 +238,7 @@ def test_a_tiny_runs_probe_writes_its_record_and_the_command_probes_its_checkpoi
     for r in probes:
         assert r["passkey_lengths"] == [256] and r["passkey_prompts"] == [4]  # 512 is beyond data.seq_len
         assert 0 <= r["passkey_accuracy"][0] <= 1 and r["passkey_logprob"][0] < 0
+        assert r["passkey_logprob_other_key"][0] < 0 and r["passkey_logprob_other_key"][0] != r["passkey_logprob"][0]
     vals = [r for r in metrics if r["kind"] == RecordKind.VAL]
     assert all(v["val_position_starts"] == [0, 64, 128] and len(v["val_loss_by_position"]) == 3 for v in vals)
 
@@ -285,9 +302,10 @@ def test_sinks_name_each_bucket_and_length_by_its_value():
                        "val/val_loss_by_position/0": 3.5, "val/val_loss_by_position/64": 2.5,
                        "val/val_tokens_by_position/0": 10.0, "val/val_tokens_by_position/64": 20.0}
     probe = passkey_record(iter=5, step=5, passkey_lengths=[128, 256], passkey_accuracy=[1.0, 0.5],
-                           passkey_logprob=[-0.1, -0.7], passkey_prompts=[6, 6])
+                           passkey_logprob=[-0.1, -0.7], passkey_logprob_other_key=[-5.0, -6.0], passkey_prompts=[6, 6])
     scalars, _ = named_values(probe, "passkey")
     assert scalars["passkey/passkey_accuracy/256"] == 0.5 and "passkey/passkey_lengths/0" not in scalars
+    assert scalars["passkey/passkey_logprob_other_key/128"] == -5.0
 
 
 # ---------------------------------------------------------------------------- on several ranks

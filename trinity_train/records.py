@@ -176,7 +176,8 @@ RECORDS: dict[RecordKind, Shape] = {
                               "ffn_out_rms ffn_post_rms act_max_over_median act_kurtosis norm_gain moe_layers "
                               "tokens_per_expert expert_bias_spread router_entropy experts_without_tokens"),
     RecordKind.RANKS: _shape("iter step iterations iter_s compute_s wait_s data_s comm_exposed_s"),
-    RecordKind.PASSKEY: _shape("iter step passkey_lengths passkey_accuracy passkey_logprob passkey_prompts"),
+    RecordKind.PASSKEY: _shape("iter step passkey_lengths passkey_accuracy passkey_logprob passkey_logprob_other_key "
+                               "passkey_prompts"),
 }
 
 TIMELINE: dict[TimelineKind, Shape] = {
@@ -191,7 +192,7 @@ TIMELINE: dict[TimelineKind, Shape] = {
 # position, a prompt length): a sink labels each value by it, e.g. `val_loss_by_position/1024`.
 INDEXED_BY = {"val_loss_by_position": "val_position_starts", "val_tokens_by_position": "val_position_starts",
               "passkey_accuracy": "passkey_lengths", "passkey_logprob": "passkey_lengths",
-              "passkey_prompts": "passkey_lengths"}
+              "passkey_logprob_other_key": "passkey_lengths", "passkey_prompts": "passkey_lengths"}
 
 ROLLBACK_OF = "rollback"  # the incident report's field holding its rollback event's fields
 INCIDENT = _shape(f"iter step action reason onset_iter signals layer_grad_norms batches drill lr {ROLLBACK_OF}",

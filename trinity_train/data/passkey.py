@@ -12,6 +12,10 @@ English, and "code", a Python module with the key assigned in it and asked for a
 models trained on code (the embedded default corpus is the Python standard library's source,
 where English prose is rare). Both end the question with the needle's own words before the key
 ("The pass key is", "PASS_KEY ="), so a model that copies what followed them finds it.
+
+Each prompt has a control: the same prompt and the same key scored, but another key hidden in the
+needle. What a model gives the key there is its guess without the needle (digits after "is" or
+"=", the prompt's own numbers); the difference is what finding the needle adds.
 """
 
 from __future__ import annotations
@@ -41,7 +45,7 @@ TEMPLATES = {
         answer=" {key}"),
     "code": PasskeyTemplate(
         intro='"""A module with a pass key hidden in it. Find it and remember it: the end asks for it."""\n',
-        filler="\nx = 1\ny = 2\nz = x + y\nprint(z)\n",
+        filler='\nprint("The grass is green.")\nprint("The sky is blue.")\n',  # no "=" but the needle's
         needle="\nPASS_KEY = {key}\n",
         question="\n\n# What is the pass key?\nPASS_KEY =",
         answer=" {key}"),
@@ -69,10 +73,11 @@ def passkey_key(length: int, depth: float, number: int) -> str:
 
 
 def passkey_prompt(encode: Callable[[str], list[int]], length: int, depth: float, key: str,
-                   template: str = "prose") -> PasskeyPrompt:
-    """The prompt of `length` input tokens with `key` at `depth` of its filler (`TEMPLATES`)."""
+                   template: str = "prose", hidden: str | None = None) -> PasskeyPrompt:
+    """The prompt of `length` input tokens with `key` at `depth` of its filler (`TEMPLATES`), or,
+    given `hidden`, the control that hides that other key and still scores `key`."""
     words = TEMPLATES[template]
-    intro, needle = encode(words.intro), encode(words.needle.format(key=key))
+    intro, needle = encode(words.intro), encode(words.needle.format(key=hidden or key))
     question, answer = encode(words.question), encode(words.answer.format(key=key))
     filler_tokens = length + 1 - len(intro) - len(needle) - len(question) - len(answer)
     if filler_tokens < 0:
@@ -86,8 +91,19 @@ def passkey_prompt(encode: Callable[[str], list[int]], length: int, depth: float
                          answer_start=len(tokens) - len(answer))
 
 
+def other_key(length: int, depth: float, number: int, keys: int) -> str:
+    """A key that is not prompt `number`'s: the one its control prompt hides instead (drawn past
+    the `keys` numbers the probe uses, so no prompt of the probe hides it)."""
+    key, other = passkey_key(length, depth, number), number + keys
+    while (hidden := passkey_key(length, depth, other)) == key:
+        other += keys
+    return hidden
+
+
 def passkey_prompts(encode: Callable[[str], list[int]], lengths: list[int], depths: list[float],
-                    keys: int, template: str = "prose") -> dict[int, list[PasskeyPrompt]]:
-    """`keys` prompts per depth at each length, by length (in the order given)."""
-    return {length: [passkey_prompt(encode, length, depth, passkey_key(length, depth, k), template)
+                    keys: int, template: str = "prose", controls: bool = False) -> dict[int, list[PasskeyPrompt]]:
+    """`keys` prompts per depth at each length, by length (in the order given); with `controls`,
+    each one's control instead: the same key asked for and scored, another key hidden."""
+    return {length: [passkey_prompt(encode, length, depth, passkey_key(length, depth, k), template,
+                                    hidden=other_key(length, depth, k, keys) if controls else None)
                      for depth in depths for k in range(keys)] for length in lengths}

@@ -41,7 +41,9 @@ def add_probe_parser(subparsers) -> None:
         help="the passkey retrieval probe on a checkpoint: is a key hidden in long prompts found?",
         description="Hide a 5-digit pass key at several depths of filler text, ask for it at the end, and "
                     "report at each prompt length the share of prompts whose key the model continues with "
-                    "(greedy) and the mean log-likelihood of the key's tokens (docs/guides/long-context-eval.md).")
+                    "(greedy), the mean log-likelihood of the key's tokens, the same in control prompts that "
+                    "hide another key, and the gain between them: what finding the key adds "
+                    "(docs/guides/long-context-eval.md).")
     which = parser.add_mutually_exclusive_group(required=True)
     which.add_argument("--run", type=user_path, metavar="RUN_DIR", help="probe the newest sound checkpoint of this run")
     which.add_argument("--checkpoint", type=user_path, metavar="PATH", help="probe this checkpoint")
@@ -78,9 +80,11 @@ def device_of(choice: str) -> torch.device:
 
 
 def format_table(result: PasskeyResult) -> str:
-    lines = [f"{'length':>8}  {'retrieved':>9}  {'key log-likelihood':>18}  prompts"]
-    lines += [f"{n:>8}  {acc:>9.0%}  {lp:>18.3f}  {k}"
-              for n, acc, lp, k in zip(result.lengths, result.accuracy, result.logprob, result.prompts)]
+    lines = [f"{'length':>8}  {'retrieved':>9}  {'key log-likelihood':>18}  {'another key hidden':>18}  "
+             f"{'gain':>6}  prompts"]
+    lines += [f"{n:>8}  {acc:>9.0%}  {lp:>18.3f}  {other:>18.3f}  {lp - other:>+6.3f}  {k}"
+              for n, acc, lp, other, k in zip(result.lengths, result.accuracy, result.logprob,
+                                              result.logprob_other_key, result.prompts)]
     return "\n".join(lines)
 
 

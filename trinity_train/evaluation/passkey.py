@@ -4,7 +4,9 @@ several lengths? (docs/guides/long-context-eval.md)
 For each length, one forward over its prompts (`data.passkey`) with the key's answer tokens as the
 only labels, grouped by prompt (`loss.cross_entropy_by_group`): a prompt counts as retrieved when
 every answer token is the model's greedy next token, and `passkey_logprob` is the mean
-log-likelihood of the answer tokens. The training loop runs it at validation every
+log-likelihood of the answer tokens. A second forward scores the same keys in the control prompts,
+which hide another key (`passkey_logprob_other_key`): the model's guess without the needle, so
+that `passkey_logprob` above it is what reading the needle adds, at any length. The training loop runs it at validation every
 `metrics.passkey_every` steps; `trinity-train probe-context` runs it on a checkpoint. Every
 data-parallel rank runs the same prompts (the forward is collective under FSDP, TP and EP) and gets
 the same result. Under context parallelism a prompt is split like a training row
@@ -40,12 +42,14 @@ class PasskeyResult:
     lengths: list[int]
     accuracy: list[float]  # share of the prompts whose whole key was the greedy continuation
     logprob: list[float]  # mean log-likelihood of an answer token (nats; 0 is certain)
+    logprob_other_key: list[float]  # the same in the control prompts, which hide another key
     prompts: list[int]  # prompts per length
 
     def record_fields(self) -> dict:
         """The `passkey` record's fields (`records.passkey_record`) less iter and step."""
         return {"passkey_lengths": self.lengths, "passkey_accuracy": self.accuracy,
-                "passkey_logprob": self.logprob, "passkey_prompts": self.prompts}
+                "passkey_logprob": self.logprob, "passkey_logprob_other_key": self.logprob_other_key,
+                "passkey_prompts": self.prompts}
 
 
 def probe_inputs(prompts: list[PasskeyPrompt]) -> dict[str, torch.Tensor]:
@@ -84,10 +88,12 @@ def pad_inputs(inputs: dict[str, torch.Tensor], length: int) -> dict[str, torch.
 
 
 class PasskeyProbe:
-    """The fixed prompts of a run (built once), scored on the model as it is at each call."""
+    """The fixed prompts of a run and their controls (built once), scored on the model as it is
+    at each call."""
 
-    def __init__(self, prompts: dict[int, list[PasskeyPrompt]]):
+    def __init__(self, prompts: dict[int, list[PasskeyPrompt]], controls: dict[int, list[PasskeyPrompt]]):
         self.prompts = prompts
+        self.controls = controls
 
     @classmethod
     def from_tokenizer(cls, tokenizer_file: str | Path, metrics: MetricsConfig, lengths: list[int]) -> PasskeyProbe:
@@ -96,8 +102,11 @@ class PasskeyProbe:
         def encode(text: str) -> list[int]:
             return tokenizer.encode(text, add_special_tokens=False).ids
 
-        return cls(passkey_prompts(encode, lengths, metrics.passkey_depths, metrics.passkey_keys,
-                                   metrics.passkey_template))
+        def prompts(controls: bool) -> dict[int, list[PasskeyPrompt]]:
+            return passkey_prompts(encode, lengths, metrics.passkey_depths, metrics.passkey_keys,
+                                   metrics.passkey_template, controls)
+
+        return cls(prompts(False), prompts(True))
 
     @torch.no_grad()
     def run(self, model: nn.Module, cfg: Config, device: torch.device,
@@ -105,23 +114,37 @@ class PasskeyProbe:
         dims = dims or ParallelDims.one_process()
         was_training = model.training
         model.eval()
-        result = PasskeyResult([], [], [], [])
+        result = PasskeyResult([], [], [], [], [])
         for length, prompts in self.prompts.items():
-            inputs = pad_inputs(probe_inputs(prompts), padded_length(length, dims))
-            groups = inputs.pop("token_groups")
-            if dims.cp > 1:
-                inputs = shard_micro_batch(inputs, dims.cp, dims.cp_rank, cfg.model.doc_masking)
-                groups = split_for_context(groups, dims.cp, dims.cp_rank)
-            out = forward_micro_batch(model, inputs, cfg, device, dims, token_groups=groups.to(device),
-                                      num_groups=len(prompts))
-            totals = sum_over_context(out.group_totals, dims).cpu()
+            totals = score_prompts(model, prompts, cfg, device, dims)
+            control = score_prompts(model, self.controls[length], cfg, device, dims)
             retrieved = totals[GROUP_CORRECT] == totals[GROUP_TOKENS]
             result.lengths.append(length)
             result.accuracy.append(float(retrieved.double().mean()))
-            result.logprob.append(float(-totals[GROUP_CE].sum() / totals[GROUP_TOKENS].sum()))
+            result.logprob.append(mean_logprob(totals))
+            result.logprob_other_key.append(mean_logprob(control))
             result.prompts.append(len(prompts))
         model.train(was_training)
         return result
+
+
+def score_prompts(model: nn.Module, prompts: list[PasskeyPrompt], cfg: Config, device: torch.device,
+                  dims: ParallelDims) -> torch.Tensor:
+    """One forward over prompts of one length: the answer tokens' totals by prompt, [3, prompts]
+    (`loss.cross_entropy_by_group`), summed over the cp group when the prompts are split over it."""
+    inputs = pad_inputs(probe_inputs(prompts), padded_length(prompts[0].length, dims))
+    groups = inputs.pop("token_groups")
+    if dims.cp > 1:
+        inputs = shard_micro_batch(inputs, dims.cp, dims.cp_rank, cfg.model.doc_masking)
+        groups = split_for_context(groups, dims.cp, dims.cp_rank)
+    out = forward_micro_batch(model, inputs, cfg, device, dims, token_groups=groups.to(device),
+                              num_groups=len(prompts))
+    return sum_over_context(out.group_totals, dims).cpu()
+
+
+def mean_logprob(totals: torch.Tensor) -> float:
+    """The mean log-likelihood of an answer token over all prompts."""
+    return float(-totals[GROUP_CE].sum() / totals[GROUP_TOKENS].sum())
 
 
 def probe_lengths(metrics: MetricsConfig, seq_len: int) -> list[int]:
