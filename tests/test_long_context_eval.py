@@ -321,7 +321,8 @@ RANK_LAYOUTS = {"fsdp2": {"parallel": {"dp_shard": 2}}, "tp2": {"parallel": {"tp
 
 def evaluate_long_context(corpus, root, layouts: dict) -> dict:
     """In each rank (or one process): {layout: (Validation, PasskeyResult, the tokens a row of each
-    of the probe's forwards held on this rank)} of the untrained model."""
+    of the probe's forwards held on this rank: a length's prompts, then their controls)} of the
+    untrained model."""
     import torch.distributed as dist
 
     from conftest import layout_config, merge_sections
@@ -347,12 +348,12 @@ def test_data_tensor_expert_and_context_parallel_ranks_evaluate_as_one_process(c
 
     (reference_val, reference_probe, widths), = evaluate_long_context(corpus, tmp_path / "one", {"one": {}}).values()
     assert sum(reference_val.tokens_by_position) == reference_val.tokens > 0
-    assert widths == [256, 254] and reference_probe.lengths == [256, 254]
+    assert widths == [256, 256, 254, 254] and reference_probe.lengths == [256, 254]  # prompts, then controls
     for rank, results in enumerate(rank_pool(2).run(evaluate_long_context, corpus, tmp_path / "two", RANK_LAYOUTS)):
         for layout, (val, probe, widths) in results.items():
             where = f"rank {rank} {layout}"
             # cp 2 holds half of each prompt, the 254-token ones padded to 256 first
-            assert widths == ([128, 128] if layout == "cp2" else [256, 254]), where
+            assert widths == ([128] * 4 if layout == "cp2" else [256, 256, 254, 254]), where
             assert val.tokens_by_position == reference_val.tokens_by_position, where  # the buckets summed over ranks
             assert_values_close(vars(val), vars(reference_val), rel=1e-5, path=where)
             assert_values_close(vars(probe), vars(reference_probe), rel=1e-5, path=where)
