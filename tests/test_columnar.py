@@ -44,12 +44,17 @@ def test_the_mirror_holds_what_parsing_the_json_gives(tmp_path):
     for i in range(1, 601):  # more than two batches of 256
         rec.train(train_record(i, loss=float("nan") if i == 77 else None))
     rec.validation({"iter": 600, "step": 600, "val_loss": 2.5, "val_ppl": 12.0, "val_tokens": 10})
+    probe = {"iter": 600, "step": 600, "passkey_lengths": [128, 256], "passkey_accuracy": [1.0, 0.5],
+             "passkey_logprob": [-0.5, -1.5], "passkey_prompts": [6, 6]}
+    rec.passkey(probe)  # as runs before the control wrote it: no passkey_logprob_other_key
+    rec.passkey({**probe, "passkey_logprob_other_key": [-4.0, -5.0]})
     rec.close()
     table, end, _ = read_mirror(run.metrics_mirror, run.metrics)
     assert end == os.path.getsize(run.metrics)
     parsed = parse_lines(run.metrics.read_bytes())
-    assert table.num_rows == parsed.num_rows == 601
-    for name in ("iter", "loss", "val_loss", "moe_max_load_per_layer", "kind"):
+    assert table.num_rows == parsed.num_rows == 603
+    assert table.column("passkey_logprob_other_key").to_pylist()[-2:] == [None, [-4.0, -5.0]]
+    for name in ("iter", "loss", "val_loss", "moe_max_load_per_layer", "passkey_logprob_other_key", "kind"):
         a, b = table.column(name).to_pylist(), parsed.column(name).to_pylist()
         assert [None if x != x else x for x in a] == b, name  # the JSON has null where the mirror has NaN
     assert np.isnan(table.column("loss").to_numpy(zero_copy_only=False)[76])

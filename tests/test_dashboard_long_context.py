@@ -52,6 +52,22 @@ def test_buckets_added_by_an_extension_get_their_own_lines_and_old_records_none(
     assert passkey["iters"] == [10, 20] and passkey["lengths"] == [128, 256, 512]
     assert passkey["accuracy"] == [[0.5, 1.0], [0.0, 0.5], [None, 0.0]]
     assert passkey["logprob"] == [[-2.0, -0.5], [-4.0, -1.5], [None, -3.0]]
+    assert passkey["logprob_other_key"] == [[-3.0, -1.5], [-5.0, -2.5], [None, -4.0]]
+
+
+def without_control(record):
+    """A passkey record as runs before the control wrote it."""
+    return {k: v for k, v in record.items() if k != "passkey_logprob_other_key"}
+
+
+def test_probes_before_the_control_have_none_by_length(tmp_path):
+    append_jsonl(tmp_path / "metrics.jsonl", [
+        without_control(probe(10, [128, 256], [0.5, 0.0], [-2.0, -4.0])),  # an older run, resumed by this version
+        probe(20, [128, 256], [1.0, 0.5], [-0.5, -1.5]),
+    ])
+    passkey = views.long_context(loaded(tmp_path))["passkey"]
+    assert passkey["logprob"] == [[-2.0, -0.5], [-4.0, -1.5]]
+    assert passkey["logprob_other_key"] == [[None, -1.5], [None, -2.5]]
 
 
 def test_more_buckets_than_the_dashboard_holds_are_cut_to_the_first_ones(tmp_path):

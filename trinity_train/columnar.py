@@ -33,8 +33,8 @@ TRAIN_SCALARS = tuple(dict.fromkeys(("loss", "grad_norm", *(s.name for s in sign
 VAL_SCALARS = ("val_loss",)
 # val records: the loss by position bucket and each bucket's first position (lists by bucket).
 VAL_LISTS = ("val_position_starts", "val_loss_by_position")
-# passkey records: lists by prompt length.
-PASSKEY_LISTS = ("passkey_lengths", "passkey_accuracy", "passkey_logprob")
+# passkey records: lists by prompt length (the control, passkey_logprob_other_key, absent in older runs' records).
+PASSKEY_LISTS = ("passkey_lengths", "passkey_accuracy", "passkey_logprob", "passkey_logprob_other_key")
 # Per-layer lists: train records carry one value per MoE layer, layers records one per layer.
 TRAIN_LISTS = ("moe_max_load_per_layer",)
 LAYER_LISTS = ("grad_norm_attn", "grad_norm_ffn", "residual_rms")

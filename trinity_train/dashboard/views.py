@@ -198,8 +198,9 @@ def _by_value(keys: np.ndarray, values: np.ndarray) -> tuple[list[int], list[lis
 
 def long_context(run: RunView) -> dict:
     """The long-context evaluation (docs/guides/long-context-eval.md): the validation loss of each
-    position bucket over the val records that have it, and each passkey probe's accuracy and key
-    log-likelihood by prompt length; iterations a rollback undid are flagged."""
+    position bucket over the val records that have it, and each passkey probe's accuracy, key
+    log-likelihood and its control's (the key scored in prompts hiding another key; None in older
+    runs' records) by prompt length; iterations a rollback undid are flagged."""
     with run.lock:
         val, probes = run.metrics.val, run.metrics.passkey
         with_buckets = np.isfinite(val["val_position_starts"]).any(axis=1) if len(val) else np.zeros(0, bool)
@@ -207,16 +208,19 @@ def long_context(run: RunView) -> dict:
         starts, loss = val["val_position_starts"][with_buckets], val["val_loss_by_position"][with_buckets]
         probe_iters, lengths = probes["iter"], probes["passkey_lengths"]
         accuracy, logprob = probes["passkey_accuracy"], probes["passkey_logprob"]
+        logprob_other_key = probes["passkey_logprob_other_key"]
         val_abandoned, probe_abandoned = run.abandoned_mask(val_iters), run.abandoned_mask(probe_iters)
         generation = run.generation
     bucket_starts, bucket_loss = _by_value(starts, loss)
     probe_lengths, probe_accuracy = _by_value(lengths, accuracy)
     _, probe_logprob = _by_value(lengths, logprob)
+    _, probe_logprob_other_key = _by_value(lengths, logprob_other_key)
     return {"run": run.index, "generation": generation,
             "positions": {"iters": val_iters.tolist(), "abandoned": val_abandoned.tolist(), "starts": bucket_starts,
                           "loss": bucket_loss},
             "passkey": {"iters": probe_iters.tolist(), "abandoned": probe_abandoned.tolist(), "lengths": probe_lengths,
-                        "accuracy": probe_accuracy, "logprob": probe_logprob}}
+                        "accuracy": probe_accuracy, "logprob": probe_logprob,
+                        "logprob_other_key": probe_logprob_other_key}}
 
 
 RANK_TIMES = ("compute_s", "iter_s", "wait_s", "data_s", "comm_exposed_s")  # the heatmap's value first, the hover's after
