@@ -3,6 +3,8 @@ position bucket over iterations, buckets added mid-run (a context extension) inc
 passkey probes by length; in headless Chromium on a real tiny run with the probe on, live and in
 the offline report."""
 
+import shutil
+
 import pytest
 from selenium.webdriver.support.ui import WebDriverWait
 
@@ -15,6 +17,7 @@ from trinity_train.dashboard.runs import RunView
 from trinity_train.dashboard.server import DashboardServer
 from trinity_train.files import read_jsonl
 from trinity_train.records import RecordKind
+from trinity_train.rundir import RunDir
 from trinity_train.train import Trainer
 
 
@@ -94,33 +97,53 @@ FIGURE = "const d = document.getElementById(arguments[0]); return d.data ? {data
 
 
 def check_long_context_plots(driver, records):
+    """The charts of run 0, whose `records` are those of a run with the control, and of run 1, its
+    copy as an older run wrote it (no control)."""
     vals = [r for r in records if r["kind"] == RecordKind.VAL]
     probes = [r for r in records if r["kind"] == RecordKind.PASSKEY]
     WebDriverWait(driver, 60).until(lambda d: d.execute_script(FIGURE, "plot-passkey"))
-    lines = driver.execute_script(FIGURE, "plot-position-loss")["data"]
+    lines = [t for t in driver.execute_script(FIGURE, "plot-position-loss")["data"] if t["meta"]["run"] == 0]
     assert [t["meta"]["start"] for t in lines] == vals[-1]["val_position_starts"]
     for j, line in enumerate(lines):
         assert line["x"] == [v["iter"] for v in vals]
         assert line["y"] == pytest.approx([v["val_loss_by_position"][j] for v in vals], rel=1e-5)  # float32 columns
     drawn = driver.execute_script(FIGURE, "plot-passkey")["data"]
-    accuracy = [t for t in drawn if t["meta"]["kind"] == "passkey-accuracy"]
-    logprob = [t for t in drawn if t["meta"]["kind"] == "passkey-logprob"]
+    of_kind = lambda run, kind: [t for t in drawn if t["meta"]["run"] == run and t["meta"]["kind"] == kind]
+    accuracy, logprob = of_kind(0, "passkey-accuracy"), of_kind(0, "passkey-logprob")
+    control = of_kind(0, "passkey-logprob-other-key")
     # the first probe (faded) and the latest (solid), by length
     assert [t["meta"]["iter"] for t in accuracy] == [probes[0]["iter"], probes[-1]["iter"]]
     assert [t["opacity"] for t in accuracy] == [0.35, 1]
     assert accuracy[-1]["x"] == probes[-1]["passkey_lengths"]
     assert accuracy[-1]["y"] == pytest.approx(probes[-1]["passkey_accuracy"], rel=1e-5)
     assert logprob[-1]["y"] == pytest.approx(probes[-1]["passkey_logprob"], rel=1e-5) and logprob[-1]["yaxis"] == "y2"
+    # the control, dotted on the same axis, for each probe drawn
+    assert [t["meta"]["iter"] for t in control] == [probes[0]["iter"], probes[-1]["iter"]]
+    assert [t["opacity"] for t in control] == [0.35, 1]
+    assert control[-1]["y"] == pytest.approx(probes[-1]["passkey_logprob_other_key"], rel=1e-5)
+    assert control[-1]["yaxis"] == "y2" and control[-1]["line"]["dash"] == "dot"
+    # an older run draws as before: its probes' lines, no control
+    assert len(of_kind(1, "passkey-logprob")) == 2 and of_kind(1, "passkey-logprob-other-key") == []
+
+
+def copy_as_before_the_control(run, copy):
+    """`run` copied to `copy` with its passkey records as runs before the control wrote them."""
+    shutil.copytree(run, copy)
+    RunDir(copy).metrics_mirror.unlink(missing_ok=True)
+    records = read_jsonl(copy / "metrics.jsonl")
+    (copy / "metrics.jsonl").unlink()
+    append_jsonl(copy / "metrics.jsonl", [without_control(r) if r["kind"] == RecordKind.PASSKEY else r for r in records])
 
 
 @pytest.mark.slow
 @pytest.mark.skipif(not browser.available(), reason=f"needs {browser.CHROMIUM} and {browser.CHROMEDRIVER}")
 def test_the_page_draws_a_real_runs_long_context_panel_live_and_in_the_report(corpus, tmp_path):
-    run = tmp_path / "run"
+    run, old = tmp_path / "run", tmp_path / "old"
     Trainer(probe_run_config(corpus, run)).run()
     records = read_jsonl(run / "metrics.jsonl")
-    out = write_report([run], tmp_path / "report.html")
-    with DashboardServer([run], poll_interval=0.1) as server, browser.headless_chromium() as driver:
+    copy_as_before_the_control(run, old)
+    out = write_report([run, old], tmp_path / "report.html")
+    with DashboardServer([run, old], poll_interval=0.1) as server, browser.headless_chromium() as driver:
         for url in (server.url, out.as_uri()):
             driver.get(url)
             browser.wait_until_rendered(driver)

@@ -426,14 +426,23 @@
         const latest = n === shown.length - 1;
         const label = `${escapeHtml(r.name)} iter ${pk.iters[i]}`;
         const common = { x: pk.lengths, type: "scatter", mode: "lines+markers", legendgroup: `run${r.index}`, opacity: latest ? 1 : 0.35, marker: { size: 6 } };
-        return [
+        // A key log-likelihood line on the right axis: the probe's own, or its control's.
+        const keyLine = (values, what, hover, dash, kind) => Object.assign({}, common, { y: values.map((row) => row[i]), yaxis: "y2",
+          name: `${label} ${what}`, line: { color: color(r.index), width: 1.5, dash },
+          hovertemplate: `${label}<br>length %{x}<br>${hover} %{y:.3f} nats per token<extra></extra>`,
+          meta: { run: r.index, kind, iter: pk.iters[i] } });
+        const lines = [
           Object.assign({}, common, { y: pk.accuracy.map((row) => row[i]), name: `${label} retrieved`, line: { color: color(r.index), width: 2 },
             hovertemplate: `${label}<br>length %{x}<br>retrieved %{y:.0%}<extra></extra>`, meta: { run: r.index, kind: "passkey-accuracy", iter: pk.iters[i] } }),
-          Object.assign({}, common, { y: pk.logprob.map((row) => row[i]), yaxis: "y2", name: `${label} key log-likelihood`,
-            line: { color: color(r.index), width: 1.5, dash: "dash" },
-            hovertemplate: `${label}<br>length %{x}<br>key log-likelihood %{y:.3f} nats per token<extra></extra>`,
-            meta: { run: r.index, kind: "passkey-logprob", iter: pk.iters[i] } }),
+          keyLine(pk.logprob, "key log-likelihood", "key log-likelihood", "dash", "passkey-logprob"),
         ];
+        // The control (the same key scored in prompts hiding another one): what the model guesses
+        // without the needle; older runs' probes have none.
+        if (pk.logprob_other_key.some((row) => row[i] !== null)) {
+          lines.push(keyLine(pk.logprob_other_key, "key log-likelihood, another key hidden",
+            "another key hidden: key log-likelihood", "dot", "passkey-logprob-other-key"));
+        }
+        return lines;
       });
     });
     const ticks = [...lengths].sort((a, b) => a - b);
