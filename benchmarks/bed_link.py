@@ -6,8 +6,8 @@ as `queue=` says (100 ms by default). Each direction has its own queue, and each
 stream's data and the other stream's acknowledgements; this measures, per rate and queue length
 and a few times over, whether two opposite streams both get the rate that one alone gets
 (benchmarks/README.md §12: what the 200 Mbit/s condition loses beyond its wire time). Needs root
-and iproute2; the bed is `tlnode0`/`tlnode1` at 10.217.0.1-2 and every byte goes between those
-two addresses, nowhere else.
+and iproute2 and a kernel without netem (tbf shapes the queue); the bed is `tknode0`/`tknode1` at
+10.214.0.1-2 and every byte goes between those two addresses, nowhere else.
 
     python benchmarks/bed_link.py                      # 1 Gbit and 200 Mbit, queues 100 ms and 5 ms
     python benchmarks/bed_link.py --rates 200mbit --queues 100ms,20ms,5ms
@@ -29,8 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cluster_bed import ClusterBed, bed_unavailable  # noqa: E402
 from multinode import loadavg  # noqa: E402
 
-PREFIX, SUBNET, PORT = "tl", "10.217.0", 5999
-TIMEOUT_S = 120  # any one transfer; a stalled one fails the row, it does not hang the script
+PREFIX, SUBNET, PORT = "tk", "10.214.0", 5999  # a prefix and /24 no test bed uses
+TIMEOUT_S = 120  # any one transfer; a stalled one stops the script with the error, it does not hang
 
 RECEIVE = """
 import socket, sys

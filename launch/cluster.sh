@@ -5,7 +5,7 @@
 #
 #   launch/cluster.sh up N                 make hosts ttnode0 .. ttnode{N-1} at 10.213.0.1 .. .N
 #   launch/cluster.sh exec HOST CMD ...    run CMD on HOST (its network, hostname and /etc/hosts)
-#   launch/cluster.sh shape HOST [delay=2ms] [rate=200mbit] [loss=0.1%]   shape HOST's link, both
+#   launch/cluster.sh shape HOST [delay=2ms] [rate=200mbit] [loss=0.1%] [queue=100ms]   shape HOST's link, both
 #                                          directions (netem; where the kernel lacks netem, only
 #                                          rate=, with tbf, and queue=100ms its queue's length
 #                                          in time); `shape HOST off` removes it
@@ -106,7 +106,7 @@ cmd_exec() {
 
 cmd_shape() {
     local host="${1:-}"
-    [[ -n "$host" && $# -ge 2 ]] || code=2 die "usage: $me shape HOST [delay=D] [rate=R] [loss=P] | off"
+    [[ -n "$host" && $# -ge 2 ]] || code=2 die "usage: $me shape HOST [delay=D] [rate=R] [loss=P] [queue=Q] | off"
     local index
     index="$(host_index "$host")"
     shift
@@ -201,5 +201,5 @@ case "$command" in
     hosts) cmd_hosts ;;
     down) cmd_down ;;
     slurm) TRINITY_CLUSTER_PREFIX="$prefix" TRINITY_CLUSTER_STATE="$state" exec "$(dirname "$0")/cluster_slurm.sh" "$@" ;;
-    *) code=2 die "usage: $me up N | exec HOST CMD ... | shape HOST [delay=D] [rate=R] [loss=P]|off | partition HOST | heal HOST | hosts | slurm up|down | down" ;;
+    *) code=2 die "usage: $me up N | exec HOST CMD ... | shape HOST [delay=D] [rate=R] [loss=P] [queue=Q]|off | partition HOST | heal HOST | hosts | slurm up|down | down" ;;
 esac

@@ -14,8 +14,10 @@ where English prose is rare). Both end the question with the needle's own words 
 ("The pass key is", "PASS_KEY ="), so a model that copies what followed them finds it.
 
 Each prompt has a control: the same prompt and the same key scored, but another key hidden in the
-needle. What a model gives the key there is its guess without the needle (digits after "is" or
-"=", the prompt's own numbers); the difference is what finding the needle adds.
+needle. A model that does not read the needle scores the key alike in both (its guess at digits
+after "is" or "="); one that reads it scores the key higher in its own prompt and lower in the
+control, where the needle points elsewhere: the difference, the gain, says whether and how much
+the needle is read.
 """
 
 from __future__ import annotations

@@ -5,8 +5,8 @@ For each length, one forward over its prompts (`data.passkey`) with the key's an
 only labels, grouped by prompt (`loss.cross_entropy_by_group`): a prompt counts as retrieved when
 every answer token is the model's greedy next token, and `passkey_logprob` is the mean
 log-likelihood of the answer tokens. A second forward scores the same keys in the control prompts,
-which hide another key (`passkey_logprob_other_key`): the model's guess without the needle, so
-that `passkey_logprob` above it is what reading the needle adds, at any length. The training loop runs it at validation every
+which hide another key (`passkey_logprob_other_key`): a model that does not read the needle scores
+the key alike in both, one that reads it higher in its own prompt (`data/passkey.py`). The training loop runs it at validation every
 `metrics.passkey_every` steps; `trinity-train probe-context` runs it on a checkpoint. Every
 data-parallel rank runs the same prompts (the forward is collective under FSDP, TP and EP) and gets
 the same result. Under context parallelism a prompt is split like a training row
