@@ -42,7 +42,7 @@ def add_probe_parser(subparsers) -> None:
         description="Hide a 5-digit pass key at several depths of filler text, ask for it at the end, and "
                     "report at each prompt length the share of prompts whose key the model continues with "
                     "(greedy), the mean log-likelihood of the key's tokens, the same in control prompts that "
-                    "hide another key, and the gain between them: what finding the key adds "
+                    "hide another key, and the gain between them: near 0 when the key is not read "
                     "(docs/guides/long-context-eval.md).")
     which = parser.add_mutually_exclusive_group(required=True)
     which.add_argument("--run", type=user_path, metavar="RUN_DIR", help="probe the newest sound checkpoint of this run")

@@ -6,10 +6,10 @@ only labels, grouped by prompt (`loss.cross_entropy_by_group`): a prompt counts 
 every answer token is the model's greedy next token, and `passkey_logprob` is the mean
 log-likelihood of the answer tokens. A second forward scores the same keys in the control prompts,
 which hide another key (`passkey_logprob_other_key`): a model that does not read the needle scores
-the key alike in both, one that reads it higher in its own prompt (`data/passkey.py`). The training loop runs it at validation every
-`metrics.passkey_every` steps; `trinity-train probe-context` runs it on a checkpoint. Every
-data-parallel rank runs the same prompts (the forward is collective under FSDP, TP and EP) and gets
-the same result. Under context parallelism a prompt is split like a training row
+the key alike in both, one that reads it higher in its own prompt (`data/passkey.py`). The
+training loop runs it at validation every `metrics.passkey_every` steps; `trinity-train
+probe-context` runs it on a checkpoint. Every data-parallel rank runs the same prompts (the forward
+is collective under FSDP, TP and EP) and gets the same result. Under context parallelism a prompt is split like a training row
 (`parallel.context.shard_micro_batch`: zigzag chunks, positions computed on the whole prompt), so
 each rank holds 1/cp of it; the key's tokens are scored where they live and the totals summed over
 the cp group. A prompt is padded at its end to a length the layout can split (`padded_length`):
