@@ -204,6 +204,24 @@ def test_chunk_span_is_how_torch_chunk_splits_a_dimension():
                 assert list(range(start, start + length)) == want, (size, parts, t)
 
 
+def test_waves_cut_a_chunk_into_at_most_four_consecutive_parts_of_about_equal_bytes():
+    from trinity_train.optim.muon_exchange import WAVES, cut_waves, exchange_calls
+    assert WAVES == 4
+    assert cut_waves([1.0]) == [[0]]
+    assert cut_waves([3.0, 1.0]) == [[0], [1]]
+    assert cut_waves([1.0] * 8) == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert cut_waves([10.0, 1.0, 1.0, 1.0]) == [[0], [1], [2], [3]]  # largest first: one each
+    assert cut_waves([1.0, 1.0, 1.0, 9.0]) == [[0, 1, 2], [3]]  # a wave closes at a quarter of the bytes
+    assert cut_waves([1.0] * 9) == [[0, 1, 2], [3, 4], [5, 6], [7, 8]]
+    for sizes in ([1.0] * 30, [float(i % 7 + 1) for i in range(50)], [5.0, 0.5, 0.5]):
+        waves = cut_waves(sizes)
+        assert [i for w in waves for i in w] == list(range(len(sizes))) and all(waves)
+        assert len(waves) <= WAVES
+    # Two all-to-alls a wave, over every chunk of EXCHANGE_BYTES.
+    assert exchange_calls([1.0] * 8) == 8
+    assert exchange_calls([1.0]) == 2
+
+
 def test_only_a_plain_shard_of_a_matrix_dim_over_one_mesh_dim_is_packed():
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.placement_types import _StridedShard

@@ -320,11 +320,12 @@ def test_state_saved_by_two_ranks_reloads_into_one_process(two_ranks):
 
 def test_muon_exchanges_a_one_dim_group_in_two_all_to_alls(two_ranks):
     """FSDP's gather group is one mesh dim: the four split matrices (the expert stacks are split
-    along the expert dim, so each rank has whole experts) go to their owners in one all-to-all
-    and come back in one more (not two DTensor redistributions per round, which a CPU mesh sends
-    as all-gathers); cut into chunks of one matrix each, the result is still one process's."""
+    along the expert dim, so each rank has whole experts) go to their owners and come back in
+    all-to-alls, one each way per wave (`cut_waves`: four matrices, largest first, make four waves)
+    (not two DTensor redistributions per round, which a CPU mesh sends as all-gathers); cut into
+    chunks of one matrix each, the result is still one process's."""
     results, _ = two_ranks
     for value in _values(results, "packed_exchange"):
-        assert value["kinds"] == ["all_to_all", "all_to_all"]
+        assert value["kinds"] == ["all_to_all"] * 2 * 4
         assert value["chunked_calls"] == STEPS * 2 * 4  # four split matrices, a chunk each
         assert value["chunked_error"] <= 1e-4

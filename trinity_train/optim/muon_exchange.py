@@ -16,14 +16,23 @@ HSDP's shard groups):
 3. and one more `all_to_all_single` hands every rank its slice of each result.
 
 So a rank sends each of its pieces once (none to itself) and each owner sends each result once
-less its own slice: half of what the all-gather path sends on two ranks, and two calls per chunk
-instead of two per round. The values are the same: the whole matrix is assembled from the same
+less its own slice: half of what the all-gather path sends on two ranks, and two calls per wave
+(below) instead of two per round. The values are the same: the whole matrix is assembled from the same
 pieces and Newton-Schulz runs on it in the same precision (tests/test_muon.py, the layout tests).
 
 Chunks: the exchange goes in chunks of at most `EXCHANGE_BYTES` of this rank's pieces (by the
 matrices' global sizes, so every rank cuts the same chunks), which bounds the optimizer step's
 working set (each chunk's updates, send and receive buffers and assembled matrices) to a few
 times that, whatever the model's size.
+
+Waves: each chunk is cut into up to `WAVES` consecutive waves of about equal bytes (`cut_waves`),
+each with its own two all-to-alls, issued asynchronously (on gloo's threads on a CPU): every
+wave's pieces leave at once, then each wave is orthogonalised as its pieces land and its results
+leave while the next wave computes. Only the first wave's pieces and the last one's results
+travel while nothing computes, about 2 / `WAVES` of the bytes; the values are the same (the same
+matrices, assembled from the same pieces). The buffers alive stay about two chunks' worth (the
+pieces not yet orthogonalised, sent and received, and the results sent and returned), as
+`trinity-train plan` counts them.
 
 Layouts this does not cover (a matrix split over two mesh dimensions, FSDP's `_StridedShard`
 on top of TP, a matrix replicated over a gather dimension) keep the round-by-round path.
@@ -43,6 +52,7 @@ from torch.distributed.tensor import Shard
 from trinity_train.optim.newton_schulz import newton_schulz
 
 EXCHANGE_BYTES = 64 << 20  # per rank and chunk: a handful of calls a step, a bounded working set
+WAVES = 4  # per chunk: pipelined exchanges, so that all but about 2 / WAVES of the bytes travel during compute
 
 
 def packed_dim(mesh: DeviceMesh | None, placements: tuple, gather_dims: tuple[int, ...], ndim: int) -> int | None:
@@ -78,6 +88,26 @@ def cut_chunks(sizes: list[float]) -> list[list[int]]:
         chunks[-1].append(i)
         used += size
     return chunks
+
+
+def cut_waves(sizes: list[float]) -> list[list[int]]:
+    """Indices of a chunk's `sizes` (as `cut_chunks` takes them) cut into at most `WAVES`
+    consecutive waves of about equal bytes, none empty. The one rule for the exchange and for
+    `trinity-train plan`'s count of its calls (two a wave)."""
+    total = sum(sizes)
+    waves: list[list[int]] = [[]]
+    used = 0.0
+    for i, size in enumerate(sizes):
+        if waves[-1] and len(waves) < WAVES and used >= total * len(waves) / WAVES:
+            waves.append([])
+        waves[-1].append(i)
+        used += size
+    return [w for w in waves if w]
+
+
+def exchange_calls(sizes: list[float]) -> int:
+    """The all-to-alls an exchange of pieces of `sizes` makes: two a wave of each chunk."""
+    return 2 * sum(len(cut_waves([sizes[i] for i in chunk])) for chunk in cut_chunks(sizes))
 
 
 def piece_shape(local_shape: torch.Size, dim: int, size: int, n: int, t: int) -> list[int]:
@@ -125,45 +155,74 @@ class Exchange:
     def _run_chunk(self, chunk: list[Assignment], n: int, update_of, apply) -> None:
         group = self.mesh.get_group(self.mesh_dim)
         me = self.mesh.get_local_rank(self.mesh_dim)
-        mine = [a for a in chunk if a.owner == me]
+        size = torch.empty((), dtype=self.dtype).element_size()
+        waves = [[chunk[i] for i in wave] for wave in cut_waves([a.param.numel() * size / n for a in chunk])]
+        # 1. Every wave's pieces on their way to the owners before the first is waited for.
+        sent = [_Wave(wave, n, me, self.dtype, update_of).send(group) for wave in waves]
+        # 2. Each wave's matrices orthogonalised as its pieces land, their results sent home at
+        #    once: the next wave's pieces and this one's results travel while the next computes.
+        for wave in sent:
+            wave.orthogonalise_and_return(group)
+        # 3. Every rank's slices of the results, applied.
+        for wave in sent:
+            wave.apply_returned(apply)
 
-        # 1. My piece of every matrix to its owner (my own matrices' pieces stay local).
-        updates = {id(a): update_of(a) for a in chunk}
-        by_owner = [[a for a in chunk if a.owner == t] for t in range(n)]
-        send = torch.cat([updates[id(a)].reshape(-1) for t in range(n) for a in by_owner[t]])
-        send_splits = [sum(updates[id(a)].numel() for a in by_owner[t]) for t in range(n)]
-        local_shape = {id(a): updates[id(a)].shape for a in chunk}
-        del updates
-        piece_shapes = {(id(a), t): piece_shape(local_shape[id(a)], a.dim, a.param.shape[a.dim], n, t)
-                        for a in mine for t in range(n)}
-        piece_numel = {key: math.prod(shape) for key, shape in piece_shapes.items()}
-        recv_splits = [sum(piece_numel[(id(a), t)] for a in mine) for t in range(n)]
-        received = send.new_empty(sum(recv_splits))
-        dist.all_to_all_single(received, send, recv_splits, send_splits, group=group)
-        del send
 
-        # 2. Assemble and orthogonalise the matrices I own.
-        pieces = _split(received, recv_splits, [[piece_numel[(id(a), t)] for a in mine] for t in range(n)])
+class _Wave:
+    """One wave of a chunk: its members' pieces sent to their owners, orthogonalised there, and
+    every rank's slice of each result sent back, each all-to-all issued asynchronously and waited
+    only where its data is needed."""
+
+    def __init__(self, members: list[Assignment], n: int, me: int, dtype: torch.dtype, update_of):
+        self.n, self.dtype = n, dtype
+        self.by_owner = [[a for a in members if a.owner == t] for t in range(n)]
+        self.mine = self.by_owner[me]
+        updates = {id(a): update_of(a) for a in members}
+        self.send_buffer = torch.cat([updates[id(a)].reshape(-1) for t in range(n) for a in self.by_owner[t]])
+        self.send_splits = [sum(updates[id(a)].numel() for a in self.by_owner[t]) for t in range(n)]
+        self.local_shape = {id(a): updates[id(a)].shape for a in members}
+        self.piece_shapes = {(id(a), t): piece_shape(self.local_shape[id(a)], a.dim, a.param.shape[a.dim], n, t)
+                             for a in self.mine for t in range(n)}
+        self.piece_numel = {key: math.prod(shape) for key, shape in self.piece_shapes.items()}
+        self.recv_splits = [sum(self.piece_numel[(id(a), t)] for a in self.mine) for t in range(n)]
+
+    def send(self, group) -> _Wave:
+        """My piece of every matrix to its owner (my own matrices' pieces stay local)."""
+        self.received = self.send_buffer.new_empty(sum(self.recv_splits))
+        self.work = dist.all_to_all_single(self.received, self.send_buffer, self.recv_splits, self.send_splits,
+                                           group=group, async_op=True)
+        return self
+
+    def orthogonalise_and_return(self, group) -> None:
+        """Assemble and orthogonalise the matrices I own; every rank's slice of each result back
+        to it (an owner of nothing sends nothing)."""
+        n = self.n
+        self.work.wait()
+        del self.send_buffer
+        pieces = _split(self.received, self.recv_splits,
+                        [[self.piece_numel[(id(a), t)] for a in self.mine] for t in range(n)])
         results = []
-        for i, a in enumerate(mine):
-            parts = [pieces[t][i].view(piece_shapes[(id(a), t)]) for t in range(n)]
+        for i, a in enumerate(self.mine):
+            parts = [pieces[t][i].view(self.piece_shapes[(id(a), t)]) for t in range(n)]
             results.append(newton_schulz(torch.cat(parts, dim=a.dim), a.steps, self.dtype))
-        like = received[:0]
-        del pieces, received
+        like = self.received[:0]
+        del pieces, self.received
+        self.back = torch.cat([r.narrow(a.dim, *chunk_span(a.param.shape[a.dim], n, t)).reshape(-1)
+                               for t in range(n) for a, r in zip(self.mine, results)] or [like])
+        back_splits = [sum(self.piece_numel[(id(a), t)] for a in self.mine) for t in range(n)]
+        self.returned = self.back.new_empty(sum(self.send_splits))
+        self.work = dist.all_to_all_single(self.returned, self.back, self.send_splits, back_splits,
+                                           group=group, async_op=True)
 
-        # 3. Every rank's slice of every result back to it (an owner of nothing sends nothing).
-        back = torch.cat([r.narrow(a.dim, *chunk_span(a.param.shape[a.dim], n, t)).reshape(-1)
-                          for t in range(n) for a, r in zip(mine, results)] or [like])
-        del results  # at most two chunks' worth of buffers are alive at any point
-        back_splits = [sum(piece_numel[(id(a), t)] for a in mine) for t in range(n)]
-        returned = back.new_empty(sum(send_splits))
-        dist.all_to_all_single(returned, back, send_splits, back_splits, group=group)
-        del back
-        mine_back = _split(returned, send_splits,
-                           [[math.prod(local_shape[id(a)]) for a in by_owner[t]] for t in range(n)])
-        for t in range(n):
-            for a, flat in zip(by_owner[t], mine_back[t]):
-                apply(a, flat.view(local_shape[id(a)]))
+    def apply_returned(self, apply) -> None:
+        self.work.wait()
+        del self.back
+        mine_back = _split(self.returned, self.send_splits,
+                           [[math.prod(self.local_shape[id(a)]) for a in self.by_owner[t]] for t in range(self.n)])
+        for t in range(self.n):
+            for a, flat in zip(self.by_owner[t], mine_back[t]):
+                apply(a, flat.view(self.local_shape[id(a)]))
+        del self.returned
 
 
 def _split(flat: torch.Tensor, segments: list[int], sizes: list[list[int]]) -> list[list[torch.Tensor]]:

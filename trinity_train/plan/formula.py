@@ -37,7 +37,7 @@ from trinity_train.model.blocks import block_style, is_global_layer
 from trinity_train.model.context_attention import halo_plan
 from trinity_train.optim.groups import is_muon_param
 from trinity_train.optim.muon import deal_rounds, ns_cost
-from trinity_train.optim.muon_exchange import EXCHANGE_BYTES, cut_chunks
+from trinity_train.optim.muon_exchange import EXCHANGE_BYTES, exchange_calls
 from trinity_train.parallel.assumed_routing import AssumedRouting
 from trinity_train.parallel.mesh import ParallelDims
 from trinity_train.plan.collectives import (CP_CATEGORY, EP_ALL_TO_ALL, FSDP_ALL_GATHER, FSDP_ALL_REDUCE, FSDP_REDUCE_SCATTER,
@@ -649,7 +649,8 @@ def _muon_flows(cfg: Config, dims: ParallelDims, params: Counter, nums: Numerics
 
     - Packed (a gather group of one mesh dim, `optim/muon_exchange.py`): each rank sends its piece
       of every matrix it does not own, and each owner every other rank's slice of its result: on
-      average 2(n-1)/n pieces a matrix, in two all-to-alls per chunk of `EXCHANGE_BYTES`.
+      average 2(n-1)/n pieces a matrix, in two all-to-alls per wave of each chunk of `EXCHANGE_BYTES`
+      (`exchange_calls`).
     - Rounds (the other layouts): a round stacks n slots of this rank's shard of one matrix, sends
       the stack to the owners and takes the results back. On GPUs DTensor sends each as an
       all-to-all ((n-1)/n of the stack each way); on a CPU mesh as an all-gather of the stack and a
@@ -682,7 +683,7 @@ def _muon_flows(cfg: Config, dims: ParallelDims, params: Counter, nums: Numerics
                           calls, sent))
     if pieces:
         flows.append(Flow(MUON_REDISTRIBUTE, "all_to_all", "fsdp", dims.fsdp_shards,
-                          2 * sum(len(cut_chunks(p)) for p in pieces.values()), packed_sent))
+                          sum(exchange_calls(p) for p in pieces.values()), packed_sent))
     return flows
 
 
