@@ -3,7 +3,7 @@ step moves per collective, and how long each fault takes to recover.
 
     python benchmarks/multinode.py [--rounds 2] [--steps 16] [--skip-throughput] [--skip-recovery]
                                    [--count-steps 10] [--recovery-steps 24] [--hsdp] [--ablation]
-                                   [--json PATH]
+                                   [--where] [--json PATH]
 
 The default model (configs/debug.toml), FSDP x EP on 2 gloo ranks (`--parallel.ep=2`: the dense
 weights sharded over both ranks, the routed experts split between them), global batch 8 x 256
@@ -36,6 +36,11 @@ conditions use the same two cores:
    global batch): 2 hosts x 2 ranks keep the shard and expert groups inside a host and only the
    replicas' all-reduce crosses the link (parallel/node_layout.py), against 1 host x 4 ranks, in
    rounds of the four conditions of 1. (`--skip-throughput --skip-recovery --hsdp` runs it alone.)
+5. With --where, where the exposed communication sits: the 2-rank job on 1 host, at 1 Gbit/s, and
+   at 1 Gbit/s with both overlap settings off, with every collective wait of each rank's training
+   thread timed by the place that waits (`wait_sites.py`: an FSDP unit's all-gather, the
+   reduce-scatters, the EP all-to-alls of the forward and the backward, Muon's exchange, the step's
+   reductions), and what the link added to each. (`--skip-throughput --skip-recovery --where` runs it alone.)
 
 The 2-rank job has one rank per host, so its expert groups span the hosts, which the launchers
 refuse unless asked: it runs with `--parallel.allow_ep_tp_across_nodes=true` (`PAIR`).
@@ -113,6 +118,7 @@ CONDITIONS = (
     ("d", "200 Mbit/5 ms", ("rate=200mbit", "delay=5ms")),
 )
 COUNTER_ENV = "TRINITY_BENCH_COLLECTIVES"
+WAITS_ENV = "TRINITY_BENCH_WAITS"  # `wait_sites.install_wait_profiler`'s output folder (--where)
 
 
 # --------------------------------------------------------------------------------------------
@@ -160,6 +166,7 @@ def install_collective_counter(out_dir: str) -> None:
 
 
 def sitecustomize_text() -> str:
+    """Installs, in a training rank, the collective counter or the wait profiler its job asks for."""
     return (
         "import os\n"
         f"if os.environ.get('RANK') is not None and os.environ.get({COUNTER_ENV!r}):\n"
@@ -167,7 +174,24 @@ def sitecustomize_text() -> str:
         f"    sys.path.append({str(BENCH_DIR)!r})\n"
         "    import multinode\n"
         f"    multinode.install_collective_counter(os.environ[{COUNTER_ENV!r}])\n"
+        f"if os.environ.get('RANK') is not None and os.environ.get({WAITS_ENV!r}):\n"
+        "    import sys\n"
+        f"    sys.path.append({str(BENCH_DIR)!r})\n"
+        "    import wait_sites\n"
+        f"    wait_sites.install_wait_profiler(os.environ[{WAITS_ENV!r}])\n"
     )
+
+
+def instrumented_env(bench: Bench, env_name: str, out_dir: Path) -> dict:
+    """The environment of a job whose ranks run the instrument `env_name` names, into `out_dir`
+    (created), through the bench's sitecustomize."""
+    out_dir.mkdir()
+    site = bench.work / "site"
+    if not site.exists():
+        site.mkdir()
+        (site / "sitecustomize.py").write_text(sitecustomize_text())
+    pythonpath = os.pathsep.join(p for p in (str(site), os.environ.get("PYTHONPATH", "")) if p)
+    return {env_name: str(out_dir), "PYTHONPATH": pythonpath}
 
 
 # --------------------------------------------------------------------------------------------
@@ -543,13 +567,8 @@ def theory(overrides: tuple[str, ...], world: int) -> dict:
 
 def count_job(bench: Bench, steps: int) -> dict:
     counter_dir = bench.work / "collectives"
-    counter_dir.mkdir()
-    site = bench.work / "site"
-    site.mkdir()
-    (site / "sitecustomize.py").write_text(sitecustomize_text())
-    pythonpath = os.pathsep.join(p for p in (str(site), os.environ.get("PYTHONPATH", "")) if p)
     result = bench.throughput_job(PAIR.condition("count", "unshaped, counting"), (), steps,
-                                  extra_env={COUNTER_ENV: str(counter_dir), "PYTHONPATH": pythonpath})
+                                  extra_env=instrumented_env(bench, COUNTER_ENV, counter_dir))
     i0, i1 = result["wire_iters"]
     per_rank = []
     for rank in (0, 1):
@@ -560,6 +579,59 @@ def count_job(bench: Bench, steps: int) -> dict:
                              "bytes": sum(it.get(k, [0, 0])[1] for it in window) / len(window)} for k in kinds})
     result["per_rank"] = per_rank
     return result
+
+
+def where_jobs(bench: Bench, steps: int) -> list[dict]:
+    """The 2-rank job with every rank's collective waits timed by the place that waits
+    (`wait_sites.py`) on 1 host (condition a), at 1 Gbit/s (c), and at 1 Gbit/s with no overlap
+    (`OVERLAP_OFF`): each row gets, per rank, the median seconds per iteration at each site over
+    the iterations after the warm-up."""
+    (a, a_link, a_shape), (c, c_link, c_shape) = CONDITIONS[0], CONDITIONS[2]
+    rows = []
+    for name, shape, extra in ((PAIR.condition(a, a_link), a_shape, ()), (PAIR.condition(c, c_link), c_shape, ()),
+                               (PAIR.condition(c, c_link + ", no overlap"), c_shape, OVERLAP_OFF)):
+        waits_dir = bench.work / f"waits-{len(rows)}"
+        row = bench.throughput_job(name, shape, steps, extra_env=instrumented_env(bench, WAITS_ENV, waits_dir),
+                                   extra_args=extra)
+        row["waits"] = []
+        for rank in (0, 1):
+            table = json.loads((waits_dir / f"waits{rank}.json").read_text())
+            iters = [v for k, v in table.items() if int(k) > WARMUP_ITERS]
+            sites = {site for it in iters for site in it}
+            row["waits"].append({site: statistics.median(it.get(site, [0, 0.0])[1] for it in iters)
+                                 for site in sites})
+        rows.append(row)
+    return rows
+
+
+def report_where(rows: list[dict]) -> list[str]:
+    """The table of `where_jobs`: seconds a step each rank waited at each site on one host, at
+    1 Gbit/s, what the link added (the ranks' mean), and at 1 Gbit/s without overlap."""
+    from wait_sites import ITERATION_WALL
+
+    one_host, link, no_overlap = rows
+    sites = {site for row in rows for waits in row["waits"] for site in waits} - {ITERATION_WALL}
+
+    def mean(row: dict, site: str) -> float:
+        return statistics.mean(waits.get(site, 0.0) for waits in row["waits"])
+
+    def cell(row: dict, site: str) -> str:
+        return " / ".join(f"{waits.get(site, 0.0):.3f}" for waits in row["waits"])
+
+    lines = [f"where the ranks wait (seconds a step, median over steps {WARMUP_ITERS + 1}-{one_host['steps']}; "
+             f"rank 0 / rank 1; load {one_host['load_start']} -> {no_overlap['load_end']})",
+             f"| site | {one_host['condition']} | {link['condition']} | added by the link (mean of the ranks) | "
+             f"{no_overlap['condition']} |",
+             "|---|---|---|---|---|"]
+    for site in sorted(sites, key=lambda s: -(mean(link, s) - mean(one_host, s))):
+        lines.append(f"| {site} | {cell(one_host, site)} | {cell(link, site)} | "
+                     f"{mean(link, site) - mean(one_host, site):+.3f} | {cell(no_overlap, site)} |")
+    totals = [sum(mean(row, site) for site in sites) for row in rows]
+    lines.append(f"| all sites (sum of the medians, mean of the ranks) | {totals[0]:.3f} | {totals[1]:.3f} | "
+                 f"{totals[1] - totals[0]:+.3f} | {totals[2]:.3f} |")
+    walls = [mean(row, ITERATION_WALL) for row in rows]
+    lines.append(f"| the iteration | {walls[0]:.3f} | {walls[1]:.3f} | {walls[1] - walls[0]:+.3f} | {walls[2]:.3f} |")
+    return lines
 
 
 def mb(x: float) -> str:
@@ -621,6 +693,8 @@ def main(argv: list[str]) -> int:
                         help="also run the rounds of 4 ranks, HSDP 2 x 2: 2 hosts x 2 ranks against 1 host x 4")
     parser.add_argument("--ablation", action="store_true",
                         help="the overlap settings one by one, on 1 host x 2 ranks and at 1 Gbit/s, per round")
+    parser.add_argument("--where", action="store_true",
+                        help="time every collective wait by where it waits: 1 host, 1 Gbit/s, 1 Gbit/s without overlap")
     parser.add_argument("--json", help="write every figure to this file")
     for hidden in ("--gloo-wire-rank", "--gloo-wire-head", "--gloo-wire-out"):  # one rank of the calibration
         parser.add_argument(hidden, help=argparse.SUPPRESS)
@@ -751,6 +825,12 @@ def bench_body(bench: Bench, args, out: dict) -> None:
               "throughput figure)")
         out.update(collectives=counted, theory=sizes, gloo_factors=factors)
         print(flush=True)
+    if args.where:
+        rows = where_jobs(bench, args.steps)
+        for line in report_where(rows):
+            print(line)
+        print(flush=True)
+        out["where"] = rows
     if not args.skip_recovery:
         rec = bench.recovery(args.recovery_steps)
         print(f"recovery, 2 hosts x 1 rank, --checkpoint.every=1 --parallel.collective_timeout_s="

@@ -1,0 +1,118 @@
+"""Where a rank's exposed communication sits: the seconds its training thread waits in collectives,
+by the place that waits, per training iteration. Installed inside each rank of a benchmark job
+(`multinode.py --where`, through a sitecustomize on PYTHONPATH, as its collective counter).
+
+It wraps the same two waits as `trinity_train.health.collective_waits` (every collective of a
+step ends in `Work.wait()` or `_functional_collectives.wait_tensor`) and names each wait by the
+stack above it (`site`): an FSDP unit's all-gather (by the unit's name), the FSDP reduce-scatters,
+the EP all-to-alls of the forward and of the backward, Muon's exchange, the step's reductions (token
+count, loss totals, gradient norm). A wait includes the time the other rank took to arrive: what a
+rank waits for is the network and the other rank's compute together, so the 1-host job's waits are
+the baseline a link's are read against. Written to OUT_DIR/waits{RANK}.json after every iteration:
+{iteration: {site: [waits, seconds]}}, and the iteration's wall time as "iteration wall".
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+
+ITERATION_WALL = "iteration wall"
+
+
+def site(frame) -> str:
+    """The caller a wait is charged to, from the stack above `frame`."""
+    in_backward = ep = False
+    while frame is not None:
+        path, name = frame.f_code.co_filename, frame.f_code.co_name
+        if path.endswith("gloo_reduce_scatter.py"):  # innermost: also where FSDP calls it
+            return "FSDP reduce-scatter"
+        owner = frame.f_locals.get("self")
+        if type(owner).__name__ == "FSDPParamGroup":  # an unshard's wait, inside the module's hooks
+            return f"FSDP all-gather, {owner._module_fqn or 'root'}"
+        if "trinity_train" in path:
+            if path.endswith("muon_exchange.py") or path.endswith("muon.py"):
+                return "Muon exchange"
+            if path.endswith("reductions.py"):
+                return "reductions (tokens, loss, grad norm)"
+            if path.endswith("rank_stats.py"):
+                return "rank statistics"
+            if path.endswith("expert_parallel.py") or path.endswith("moe.py"):
+                ep = True
+        # the combine's gradients go home inside funcol's own autograd function
+        if name == "all_to_all_single_backward":
+            ep = True
+        if name == "_engine_run_backward":
+            in_backward = True
+        frame = frame.f_back
+    if ep:
+        return "EP all-to-all, backward" if in_backward else "EP all-to-all, forward"
+    return "other"
+
+
+class WaitSites:
+    """While installed (a context manager), the installing thread's collective waits by `site`:
+    `waits[site] = [count, seconds]`, growing."""
+
+    def __init__(self):
+        self.waits: dict[str, list] = {}
+        self._thread: int | None = None
+        self._originals: tuple | None = None
+
+    def __enter__(self) -> WaitSites:
+        import torch.distributed._functional_collectives as funcol
+        from torch._C._distributed_c10d import Work
+
+        self._thread = threading.get_ident()
+        self._originals = (Work.wait, funcol.wait_tensor)
+        Work.wait = self._timed(Work.wait)
+        funcol.wait_tensor = self._timed(funcol.wait_tensor)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        import torch.distributed._functional_collectives as funcol
+        from torch._C._distributed_c10d import Work
+
+        Work.wait, funcol.wait_tensor = self._originals
+
+    def _timed(self, wait):
+        def timed(*args, **kwargs):
+            if threading.get_ident() != self._thread:
+                return wait(*args, **kwargs)
+            start = time.perf_counter()
+            try:
+                return wait(*args, **kwargs)
+            finally:
+                tally = self.waits.setdefault(site(sys._getframe(1)), [0, 0.0])
+                tally[0] += 1
+                tally[1] += time.perf_counter() - start
+        return timed
+
+
+def install_wait_profiler(out_dir: str) -> None:
+    """For the rest of this training process: its waits by site, per iteration, in
+    OUT_DIR/waits{RANK}.json (rewritten after every iteration)."""
+    import trinity_train.train as trainer_module
+
+    path = Path(out_dir) / f"waits{os.environ.get('RANK', '0')}.json"
+    sites = WaitSites().__enter__()
+    table: dict[str, dict] = {}
+    original = trainer_module.Trainer.train_one_iteration
+
+    def profiled_iteration(self):
+        sites.waits.clear()
+        start = time.perf_counter()
+        try:
+            return original(self)
+        finally:
+            sites.waits[ITERATION_WALL] = [1, time.perf_counter() - start]
+            table[str(self.state.iteration)] = dict(sites.waits)
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(table))
+            tmp.replace(path)
+
+    trainer_module.Trainer.train_one_iteration = profiled_iteration

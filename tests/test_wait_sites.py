@@ -1,0 +1,48 @@
+"""benchmarks/wait_sites.py names each collective wait of a training step by where it waits
+(`multinode.py --where` reads its table): on two gloo ranks of FSDP x EP, a forward, backward and
+Muon step wait in the FSDP all-gathers and reduce-scatters, the EP all-to-alls of both passes and
+Muon's exchange, and nothing is left unnamed."""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from conftest import ROOT, TINY_MODEL
+
+
+def _one_step_by_site() -> dict:
+    import torch.distributed as dist
+
+    from ranks import init_gloo
+    from trinity_train.config import load_config
+    from trinity_train.optim.groups import build_optimizer
+    from trinity_train.parallel.fsdp import finish_reductions, overlap_reductions
+    from trinity_train.parallel.mesh import ParallelDims
+    from trinity_train.parallel.parallelize import build_parallel_model
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from wait_sites import WaitSites
+
+    init_gloo()
+    cfg = load_config(None, {"model": dict(TINY_MODEL), "parallel": {"ep": 2}})
+    dims = ParallelDims.from_config(cfg, dist.get_world_size())
+    dims.build_mesh("cpu")
+    model = build_parallel_model(cfg, dims, torch.device("cpu"))
+    optimizer = build_optimizer(model, cfg.optim)
+    ids = torch.randint(0, TINY_MODEL["vocab_size"], (2, 16), generator=torch.Generator().manual_seed(dist.get_rank()))
+    with WaitSites() as sites:
+        overlap_reductions(model, fresh=True)
+        model(ids, labels=ids).ce_sum.backward()
+        finish_reductions(model)
+        optimizer.step()
+    return {site: count for site, (count, _) in sites.waits.items()}
+
+
+def test_every_wait_of_a_step_is_named_by_its_site(rank_pool):
+    for rank, counts in enumerate(rank_pool(2).run(_one_step_by_site)):
+        assert "other" not in counts, (rank, counts)
+        for named in ("FSDP all-gather, root", "FSDP all-gather, embed", "FSDP all-gather, layers.1",
+                      "FSDP reduce-scatter", "EP all-to-all, forward", "EP all-to-all, backward", "Muon exchange"):
+            assert counts.get(named, 0) > 0, (rank, named, counts)
