@@ -31,7 +31,7 @@ from unittest import mock
 from ranks import init_gloo
 from trinity_train.config import ModelConfig
 from trinity_train.model.moe import MoE, GroupedExperts
-from trinity_train.parallel.expert_parallel import ExpertParallel, dispatch_tokens, combine_tokens
+from trinity_train.parallel.expert_parallel import ExpertParallel, cut_runs, through_experts
 
 E, D, I = 8, 16, 16
 LAYOUTS = {  # name: (efsdp, ep, tp) over 4 ranks
@@ -41,6 +41,7 @@ LAYOUTS = {  # name: (efsdp, ep, tp) over 4 ranks
     "ep2_tp2": (1, 2, 2),
 }
 BF16_LAYOUTS = ["ep2", "ep4", "ep2_tp2"]  # the layouts with an ep all-to-all
+WAVES = {"ep2": 3, "ep4": 2, "ep2_tp2": 2}  # waves of local experts: 4 in 3 runs (1+1+2), 2 in 2
 
 
 def _tokens(data_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -79,7 +80,8 @@ def _bf16(t: torch.Tensor) -> torch.Tensor:
     return t.to(torch.bfloat16).float()
 
 
-def _check_layout(shape: tuple[int, int, int], impl: str, wire_dtype: torch.dtype | None = None) -> dict:
+def _check_layout(shape: tuple[int, int, int], impl: str, wire_dtype: torch.dtype | None = None,
+                  waves: int = 1) -> dict:
     mesh = init_device_mesh("cpu", shape, mesh_dim_names=("efsdp", "ep", "tp"))
     data_rank = mesh["efsdp", "ep"]._flatten().get_local_rank()
     x, counts = _tokens(data_rank)
@@ -97,7 +99,7 @@ def _check_layout(shape: tuple[int, int, int], impl: str, wire_dtype: torch.dtyp
     for g in ref_grads.values():  # the experts see the tokens of every rank of the ep group
         dist.all_reduce(g, group=mesh["ep"].get_group())
 
-    par = parallelize_module(_full_experts(impl), mesh["ep", "tp"], ExpertParallel(wire_dtype))
+    par = parallelize_module(_full_experts(impl), mesh["ep", "tp"], ExpertParallel(wire_dtype, waves))
     x_par = x.clone().requires_grad_()
     sent = AllToAllDtypes()
     with sent:
@@ -110,19 +112,26 @@ def _check_layout(shape: tuple[int, int, int], impl: str, wire_dtype: torch.dtyp
         errors[n] = (p.grad.full_tensor() - ref_grads[n]).abs().max().item()
     local_experts = par.gate_proj.to_local().shape[0]
     return {"errors": errors, "local_experts": local_experts, "sent": sent.sent,
-            "out": out.detach(), "x_grad": x_par.grad}
+            "out": out.detach(), "x_grad": x_par.grad,
+            "grads": {n: p.grad.full_tensor() for n, p in par.named_parameters()}}
 
 
-def _dispatch_roundtrip() -> list:
-    """dispatch followed by combine must give every row back in place (ep=4, one empty rank)."""
+def _dispatch_roundtrip(waves: int) -> list:
+    """The experts' side sees its rows grouped by local expert, and what it returns comes back to
+    the rows it came from (ep=4, one rank sending nothing; the experts add 0.5 to every row)."""
     group = dist.group.WORLD
     rank = dist.get_rank()
     counts = torch.tensor([[2, 0, 1, 3, 0, 0, 4, 1], [0, 0, 0, 0, 0, 0, 0, 0],
                            [1, 1, 1, 1, 1, 1, 1, 1], [0, 5, 0, 0, 2, 0, 0, 0]])[rank]
     x = torch.arange(int(counts.sum()) * 2, dtype=torch.float32).view(-1, 2) + 1000 * rank
-    local, local_counts, plan = dispatch_tokens(x, counts, group)
-    back = combine_tokens(local, plan, group)
-    return [local_counts.tolist(), local.tolist(), (back - x).abs().max().item() if x.numel() else 0.0]
+    seen: list[tuple[list[int], list[list[float]]]] = []
+
+    def compute(rows: torch.Tensor, local_counts: torch.Tensor) -> torch.Tensor:
+        seen.append((local_counts.tolist(), rows.tolist()))
+        return rows + 0.5
+
+    back = through_experts(x, counts, group, compute, waves=waves)
+    return [seen, (back - x - 0.5).abs().max().item() if x.numel() else 0.0]
 
 
 class Timeline(TorchDispatchMode):
@@ -158,9 +167,11 @@ class Timeline(TorchDispatchMode):
                    if kind == "shared" and any(start < i < end for start, end in spans))
 
 
-def _moe_layer_run(overlapped: bool) -> dict:
+def _moe_layer_run(overlapped: bool, waves: int = 1) -> dict:
     """One MoE layer (shared expert, aux and z losses) over ep = all ranks, forward and backward;
-    not `overlapped`: the shared expert after the routed ones, as a compiled block runs it."""
+    not `overlapped`: the shared expert after the routed ones, as a compiled block runs it. In
+    "hidden": how many shared-expert ops and how many routed-expert ops ran while an all-to-all
+    travelled (forward, backward)."""
     torch.manual_seed(0)
     cfg = ModelConfig(hidden_size=D, moe_intermediate_size=I, num_experts=E, num_experts_per_tok=2,
                       aux_loss_alpha=1e-2, z_loss_weight=1e-3)
@@ -168,18 +179,20 @@ def _moe_layer_run(overlapped: bool) -> dict:
     for p in moe.parameters():
         torch.nn.init.normal_(p, std=0.3)
     parallelize_module(moe.experts, init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("ep",)),
-                       ExpertParallel())
+                       ExpertParallel(waves=waves))
     x = torch.randn(2, 6, D, generator=torch.Generator().manual_seed(dist.get_rank())).requires_grad_()
-    shared = [p for n, p in moe.shared_expert.named_parameters() if n.endswith("proj.weight")]
-    timeline = Timeline(shared)
-    with timeline, mock.patch("torch.compiler.is_compiling", return_value=not overlapped):
+    shared = Timeline([p for n, p in moe.shared_expert.named_parameters() if n.endswith("proj.weight")])
+    routed = Timeline([p.to_local() for p in moe.experts.parameters()])
+    with shared, routed, mock.patch("torch.compiler.is_compiling", return_value=not overlapped):
         out, aux = moe(x)
         loss = (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum() + aux.aux_loss + aux.router_z.sum()
-        forward = len(timeline.events)
+        forward = len(shared.events), len(routed.events)
         loss.backward()
+    hidden = {what: (timeline.hidden(timeline.events[:n]), timeline.hidden(timeline.events[n:]))
+              for what, timeline, n in (("shared", shared, forward[0]), ("routed", routed, forward[1]))}
     return {"out": out.detach(), "x_grad": x.grad,
             **{n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad) for n, p in moe.named_parameters()},
-            "hidden": (timeline.hidden(timeline.events[:forward]), timeline.hidden(timeline.events[forward:]))}
+            "hidden": hidden}
 
 
 def _all_checks() -> dict:
@@ -189,8 +202,11 @@ def _all_checks() -> dict:
                for name, shape in LAYOUTS.items() for impl in ("grouped", "loop")}
     results.update({(name, "bf16 wire"): _check_layout(LAYOUTS[name], "grouped", torch.bfloat16)
                     for name in BF16_LAYOUTS})
-    results["roundtrip"] = _dispatch_roundtrip()
-    results["shared expert"] = {overlapped: _moe_layer_run(overlapped) for overlapped in (True, False)}
+    results.update({(name, impl, "waves"): _check_layout(LAYOUTS[name], impl, waves=WAVES[name])
+                    for name in WAVES for impl in ("grouped", "loop")})
+    results["roundtrip"] = {waves: _dispatch_roundtrip(waves) for waves in (1, 2)}
+    results["moe layer"] = {(overlapped, waves): _moe_layer_run(overlapped, waves)
+                            for overlapped, waves in ((True, 1), (False, 1), (True, 2))}
     return results
 
 
@@ -238,25 +254,74 @@ def test_bf16_wire_sends_every_token_and_gradient_in_bf16(rank_results, layout):
 
 
 def test_dispatch_groups_tokens_by_local_expert_and_combine_restores_them(rank_results):
-    results = [r["roundtrip"] for r in rank_results]
     # rank 0 owns experts 0 and 1: it receives expert 0's rows (from ranks 0 then 2), then expert 1's
     # (from ranks 2 then 3); rank 1 sends nothing.
-    local_counts, local_rows, _ = results[0]
+    (local_counts, local_rows), = rank_results[0]["roundtrip"][1][0]
     assert local_counts == [3, 6]
     firsts = [row[0] for row in local_rows]
     assert firsts == [0.0, 2.0, 2000.0, 2002.0, 3000.0, 3002.0, 3004.0, 3006.0, 3008.0]
-    for rank, (_, _, roundtrip_err) in enumerate(results):
-        assert roundtrip_err == 0.0, f"rank {rank}: combine did not undo dispatch"
+    for rank, results in enumerate(rank_results):
+        for waves, (_, roundtrip_err) in results["roundtrip"].items():
+            assert roundtrip_err == 0.0, f"rank {rank}, {waves} waves: combine did not undo dispatch"
+
+
+def test_waves_carry_one_run_of_local_experts_each(rank_results):
+    """In two waves rank 0's first wave holds expert 0's rows only, the second expert 1's: the
+    same rows, in the same order, as one wave gives each expert."""
+    assert cut_runs(4, 3) == [range(0, 1), range(1, 2), range(2, 4)]
+    assert cut_runs(2, 4) == [range(0, 1), range(1, 2)]  # no more waves than local experts
+    (_, one_wave), = rank_results[0]["roundtrip"][1][0]
+    (counts0, rows0), (counts1, rows1) = rank_results[0]["roundtrip"][2][0]
+    assert (counts0, counts1) == ([3, 0], [0, 6])
+    assert rows0 + rows1 == one_wave
+
+
+def _same(a: torch.Tensor, b: torch.Tensor, exact: bool) -> bool:
+    """Bit for bit, or (not `exact`) within the tolerance the layouts keep to one process."""
+    return torch.equal(a, b) if exact else (a - b).abs().max().item() < 1e-5
+
+
+@pytest.mark.parametrize("impl", ["grouped", "loop"])
+@pytest.mark.parametrize("layout", list(WAVES))
+def test_waves_give_the_numbers_of_one_wave(rank_results, layout, impl):
+    """Every expert computes the same rows in the same order: bit for bit with the per-expert
+    loop. The grouped GEMM applies the activation to the whole buffer, where CPU vector kernels
+    round an element 1 ulp differently when it falls in a loop's scalar tail, which depends on its
+    position (as EP's buffers differ from one process's): within the layouts' tolerance there."""
+    exact = impl == "loop"
+    for rank, results in enumerate(rank_results):
+        one, waved = results[(layout, impl)], results[(layout, impl, "waves")]
+        for what in ("out", "x_grad"):
+            assert _same(one[what], waved[what], exact), f"rank {rank} {layout}/{impl}: {what} differs"
+        for name, grad in one["grads"].items():
+            assert _same(grad, waved["grads"][name], exact), f"rank {rank} {layout}/{impl}: {name} differs"
+        # a dispatch and a combine per wave, forward and backward, after the one count exchange
+        assert len(waved["sent"]) == 1 + 4 * WAVES[layout], waved["sent"]
 
 
 def test_shared_expert_computes_while_the_dispatch_travels_with_the_same_numbers(rank_results):
     for rank, results in enumerate(rank_results):
-        overlapped, after = results["shared expert"][True], results["shared expert"][False]
+        overlapped, after = results["moe layer"][(True, 1)], results["moe layer"][(False, 1)]
         # gate, up and down each read their weight while the all-to-all travels, forward (one
         # matmul each) and backward (the input gradients' matmuls)
-        forward, backward = overlapped["hidden"]
+        forward, backward = overlapped["hidden"]["shared"]
         assert forward == 3 and backward >= 3, f"rank {rank}: {overlapped['hidden']}"
-        assert after["hidden"] == (0, 0), f"rank {rank}: {after['hidden']}"
+        assert after["hidden"]["shared"] == (0, 0), f"rank {rank}: {after['hidden']}"
         for what, value in after.items():
             if what != "hidden":
                 assert torch.equal(overlapped[what], value), f"rank {rank}: {what} differs"
+
+
+def test_in_waves_the_experts_compute_while_tokens_travel(rank_results):
+    for rank, results in enumerate(rank_results):
+        one, two = results["moe layer"][(True, 1)], results["moe layer"][(True, 2)]
+        # one wave: the experts' ops run with nothing in flight; two: the first wave's while the
+        # second's tokens travel, the second's while the first's results travel back, and the
+        # same in the backward
+        assert one["hidden"]["routed"] == (0, 0), f"rank {rank}: {one['hidden']}"
+        forward, backward = two["hidden"]["routed"]
+        assert forward > 0 and backward > 0, f"rank {rank}: {two['hidden']}"
+        assert two["hidden"]["shared"] == one["hidden"]["shared"], f"rank {rank}: {two['hidden']}"
+        for what, value in one.items():
+            if what != "hidden":  # the grouped GEMM: see test_waves_give_the_numbers_of_one_wave
+                assert _same(two[what], value, exact=False), f"rank {rank}: {what} differs"

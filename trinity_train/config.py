@@ -175,6 +175,9 @@ class ParallelConfig:
     #   travels while the next unit's backward computes (GPUs overlap on NCCL's stream anyway)
     prefetch_all_gather: bool = True  # CPU (gloo) jobs: each block's FSDP all-gather is issued while
     #   the block before it computes (GPUs prefetch on a CUDA stream anyway)
+    ep_waves: int = 2  # the EP dispatch and combine in this many waves, each for a run of every
+    #   rank's local experts (at most one wave per local expert): a wave's tokens travel while the
+    #   wave before computes, with the same numbers; 1: one all-to-all each way
     ep_wire_dtype: str = "compute"  # "bf16": the EP all-to-alls carry the routed tokens' activations
     #   (and, in backward, their gradients) in bf16, cast back to the compute dtype on arrival: half
     #   the bytes of an fp32 job's dispatch and combine; "compute": as computed (bf16 already under
@@ -663,7 +666,7 @@ def _validate_optim(o: OptimConfig) -> None:
 
 
 def _validate_parallel(p: ParallelConfig) -> None:
-    for name in ("dp_replicate", "cp", "tp", "ep"):
+    for name in ("dp_replicate", "cp", "tp", "ep", "ep_waves"):
         require(getattr(p, name) >= 1, f"parallel.{name}", f"must be >= 1, got {getattr(p, name)}")
     require(p.dp_shard == -1 or p.dp_shard >= 1, "parallel.dp_shard", "must be >= 1, or -1 for the rest")
     for name in ("init_timeout_s", "collective_timeout_s"):

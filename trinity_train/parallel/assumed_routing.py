@@ -22,15 +22,15 @@ from dataclasses import dataclass
 class AssumedRouting:
     skew: float = 1.0  # tokens received by the traced rank's experts / the mean (>= 1)
 
-    def splits(self, copies: int, ep: int, num_local: int) -> tuple[list[int], list[int], list[list[int]]]:
+    def splits(self, copies: int, ep: int, num_local: int) -> tuple[list[list[int]], list[list[int]]]:
         """For a rank that routes `copies` token copies over `ep` ranks of `num_local` experts:
-        (copies sent to each rank, copies received from each rank, received[source][local
-        expert]). Sent copies are spread evenly; received ones are `skew` x the even share from
-        every source, spread evenly over the local experts."""
-        sent = _spread(copies, ep)
+        (sent[rank][local expert], received[source][local expert]). Sent copies are spread evenly
+        over the ranks and their experts; received ones are `skew` x the even share from every
+        source, spread evenly over the local experts."""
+        sent = [_spread(per_rank, num_local) for per_rank in _spread(copies, ep)]
         per_source = round(copies / ep * self.skew)
         received = [_spread(per_source, num_local) for _ in range(ep)]
-        return sent, [per_source] * ep, received
+        return sent, received
 
     def describe(self) -> str:
         return "balanced" if self.skew == 1.0 else f"skew={self.skew:g}"

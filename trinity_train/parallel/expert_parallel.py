@@ -4,14 +4,21 @@ The model's MoE sorts its token copies by expert and calls `experts(x_sorted, co
 `model/moe.py`). With `ExpertParallel` applied to that `GroupedExperts` module the call becomes
 (torchtitan's ExpertParallel pattern):
 
-1. dispatch: the per-expert counts are exchanged with an all-to-all, then the tokens themselves
-   with an autograd-aware `all_to_all_single` of uneven splits; what arrives is ordered
+1. dispatch: the per-expert counts are exchanged with an all-to-all (one host sync), then the
+   tokens themselves with autograd-aware all-to-alls of uneven splits; what arrives is ordered
    (source rank, local expert) and is permuted to (local expert, source rank), so every local
    expert sees one contiguous group. Work of the caller that needs no expert (the MoE's shared
-   expert, `alongside`) runs between the token all-to-all's issue and its wait, and its backward
-   between the issue and the wait of the gradients' all-to-all home;
+   expert, `alongside`) runs between the first token all-to-all's issue and its wait, and its
+   backward between the issue and the wait of the gradients' all-to-all home;
 2. the module's own forward runs on the local expert shards (one grouped GEMM per projection);
 3. combine: the permutation is undone and the results travel back with the reverse all-to-all.
+
+In waves (`parallel.ep_waves`, DeepSeek's dual-batch overlap cut by expert instead of by batch):
+every rank's local experts are cut into runs, and wave w carries the tokens of run w of every rank.
+Wave w+1's tokens travel while wave w's experts compute, and wave w's results travel home while
+wave w+1's compute; the backward runs the same pattern in reverse. An expert's rows are the same
+rows in the same order in any number of waves, and its weight gradient is its own rows' sum (the
+other waves add exact zeros), so the numbers are the same bit for bit.
 
 When tensor parallelism is on too, each expert's width is also split over `tp` (gate/up by rows,
 down by columns). Every tp rank holds the same tokens, so the expert input gets an identity forward
@@ -37,7 +44,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 import torch.distributed._functional_collectives as funcol
-from torch.distributed._functional_collectives import all_to_all_single, all_to_all_single_autograd
+from torch.distributed._functional_collectives import all_to_all_single
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle
@@ -49,47 +56,73 @@ from trinity_train.parallel.local_shards import local_shards, wrap_forward
 EXPERT_WIDTH_DIM = {"gate_proj": 1, "up_proj": 1, "down_proj": 2}
 
 
-@dataclass
-class DispatchPlan:
-    """What `combine_tokens` needs to undo `dispatch_tokens`."""
+def cut_runs(num_local: int, waves: int) -> list[range]:
+    """This rank's local experts cut into up to `waves` contiguous runs of about equal size (as
+    many as there are experts at most); run w of every rank travels in wave w."""
+    n = max(1, min(waves, num_local))
+    edges = [num_local * i // n for i in range(n + 1)]
+    return [range(a, b) for a, b in zip(edges, edges[1:])]
 
-    input_splits: list[int]  # rows this rank sent to each ep rank
-    output_splits: list[int]  # rows this rank received from each ep rank
-    order: torch.Tensor  # received row i is local row order[i] after the permutation
+
+@dataclass
+class Wave:
+    """One wave of the exchange: the tokens for one run of every ep rank's local experts."""
+
+    experts: range  # this rank's local experts that the wave's arrivals go to
+    send_splits: list[int]  # rows this rank sends to each ep rank (for that rank's run)
+    recv_splits: list[int]  # rows this rank receives from each ep rank
+    order: torch.Tensor  # arrived[order]: the arrivals in (local expert, source rank) order
+    local_counts: torch.Tensor  # [num_local] long, rows per local expert (0 outside `experts`)
 
 
 def _exclusive_cumsum(x: torch.Tensor) -> torch.Tensor:
     return torch.cumsum(x, dim=0) - x
 
 
-def _exchange_counts(counts: torch.Tensor, group, ep: int, num_local: int, copies: int
-                     ) -> tuple[torch.Tensor, list[int], list[int]]:
-    """(received [ep, num_local]: copies rank s sends to my local expert j, rows sent to each
-    rank, rows received from each rank). Measured with an all-to-all of the counts; under
+def _routing_table(counts: torch.Tensor, group, ep: int, num_local: int, copies: int
+                   ) -> tuple[list[list[int]], list[list[int]]]:
+    """(sent[r][j]: copies this rank sends to rank r's local expert j, received[s][j]: copies rank s
+    sends to my local expert j). Measured with an all-to-all of the counts and one host sync; under
     `assume_routing` (a data-free trace) taken from the assumption instead."""
     assumed = assumed_routing()
     if assumed is not None:
-        input_splits, output_splits, received = assumed.splits(copies, ep, num_local)
-        return torch.tensor(received, device=counts.device), input_splits, output_splits
+        return assumed.splits(copies, ep, num_local)
     with torch.no_grad():
-        # received[s * num_local + j]: copies that rank s sends to my local expert j
         received = all_to_all_single(counts, None, None, group)
         received = funcol.wait_tensor(received)  # through the module: the exposed-communication timer sees it
-        per_rank_sent = counts.view(ep, num_local).sum(dim=1)
-        received = received.view(ep, num_local)
-        splits = torch.stack([per_rank_sent, received.sum(dim=1)]).cpu()  # one device sync
-    input_splits, output_splits = splits.tolist()
-    return received, input_splits, output_splits
+        sent, received = torch.stack([counts.view(ep, num_local), received.view(ep, num_local)]).cpu().tolist()
+    return sent, received
 
 
-def _all_to_all(x: torch.Tensor, output_splits: list[int], input_splits: list[int], group,
-                wire_dtype: torch.dtype | None) -> torch.Tensor:
-    """The autograd-aware all-to-all of `x`, sent as `wire_dtype` (None: as it is) and returned in
-    `x`'s dtype; the backward's gradient travels as `wire_dtype` too (each cast's backward casts
-    the gradient)."""
-    if wire_dtype is None or wire_dtype == x.dtype:
-        return all_to_all_single_autograd(x, output_splits, input_splits, group)
-    return all_to_all_single_autograd(x.to(wire_dtype), output_splits, input_splits, group).to(x.dtype)
+def _arrival_order(block: list[list[int]], num_local: int, experts: range, device: torch.device
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """For arrivals ordered (source s, expert j of the run) with block[s][j] rows each: the
+    gather that orders them (expert j, source s), and the rows per local expert [num_local]."""
+    with torch.no_grad():
+        received = torch.tensor(block, dtype=torch.long, device=device).view(len(block), len(experts))
+        block_start = _exclusive_cumsum(received.flatten()).view_as(received).t().flatten()
+        block_len = received.t().flatten()
+        total = sum(map(sum, block))
+        order = (torch.repeat_interleave(block_start - _exclusive_cumsum(block_len), block_len, output_size=total)
+                 + torch.arange(total, device=device))
+        local_counts = torch.zeros(num_local, dtype=torch.long, device=device)
+        local_counts[experts.start:experts.stop] = received.sum(dim=0)
+    return order, local_counts
+
+
+def plan_waves(counts: torch.Tensor, group, copies: int, waves: int) -> list[Wave]:
+    """Who sends how many rows to whom in each wave, from this rank's copies per expert `counts`
+    [E] (sorted by global expert id: rank r's local experts are r*L .. r*L+L-1)."""
+    ep = group.size()
+    num_local = counts.numel() // ep
+    sent, received = _routing_table(counts, group, ep, num_local, copies)
+    plan = []
+    for run in cut_runs(num_local, waves):
+        block = [row[run.start:run.stop] for row in received]
+        order, local_counts = _arrival_order(block, num_local, run, counts.device)
+        plan.append(Wave(run, [sum(row[run.start:run.stop]) for row in sent], [sum(b) for b in block],
+                         order, local_counts))
+    return plan
 
 
 class _InFlight:
@@ -140,51 +173,70 @@ class _Receive(torch.autograd.Function):
         return grad, None  # a stand-in of the right shape: `_Send`'s backward returns the real one
 
 
-def _all_to_all_alongside(x: torch.Tensor, output_splits: list[int], input_splits: list[int], group,
-                          wire_dtype: torch.dtype | None, alongside: Callable[[], None]) -> torch.Tensor:
-    """`_all_to_all` with `alongside()` run while the rows travel, and its backward while their
-    gradients travel back (the same collectives and casts, in the same order: the same numbers)."""
-    cast = wire_dtype is not None and wire_dtype != x.dtype
-    flight = _InFlight(output_splits, input_splits, group)
-    in_flight = _Send.apply(x.to(wire_dtype) if cast else x, flight)
-    alongside()
-    received = _Receive.apply(in_flight, flight)
-    return received.to(x.dtype) if cast else received
+class _Transfer:
+    """An autograd-aware all-to-all of `x` started now (as `wire_dtype`, if given) and finished by
+    `result()` (in `x`'s dtype): what is computed between the two, it overlaps forward, and its
+    backward overlaps the gradients' all-to-all back (the casts' backward casts the gradients)."""
+
+    def __init__(self, x: torch.Tensor, output_splits: list[int], input_splits: list[int], group,
+                 wire_dtype: torch.dtype | None):
+        self.dtype = x.dtype
+        self.cast = wire_dtype is not None and wire_dtype != x.dtype
+        self.flight = _InFlight(output_splits, input_splits, group)
+        self.in_flight = _Send.apply(x.to(wire_dtype) if self.cast else x, self.flight)
+
+    def result(self) -> torch.Tensor:
+        received = _Receive.apply(self.in_flight, self.flight)
+        return received.to(self.dtype) if self.cast else received
 
 
-def dispatch_tokens(x_sorted: torch.Tensor, counts: torch.Tensor, group, wire_dtype: torch.dtype | None = None,
-                    alongside: Callable[[], None] | None = None) -> tuple[torch.Tensor, torch.Tensor, DispatchPlan]:
-    """Send each token copy to the rank that owns its expert (as `wire_dtype`, if given), running
-    `alongside()` (the caller's work that does not need the experts) while the tokens travel.
+def _by_wave(x_sorted: torch.Tensor, plan: list[Wave]) -> list[torch.Tensor]:
+    """x_sorted's rows regrouped into each wave's send buffer (rank r's run w, for every r)."""
+    if len(plan) == 1:
+        return [x_sorted]
+    pieces = torch.split(x_sorted, [w.send_splits[r] for r in range(len(plan[0].send_splits)) for w in plan])
+    return [torch.cat(pieces[i::len(plan)]) for i in range(len(plan))]
+
+
+def _from_waves(returned: list[torch.Tensor], plan: list[Wave]) -> torch.Tensor:
+    """The inverse of `_by_wave`: each wave's returned rows back in x_sorted's order."""
+    if len(plan) == 1:
+        return returned[0]
+    per_wave = [torch.split(rows, wave.send_splits) for rows, wave in zip(returned, plan)]
+    return torch.cat([pieces[r] for r in range(len(plan[0].send_splits)) for pieces in per_wave])
+
+
+def through_experts(x_sorted: torch.Tensor, counts: torch.Tensor, group,
+                    compute: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                    wire_dtype: torch.dtype | None = None, waves: int = 1,
+                    alongside: Callable[[], None] | None = None) -> torch.Tensor:
+    """Each token copy to the rank that owns its expert, `compute(tokens, counts per local
+    expert)` there, and the results back to the rows they came from, in `waves` waves.
 
     x_sorted [N, d] token copies sorted by global expert id, counts [E] long copies per expert.
-    Returns (tokens [M, d] grouped by local expert, counts per local expert [E / ep], plan).
+    `alongside()` (the caller's work that needs no expert) runs while the first wave travels.
+    Wave w+1's tokens travel while wave w's experts compute, and wave w's results travel back
+    while wave w+1's compute; the backward mirrors it (DESIGN §5). Every expert sees the same rows
+    in the same order whatever `waves` is, so the numbers are the same; one in flight each way.
     """
-    ep = group.size()
-    num_local = counts.numel() // ep
-    received, input_splits, output_splits = _exchange_counts(counts, group, ep, num_local, x_sorted.shape[0])
-    if alongside is None:
-        tokens = _all_to_all(x_sorted, output_splits, input_splits, group, wire_dtype)
-    else:
-        tokens = _all_to_all_alongside(x_sorted, output_splits, input_splits, group, wire_dtype, alongside)
-
-    # Arrived blocks are ordered (source s, expert j); gather them in (expert j, source s) order.
-    with torch.no_grad():
-        block_start = _exclusive_cumsum(received.flatten()).view(ep, num_local).t().flatten()
-        block_len = received.t().flatten()
-        out_start = _exclusive_cumsum(block_len)
-        total = sum(output_splits)
-        order = (torch.repeat_interleave(block_start - out_start, block_len, output_size=total)
-                 + torch.arange(total, device=counts.device))
-    local_counts = received.sum(dim=0)
-    return tokens[order], local_counts, DispatchPlan(input_splits, output_splits, order)
-
-
-def combine_tokens(y_local: torch.Tensor, plan: DispatchPlan, group, wire_dtype: torch.dtype | None = None
-                   ) -> torch.Tensor:
-    """Inverse of `dispatch_tokens`: results back to the ranks and rows their tokens came from."""
-    arrived_order = torch.empty_like(y_local).index_copy(0, plan.order, y_local)
-    return _all_to_all(arrived_order, plan.input_splits, plan.output_splits, group, wire_dtype)
+    plan = plan_waves(counts, group, x_sorted.shape[0], waves)
+    sends = _by_wave(x_sorted, plan)
+    going = _Transfer(sends[0], plan[0].recv_splits, plan[0].send_splits, group, wire_dtype)
+    if alongside is not None:
+        alongside()
+    returned: list[torch.Tensor] = []
+    coming: _Transfer | None = None  # the previous wave's results on their way back
+    for w, wave in enumerate(plan):
+        arrived = going.result()
+        if w + 1 < len(plan):
+            going = _Transfer(sends[w + 1], plan[w + 1].recv_splits, plan[w + 1].send_splits, group, wire_dtype)
+        y = compute(arrived[wave.order], wave.local_counts)
+        if coming is not None:  # they travelled during this compute
+            returned.append(coming.result())
+        back_in_arrival_order = torch.empty_like(y).index_copy(0, wave.order, y)
+        coming = _Transfer(back_in_arrival_order, wave.send_splits, wave.recv_splits, group, wire_dtype)
+    returned.append(coming.result())
+    return _from_waves(returned, plan)
 
 
 def _tp_input(x: torch.Tensor, tp_mesh: DeviceMesh) -> torch.Tensor:
@@ -200,11 +252,13 @@ def _tp_output(y: torch.Tensor, tp_mesh: DeviceMesh) -> torch.Tensor:
 
 class ExpertParallel(ParallelStyle):
     """Apply to a `GroupedExperts` module with a mesh whose dims are "ep", "tp" or both; the
-    tokens travel between the ep ranks as `wire_dtype` (None: in the dtype they are computed in)."""
+    tokens travel between the ep ranks as `wire_dtype` (None: in the dtype they are computed in),
+    in `waves` waves of local experts (`through_experts`)."""
 
-    def __init__(self, wire_dtype: torch.dtype | None = None):
+    def __init__(self, wire_dtype: torch.dtype | None = None, waves: int = 1):
         super().__init__()
         self.wire_dtype = wire_dtype
+        self.waves = waves
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         names = device_mesh.mesh_dim_names or ()
@@ -217,19 +271,17 @@ class ExpertParallel(ParallelStyle):
                 getattr(module, name).data, device_mesh, placements, src_data_rank=None)))
         ep_group = device_mesh["ep"].get_group() if "ep" in names else None
         tp = device_mesh["tp"] if "tp" in names else None
-        wire_dtype = self.wire_dtype
+        wire_dtype, waves = self.wire_dtype, self.waves
 
         def around(mod: nn.Module, forward, x_sorted: torch.Tensor, counts: torch.Tensor,
                    alongside: Callable[[], None] | None = None):
             if tp is not None:
                 x_sorted = _tp_input(x_sorted, tp)
-            if ep_group is not None:
-                x_sorted, counts, plan = dispatch_tokens(x_sorted, counts, ep_group, wire_dtype, alongside)
-                alongside = None  # done while the tokens travelled
             with local_shards(mod):
-                out = forward(x_sorted, counts, alongside)
-            if ep_group is not None:
-                out = combine_tokens(out, plan, ep_group, wire_dtype)
+                if ep_group is None:
+                    out = forward(x_sorted, counts, alongside)
+                else:  # the experts' forward takes no `alongside`: it runs while the tokens travel
+                    out = through_experts(x_sorted, counts, ep_group, forward, wire_dtype, waves, alongside)
             if tp is not None:
                 out = _tp_output(out, tp)
             return out

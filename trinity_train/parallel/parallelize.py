@@ -15,7 +15,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor.parallel import parallelize_module
 
-from trinity_train.config import Config
+from trinity_train.config import Config, ParallelConfig
 from trinity_train.model import TrinityModel, build_model
 from trinity_train.parallel.expert_parallel import ExpertParallel
 from trinity_train.parallel.fsdp import apply_fsdp
@@ -28,15 +28,16 @@ from trinity_train.parallel.wire_precision import wire_dtype
 Wrap = Callable[[nn.Module, Config], nn.Module]
 
 
-def split_model(model: TrinityModel, dims: ParallelDims, ep_wire_dtype: str = "compute") -> TrinityModel:
+def split_model(model: TrinityModel, dims: ParallelDims, parallel: ParallelConfig | None = None) -> TrinityModel:
     """Tensor and expert parallelism, in place, on a model built on the meta device; the EP
-    all-to-alls send as `ep_wire_dtype` says (`parallel.ep_wire_dtype`)."""
+    all-to-alls go as `parallel` says (`ep_wire_dtype`, `ep_waves`; None: the defaults)."""
+    parallel = parallel or ParallelConfig()
     if dims.tp > 1:
         apply_tensor_parallel(model, dims.tp_mesh)
     expert_mesh = dims.expert_mesh
     if expert_mesh is not None:
         for moe in model.moe_layers:
-            parallelize_module(moe.experts, expert_mesh, ExpertParallel(wire_dtype(ep_wire_dtype)))
+            parallelize_module(moe.experts, expert_mesh, ExpertParallel(wire_dtype(parallel.ep_wire_dtype), parallel.ep_waves))
     return model
 
 
@@ -45,7 +46,7 @@ def build_parallel_model(cfg: Config, dims: ParallelDims, device: torch.device,
     """Build, parallelise, materialise and initialise (seeded with `train.seed`) the model."""
     model = build_model(cfg.model, device="meta")
     if dims.is_distributed:
-        split_model(model, dims, cfg.parallel.ep_wire_dtype)
+        split_model(model, dims, cfg.parallel)
     if wrap is not None:
         model = wrap(model, cfg)
     if dims.is_distributed:

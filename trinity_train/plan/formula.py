@@ -39,6 +39,7 @@ from trinity_train.optim.groups import is_muon_param
 from trinity_train.optim.muon import deal_rounds, ns_cost
 from trinity_train.optim.muon_exchange import EXCHANGE_BYTES, exchange_calls
 from trinity_train.parallel.assumed_routing import AssumedRouting
+from trinity_train.parallel.expert_parallel import cut_runs
 from trinity_train.parallel.mesh import ParallelDims
 from trinity_train.plan.collectives import (CP_CATEGORY, EP_ALL_TO_ALL, FSDP_ALL_GATHER, FSDP_ALL_REDUCE, FSDP_REDUCE_SCATTER,
                                             MUON_REDISTRIBUTE)
@@ -592,7 +593,8 @@ def traffic_per_rank(cfg: Config, dims: ParallelDims, *, gpu: bool,
         out_of_rank = tokens * m.num_experts_per_tok * (dims.ep - 1) / dims.ep * m.hidden_size * nums.ep_wire
         per_layer = 2 * out_of_rank * (1 + routing.skew)  # dispatch and combine, forward and backward
         forwards = 2 if cfg.train.activation_checkpointing else 1  # the recomputation dispatches again
-        calls = 2 * (forwards + 1) * moe_layers * accum
+        waves = len(cut_runs(m.num_experts // dims.ep, cfg.parallel.ep_waves))  # each wave its own calls
+        calls = 2 * (forwards + 1) * waves * moe_layers * accum
         sent = (per_layer + (forwards - 1) * out_of_rank * (1 + routing.skew)) * moe_layers * accum
         flows.append(Flow(EP_ALL_TO_ALL, "all_to_all", "ep", dims.ep, calls, sent))
     if dims.cp > 1:

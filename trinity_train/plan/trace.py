@@ -176,7 +176,7 @@ def trace_rank(cfg: Config, world_size: int, rank: int, *, gpu: bool,
         dims.build_mesh("cpu")
         model = build_model(cfg.model, device="meta")
         if dims.is_distributed:
-            split_model(model, dims, cfg.parallel.ep_wire_dtype)
+            split_model(model, dims, cfg.parallel)
         model = apply_training_wrappers(model, cfg)
         if dims.is_distributed:
             apply_fsdp(model, dims, device, cfg.train.dtype, cfg.parallel)
