@@ -28,6 +28,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceS
 
 from conftest import TINY_MODEL
 from ranks import init_gloo
+from tiny_fsdp import tiny_fsdp_model
 from trinity_train.config import load_config
 from trinity_train.parallel.gloo_reduce_scatter import AllToAllReduceScatter
 from trinity_train.plan.collectives import (FSDP_ALL_GATHER, FSDP_ALL_REDUCE, FSDP_REDUCE_SCATTER, CollectiveLog,
@@ -164,26 +165,10 @@ def _unit_groups(model):
     return [group for m in model.modules() if isinstance(m, FSDPModule) for group in m._get_fsdp_state()._fsdp_param_groups]
 
 
-def _tiny_fsdp_model(**parallel) -> tuple:
-    """The tiny model under FSDP over both ranks (`parallel` on top) and this rank's batch. No
-    all-gather prefetched on gloo's threads while a reduce-scatter's bytes are counted."""
-    from trinity_train.parallel.mesh import ParallelDims
-    from trinity_train.parallel.parallelize import build_parallel_model
-
-    init_gloo()
-    cfg = load_config(None, {"model": dict(TINY_MODEL),
-                             "parallel": {"dp_shard": 2, "prefetch_all_gather": False, **parallel}})
-    dims = ParallelDims.from_config(cfg, dist.get_world_size())
-    dims.build_mesh("cpu")
-    model = build_parallel_model(cfg, dims, torch.device("cpu"))
-    g = torch.Generator().manual_seed(dist.get_rank())
-    return model, torch.randint(0, cfg.model.vocab_size, (2, 16), generator=g)
-
-
 def _fsdp_backward() -> dict:
     """One forward/backward of the tiny model under FSDP over both ranks, with gloo's
     reduce-scatter and with the all-to-all one: their gradients, bytes, and the planner's log."""
-    model, ids = _tiny_fsdp_model()
+    model, ids = tiny_fsdp_model()
     result = {"installed": {type(group._reduce_scatter_comm) for group in _unit_groups(model)}}
     for name, comm in (("gloo", DefaultReduceScatter), ("all_to_all", AllToAllReduceScatter),
                        ("overlapped", AllToAllReduceScatter)):
@@ -259,7 +244,7 @@ def _fsdp_backward_bf16_wire() -> dict:
     """`_fsdp_backward`'s model and batch built with `parallel.reduce_wire_dtype = "bf16"`, its
     reduce-scatters overlapped as in training: the gradients, bytes, log, and each call's output
     against the hand-made fp32 sum of every rank's bf16-rounded chunk."""
-    model, ids = _tiny_fsdp_model(reduce_wire_dtype="bf16")
+    model, ids = tiny_fsdp_model(reduce_wire_dtype="bf16")
     groups = _unit_groups(model)
     shared = groups[0]._reduce_scatter_comm
     result = {"installed": {(type(g._reduce_scatter_comm), g._reduce_scatter_comm.wire_dtype) for g in groups},

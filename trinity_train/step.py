@@ -31,9 +31,10 @@ from trinity_train.config import Config, position_bucket_starts
 from trinity_train.model.attention import positions_from_documents
 from trinity_train.model.loss import GROUP_CE, GROUP_TOKENS, IGNORE_INDEX
 from trinity_train.observe.layer_stats import LayerStatsCollector, per_layer_grad_norms
+from trinity_train.optim.muon import Muon
 from trinity_train.parallel.context import sequence_shard, shard_micro_batch
 from trinity_train.parallel.fsdp import (all_reduce_across_replicas, finish_reductions, overlap_reductions,
-                                         reduce_gradients)
+                                         prefetch_next_forward, reduce_gradients)
 from trinity_train.parallel.mesh import ParallelDims
 from trinity_train.parallel.reductions import clip_grads_with_norm_, global_grad_norm, sum_over_data_parallel
 from trinity_train.stability import StepGuard, Verdict
@@ -192,7 +193,10 @@ class TrainingStep:
         the expert-bias update, the scheduler step."""
         if self.cfg.train.grad_clip > 0:
             clip_grads_with_norm_(self.params, self.cfg.train.grad_clip, grad_norm)
-        self.optimizer.step()
+        if isinstance(self.optimizer, Muon):  # the embedding's and the head's values are final first
+            self.optimizer.step(after_adamw=lambda: prefetch_next_forward(self.model))
+        else:
+            self.optimizer.step()
         self.model.update_expert_biases(tokens_per_expert)
         self.scheduler.step()
 

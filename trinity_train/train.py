@@ -53,6 +53,7 @@ from trinity_train.observe.recorder import RecordingCallback
 from trinity_train.observe.timeline import TimelineWriter
 from trinity_train.optim.groups import build_optimizer
 from trinity_train.optim.schedule import build_scheduler, describe_replanned, replanned
+from trinity_train.parallel.fsdp import discard_next_forward
 from trinity_train.parallel.mesh import ParallelDims
 from trinity_train.parallel.parallelize import build_parallel_model
 from trinity_train.parallel.process_group import (destroy_distributed, init_distributed, leave_together,
@@ -290,6 +291,7 @@ class Trainer:
     def _load(self, path: Path) -> dict:
         """Load every stateful component from the checkpoint `path` (a resume, a rollback);
         returns its meta.json."""
+        discard_next_forward(self.model)  # gathered from the values the load replaces
         with self.phase(Phase.CHECKPOINT_LOAD):
             meta = load_checkpoint(path, self.checkpoint_state(), self.cfg)
         self._apply_lr()

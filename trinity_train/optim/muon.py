@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -185,7 +185,10 @@ class Muon(torch.optim.Optimizer):
                                  f"shape {tuple(p.shape)}; put it in an 'adamw' group")
 
     @torch.no_grad()
-    def step(self, closure=None):
+    def step(self, closure=None, after_adamw: Callable[[], None] | None = None):
+        """One step of every group; `after_adamw()` runs between the AdamW part and the Muon part,
+        when the AdamW groups' parameters are final (the training step starts the next forward's
+        first all-gathers there)."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -193,6 +196,8 @@ class Muon(torch.optim.Optimizer):
         for group in self.param_groups:
             if group["kind"] == "adamw":
                 self._adamw_step(group)
+        if after_adamw is not None:
+            after_adamw()
         self._muon_step([g for g in self.param_groups if g["kind"] == "muon"])
         return loss
 

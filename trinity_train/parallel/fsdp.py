@@ -38,7 +38,12 @@ threads instead, with the same collectives and the same numbers:
   gradient before then: not under HSDP (FSDP all-reduces the reduce-scatter's output at once) and
   not in a micro-batch that adds to the gradients of an earlier one (`overlap_reductions`).
 - `parallel.prefetch_all_gather`: each block's all-gather is issued asynchronously while the block
-  before it computes (in backward, the block after it), FSDP2's explicit prefetch.
+  before it computes (in backward, the block after it), FSDP2's explicit prefetch; and the next
+  forward's first all-gathers (the root unit's, final norm and head, and the embedding's), which
+  nothing computes beside, are issued in the optimizer step as soon as those parameters are final
+  (after Muon's AdamW part, `prefetch_next_forward`): they travel while Muon's Newton-Schulz runs.
+  The next forward (or a validation pass) waits for them in FSDP's pre-forward; a checkpoint load
+  first discards them (`discard_next_forward`). Holds those two units unsharded through Muon's part.
 
 Gradients in bf16 on the wire (`parallel.reduce_wire_dtype = "bf16"`, off by default): half the
 bytes of every reduce-scatter and of HSDP's all-reduce, for the rounding of each rank's gradient
@@ -66,6 +71,9 @@ from trinity_train.parallel.wire_precision import wire_dtype
 
 # The model's one reduce-scatter object on a CPU job, which the step tells when it may overlap.
 _REDUCE_SCATTERS: WeakKeyDictionary[nn.Module, AllToAllReduceScatter] = WeakKeyDictionary()
+# The units whose all-gathers `prefetch_next_forward` issues (a CPU job with prefetch on), and the
+# handles of the ones issued and not yet discarded.
+_NEXT_FORWARD: WeakKeyDictionary[nn.Module, tuple[list[FSDPModule], list]] = WeakKeyDictionary()
 
 
 def expert_placement(efsdp: int) -> Callable[[nn.Parameter], Shard]:
@@ -137,6 +145,7 @@ def apply_fsdp(model: nn.Module, dims: ParallelDims, device: torch.device, dtype
             _REDUCE_SCATTERS[model] = reduce_scatter
         if parallel.prefetch_all_gather:
             prefetch_neighbouring_blocks(model)
+            _NEXT_FORWARD[model] = ([model, model.embed], [])
 
 
 def _units_of(block: nn.Module) -> list[FSDPModule]:
@@ -157,6 +166,29 @@ def prefetch_neighbouring_blocks(model: nn.Module) -> None:
             block.set_modules_to_forward_prefetch(_units_of(blocks[i + 1]))
         if i > 0:
             block.set_modules_to_backward_prefetch(_units_of(blocks[i - 1]))
+
+
+def prefetch_next_forward(model: nn.Module) -> None:
+    """Issue the next forward's first all-gathers (the root unit's and the embedding's) now, on
+    gloo's threads: call once their parameters are final for the step. The forward waits for them
+    in FSDP's pre-forward hooks. A no-op without `parallel.prefetch_all_gather` or off a CPU job."""
+    if model in _NEXT_FORWARD:
+        units, handles = _NEXT_FORWARD[model]
+        handles[:] = [unit.unshard(async_op=True) for unit in units]
+
+
+def discard_next_forward(model: nn.Module) -> None:
+    """Before parameters change other than by the optimizer (a checkpoint load): wait for the
+    all-gathers `prefetch_next_forward` issued and free what they gathered, so that the next
+    forward gathers the new values. A no-op when none is pending."""
+    if model in _NEXT_FORWARD:
+        units, handles = _NEXT_FORWARD[model]
+        for handle in handles:
+            handle.wait()  # a no-op for one a forward already waited for
+        if handles:
+            for unit in units:
+                unit.reshard()
+        handles.clear()
 
 
 def overlap_reductions(model: nn.Module, fresh: bool) -> None:

@@ -1,0 +1,91 @@
+"""The next forward's first all-gathers, issued in the optimizer step (`parallel/fsdp.py`,
+`prefetch_next_forward`), on two gloo ranks with the tiny model under FSDP.
+
+- Prefetched, the forward issues two all-gathers fewer (the root unit's and the embedding's: it
+  waits for the prefetched ones) and computes the same loss and gradients bit for bit.
+- Parameters changed after the prefetch (what a checkpoint load does) are what the next forward
+  uses once `discard_next_forward` has run; without it the forward would use the gathered old
+  values (checked too, so the check can fail).
+- Muon calls `after_adamw` between its AdamW part and its Muon part, where the training step
+  prefetches (only the training step: DCP's optimizer-state initialisation steps it too).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tiny_fsdp import tiny_fsdp_model
+from trinity_train.optim.muon import Muon
+from trinity_train.parallel.fsdp import discard_next_forward, prefetch_next_forward
+from trinity_train.plan.collectives import FSDP_ALL_GATHER, CollectiveLog
+
+
+def _checks() -> dict:
+    model, ids = tiny_fsdp_model(prefetch_all_gather=True)
+
+    def step() -> dict:
+        """A forward and backward: the loss, the gradients, the FSDP all-gathers issued."""
+        log = CollectiveLog()
+        with log:
+            loss = model(ids, labels=ids).ce_sum
+            loss.backward()
+        grads = {n: p.grad.to_local().clone() for n, p in model.named_parameters()}
+        model.zero_grad(set_to_none=True)
+        gathers = sum(1 for call in log.calls if call.category == FSDP_ALL_GATHER)
+        return {"loss": loss.detach(), "grads": grads, "gathers": gathers}
+
+    def scale_shards() -> None:  # new values in the sharded parameters, as a checkpoint load writes
+        with torch.no_grad():
+            for p in model.parameters():
+                p.to_local().mul_(1.5)
+
+    result = {"plain": step()}
+    prefetch_next_forward(model)
+    result["prefetched"] = step()
+
+    prefetch_next_forward(model)
+    scale_shards()
+    discard_next_forward(model)
+    result["discarded"], result["after discarded"] = step(), step()
+
+    prefetch_next_forward(model)
+    scale_shards()
+    result["stale"], result["after stale"] = step(), step()
+    return result
+
+
+@pytest.fixture(scope="module")
+def prefetch_results(rank_pool) -> list[dict]:
+    return rank_pool(2).run(_checks)
+
+
+def _same(a: dict, b: dict) -> bool:
+    return torch.equal(a["loss"], b["loss"]) and all(torch.equal(g, b["grads"][n]) for n, g in a["grads"].items())
+
+
+def test_a_prefetched_forward_waits_for_the_first_gathers_and_gives_the_same_bits(prefetch_results):
+    for rank, result in enumerate(prefetch_results):
+        plain, prefetched = result["plain"], result["prefetched"]
+        assert plain["gathers"] - prefetched["gathers"] == 2, f"rank {rank}: {plain['gathers']}, {prefetched['gathers']}"
+        assert _same(plain, prefetched), f"rank {rank}"
+
+
+def test_a_discarded_prefetch_leaves_the_next_forward_the_new_values(prefetch_results):
+    for rank, result in enumerate(prefetch_results):
+        assert _same(result["discarded"], result["after discarded"]), f"rank {rank}"
+        assert not torch.equal(result["discarded"]["loss"], result["plain"]["loss"])
+        # not discarded: the root's and the embedding's old values were used
+        assert not torch.equal(result["stale"]["loss"], result["after stale"]["loss"]), f"rank {rank}"
+
+
+def test_muon_runs_its_hook_between_the_adamw_and_the_muon_parts():
+    matrix, vector = torch.nn.Parameter(torch.randn(4, 4)), torch.nn.Parameter(torch.randn(4))
+    opt = Muon([{"params": [matrix], "kind": "muon"}, {"params": [vector], "kind": "adamw"}], lr=0.1)
+    before = {"matrix": matrix.detach().clone(), "vector": vector.detach().clone()}
+    seen = {}
+    matrix.grad, vector.grad = torch.randn(4, 4), torch.randn(4)
+    opt.step(after_adamw=lambda: seen.update(vector=not torch.equal(vector, before["vector"]),
+                                             matrix=not torch.equal(matrix, before["matrix"])))
+    assert seen == {"vector": True, "matrix": False}
+    assert not torch.equal(matrix, before["matrix"])
