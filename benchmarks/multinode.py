@@ -36,8 +36,8 @@ conditions use the same two cores:
    global batch): 2 hosts x 2 ranks keep the shard and expert groups inside a host and only the
    replicas' all-reduce crosses the link (parallel/node_layout.py), against 1 host x 4 ranks, in
    rounds of the four conditions of 1. (`--skip-throughput --skip-recovery --hsdp` runs it alone.)
-5. With --where, where the exposed communication sits: the 2-rank job on 1 host, at 1 Gbit/s, and
-   at 1 Gbit/s with both overlap settings off, with every collective wait of each rank's training
+5. With --where, where the exposed communication sits: the 2-rank job on 1 host, at 1 Gbit/s, at
+   1 Gbit/s with the EP all-to-alls in one wave, and at 1 Gbit/s with every overlap off, with every collective wait of each rank's training
    thread timed by the place that waits (`wait_sites.py`: an FSDP unit's all-gather, the
    reduce-scatters, the EP all-to-alls of the forward and the backward, Muon's exchange, the step's
    reductions), and what the link added to each. (`--skip-throughput --skip-recovery --where` runs it alone.)
@@ -101,12 +101,15 @@ PAIR = Layout(1, ("--parallel.allow_ep_tp_across_nodes=true",), "1 host x 2 rank
 # Section 4 (--hsdp): 4 ranks, HSDP 2 x 2, EP inside a replica; 2 per host keep both inside a host.
 HSDP = Layout(2, ("--parallel.dp_replicate=2", "--parallel.dp_shard=2", "--train.micro_batch_size=2"),
               "1 host x 4 ranks, HSDP", "2 hosts x 2 ranks, HSDP")
-# The overlap settings the ablation turns on one by one (parallel/fsdp.py), after none of them.
-OVERLAP_OFF = ("--parallel.overlap_reduce_scatter=false", "--parallel.prefetch_all_gather=false")
+# The overlap settings the ablation turns on one by one (parallel/fsdp.py, parallel/expert_parallel.py),
+# after none of them.
+ONE_EP_WAVE = "--parallel.ep_waves=1"
+OVERLAP_OFF = ("--parallel.overlap_reduce_scatter=false", "--parallel.prefetch_all_gather=false", ONE_EP_WAVE)
 ABLATION = (
     ("no overlap", OVERLAP_OFF),
-    ("+ reduce-scatter overlapped", ("--parallel.prefetch_all_gather=false",)),
-    ("+ all-gather prefetched (default)", ()),
+    ("+ reduce-scatter overlapped", ("--parallel.prefetch_all_gather=false", ONE_EP_WAVE)),
+    ("+ all-gather prefetched", (ONE_EP_WAVE,)),
+    ("+ EP all-to-alls in waves (default)", ()),
     ("+ blocks kept gathered for backward", ("--parallel.reshard_after_forward=false",)),
 )
 # (letter, what the name says of the link, shape settings; None: one host, loopback). Delays only
@@ -565,15 +568,23 @@ def theory(overrides: tuple[str, ...], world: int) -> dict:
             "sharded_params": sum(p for p, _ in units), "expert_params": expert_params, "tokens_per_rank": tokens}
 
 
+def rank_iterations(out_dir: Path, name: str, first: int, last: int) -> list[list[dict]]:
+    """Per rank of the 2-rank job: the per-iteration tables its instrument wrote to
+    OUT_DIR/{name}{rank}.json ({iteration: table}), iterations `first` to `last`."""
+    per_rank = []
+    for rank in (0, 1):
+        data = json.loads((out_dir / f"{name}{rank}.json").read_text())
+        per_rank.append([table for it, table in data.items() if first <= int(it) <= last])
+    return per_rank
+
+
 def count_job(bench: Bench, steps: int) -> dict:
     counter_dir = bench.work / "collectives"
     result = bench.throughput_job(PAIR.condition("count", "unshaped, counting"), (), steps,
                                   extra_env=instrumented_env(bench, COUNTER_ENV, counter_dir))
     i0, i1 = result["wire_iters"]
     per_rank = []
-    for rank in (0, 1):
-        data = json.loads((counter_dir / f"rank{rank}.json").read_text())
-        window = [data[str(i)] for i in range(i0 + 1, i1 + 1)]
+    for window in rank_iterations(counter_dir, "rank", i0 + 1, i1):
         kinds = sorted({k for it in window for k in it})
         per_rank.append({k: {"calls": sum(it.get(k, [0, 0])[0] for it in window) / len(window),
                              "bytes": sum(it.get(k, [0, 0])[1] for it in window) / len(window)} for k in kinds})
@@ -583,20 +594,19 @@ def count_job(bench: Bench, steps: int) -> dict:
 
 def where_jobs(bench: Bench, steps: int) -> list[dict]:
     """The 2-rank job with every rank's collective waits timed by the place that waits
-    (`wait_sites.py`) on 1 host (condition a), at 1 Gbit/s (c), and at 1 Gbit/s with no overlap
-    (`OVERLAP_OFF`): each row gets, per rank, the median seconds per iteration at each site over
-    the iterations after the warm-up."""
+    (`wait_sites.py`) on 1 host (condition a), at 1 Gbit/s (c), at 1 Gbit/s with the EP
+    all-to-alls in one wave, and at 1 Gbit/s with no overlap (`OVERLAP_OFF`): each row gets, per
+    rank, the median seconds per iteration at each site over the iterations after the warm-up."""
     (a, a_link, a_shape), (c, c_link, c_shape) = CONDITIONS[0], CONDITIONS[2]
     rows = []
     for name, shape, extra in ((PAIR.condition(a, a_link), a_shape, ()), (PAIR.condition(c, c_link), c_shape, ()),
+                               (PAIR.condition(c, c_link + ", one EP wave"), c_shape, (ONE_EP_WAVE,)),
                                (PAIR.condition(c, c_link + ", no overlap"), c_shape, OVERLAP_OFF)):
         waits_dir = bench.work / f"waits-{len(rows)}"
         row = bench.throughput_job(name, shape, steps, extra_env=instrumented_env(bench, WAITS_ENV, waits_dir),
                                    extra_args=extra)
         row["waits"] = []
-        for rank in (0, 1):
-            table = json.loads((waits_dir / f"waits{rank}.json").read_text())
-            iters = [v for k, v in table.items() if int(k) > WARMUP_ITERS]
+        for iters in rank_iterations(waits_dir, "waits", WARMUP_ITERS + 1, steps):
             sites = {site for it in iters for site in it}
             row["waits"].append({site: statistics.median(it.get(site, [0, 0.0])[1] for it in iters)
                                  for site in sites})
@@ -606,10 +616,11 @@ def where_jobs(bench: Bench, steps: int) -> list[dict]:
 
 def report_where(rows: list[dict]) -> list[str]:
     """The table of `where_jobs`: seconds a step each rank waited at each site on one host, at
-    1 Gbit/s, what the link added (the ranks' mean), and at 1 Gbit/s without overlap."""
+    1 Gbit/s, what the link added (the ranks' mean), and at 1 Gbit/s in one EP wave and without
+    overlap."""
     from wait_sites import ITERATION_WALL
 
-    one_host, link, no_overlap = rows
+    one_host, link, *others = rows
     sites = {site for row in rows for waits in row["waits"] for site in waits} - {ITERATION_WALL}
 
     def mean(row: dict, site: str) -> float:
@@ -619,18 +630,21 @@ def report_where(rows: list[dict]) -> list[str]:
         return " / ".join(f"{waits.get(site, 0.0):.3f}" for waits in row["waits"])
 
     lines = [f"where the ranks wait (seconds a step, median over steps {WARMUP_ITERS + 1}-{one_host['steps']}; "
-             f"rank 0 / rank 1; load {one_host['load_start']} -> {no_overlap['load_end']})",
+             f"rank 0 / rank 1; load {one_host['load_start']} -> {rows[-1]['load_end']})",
              f"| site | {one_host['condition']} | {link['condition']} | added by the link (mean of the ranks) | "
-             f"{no_overlap['condition']} |",
-             "|---|---|---|---|---|"]
+             + " | ".join(row["condition"] for row in others) + " |",
+             "|---|---|---|---|" + "---|" * len(others)]
+
+    def line(label: str, values: list[str], added: float) -> str:
+        return f"| {label} | {values[0]} | {values[1]} | {added:+.3f} | " + " | ".join(values[2:]) + " |"
+
     for site in sorted(sites, key=lambda s: -(mean(link, s) - mean(one_host, s))):
-        lines.append(f"| {site} | {cell(one_host, site)} | {cell(link, site)} | "
-                     f"{mean(link, site) - mean(one_host, site):+.3f} | {cell(no_overlap, site)} |")
+        lines.append(line(site, [cell(row, site) for row in rows], mean(link, site) - mean(one_host, site)))
     totals = [sum(mean(row, site) for site in sites) for row in rows]
-    lines.append(f"| all sites (sum of the medians, mean of the ranks) | {totals[0]:.3f} | {totals[1]:.3f} | "
-                 f"{totals[1] - totals[0]:+.3f} | {totals[2]:.3f} |")
+    lines.append(line("all sites (sum of the medians, mean of the ranks)", [f"{t:.3f}" for t in totals],
+                      totals[1] - totals[0]))
     walls = [mean(row, ITERATION_WALL) for row in rows]
-    lines.append(f"| the iteration | {walls[0]:.3f} | {walls[1]:.3f} | {walls[1] - walls[0]:+.3f} | {walls[2]:.3f} |")
+    lines.append(line("the iteration", [f"{w:.3f}" for w in walls], walls[1] - walls[0]))
     return lines
 
 
@@ -694,7 +708,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--ablation", action="store_true",
                         help="the overlap settings one by one, on 1 host x 2 ranks and at 1 Gbit/s, per round")
     parser.add_argument("--where", action="store_true",
-                        help="time every collective wait by where it waits: 1 host, 1 Gbit/s, 1 Gbit/s without overlap")
+                        help="time every collective wait by where it waits: 1 host, 1 Gbit/s, 1 Gbit/s in one EP wave, "
+                             "1 Gbit/s without overlap")
     parser.add_argument("--json", help="write every figure to this file")
     for hidden in ("--gloo-wire-rank", "--gloo-wire-head", "--gloo-wire-out"):  # one rank of the calibration
         parser.add_argument(hidden, help=argparse.SUPPRESS)

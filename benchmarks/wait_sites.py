@@ -2,9 +2,9 @@
 by the place that waits, per training iteration. Installed inside each rank of a benchmark job
 (`multinode.py --where`, through a sitecustomize on PYTHONPATH, as its collective counter).
 
-It wraps the same two waits as `trinity_train.health.collective_waits` (every collective of a
-step ends in `Work.wait()` or `_functional_collectives.wait_tensor`) and names each wait by the
-stack above it (`site`): an FSDP unit's all-gather (by the unit's name), the FSDP reduce-scatters,
+`trinity_train.health.collective_waits` times the waits (every collective of a step ends in
+`Work.wait()` or `_functional_collectives.wait_tensor`) and this module names each by the stack
+above it (`site`): an FSDP unit's all-gather (by the unit's name), the FSDP reduce-scatters,
 the EP all-to-alls of the forward and of the backward, Muon's exchange, the step's reductions (token
 count, loss totals, gradient norm). A wait includes the time the other rank took to arrive: what a
 rank waits for is the network and the other rank's compute together, so the 1-host job's waits are
@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import json
 import os
-import sys
-import threading
 import time
 from pathlib import Path
+
+from trinity_train.health.collective_waits import CollectiveWaits
 
 ITERATION_WALL = "iteration wall"
 
@@ -43,9 +43,6 @@ def site(frame) -> str:
                 return "rank statistics"
             if path.endswith("expert_parallel.py") or path.endswith("moe.py"):
                 ep = True
-        # the combine's gradients go home inside funcol's own autograd function
-        if name == "all_to_all_single_backward":
-            ep = True
         if name == "_engine_run_backward":
             in_backward = True
         frame = frame.f_back
@@ -56,41 +53,24 @@ def site(frame) -> str:
 
 class WaitSites:
     """While installed (a context manager), the installing thread's collective waits by `site`:
-    `waits[site] = [count, seconds]`, growing."""
+    `waits[site] = [count, seconds]`, growing (timed by `CollectiveWaits`, the wrapper that
+    times the `ranks` records' exposed communication)."""
 
     def __init__(self):
         self.waits: dict[str, list] = {}
-        self._thread: int | None = None
-        self._originals: tuple | None = None
+        self._timer = CollectiveWaits(on_wait=self._record)
+
+    def _record(self, seconds: float, caller) -> None:
+        tally = self.waits.setdefault(site(caller), [0, 0.0])
+        tally[0] += 1
+        tally[1] += seconds
 
     def __enter__(self) -> WaitSites:
-        import torch.distributed._functional_collectives as funcol
-        from torch._C._distributed_c10d import Work
-
-        self._thread = threading.get_ident()
-        self._originals = (Work.wait, funcol.wait_tensor)
-        Work.wait = self._timed(Work.wait)
-        funcol.wait_tensor = self._timed(funcol.wait_tensor)
+        self._timer.install()
         return self
 
     def __exit__(self, *exc) -> None:
-        import torch.distributed._functional_collectives as funcol
-        from torch._C._distributed_c10d import Work
-
-        Work.wait, funcol.wait_tensor = self._originals
-
-    def _timed(self, wait):
-        def timed(*args, **kwargs):
-            if threading.get_ident() != self._thread:
-                return wait(*args, **kwargs)
-            start = time.perf_counter()
-            try:
-                return wait(*args, **kwargs)
-            finally:
-                tally = self.waits.setdefault(site(sys._getframe(1)), [0, 0.0])
-                tally[0] += 1
-                tally[1] += time.perf_counter() - start
-        return timed
+        self._timer.uninstall()
 
 
 def install_wait_profiler(out_dir: str) -> None:

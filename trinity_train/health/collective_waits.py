@@ -30,8 +30,11 @@ it per step).
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
+from collections.abc import Callable
+from types import FrameType
 
 import torch
 import torch.distributed._functional_collectives as funcol
@@ -42,12 +45,14 @@ _active: list[CollectiveWaits] = []  # installed instances, the latest last
 _originals: dict[str, object] = {}  # what the wrappers replaced, while any instance is installed
 
 
-def _charge(seconds: float) -> None:
+def _charge(seconds: float, caller: FrameType) -> None:
     me = threading.get_ident()
     for waits in _active:
         if waits.thread == me:
             waits.seconds += seconds
             waits.calls += 1
+            if waits.on_wait is not None:
+                waits.on_wait(seconds, caller)
 
 
 def timed_wait(wait):
@@ -60,7 +65,7 @@ def timed_wait(wait):
         try:
             return wait(*args, **kwargs)
         finally:
-            _charge(time.perf_counter() - start)
+            _charge(time.perf_counter() - start, sys._getframe(1))
     return timed
 
 
@@ -68,12 +73,14 @@ class CollectiveWaits:
     """Seconds the installing thread has waited in collectives while installed (`seconds` and
     the count of waits, `calls`, only grow; read them before and after a span). Installs
     process-wide wrappers shared by every instance and removed with the last one; use as a
-    context manager or `install`/`uninstall`."""
+    context manager or `install`/`uninstall`. `on_wait(seconds, caller's frame)`, if given, is
+    called after each wait charged to it (a profiler that names where the thread waits)."""
 
-    def __init__(self):
+    def __init__(self, on_wait: Callable[[float, FrameType], None] | None = None):
         self.thread: int | None = None
         self.seconds = 0.0
         self.calls = 0  # the waits timed
+        self.on_wait = on_wait
 
     def install(self) -> CollectiveWaits:
         with _lock:
