@@ -193,12 +193,18 @@ class TrainingStep:
         the expert-bias update, the scheduler step."""
         if self.cfg.train.grad_clip > 0:
             clip_grads_with_norm_(self.params, self.cfg.train.grad_clip, grad_norm)
-        if isinstance(self.optimizer, Muon):  # the embedding's and the head's values are final first
+        self.step_optimizer()
+        self.model.update_expert_biases(tokens_per_expert)
+        self.scheduler.step()
+
+    def step_optimizer(self) -> None:
+        """The optimizer step. With Muon the next forward's first all-gathers start between its
+        AdamW part, which makes the embedding's and the head's values final, and its Muon part
+        (`prefetch_next_forward`: a no-op unless a CPU job prefetches)."""
+        if isinstance(self.optimizer, Muon):
             self.optimizer.step(after_adamw=lambda: prefetch_next_forward(self.model))
         else:
             self.optimizer.step()
-        self.model.update_expert_biases(tokens_per_expert)
-        self.scheduler.step()
 
     def apply(self, totals: StepTotals, iteration: int, steps_applied: int) -> StepResult:
         """The guard's verdict on `totals`, then (if it applies the step) clipping, the optimizer

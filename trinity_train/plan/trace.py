@@ -99,15 +99,15 @@ def _micro_batch(cfg: Config, dims: ParallelDims) -> dict[str, torch.Tensor]:
     return mb
 
 
-def create_optimizer_state(model, optimizer) -> None:
+def create_optimizer_state(step: TrainingStep) -> None:
     """Every step of a run but its first starts with the optimizer state alive (the first step
-    creates it), so a traced first iteration would peak without it: one untraced optimizer step
-    on zero gradients creates it first, and the traced iteration is a steady-state one."""
-    for p in model.parameters():
-        if p.requires_grad:
-            p.grad = torch.zeros_like(p)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
+    creates it) and, on a CPU job that prefetches, its first all-gathers in flight (the step before
+    issued them), so a traced first iteration would differ: one untraced optimizer step on zero
+    gradients does both first, and the traced iteration is a steady-state one."""
+    for p in step.params:
+        p.grad = torch.zeros_like(p)
+    step.step_optimizer()
+    step.optimizer.zero_grad(set_to_none=True)
 
 
 def _without_compile(cfg: Config) -> Config:
@@ -190,7 +190,7 @@ def trace_rank(cfg: Config, world_size: int, rank: int, *, gpu: bool,
                                 StepGuard(cfg.stability), cfg, torch.device("cpu"), dims)
             grad_accum = grad_accum_for(cfg.train, dims.dp)
             parts = [_micro_batch(cfg, dims) for _ in range(min(grad_accum, micro_batches))]
-            create_optimizer_state(model, optimizer)
+            create_optimizer_state(step)
             log = CollectiveLog(dim_of=namer)
             # The step's own autocast (train.dtype = "bf16") gives the traced tensors bf16 compute.
             with (tracking_memory(model, optimizer, dims.is_distributed) as tracker, log, CpuGroupedMatmul(),
