@@ -224,6 +224,7 @@ def test_prepare_data_with_a_vocabulary_too_small_says_so(capsys, tmp_path):
         assert_one_line_error(code, err, 2, f"--train-tokenizer must be a vocabulary size of at least 258, got {vocab}")
 
 
+@pytest.mark.slow  # console-script processes (~10 s); the messages themselves are checked in-process above
 def test_the_console_script_prints_no_traceback(dataset, tmp_path):
     edit_manifest(dataset, without_tokenizer)
     run_dir = tmp_path / "run"

@@ -74,6 +74,7 @@ def _train(corpus, run_dir, **stability):
     return RunDir(run_dir), params
 
 
+@pytest.mark.slow  # ~9 s
 def test_training_in_observe_mode_is_training_with_the_guard_off(corpus, tmp_path):
     observed, observed_params = _train(corpus, tmp_path / "observe", mode="observe")
     off, off_params = _train(corpus, tmp_path / "off", **GUARD_OFF)

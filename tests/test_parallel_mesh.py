@@ -142,6 +142,7 @@ def _mesh_groups() -> dict:
     return out
 
 
+@pytest.mark.slow  # ~12 s
 def test_mesh_views_group_the_right_ranks(rank_pool):
     by_rank = rank_pool(4).run(_mesh_groups)
     r0, r3 = by_rank[0], by_rank[3]

@@ -245,6 +245,7 @@ def test_a_bad_gpu_or_pricing_option_is_one_line(capsys, args, fragments):
     assert_one_line_error(code, err, exit_codes.CONFIG, *fragments)
 
 
+@pytest.mark.slow  # console-script processes (~9 s)
 def test_a_bad_option_through_the_console_script():
     done = run_cli("plan", "--mfu", "2", ok=False)
     assert_one_line_error(done.returncode, done.stderr, exit_codes.CONFIG, "--mfu")

@@ -63,8 +63,9 @@ def assert_peak_matches(overrides: tuple[str, ...], measured: dict, world: int, 
         f"rank {rank}: traced {traced.memory}, measured {measured['tracked']}")
 
 
-# A real step in a process of its own (~12 s each): the fast loop keeps the checkpointed one.
-@pytest.mark.parametrize("checkpointing", [pytest.param("false", marks=pytest.mark.slow), "true"])
+# A real step in a process of its own (~12-25 s each): both in the whole suite only.
+@pytest.mark.slow
+@pytest.mark.parametrize("checkpointing", ["false", "true"])
 def test_traced_peak_memory_of_one_process_matches_a_real_step(tmp_path, checkpointing):
     overrides = (*MEMORY_BATCH, f"--train.activation_checkpointing={checkpointing}")
     measured, = run_ranks(1, measure_rank, overrides, tmp_path / "run", True)  # one thread, as the ranks

@@ -54,6 +54,7 @@ def absent_peer(rank: int, port: int, out: str) -> None:
     os._exit(0)  # the group is broken: no clean teardown to wait for
 
 
+@pytest.mark.slow  # waits out the configured collective timeout (~11 s)
 def test_a_collective_whose_peer_never_arrives_fails_after_the_configured_timeout(tmp_path):
     out = tmp_path / "rank0.json"
     ctx = mp.start_processes(absent_peer, args=(free_port(), str(out)), nprocs=2, join=False, start_method="spawn")

@@ -241,6 +241,7 @@ class DamageTheFirstRollbackTarget(TrainerCallback):
             shard.write_bytes(shard.read_bytes()[:100])  # truncated
 
 
+@pytest.mark.slow  # ~8 s
 def test_a_damaged_checkpoint_is_passed_over_with_an_event(corpus, tmp_path):
     run_dir = tmp_path / "run"
     Trainer(drill_config(corpus, run_dir, POISON), callbacks=[DamageTheFirstRollbackTarget()]).run()

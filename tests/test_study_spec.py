@@ -202,6 +202,7 @@ def test_a_bad_base_config_or_study_path_is_one_line(corpus, tmp_path, capsys, m
     assert not (tmp_path / "runs").exists() and not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow  # ~8 s
 def test_a_second_ablate_in_the_same_directory_is_refused(corpus, tmp_path):
     write_base(corpus, tmp_path)
     out = StudyDir(tmp_path / "out")
