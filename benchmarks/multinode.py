@@ -230,6 +230,18 @@ def wire_bytes(host: str | None) -> tuple[int, int]:
     return stats["rx"]["bytes"], stats["tx"]["bytes"]
 
 
+CPU_KINDS = ("user", "system", "softirq", "idle")
+
+
+def cpu_seconds() -> dict[str, float]:
+    """The machine's CPU seconds so far, every core and every namespace together (/proc/stat):
+    user (with nice), system, softirq (the kernel's packet work: the link's shaping and TCP), idle."""
+    values = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:8]]
+    user, nice, system, idle, _iowait, _irq, softirq = values
+    tick = os.sysconf("SC_CLK_TCK")
+    return {kind: value / tick for kind, value in zip(CPU_KINDS, (user + nice, system, softirq, idle))}
+
+
 def median_tokens_per_s(records: list[dict]) -> float:
     rates = [r["tokens"] / r["step_time_s"] for r in records if r["iter"] > WARMUP_ITERS]
     return statistics.median(rates)
@@ -316,14 +328,15 @@ class Bench:
             else:
                 shaped = self.shape(settings)
                 procs, logs = self.start_bed_job(run_dir, head, env, args, layout=layout)
-            # Host 1's counters at the end of the warm-up and one step before the last.
-            marks: dict[int, tuple[float, tuple[int, int]]] = {}
+            # Host 1's counters and the machine's CPU time at the end of the warm-up and one step
+            # before the last.
+            marks: dict[int, tuple[int, tuple[int, int] | None, dict[str, float]]] = {}
             deadline = time.monotonic() + JOB_TIMEOUT_S
             size = -1
             while any(p.poll() is None for p in procs.values()):
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"{name}: not finished within {JOB_TIMEOUT_S} s")
-                if settings is not None and len(marks) < 2:
+                if len(marks) < 2:
                     metrics = run_dir / "metrics.jsonl"
                     now = metrics.stat().st_size if metrics.exists() else 0
                     if now != size:
@@ -331,7 +344,8 @@ class Bench:
                         done_iters = len(train_records(run_dir))
                         for mark in (WARMUP_ITERS, steps - 1):
                             if done_iters >= mark and mark not in marks:
-                                marks[mark] = (done_iters, wire_bytes(self.bed.host(1)))
+                                wire = wire_bytes(self.bed.host(1)) if settings is not None else None
+                                marks[mark] = (done_iters, wire, cpu_seconds())
                 time.sleep(0.05)
             for i, p in procs.items():
                 if p.returncode != 0:
@@ -344,10 +358,12 @@ class Bench:
                   "step_s": median_step_s(records), "steps": len(records), "exposed_s": median_exposed_s(run_dir),
                   "load_start": load_start, "load_end": loadavg()}
         if len(marks) == 2:
-            (i0, (rx0, tx0)), (i1, (rx1, tx1)) = marks[WARMUP_ITERS], marks[steps - 1]
-            result["wire_rx_per_step"] = (rx1 - rx0) / (i1 - i0)
-            result["wire_tx_per_step"] = (tx1 - tx0) / (i1 - i0)
-            result["wire_iters"] = (i0, i1)
+            (i0, wire0, cpu0), (i1, wire1, cpu1) = marks[WARMUP_ITERS], marks[steps - 1]
+            result["cpu_per_step"] = {kind: (cpu1[kind] - cpu0[kind]) / (i1 - i0) for kind in CPU_KINDS}
+            if wire0 is not None:
+                result["wire_rx_per_step"] = (wire1[0] - wire0[0]) / (i1 - i0)
+                result["wire_tx_per_step"] = (wire1[1] - wire0[1]) / (i1 - i0)
+                result["wire_iters"] = (i0, i1)
         return result
 
     def recovery(self, steps: int) -> dict:
@@ -645,6 +661,10 @@ def report_where(rows: list[dict]) -> list[str]:
                       totals[1] - totals[0]))
     walls = [mean(row, ITERATION_WALL) for row in rows]
     lines.append(line("the iteration", [f"{w:.3f}" for w in walls], walls[1] - walls[0]))
+    if all("cpu_per_step" in row for row in rows):  # the machine's, both hosts' ranks and the kernel together
+        for kind in CPU_KINDS:
+            cpu = [row["cpu_per_step"][kind] for row in rows]
+            lines.append(line(f"machine CPU s a step: {kind}", [f"{c:.3f}" for c in cpu], cpu[1] - cpu[0]))
     return lines
 
 
