@@ -586,11 +586,12 @@ def theory(overrides: tuple[str, ...], world: int) -> dict:
 
 def rank_iterations(out_dir: Path, name: str, first: int, last: int) -> list[list[dict]]:
     """Per rank of the 2-rank job: the per-iteration tables its instrument wrote to
-    OUT_DIR/{name}{rank}.json ({iteration: table}), iterations `first` to `last`."""
+    OUT_DIR/{name}{rank}.json ({iteration: table}, and the counter's "setup": what came before the
+    first iteration), iterations `first` to `last`."""
     per_rank = []
     for rank in (0, 1):
         data = json.loads((out_dir / f"{name}{rank}.json").read_text())
-        per_rank.append([table for it, table in data.items() if first <= int(it) <= last])
+        per_rank.append([table for it, table in data.items() if it.isdigit() and first <= int(it) <= last])
     return per_rank
 
 

@@ -46,3 +46,17 @@ def test_every_wait_of_a_step_is_named_by_its_site(rank_pool):
         for named in ("FSDP all-gather, root", "FSDP all-gather, embed", "FSDP all-gather, layers.1",
                       "FSDP reduce-scatter", "EP all-to-all, forward", "EP all-to-all, backward", "Muon exchange"):
             assert counts.get(named, 0) > 0, (rank, named, counts)
+
+
+def test_the_benchmark_reads_each_ranks_measured_iterations_only(tmp_path, monkeypatch):
+    """`multinode.rank_iterations`: the tables of iterations first..last, in order, per rank; the
+    collective counter's "setup" and "between" entries are not iterations."""
+    import json
+
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import multinode
+
+    for rank in (0, 1):
+        table = {"setup": {"x": -1}, "1": {"x": rank}, "2": {"x": 2 + rank}, "between": {"x": -2}, "3": {"x": 3}}
+        (tmp_path / f"waits{rank}.json").write_text(json.dumps(table))
+    assert multinode.rank_iterations(tmp_path, "waits", 2, 3) == [[{"x": 2}, {"x": 3}], [{"x": 3}, {"x": 3}]]

@@ -68,11 +68,10 @@ def cut_runs(num_local: int, waves: int) -> list[range]:
 class Wave:
     """One wave of the exchange: the tokens for one run of every ep rank's local experts."""
 
-    experts: range  # this rank's local experts that the wave's arrivals go to
     send_splits: list[int]  # rows this rank sends to each ep rank (for that rank's run)
     recv_splits: list[int]  # rows this rank receives from each ep rank
     order: torch.Tensor  # arrived[order]: the arrivals in (local expert, source rank) order
-    local_counts: torch.Tensor  # [num_local] long, rows per local expert (0 outside `experts`)
+    local_counts: torch.Tensor  # [num_local] long, rows per local expert (0 outside the run)
 
 
 def _exclusive_cumsum(x: torch.Tensor) -> torch.Tensor:
@@ -120,7 +119,7 @@ def plan_waves(counts: torch.Tensor, group, copies: int, waves: int) -> list[Wav
     for run in cut_runs(num_local, waves):
         block = [row[run.start:run.stop] for row in received]
         order, local_counts = _arrival_order(block, num_local, run, counts.device)
-        plan.append(Wave(run, [sum(row[run.start:run.stop]) for row in sent], [sum(b) for b in block],
+        plan.append(Wave([sum(row[run.start:run.stop]) for row in sent], [sum(b) for b in block],
                          order, local_counts))
     return plan
 
@@ -217,7 +216,8 @@ def through_experts(x_sorted: torch.Tensor, counts: torch.Tensor, group,
     `alongside()` (the caller's work that needs no expert) runs while the first wave travels.
     Wave w+1's tokens travel while wave w's experts compute, and wave w's results travel back
     while wave w+1's compute; the backward mirrors it (DESIGN §5). Every expert sees the same rows
-    in the same order whatever `waves` is, so the numbers are the same; one in flight each way.
+    in the same order whatever `waves` is (the same numbers, but for the grouped GEMM activation's
+    1-ulp position effect, DESIGN §5); one all-to-all in flight each way.
     """
     plan = plan_waves(counts, group, x_sorted.shape[0], waves)
     sends = _by_wave(x_sorted, plan)
