@@ -40,7 +40,9 @@ conditions use the same two cores:
    1 Gbit/s with the EP all-to-alls in one wave, and at 1 Gbit/s with every overlap off, with every collective wait of each rank's training
    thread timed by the place that waits (`wait_sites.py`: an FSDP unit's all-gather, the
    reduce-scatters, the EP all-to-alls of the forward and the backward, Muon's exchange, the step's
-   reductions), and what the link added to each. (`--skip-throughput --skip-recovery --where` runs it alone.)
+   reductions), and what the link added to each; beside them the machine's CPU seconds a step (user,
+   system, softirq, idle from /proc/stat: the ranks of both hosts and the kernel's network work share
+   its cores). (`--skip-throughput --skip-recovery --where` runs it alone.)
 
 The 2-rank job has one rank per host, so its expert groups span the hosts, which the launchers
 refuse unless asked: it runs with `--parallel.allow_ep_tp_across_nodes=true` (`PAIR`).
