@@ -2,7 +2,7 @@
 
 1. All-to-all traffic of one training step with `ep` expert-parallel gloo ranks: the bytes each
    rank sends to other ranks in every token all-to-all (dispatch and combine, forward and
-   backward), next to the theoretical count per direction
+   backward; a direction's waves summed, `parallel.ep_waves`), next to the theoretical count per direction
    `tokens x top_k x hidden x bytes x (ep - 1) / ep` (each token copy leaves its rank unless its
    expert is local, which uniform routing makes 1/ep of them).
 2. Parameter + optimizer-state memory held by one rank with FSDP over 1, 2 and 4 ranks (AdamW,
@@ -28,6 +28,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from trinity_train.config import Config, load_config
+from trinity_train.parallel.expert_parallel import cut_runs
 from trinity_train.parallel.mesh import ParallelDims
 from trinity_train.parallel.parallelize import build_parallel_model
 
@@ -124,12 +125,15 @@ def report_all_to_all(cfg: Config, ep: int, rows: int) -> None:
           f"{m.hidden_size} x {element} x ({ep}-1)/{ep} = {theory:,.0f} B")
     print(f"  {'rank':>4} {'layer':>5} {'pass':>8} {'op':>9} {'measured B':>12} {'/ theory':>9}")
     totals = defaultdict(int)
+    waves = len(cut_runs(m.num_experts // ep, cfg.parallel.ep_waves))  # each direction's all-to-alls a layer
     for rank, res in enumerate(per_rank):
         for phase in ("forward", "backward"):
             calls = res[phase]
-            assert len(calls) == 2 * moe_layers, f"expected 2 all-to-alls per MoE layer, got {len(calls)}"
-            # forward: dispatch then combine per layer; backward runs the layers in reverse and
-            # each layer's combine gradient travels first (the dispatch direction).
+            assert len(calls) == 2 * waves * moe_layers, (
+                f"expected {2 * waves} all-to-alls per MoE layer ({waves} waves each way), got {len(calls)}")
+            # Each direction's waves summed. Forward: dispatch then combine per layer; backward runs
+            # the layers in reverse and each layer's combine gradient travels first (the dispatch direction).
+            calls = [sum(calls[i:i + waves]) for i in range(0, len(calls), waves)]
             for i, sent in enumerate(calls):
                 layer = i // 2 if phase == "forward" else moe_layers - 1 - i // 2
                 direction = ("dispatch", "combine")[i % 2] if phase == "forward" else (
