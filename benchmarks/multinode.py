@@ -37,8 +37,8 @@ conditions use the same two cores:
    replicas' all-reduce crosses the link (parallel/node_layout.py), against 1 host x 4 ranks, in
    rounds of the four conditions of 1. (`--skip-throughput --skip-recovery --hsdp` runs it alone.)
 5. With --where, where the exposed communication sits: the 2-rank job on 1 host, at 1 Gbit/s, at
-   1 Gbit/s with the EP all-to-alls in one wave, and at 1 Gbit/s with every overlap off, with every collective wait of each rank's training
-   thread timed by the place that waits (`wait_sites.py`: an FSDP unit's all-gather, the
+   1 Gbit/s with the EP all-to-alls in one wave, and at 1 Gbit/s with every overlap off, with
+   every collective wait of each rank's training thread timed by the place that waits (`wait_sites.py`: an FSDP unit's all-gather, the
    reduce-scatters, the EP all-to-alls of the forward and the backward, Muon's exchange, the step's
    reductions), and what the link added to each; beside them the machine's CPU seconds a step (user,
    system, softirq, idle from /proc/stat: the ranks of both hosts and the kernel's network work share
