@@ -18,7 +18,9 @@ every rank's local experts are cut into runs, and wave w carries the tokens of r
 Wave w+1's tokens travel while wave w's experts compute, and wave w's results travel home while
 wave w+1's compute; the backward runs the same pattern in reverse. An expert's rows are the same
 rows in the same order in any number of waves, and its weight gradient is its own rows' sum (the
-other waves add exact zeros), so the numbers are the same bit for bit.
+other waves add exact zeros): bit for bit with the per-expert loop; the grouped GEMM's activation
+runs over the whole buffer, where a CPU vector kernel may round an element 1 ulp differently as
+its position moves (DESIGN §5; within the layout tolerance).
 
 When tensor parallelism is on too, each expert's width is also split over `tp` (gate/up by rows,
 down by columns). Every tp rank holds the same tokens, so the expert input gets an identity forward
@@ -79,34 +81,31 @@ def _exclusive_cumsum(x: torch.Tensor) -> torch.Tensor:
 
 
 def _routing_table(counts: torch.Tensor, group, ep: int, num_local: int, copies: int
-                   ) -> tuple[list[list[int]], list[list[int]]]:
+                   ) -> tuple[list[list[int]], list[list[int]], torch.Tensor]:
     """(sent[r][j]: copies this rank sends to rank r's local expert j, received[s][j]: copies rank s
-    sends to my local expert j). Measured with an all-to-all of the counts and one host sync; under
-    `assume_routing` (a data-free trace) taken from the assumption instead."""
+    sends to my local expert j, and `received` as an [ep, num_local] tensor on `counts`' device).
+    Measured with an all-to-all of the counts and one host sync; under `assume_routing` (a
+    data-free trace) taken from the assumption instead."""
     assumed = assumed_routing()
     if assumed is not None:
-        return assumed.splits(copies, ep, num_local)
+        sent, received = assumed.splits(copies, ep, num_local)
+        return sent, received, torch.tensor(received, device=counts.device)
     with torch.no_grad():
-        received = all_to_all_single(counts, None, None, group)
-        received = funcol.wait_tensor(received)  # through the module: the exposed-communication timer sees it
-        sent, received = torch.stack([counts.view(ep, num_local), received.view(ep, num_local)]).cpu().tolist()
-    return sent, received
+        on_device = all_to_all_single(counts, None, None, group)
+        # waited through the module: the exposed-communication timer sees it
+        on_device = funcol.wait_tensor(on_device).view(ep, num_local)
+        sent, received = torch.stack([counts.view(ep, num_local), on_device]).cpu().tolist()
+    return sent, received, on_device
 
 
-def _arrival_order(block: list[list[int]], num_local: int, experts: range, device: torch.device
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
-    """For arrivals ordered (source s, expert j of the run) with block[s][j] rows each: the
-    gather that orders them (expert j, source s), and the rows per local expert [num_local]."""
+def _arrival_order(block: torch.Tensor, total: int) -> torch.Tensor:
+    """For `total` arrivals ordered (source s, expert j of the run) with block[s, j] rows each: the
+    gather that orders them (expert j, source s)."""
     with torch.no_grad():
-        received = torch.tensor(block, dtype=torch.long, device=device).view(len(block), len(experts))
-        block_start = _exclusive_cumsum(received.flatten()).view_as(received).t().flatten()
-        block_len = received.t().flatten()
-        total = sum(map(sum, block))
-        order = (torch.repeat_interleave(block_start - _exclusive_cumsum(block_len), block_len, output_size=total)
-                 + torch.arange(total, device=device))
-        local_counts = torch.zeros(num_local, dtype=torch.long, device=device)
-        local_counts[experts.start:experts.stop] = received.sum(dim=0)
-    return order, local_counts
+        block_start = _exclusive_cumsum(block.flatten()).view_as(block).t().flatten()
+        block_len = block.t().flatten()
+        return (torch.repeat_interleave(block_start - _exclusive_cumsum(block_len), block_len, output_size=total)
+                + torch.arange(total, device=block.device))
 
 
 def plan_waves(counts: torch.Tensor, group, copies: int, waves: int) -> list[Wave]:
@@ -114,13 +113,15 @@ def plan_waves(counts: torch.Tensor, group, copies: int, waves: int) -> list[Wav
     [E] (sorted by global expert id: rank r's local experts are r*L .. r*L+L-1)."""
     ep = group.size()
     num_local = counts.numel() // ep
-    sent, received = _routing_table(counts, group, ep, num_local, copies)
+    sent, received, on_device = _routing_table(counts, group, ep, num_local, copies)
     plan = []
     for run in cut_runs(num_local, waves):
-        block = [row[run.start:run.stop] for row in received]
-        order, local_counts = _arrival_order(block, num_local, run, counts.device)
-        plan.append(Wave([sum(row[run.start:run.stop]) for row in sent], [sum(b) for b in block],
-                         order, local_counts))
+        recv_splits = [sum(row[run.start:run.stop]) for row in received]
+        block = on_device[:, run.start:run.stop]
+        local_counts = torch.zeros(num_local, dtype=torch.long, device=counts.device)
+        local_counts[run.start:run.stop] = block.sum(dim=0)
+        plan.append(Wave([sum(row[run.start:run.stop]) for row in sent], recv_splits,
+                         _arrival_order(block, sum(recv_splits)), local_counts))
     return plan
 
 
