@@ -6,8 +6,10 @@
 - Parameters changed after the prefetch (what a checkpoint load does) are what the next forward
   uses once `discard_next_forward` has run; without it the forward would use the gathered old
   values (checked too, so the check can fail).
-- Muon calls `after_adamw` between its AdamW part and its Muon part, where the training step
-  prefetches (only the training step: DCP's optimizer-state initialisation steps it too).
+- Muon calls `beside_newton_schulz` after its AdamW part and before its Muon part when no packed
+  exchange runs (one process), where the training step prefetches (only the training step: DCP's
+  optimizer-state initialisation steps it too); with a packed exchange it runs once the pieces
+  have left (tests/test_muon_distributed.py).
 """
 
 from __future__ import annotations
@@ -55,6 +57,35 @@ def _checks() -> dict:
     return result
 
 
+def _muon_steps() -> dict:
+    """Three Muon steps of the tiny model under FSDP, the next forward's all-gathers issued in the
+    optimizer step as the training step issues them, and without: the losses."""
+    from trinity_train.config import OptimConfig
+    from trinity_train.optim.groups import build_optimizer
+
+    losses = {}
+    for prefetch in (False, True):
+        torch.manual_seed(0)
+        model, ids = tiny_fsdp_model(prefetch_all_gather=prefetch)
+        opt = build_optimizer(model, OptimConfig(name="muon"))
+        losses[prefetch] = []
+        for _ in range(3):
+            loss = model(ids, labels=ids).ce_sum
+            loss.backward()
+            opt.step(beside_newton_schulz=lambda: prefetch_next_forward(model))
+            opt.zero_grad(set_to_none=True)
+            losses[prefetch].append(loss.detach())
+    return losses
+
+
+def test_the_prefetch_in_the_optimizer_step_gathers_only_final_values(rank_pool):
+    """What it gathers must be final when it is issued: a block's matrices (Muon's, updated after
+    the hook) gathered there would feed the next forward stale weights."""
+    for rank, losses in enumerate(rank_pool(2).run(_muon_steps)):
+        assert all(torch.equal(a, b) for a, b in zip(losses[False], losses[True])), f"rank {rank}: {losses}"
+        assert not torch.equal(losses[True][0], losses[True][2])  # the steps change the weights
+
+
 @pytest.fixture(scope="module")
 def prefetch_results(rank_pool) -> list[dict]:
     return rank_pool(2).run(_checks)
@@ -79,13 +110,13 @@ def test_a_discarded_prefetch_leaves_the_next_forward_the_new_values(prefetch_re
         assert not torch.equal(result["stale"]["loss"], result["after stale"]["loss"]), f"rank {rank}"
 
 
-def test_muon_runs_its_hook_between_the_adamw_and_the_muon_parts():
+def test_muon_runs_its_hook_between_the_adamw_and_the_muon_parts_in_one_process():
     matrix, vector = torch.nn.Parameter(torch.randn(4, 4)), torch.nn.Parameter(torch.randn(4))
     opt = Muon([{"params": [matrix], "kind": "muon"}, {"params": [vector], "kind": "adamw"}], lr=0.1)
     before = {"matrix": matrix.detach().clone(), "vector": vector.detach().clone()}
     seen = {}
     matrix.grad, vector.grad = torch.randn(4, 4), torch.randn(4)
-    opt.step(after_adamw=lambda: seen.update(vector=not torch.equal(vector, before["vector"]),
-                                             matrix=not torch.equal(matrix, before["matrix"])))
+    opt.step(beside_newton_schulz=lambda: seen.update(vector=not torch.equal(vector, before["vector"]),
+                                                      matrix=not torch.equal(matrix, before["matrix"])))
     assert seen == {"vector": True, "matrix": False}
     assert not torch.equal(matrix, before["matrix"])

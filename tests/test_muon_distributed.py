@@ -210,8 +210,9 @@ def scenario_packed_exchange(rank, world, out_dir):
     model, _ = distributed_model("fsdp2")
     opt = make_optimizer(model)
     set_distributed_grads(model, 0)
+    hooked = []  # the calls already issued each time the hook runs
     with CollectiveLog() as log:
-        opt.step()
+        opt.step(beside_newton_schulz=lambda: hooked.append(len(log.calls)))
     kinds = sorted(c.kind for c in log.calls)
     saved = muon_exchange.EXCHANGE_BYTES
     muon_exchange.EXCHANGE_BYTES = 1
@@ -221,11 +222,11 @@ def scenario_packed_exchange(rank, world, out_dir):
         with CollectiveLog() as log:
             for step in range(STEPS):
                 set_distributed_grads(model, step)
-                opt.step()
+                opt.step(beside_newton_schulz=lambda: hooked.append(len(log.calls)))
         chunked_calls = len(log.calls)
     finally:
         muon_exchange.EXCHANGE_BYTES = saved
-    return {"kinds": kinds, "chunked_calls": chunked_calls,
+    return {"kinds": kinds, "chunked_calls": chunked_calls, "hooked": hooked,
             "chunked_error": max_relative_error(model, reference_run(STEPS))}
 
 
@@ -328,4 +329,7 @@ def test_muon_exchanges_a_one_dim_group_in_two_all_to_alls(two_ranks):
     for value in _values(results, "packed_exchange"):
         assert value["kinds"] == ["all_to_all"] * 2 * 4
         assert value["chunked_calls"] == STEPS * 2 * 4  # four split matrices, a chunk each
+        # The training step's hook (the next forward's first all-gathers) runs once a step, after
+        # every wave's pieces of the first chunk have left and before any result comes back.
+        assert value["hooked"] == [4] + [2 * 4 * step + 1 for step in range(STEPS)]
         assert value["chunked_error"] <= 1e-4

@@ -198,11 +198,12 @@ class TrainingStep:
         self.scheduler.step()
 
     def step_optimizer(self) -> None:
-        """The optimizer step. With Muon the next forward's first all-gathers start between its
-        AdamW part, which makes the embedding's and the head's values final, and its Muon part
+        """The optimizer step. With Muon the next forward's first all-gathers start once its AdamW
+        part has made the embedding's and the head's values final and its exchange's pieces have
+        left, so they travel behind those pieces while Newton-Schulz computes
         (`prefetch_next_forward`: a no-op unless a CPU job prefetches)."""
         if isinstance(self.optimizer, Muon):
-            self.optimizer.step(after_adamw=lambda: prefetch_next_forward(self.model))
+            self.optimizer.step(beside_newton_schulz=lambda: prefetch_next_forward(self.model))
         else:
             self.optimizer.step()
 

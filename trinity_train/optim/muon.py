@@ -185,10 +185,13 @@ class Muon(torch.optim.Optimizer):
                                  f"shape {tuple(p.shape)}; put it in an 'adamw' group")
 
     @torch.no_grad()
-    def step(self, closure=None, after_adamw: Callable[[], None] | None = None):
-        """One step of every group; `after_adamw()` runs between the AdamW part and the Muon part,
-        when the AdamW groups' parameters are final (the training step starts the next forward's
-        first all-gathers there)."""
+    def step(self, closure=None, beside_newton_schulz: Callable[[], None] | None = None):
+        """One step of every group. `beside_newton_schulz()` runs once, when the AdamW groups'
+        parameters are final and the first packed exchange's pieces have left (right after the
+        AdamW part where no packed exchange runs): what it sends travels behind Muon's pieces while
+        Newton-Schulz computes, instead of ahead of them (the training step starts the next
+        forward's first all-gathers there). The matrices whole on this rank are orthogonalised
+        there too, while those pieces travel."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -196,9 +199,7 @@ class Muon(torch.optim.Optimizer):
         for group in self.param_groups:
             if group["kind"] == "adamw":
                 self._adamw_step(group)
-        if after_adamw is not None:
-            after_adamw()
-        self._muon_step([g for g in self.param_groups if g["kind"] == "muon"])
+        self._muon_step([g for g in self.param_groups if g["kind"] == "muon"], beside_newton_schulz or (lambda: None))
         return loss
 
     # ------------------------------------------------------------------------------ AdamW
@@ -232,7 +233,7 @@ class Muon(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------------------- Muon
 
-    def _muon_step(self, groups: list[dict]) -> None:
+    def _muon_step(self, groups: list[dict], beside_newton_schulz: Callable[[], None]) -> None:
         # Matrices that share a layout, shape and Newton-Schulz setting can share rounds.
         buckets: dict[tuple, list[tuple[torch.Tensor, dict]]] = {}
         for group in groups:
@@ -245,6 +246,7 @@ class Muon(torch.optim.Optimizer):
         # greedy). Loads depend only on shapes and layouts, so every rank computes the same plan.
         loads: dict[tuple, list[int]] = {}
         exchanges: dict[tuple, Exchange] = {}
+        rounds: list[tuple[_Layout, list[tuple[torch.Tensor, dict]], list[int], torch.dtype, int]] = []
         for key in sorted(buckets, key=lambda k: -ns_cost(k[1])):
             layout, shape, dtype, steps = key
             members = buckets[key]
@@ -255,19 +257,34 @@ class Muon(torch.optim.Optimizer):
                     exchange = exchanges.setdefault((layout.mesh, layout.gather_dims, dtype), Exchange(
                         layout.mesh, layout.gather_dims[0], dtype, []))
                     exchange.members += [Assignment(*members[i], slot, packed, steps) for i, slot in round_plan]
+                else:
+                    rounds.append((layout, [members[i] for i, _ in round_plan], [slot for _, slot in round_plan],
+                                   dtype, steps))
+        def run_rounds(local: bool) -> None:
+            for layout, round_members, slots, dtype, steps in rounds:
+                if (layout.group_size == 1) != local:
                     continue
-                round_members = [members[i] for i, _ in round_plan]
                 updates = [self._nesterov_update(p, group, dtype) for p, group in round_members]
-                if layout.group_size == 1:
+                if local:
                     ortho = [newton_schulz(u, steps, dtype) for u in updates]
                 else:
-                    ortho = _orthogonalise_round(layout, [p for p, _ in round_members], updates,
-                                                 [slot for _, slot in round_plan], steps, dtype)
+                    ortho = _orthogonalise_round(layout, [p for p, _ in round_members], updates, slots, steps, dtype)
                 for (p, group), o in zip(round_members, ortho):
                     _apply_update(p, group, o)
-        for exchange in exchanges.values():
+
+        def meanwhile() -> None:
+            """While the first exchange's pieces travel: the hook, then the matrices no rank
+            shares (whole on this rank: expert stacks under EP), which need no collective."""
+            beside_newton_schulz()
+            run_rounds(local=True)
+
+        run_rounds(local=False)  # the round-by-round exchanges block: before any packed one is in flight
+        if not exchanges:
+            meanwhile()
+        for i, exchange in enumerate(exchanges.values()):
             exchange.run(lambda a: self._nesterov_update(a.param, a.group, exchange.dtype),
-                         lambda a, o: _apply_update(a.param, a.group, o))
+                         lambda a, o: _apply_update(a.param, a.group, o),
+                         after_send=meanwhile if i == 0 else (lambda: None))
 
     def _nesterov_update(self, p: torch.Tensor, group: dict, dtype: torch.dtype) -> torch.Tensor:
         """Advance the momentum buffer; return this rank's shard of the update to orthogonalise."""

@@ -139,12 +139,14 @@ class Exchange:
     members: list[Assignment]
 
     def run(self, update_of: Callable[[Assignment], torch.Tensor],
-            apply: Callable[[Assignment, torch.Tensor], None]) -> None:
+            apply: Callable[[Assignment, torch.Tensor], None],
+            after_send: Callable[[], None] = lambda: None) -> None:
         """Orthogonalise every member's update: `update_of(a)` gives this rank's shard of it (in
-        `dtype`), `apply(a, shard)` takes this rank's shard of the result."""
+        `dtype`), `apply(a, shard)` takes this rank's shard of the result. `after_send()` runs once,
+        when the first chunk's pieces are on their way and before any Newton-Schulz."""
         n = self.mesh.size(self.mesh_dim)
-        for chunk in self._chunks(n):
-            self._run_chunk(chunk, n, update_of, apply)
+        for i, chunk in enumerate(self._chunks(n)):
+            self._run_chunk(chunk, n, update_of, apply, after_send if i == 0 else (lambda: None))
 
     def _chunks(self, n: int) -> list[list[Assignment]]:
         # By the matrices' global sizes, so every rank cuts the same chunks.
@@ -152,13 +154,14 @@ class Exchange:
         pieces = [a.param.numel() * size / n for a in self.members]
         return [[self.members[i] for i in chunk] for chunk in cut_chunks(pieces)]
 
-    def _run_chunk(self, chunk: list[Assignment], n: int, update_of, apply) -> None:
+    def _run_chunk(self, chunk: list[Assignment], n: int, update_of, apply, after_send) -> None:
         group = self.mesh.get_group(self.mesh_dim)
         me = self.mesh.get_local_rank(self.mesh_dim)
         size = torch.empty((), dtype=self.dtype).element_size()
         waves = [[chunk[i] for i in wave] for wave in cut_waves([a.param.numel() * size / n for a in chunk])]
         # 1. Every wave's pieces on their way to the owners before the first is waited for.
         sent = [_Wave(wave, n, me, self.dtype, update_of).send(group) for wave in waves]
+        after_send()
         # 2. Each wave's matrices orthogonalised as its pieces land, their results sent home at
         #    once: the next wave's pieces and this one's results travel while the next computes.
         for wave in sent:
