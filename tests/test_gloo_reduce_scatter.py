@@ -30,6 +30,7 @@ from conftest import TINY_MODEL
 from ranks import init_gloo
 from tiny_fsdp import tiny_fsdp_model
 from trinity_train.config import load_config
+from trinity_train.parallel.embedding_rows import TouchedRowsReduceScatter
 from trinity_train.parallel.gloo_reduce_scatter import AllToAllReduceScatter
 from trinity_train.plan.collectives import (FSDP_ALL_GATHER, FSDP_ALL_REDUCE, FSDP_REDUCE_SCATTER, CollectiveLog,
                                             sent_by_category)
@@ -67,6 +68,38 @@ def test_four_ranks_sum_to_float_rounding(rank_pool):
     for rank, results in enumerate(rank_pool(4).run(_both_sums)):
         for numel, (theirs, ours) in zip(SIZES, results):
             torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-6 * theirs.abs().max().item())
+
+
+def _touched_rows_sums() -> list[dict]:
+    """The embedding's reduce-scatter (`TouchedRowsReduceScatter`) against the dense all-to-all one
+    on a [rows, 32] gradient whose rows are mostly zero (different ones on each rank; one touched
+    row holds -0.0 elements, one is all -0.0), fp32 and bf16 on the wire: both outputs and the bytes
+    this rank wrote to its sockets for each."""
+    init_gloo()
+    n, me, width, results = dist.get_world_size(), dist.get_rank(), 32, []
+    for wire in (None, torch.bfloat16):
+        x = _inputs(n * 96 * width).view(-1, width)
+        g = torch.Generator().manual_seed(me)
+        x[torch.rand(len(x), generator=g) > 0.1] = 0.0  # about a tenth of the rows touched
+        x[3, :5], x[4] = -0.0, -0.0
+        out = {}
+        for name, comm in (("dense", AllToAllReduceScatter(wire)), ("touched", TouchedRowsReduceScatter(width, wire))):
+            output = torch.empty(x.numel() // n)
+            dist.barrier()
+            before = _socket_bytes_written()
+            comm(output, x.reshape(-1).clone(), dist.group.WORLD, dist.ReduceOp.SUM)
+            out[name] = (output, _socket_bytes_written() - before)
+        results.append(out)
+    return results
+
+
+def test_the_embeddings_reduce_scatter_sends_touched_rows_and_sums_bit_for_bit(rank_pool):
+    for rank, results in enumerate(rank_pool(2).run(_touched_rows_sums)):
+        for wire, result in zip(("fp32", "bf16"), results):
+            (dense, dense_bytes), (touched, touched_bytes) = result["dense"], result["touched"]
+            assert torch.equal(touched.view(torch.int32), dense.view(torch.int32)), f"rank {rank}, {wire}"
+            # About a tenth of the rows and their indices (+ three calls' headers), not all of them.
+            assert touched_bytes < dense_bytes / 4, (rank, wire, touched_bytes, dense_bytes)
 
 
 def _fp32_sum_of_bf16_chunks(inputs: list[torch.Tensor], me: int) -> torch.Tensor:
@@ -169,23 +202,30 @@ def _fsdp_backward() -> dict:
     """One forward/backward of the tiny model under FSDP over both ranks, with gloo's
     reduce-scatter and with the all-to-all one: their gradients, bytes, and the planner's log."""
     model, ids = tiny_fsdp_model()
-    result = {"installed": {type(group._reduce_scatter_comm) for group in _unit_groups(model)}}
+    installed = {module: module._get_fsdp_state()._fsdp_param_group._reduce_scatter_comm
+                 for module in model.modules() if isinstance(module, FSDPModule)}
+    result = {"installed": {type(group._reduce_scatter_comm) for group in _unit_groups(model)},
+              "embedding's": type(installed[model.embed]),
+              "root_bytes": 4 * sum(p.numel() for name, p in model.named_parameters()
+                                    if name.startswith(("norm.", "lm_head.")))}
     for name, comm in (("gloo", DefaultReduceScatter), ("all_to_all", AllToAllReduceScatter),
-                       ("overlapped", AllToAllReduceScatter)):
+                       ("overlapped", AllToAllReduceScatter), ("as trained", lambda: installed[model])):
         calls: list = []
-        shared = comm()  # one object for every unit, as apply_fsdp installs it
-        if name == "overlapped":
+        shared = comm()  # one object for every unit (the embedding's own as trained), as apply_fsdp installs it
+        if name in ("overlapped", "as trained"):
             shared.overlapping = True
         for module in model.modules():
             if isinstance(module, FSDPModule):
-                module.set_custom_reduce_scatter(Measured(shared, calls))
+                module.set_custom_reduce_scatter(Measured(installed[module] if name == "as trained" and
+                                                          module is model.embed else shared, calls))
         model.zero_grad(set_to_none=True)
         log = CollectiveLog()
         with log:
             model(ids, labels=ids).ce_sum.backward()
         result[name] = {"in_flight_after_backward": len(getattr(shared, "_pending", []))}
-        if name == "overlapped":
+        if getattr(shared, "overlapping", False):
             shared.finish()
+            shared.overlapping = False
         result[name].update(grads={n: p.grad.to_local().clone() for n, p in model.named_parameters()},
                             calls=calls, logged=sent_by_category(log.calls))
     return result
@@ -198,7 +238,8 @@ def fsdp_backward(rank_pool) -> list[dict]:
 
 def test_every_unit_of_a_cpu_job_takes_the_all_to_all(fsdp_backward):
     for result in fsdp_backward:
-        assert result["installed"] == {AllToAllReduceScatter}
+        assert result["installed"] == {AllToAllReduceScatter, TouchedRowsReduceScatter}
+        assert result["embedding's"] is TouchedRowsReduceScatter
 
 
 def test_fsdp_gradients_are_bitwise_gloos(fsdp_backward):
@@ -219,6 +260,21 @@ def test_overlapped_reduce_scatters_travel_past_the_backward_and_give_the_same_b
         theirs, ours = result["all_to_all"]["grads"], result["overlapped"]["grads"]
         for name in theirs:
             assert torch.equal(ours[name], theirs[name]), f"rank {rank}: {name}"
+
+
+def test_the_roots_reduce_scatter_leaves_first_in_an_overlapped_backward(fsdp_backward):
+    """The root unit (final norm, head) has its gradients near the backward's start: with the
+    objects `apply_fsdp` installs (overlapping; the embedding's sends its touched rows), its
+    reduce-scatter is the first one issued (FSDP's own order puts it in the final callback, after
+    every block's) and the sums are gloo's, bit for bit."""
+    for rank, result in enumerate(fsdp_backward):
+        ours = [size for size, _ in result["as trained"]["calls"]]
+        plain = [size for size, _ in result["overlapped"]["calls"]]
+        assert sorted(ours) == sorted(plain) and ours.count(result["root_bytes"]) == 1
+        assert ours[0] == result["root_bytes"] != plain[0]
+        theirs, mine = result["all_to_all"]["grads"], result["as trained"]["grads"]
+        for name in theirs:
+            assert torch.equal(mine[name], theirs[name]), f"rank {rank}: {name}"
 
 
 def test_each_reduce_scatter_writes_half_the_bytes(fsdp_backward):
@@ -284,7 +340,7 @@ def fsdp_backward_bf16_wire(rank_pool) -> list[dict]:
 
 def test_bf16_wire_is_installed_on_every_unit_with_an_fp32_policy(fsdp_backward_bf16_wire):
     for result in fsdp_backward_bf16_wire:
-        assert result["installed"] == {(AllToAllReduceScatter, torch.bfloat16)}
+        assert result["installed"] == {(AllToAllReduceScatter, torch.bfloat16), (TouchedRowsReduceScatter, torch.bfloat16)}
         assert result["reduce_dtypes"] == {None}  # FSDP hands fp32 gradients over; the comm casts
         assert result["output_dtypes"] == {torch.float32}
 

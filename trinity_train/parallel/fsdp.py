@@ -23,7 +23,8 @@ all-to-all of the shards and a local sum, which sends half of what gloo's own (a
 does and, on two ranks, is bitwise the same sum.
 
 Resharding (`parallel.reshard_after_forward`, default true): each block is all-gathered for its
-forward, freed, and gathered again for its backward (ZeRO-3). False keeps every block gathered
+forward, freed, and gathered again for its backward (ZeRO-3), except the last block, whose
+backward follows its forward at once (torchtitan's rule: freeing it would only gather it again). False keeps every block gathered
 from its forward to the end of its backward (ZeRO-2's traffic: no all-gather in backward, half
 the blocks' all-gather bytes) for the whole unsharded model's parameters alive at the end of the
 forward: for a model whose unsharded weights fit beside its activations on a slow network.
@@ -41,9 +42,17 @@ threads instead, with the same collectives and the same numbers:
   before it computes (in backward, the block after it), FSDP2's explicit prefetch; and the next
   forward's first all-gathers (the root unit's, final norm and head, and the embedding's), which
   nothing computes beside, are issued in the optimizer step as soon as those parameters are final
-  (after Muon's AdamW part, `prefetch_next_forward`): they travel while Muon's Newton-Schulz runs.
-  The next forward (or a validation pass) waits for them in FSDP's pre-forward; a checkpoint load
-  first discards them (`discard_next_forward`). Holds those two units unsharded through Muon's part.
+  (once Muon's AdamW part is done and its exchange's pieces have left, `prefetch_next_forward`):
+  they travel while Muon's Newton-Schulz runs. Only those units: a block's matrices are Muon's,
+  final only at its end. The next forward (or a validation pass) waits for them in FSDP's
+  pre-forward; a checkpoint load first discards them (`discard_next_forward`). Holds those two
+  units unsharded through Muon's part.
+
+With `parallel.overlap_reduce_scatter`, the root unit's reduce-scatter starts as soon as its
+gradients are final, near the backward's start (`reduce_root_at_its_last_gradient`), not in
+FSDP's final callback. With either setting and EP, a backward's FSDP traffic waits for each EP
+block's expert exchange (`parallel/backward_traffic.py`). The embedding's reduce-scatter sends
+only its touched rows (`parallel/embedding_rows.py`; any CPU job without TP).
 
 Gradients in bf16 on the wire (`parallel.reduce_wire_dtype = "bf16"`, off by default): half the
 bytes of every reduce-scatter and of HSDP's all-reduce, for the rounding of each rank's gradient
@@ -62,9 +71,12 @@ from weakref import WeakKeyDictionary
 import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
 from torch.distributed.tensor import DTensor, Shard
 
 from trinity_train.config import ParallelConfig
+from trinity_train.parallel.backward_traffic import BackwardTraffic, hold_backward_traffic
+from trinity_train.parallel.embedding_rows import TouchedRowsReduceScatter
 from trinity_train.parallel.gloo_reduce_scatter import AllToAllReduceScatter
 from trinity_train.parallel.mesh import ParallelDims, expert_shard_dim
 from trinity_train.parallel.wire_precision import wire_dtype
@@ -123,7 +135,9 @@ def apply_fsdp(model: nn.Module, dims: ParallelDims, device: torch.device, dtype
     model.embed.set_unshard_in_backward(False)
     for block in model.layers:
         block_placement = None
-        reshard = parallel.reshard_after_forward
+        # The last block's backward comes right after its forward: resharding it would only
+        # gather it again at once (torchtitan's rule too).
+        reshard = parallel.reshard_after_forward and block is not model.layers[-1]
         if block.is_moe and dims.ep > 1:
             fully_shard(block.mlp.experts, mesh=dims.expert_fsdp_mesh, mp_policy=mp_policy,
                         shard_placement_fn=placement, reshard_after_forward=reshard)
@@ -140,12 +154,56 @@ def apply_fsdp(model: nn.Module, dims: ParallelDims, device: torch.device, dtype
             module.set_force_sum_reduction_for_comms(True)
             if device.type == "cpu":  # gloo: its own is an all-reduce, twice the share's bytes
                 module.set_custom_reduce_scatter(reduce_scatter)
+    if device.type == "cpu" and dims.tp == 1:  # (a vocabulary-parallel table is a DTensor of TP's)
+        model.embed.set_custom_reduce_scatter(
+            TouchedRowsReduceScatter(model.embed.embedding_dim, wire_dtype(parallel.reduce_wire_dtype)))
     if device.type == "cpu":
-        if parallel.overlap_reduce_scatter and dims.dp_replicate == 1:
+        expert_blocks = [i for i, block in enumerate(model.layers) if block.is_moe and dims.ep > 1]
+        overlap = parallel.overlap_reduce_scatter and dims.dp_replicate == 1
+        if expert_blocks and (overlap or parallel.prefetch_all_gather):
+            traffic = BackwardTraffic()
+            hold_backward_traffic(model, expert_blocks, traffic, _units_of if parallel.prefetch_all_gather else None)
+            reduce_scatter.run_or_hold = traffic.run_or_hold
+        if overlap:
             _REDUCE_SCATTERS[model] = reduce_scatter
+            reduce_root_at_its_last_gradient(model, reduce_scatter)
         if parallel.prefetch_all_gather:
-            prefetch_neighbouring_blocks(model)
+            prefetch_neighbouring_blocks(model, held=set(expert_blocks))
             _NEXT_FORWARD[model] = ([model, model.embed], [])
+
+
+def reduce_root_at_its_last_gradient(model: FSDPModule, reduce_scatter: AllToAllReduceScatter) -> None:
+    """Start the root unit's reduce-scatter as soon as its gradients are final, near the start of
+    the backward, instead of at its end. The root unit (final norm and head) has no module whose
+    backward ends after everything else's; FSDP2 registers its post-backward on the root's forward
+    inputs, the token ids, which take no gradient, so it runs in the backward's final callback and
+    its reduce-scatter (the head's, as large as the embedding's) travels while nothing computes.
+    The head's gradient is accumulated when the backward starts (the fused loss computed it in the
+    forward) and the final norm's right after; once every root parameter's gradient is accumulated
+    (a post-accumulate-grad hook on each gathered parameter), this runs FSDP's own post-backward of
+    the root's parameter group (its reshard and its `foreach_reduce`), which then leaves the
+    reduce-scatter travelling while the blocks' backward computes; the final callback skips a
+    group already past it. Only in a backward whose reduce-scatters overlap (`overlapping`); the
+    same sums, earlier."""
+    group = model._get_fsdp_state()._fsdp_param_group
+    hooked: set[int] = set()
+    accumulated: set[int] = set()
+
+    def on_accumulated(param: torch.Tensor) -> None:
+        accumulated.add(id(param))
+        if (reduce_scatter.overlapping and len(accumulated) == len(hooked)
+                and group._training_state != TrainingState.POST_BACKWARD):
+            group.post_backward()
+
+    def before_forward(module, args) -> None:
+        accumulated.clear()
+        for fsdp_param in group.fsdp_params:  # gathered by FSDP's own pre-forward, registered first
+            param = fsdp_param.unsharded_param
+            if param.requires_grad and id(param) not in hooked:
+                param.register_post_accumulate_grad_hook(on_accumulated)
+                hooked.add(id(param))
+
+    model.register_forward_pre_hook(before_forward)
 
 
 def _units_of(block: nn.Module) -> list[FSDPModule]:
@@ -153,10 +211,11 @@ def _units_of(block: nn.Module) -> list[FSDPModule]:
     return [m for m in (block, getattr(getattr(block, "mlp", None), "experts", None)) if isinstance(m, FSDPModule)]
 
 
-def prefetch_neighbouring_blocks(model: nn.Module) -> None:
+def prefetch_neighbouring_blocks(model: nn.Module, held: set[int] = frozenset()) -> None:
     """Issue each block's all-gather while the block before it computes (in backward: the block
     after it), asynchronously on gloo's threads; FSDP waits for it in the block's pre-forward
-    (pre-backward). The same all-gathers, earlier."""
+    (pre-backward). The same all-gathers, earlier. The blocks in `held` prefetch the block below
+    them in backward through `BackwardTraffic` (after their expert exchange), not FSDP."""
     blocks = list(model.layers)
     model._set_unshard_async_op(True)  # every unit's own unshard asynchronous too, waited at use
     model.embed.set_modules_to_forward_prefetch(_units_of(blocks[0]))
@@ -164,7 +223,7 @@ def prefetch_neighbouring_blocks(model: nn.Module) -> None:
     for i, block in enumerate(blocks):
         if i + 1 < len(blocks):
             block.set_modules_to_forward_prefetch(_units_of(blocks[i + 1]))
-        if i > 0:
+        if i > 0 and i not in held:
             block.set_modules_to_backward_prefetch(_units_of(blocks[i - 1]))
 
 

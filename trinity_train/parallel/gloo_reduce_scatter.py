@@ -23,7 +23,7 @@ hands it a bf16 output.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -40,14 +40,19 @@ class AllToAllReduceScatter(ReduceScatter):
     lands in `output_tensor` when the call after the next one is made, or at `finish()`, which
     the step calls when the backward is over and before anything reads a gradient. So one unit's
     reduce-scatter travels while the next unit's backward computes, and at most two are in
-    flight: one more unit's input and received buffers alive than a blocking call keeps."""
+    flight: one more unit's input and received buffers alive than a blocking call keeps. An
+    overlapped call's all-to-all starts through `run_or_hold` (in an EP job's backward, after the
+    current block's expert exchange: `parallel/backward_traffic.py`), or when it is completed."""
 
     IN_FLIGHT = 1  # unit reduce-scatters left travelling behind the newest
 
     def __init__(self, wire_dtype: torch.dtype | None = None):
         self.overlapping = False
         self.wire_dtype = wire_dtype  # what the chunks travel as (None: FSDP's reduce dtype)
-        self._pending: list[tuple[dist.Work, torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        # Where an overlapped call's all-to-all is started: at once, or when the backward's expert
+        # exchange lets it (`parallel/backward_traffic.py`, an EP job's `BackwardTraffic.run_or_hold`).
+        self.run_or_hold: Callable[[Callable[[], None]], None] = lambda start: start()
+        self._pending: list[_Transfer] = []
 
     def allocate(self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype,
                  device: torch.device) -> torch.Tensor:
@@ -65,30 +70,49 @@ class AllToAllReduceScatter(ReduceScatter):
             raise ValueError(f"reduce-scatter of {input_tensor.numel()} elements into {n} x "
                              f"{output_tensor.numel()}")
         sent = input_tensor if self.wire_dtype is None else input_tensor.to(self.wire_dtype)
-        received = torch.empty_like(sent)  # every rank's copy of this rank's chunk
-        work = dist.all_to_all_single(received, sent, group=group, async_op=self.overlapping)
-        self._pending.append((work, received, output_tensor, sent))
+        transfer = _Transfer(sent, output_tensor, group)
+        self._pending.append(transfer)
+        if self.overlapping:
+            self.run_or_hold(transfer.start)
         while len(self._pending) > (self.IN_FLIGHT if self.overlapping else 0):
-            self._complete(*self._pending.pop(0))
+            self._pending.pop(0).complete()
         return None
 
     def finish(self) -> None:
         """Complete every reduce-scatter still in flight (their gradients are then final)."""
         while self._pending:
-            self._complete(*self._pending.pop(0))
+            self._pending.pop(0).complete()
 
-    @staticmethod
-    def _complete(work: dist.Work | None, received: torch.Tensor, output: torch.Tensor, _sent) -> None:
-        if work is not None:
-            work.wait()
-        n = received.numel() // output.numel()
-        chunks = received.view(n, -1)
-        out = output.view(-1)
-        # An fp32 sum whatever travelled (a bf16 chunk added to fp32 is added in fp32), in the
-        # output itself when it is fp32.
-        total = out if out.dtype == torch.float32 else torch.empty_like(out, dtype=torch.float32)
-        total.copy_(chunks[0])
-        for chunk in chunks[1:]:  # rank order, whatever this rank's place in it
-            total.add_(chunk)
-        if total is not out:
-            out.copy_(total)
+
+class _Transfer:
+    """One reduce-scatter: the all-to-all of `sent` (every rank's copy of this rank's chunk lands
+    in `received`), then the local sum into `output`."""
+
+    def __init__(self, sent: torch.Tensor, output: torch.Tensor, group: dist.ProcessGroup):
+        self.sent, self.output, self.group = sent, output, group
+        self.received = torch.empty_like(sent)
+        self.work: dist.Work | None = None
+
+    def start(self) -> None:
+        """Issue the all-to-all on gloo's threads (once; a second call does nothing)."""
+        if self.work is None:
+            self.work = dist.all_to_all_single(self.received, self.sent, group=self.group, async_op=True)
+
+    def complete(self) -> None:
+        """Wait for the all-to-all (issuing it first if it has not been) and sum into the output."""
+        self.start()
+        self.work.wait()
+        sum_in_rank_order(self.received.view(self.group.size(), -1), self.output)
+
+
+def sum_in_rank_order(chunks: torch.Tensor, output: torch.Tensor) -> None:
+    """`output` = chunks[0] + chunks[1] + ... (every rank's copy of this rank's chunk), in rank
+    order whatever this rank's place in it, in fp32 whatever travelled (a bf16 chunk added to fp32
+    is added in fp32), in the output itself when it is fp32."""
+    out = output.view(-1)
+    total = out if out.dtype == torch.float32 else torch.empty_like(out, dtype=torch.float32)
+    total.copy_(chunks[0])
+    for chunk in chunks[1:]:
+        total.add_(chunk)
+    if total is not out:
+        out.copy_(total)

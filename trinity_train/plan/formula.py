@@ -41,8 +41,8 @@ from trinity_train.optim.muon_exchange import EXCHANGE_BYTES, exchange_calls
 from trinity_train.parallel.assumed_routing import AssumedRouting
 from trinity_train.parallel.expert_parallel import cut_runs
 from trinity_train.parallel.mesh import ParallelDims
-from trinity_train.plan.collectives import (CP_CATEGORY, EP_ALL_TO_ALL, FSDP_ALL_GATHER, FSDP_ALL_REDUCE, FSDP_REDUCE_SCATTER,
-                                            MUON_REDISTRIBUTE)
+from trinity_train.plan.collectives import (CP_CATEGORY, EP_ALL_TO_ALL, FSDP_ALL_GATHER, FSDP_ALL_REDUCE,
+                                            FSDP_EMBEDDING_ROWS, FSDP_REDUCE_SCATTER, MUON_REDISTRIBUTE)
 from trinity_train.plan.trace import CATEGORIES
 
 FP32, LONG = 4, 8
@@ -440,7 +440,9 @@ def memory_per_rank(cfg: Config, dims: ParallelDims, *, gpu: bool,
     # parallel.reshard_after_forward = false: every block stays gathered from its forward to the
     # end of its backward (no all-gather in backward).
     unresharded = distributed and not cfg.parallel.reshard_after_forward
-    forward = {**static, **kept, "gathered parameters": root + (sum(b.gathered for b in block) if unresharded else 0.0),
+    # The last block is never resharded after its forward (`parallel/fsdp.py`).
+    forward = {**static, **kept, "gathered parameters": root + (sum(b.gathered for b in block) if unresharded
+                                                                else block[-1].gathered if distributed else 0.0),
                "activations": forward_acts + model_level_activation_bytes(cfg, dims, a) + loss_chunk_bytes(cfg, dims, a),
                "communication buffers": max(b.gathered for b in block) if distributed and ac else 0.0}
 
@@ -453,17 +455,25 @@ def memory_per_rank(cfg: Config, dims: ParallelDims, *, gpu: bool,
     # A CPU job's reduce-scatter left travelling (parallel.overlap_reduce_scatter) holds what it
     # receives beside its input until the next one is issued.
     in_flight = 2 if (not gpu and cfg.parallel.overlap_reduce_scatter and dims.dp_replicate == 1) else 1
+    # There the root's reduce-scatter starts when its gradients are final, before the last block's
+    # backward (`reduce_root_at_its_last_gradient`; with one micro-batch a step: a later one adds
+    # to the first's gradients and does not overlap): the root resharded, the head's gradient
+    # reduced into its shard, its buffers in flight through the last block's backward.
+    early_root = distributed and in_flight == 2 and accum == 1
+    root_reducing = root * nums.reduce_buffer(dims, gpu) / a if early_root else 0.0
     shared = shared_activation_bytes(cfg, dims, a)
     backward, later_grads, below = {}, 0.0, sum(per_block)
     for i in reversed(range(m.num_layers)):
         below -= per_block[i]
         acts = (i + 1) * block_input if ac else below + per_block[i]
         if distributed:  # block i's unsharded gradients are as large as its gathered parameters
-            grads_now = kept_grads if accum > 1 else later_grads
-            temps = head + block[i].gathered + (per_block[i] if ac else 0.0)
+            grads_now = kept_grads if accum > 1 else later_grads + (root_grads if early_root else 0.0)
+            temps = (0.0 if early_root else head) + block[i].gathered + (per_block[i] if ac else 0.0)
             prefetched = block[i - 1].prefetched if i and not unresharded else 0.0
-            comm = prefetched + (block[i + 1].reducing * in_flight if i + 1 < m.num_layers else 0.0)
-            gathered = root + (sum(b.gathered for b in block[:i + 1]) if unresharded else block[i].gathered)
+            reducing = block[i + 1].reducing if i + 1 < m.num_layers else root_reducing
+            comm = prefetched + reducing * in_flight
+            gathered = (0.0 if early_root else root) + (sum(b.gathered for b in block[:i + 1]) if unresharded
+                                                       else block[i].gathered)
         else:  # one process: gradients land in .grad directly, the head's in the loss's backward
             grads_now = kept_grads if accum > 1 else later_grads + root_grads + block[i].grad_shards
             temps, comm, gathered = per_block[i] if ac else 0.0, 0.0, 0.0
@@ -575,6 +585,10 @@ def traffic_per_rank(cfg: Config, dims: ParallelDims, *, gpu: bool,
         rooted = [u[0].unit in ("root", "embed") or not cfg.parallel.reshard_after_forward for u in kinds]
         gathers = sum(1 if r else 2 for r in rooted) * accum
         ag = sum(s * (1 if r else 2) for s, r in zip(shards, rooted)) * a * (n - 1) * accum
+        if cfg.parallel.reshard_after_forward:  # nor the last block, kept gathered into its backward
+            last = [p for p in layers[-2] if p.unit in names]
+            gathers -= (1 if last else 0) * accum
+            ag -= sum(shard_numel(p, dims) for p in last) * a * (n - 1) * accum
         # fp32 (or bf16) gradients, (n-1)/n of the n-shard input: every micro-batch, or the last only
         reductions = accum if cfg.parallel.sync_every_micro_batch else 1
         rs = sum(shards) * nums.grad_wire * (n - 1) * reductions
@@ -583,6 +597,13 @@ def traffic_per_rank(cfg: Config, dims: ParallelDims, *, gpu: bool,
         if n > 1:  # (experts outside expert FSDP are not sharded, but still all-reduced under HSDP)
             flows += [Flow(FSDP_ALL_GATHER, "all_gather", dim, n, gathers, ag),
                       Flow(FSDP_REDUCE_SCATTER, "reduce_scatter", dim, n, len(units) * reductions, rs)]
+            if unit == "dense" and not gpu and dims.tp == 1:
+                # A CPU job's embedding sends the rows its tokens touched (parallel/embedding_rows.py):
+                # data-dependent, so its own category, counted as the whole table (an upper bound).
+                table = sum(s for u, s in zip(kinds, shards) if u[0].unit == "embed") * nums.grad_wire * (n - 1)
+                flows[-1] = Flow(FSDP_REDUCE_SCATTER, "reduce_scatter", dim, n, (len(units) - 1) * reductions,
+                                 rs - table * reductions)
+                flows.append(Flow(FSDP_EMBEDDING_ROWS, "reduce_scatter", dim, n, reductions, table * reductions))
         if dims.dp_replicate > 1:  # HSDP: the shards' gradients, all-reduced over the replicas once a step
             r = dims.dp_replicate
             flows.append(Flow(FSDP_ALL_REDUCE, "all_reduce", "dp_replicate", r, len(units),
