@@ -170,12 +170,14 @@ class ParallelConfig:
     #   unit's unsharded fp32 gradients between micro-batches: dp_shard x the gradient memory
     reshard_after_forward: bool = True  # false: each FSDP block stays gathered from its forward to
     #   its backward (no all-gather in backward: half the blocks' all-gather bytes) for the whole
-    #   model's unsharded weights alive at the end of the forward
+    #   model's unsharded weights alive at the end of the forward (true: all but the last block)
     overlap_reduce_scatter: bool = True  # CPU (gloo) jobs: each FSDP unit's gradient reduce-scatter
-    #   travels while the next unit's backward computes (GPUs overlap on NCCL's stream anyway)
+    #   travels while the next unit's backward computes, the root's from the backward's start, with
+    #   EP after each block's expert exchange (GPUs overlap on NCCL's stream anyway)
     prefetch_all_gather: bool = True  # CPU (gloo) jobs: each block's FSDP all-gather is issued while
-    #   the block before it computes, and the next step's first ones (head and final norm, embedding)
-    #   while Muon's part of the optimizer step computes (GPUs prefetch on a CUDA stream anyway)
+    #   the block before it computes (with EP, in backward: after its expert exchange), and the next
+    #   step's first ones (head and final norm, embedding) while Muon's part of the optimizer step
+    #   computes (GPUs prefetch on a CUDA stream anyway)
     ep_waves: int = 2  # the EP dispatch and combine in this many waves, each for a run of every
     #   rank's local experts (at most one wave per local expert): a wave's tokens travel while the
     #   wave before computes, with the same numbers; 1: one all-to-all each way

@@ -24,10 +24,11 @@ does and, on two ranks, is bitwise the same sum.
 
 Resharding (`parallel.reshard_after_forward`, default true): each block is all-gathered for its
 forward, freed, and gathered again for its backward (ZeRO-3), except the last block, whose
-backward follows its forward at once (torchtitan's rule: freeing it would only gather it again). False keeps every block gathered
-from its forward to the end of its backward (ZeRO-2's traffic: no all-gather in backward, half
-the blocks' all-gather bytes) for the whole unsharded model's parameters alive at the end of the
-forward: for a model whose unsharded weights fit beside its activations on a slow network.
+backward follows its forward at once (torchtitan's rule: freeing it would only gather it again).
+False keeps every block gathered from its forward to the end of its backward (ZeRO-2's traffic:
+no all-gather in backward, half the blocks' all-gather bytes) for the whole unsharded model's
+parameters alive at the end of the forward: for a model whose unsharded weights fit beside its
+activations on a slow network.
 
 Overlap on CPUs. FSDP2 overlaps its collectives with compute through CUDA streams; a CPU job has
 none, so every collective blocked the thread that computes. Two settings put them on gloo's own
