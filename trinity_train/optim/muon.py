@@ -260,6 +260,7 @@ class Muon(torch.optim.Optimizer):
                 else:
                     rounds.append((layout, [members[i] for i, _ in round_plan], [slot for _, slot in round_plan],
                                    dtype, steps))
+
         def run_rounds(local: bool) -> None:
             for layout, round_members, slots, dtype, steps in rounds:
                 if (layout.group_size == 1) != local:
