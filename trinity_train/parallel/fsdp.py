@@ -155,10 +155,10 @@ def apply_fsdp(model: nn.Module, dims: ParallelDims, device: torch.device, dtype
             module.set_force_sum_reduction_for_comms(True)
             if device.type == "cpu":  # gloo: its own is an all-reduce, twice the share's bytes
                 module.set_custom_reduce_scatter(reduce_scatter)
-    if device.type == "cpu" and dims.tp == 1:  # (a vocabulary-parallel table is a DTensor of TP's)
-        model.embed.set_custom_reduce_scatter(
-            TouchedRowsReduceScatter(model.embed.embedding_dim, wire_dtype(parallel.reduce_wire_dtype)))
     if device.type == "cpu":
+        if dims.tp == 1:  # (a vocabulary-parallel table is a DTensor of TP's)
+            model.embed.set_custom_reduce_scatter(
+                TouchedRowsReduceScatter(model.embed.embedding_dim, wire_dtype(parallel.reduce_wire_dtype)))
         expert_blocks = [i for i, block in enumerate(model.layers) if block.is_moe and dims.ep > 1]
         overlap = parallel.overlap_reduce_scatter and dims.dp_replicate == 1
         if expert_blocks and (overlap or parallel.prefetch_all_gather):

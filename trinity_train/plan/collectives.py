@@ -87,10 +87,10 @@ def sent_bytes(name: str, a: dict, n: int, me: int) -> tuple[str, float] | None:
 
 def category(kind: str, frames: list[str]) -> str:
     """Who issued a collective of `kind`, from the file names on the Python stack."""
-    # FSDP's reduce-scatter on gloo; an overlapped one may be started from an autograd hook
-    # (parallel/backward_traffic.py), with no FSDP frame on the stack.
     if any(f.endswith("parallel/embedding_rows.py") for f in frames):
         return FSDP_EMBEDDING_ROWS
+    # FSDP's reduce-scatter on gloo; an overlapped one may be started from an autograd hook
+    # (parallel/backward_traffic.py), with no FSDP frame on the stack.
     if kind == "all_to_all" and any(f.endswith("parallel/gloo_reduce_scatter.py") for f in frames):
         return FSDP_REDUCE_SCATTER
     if any("/torch/distributed/fsdp/" in f for f in frames):

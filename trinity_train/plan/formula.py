@@ -592,18 +592,19 @@ def traffic_per_rank(cfg: Config, dims: ParallelDims, *, gpu: bool,
         # fp32 (or bf16) gradients, (n-1)/n of the n-shard input: every micro-batch, or the last only
         reductions = accum if cfg.parallel.sync_every_micro_batch else 1
         rs = sum(shards) * nums.grad_wire * (n - 1) * reductions
+        # A CPU job's embedding sends the rows its tokens touched (parallel/embedding_rows.py):
+        # data-dependent, so its own category, counted as the whole table (an upper bound).
+        rows = unit == "dense" and not gpu and dims.tp == 1
+        table = (sum(s for u, s in zip(kinds, shards) if u[0].unit == "embed") * nums.grad_wire * (n - 1)
+                 * reductions if rows else 0.0)
         if not units:
             continue
         if n > 1:  # (experts outside expert FSDP are not sharded, but still all-reduced under HSDP)
             flows += [Flow(FSDP_ALL_GATHER, "all_gather", dim, n, gathers, ag),
-                      Flow(FSDP_REDUCE_SCATTER, "reduce_scatter", dim, n, len(units) * reductions, rs)]
-            if unit == "dense" and not gpu and dims.tp == 1:
-                # A CPU job's embedding sends the rows its tokens touched (parallel/embedding_rows.py):
-                # data-dependent, so its own category, counted as the whole table (an upper bound).
-                table = sum(s for u, s in zip(kinds, shards) if u[0].unit == "embed") * nums.grad_wire * (n - 1)
-                flows[-1] = Flow(FSDP_REDUCE_SCATTER, "reduce_scatter", dim, n, (len(units) - 1) * reductions,
-                                 rs - table * reductions)
-                flows.append(Flow(FSDP_EMBEDDING_ROWS, "reduce_scatter", dim, n, reductions, table * reductions))
+                      Flow(FSDP_REDUCE_SCATTER, "reduce_scatter", dim, n, (len(units) - int(rows)) * reductions,
+                           rs - table)]
+            if rows:
+                flows.append(Flow(FSDP_EMBEDDING_ROWS, "reduce_scatter", dim, n, reductions, table))
         if dims.dp_replicate > 1:  # HSDP: the shards' gradients, all-reduced over the replicas once a step
             r = dims.dp_replicate
             flows.append(Flow(FSDP_ALL_REDUCE, "all_reduce", "dp_replicate", r, len(units),
