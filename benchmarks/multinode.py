@@ -68,8 +68,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from trinity_train.plan.collectives import (EP_ALL_TO_ALL, FSDP_ALL_GATHER, FSDP_EMBEDDING_ROWS, FSDP_REDUCE_SCATTER,
-                                            MUON_REDISTRIBUTE)
+from trinity_train.plan.collectives import (EP_ALL_TO_ALL, FSDP_ALL_GATHER, FSDP_EMBEDDING_ROWS_GATHER, FSDP_EMBEDDING_ROWS_REDUCE,
+                                            FSDP_REDUCE_SCATTER, MUON_REDISTRIBUTE)
 from trinity_train.records import EventName
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -530,7 +530,8 @@ def kind_of(category: str) -> str:
     """The collective behind a counter category (for the calibration's wire factor)."""
     if category in (FSDP_ALL_GATHER, MUON_REDISTRIBUTE):
         return "all_gather"
-    if category in (FSDP_REDUCE_SCATTER, FSDP_EMBEDDING_ROWS, EP_ALL_TO_ALL):  # FSDP's on gloo: all-to-alls
+    # FSDP's reduce-scatter on gloo, the embedding's rows both ways, EP's tokens: all-to-alls
+    if category in (FSDP_REDUCE_SCATTER, FSDP_EMBEDDING_ROWS_GATHER, FSDP_EMBEDDING_ROWS_REDUCE, EP_ALL_TO_ALL):
         return "all_to_all"
     return category.removeprefix("other: ").split(" ")[0]
 
@@ -543,8 +544,9 @@ def theory(overrides: tuple[str, ...], world: int) -> dict:
       root unit, final norm + head, once: it stays gathered after the forward; the embedding once:
       its backward does not read its weight, parallel/fsdp.py), and every unit's gradient
       reduce-scattered once; a rank sends (world-1)/world of the unit each time. The embedding's
-      reduce-scatter sends only the rows the tokens touched (parallel/embedding_rows.py): its
-      theory is the whole table's, the most it can be. Routed experts are
+      all-gather fetches only the rows its tokens read (parallel/embedding_gather.py) and its
+      reduce-scatter sends only the rows they touched (parallel/embedding_rows.py): the theory of
+      each is the whole table's, the most it can be. Routed experts are
       their own unit over dp_shard / ep ranks (1 here: no FSDP traffic).
     - EP: 4 token all-to-alls per MoE layer (dispatch and combine, forward and backward), each
       sending tokens x top_k x hidden x 4 B x (ep-1)/ep under uniform routing.
@@ -574,9 +576,9 @@ def theory(overrides: tuple[str, ...], world: int) -> dict:
               for block in model.layers]
     units.append((count(model, [model.embed, *model.layers]), 1))
     share = (world - 1) / world
-    gather = sum(p * 4 * share * times for p, times in units)
+    gather = sum(p * 4 * share * times for p, times in units[1:])
     scatter = sum(p * 4 * share for p, _ in units[1:])
-    embedding_rows = units[0][0] * 4 * share  # the whole table: the most its touched rows can be
+    embedding_rows = units[0][0] * 4 * share  # the whole table: the most its rows read or touched can be
     expert_params = sum(p.numel() for p in model.parameters() if id(p) in expert_ids)
     if efsdp > 1:
         gather += expert_params * 4 * (efsdp - 1) / efsdp * 2
@@ -586,8 +588,8 @@ def theory(overrides: tuple[str, ...], world: int) -> dict:
     all_to_all = 4 * moe_layers * tokens * m.num_experts_per_tok * m.hidden_size * 4 * (ep - 1) / ep
     muon = sum(p.numel() * 4 for name, p in model.named_parameters()
                if is_muon_param(name, cfg.optim.muon_router) and id(p) not in expert_ids) * 2 * share / world
-    return {FSDP_ALL_GATHER: gather, FSDP_REDUCE_SCATTER: scatter, FSDP_EMBEDDING_ROWS: embedding_rows,
-            EP_ALL_TO_ALL: all_to_all,
+    return {FSDP_ALL_GATHER: gather, FSDP_REDUCE_SCATTER: scatter, FSDP_EMBEDDING_ROWS_GATHER: embedding_rows,
+            FSDP_EMBEDDING_ROWS_REDUCE: embedding_rows, EP_ALL_TO_ALL: all_to_all,
             MUON_REDISTRIBUTE: muon, "params": sum(p.numel() for p in model.parameters()),
             "sharded_params": sum(p for p, _ in units), "expert_params": expert_params, "tokens_per_rank": tokens}
 

@@ -15,7 +15,9 @@ what can be measured here"): memory, traffic and step time.
    RSS before it, + the parameters, gradients and optimizer state alive before it; glibc set to
    unmap freed allocations of 64 KiB or more, so RSS follows the live tensors).
 2. Traffic: bytes per collective category of benchmarks/multinode.py's job (`COMMON`), traced
-   against the job's real ranks on loopback (`CollectiveLog` over iteration 2).
+   against the job's real ranks on loopback (`CollectiveLog` over iteration 2). The embedding's
+   row categories depend on the tokens: the trace counts the whole table, so their ratio is
+   above 1 (an upper bound, not an error).
 3. Time: the job on the cluster bed (benchmarks/multinode.py's `Bench`): predicted two-host step
    at 1 Gbit/s = the measured one-host step (2 ranks on loopback) + the traced bytes a rank sends
    per step (what gloo puts on the wire, section 12's calibration) / 125 MB/s, nothing overlapped (the training code
@@ -43,8 +45,9 @@ from multinode import CONDITIONS, bed_unavailable, bench_on_bed, loadavg  # noqa
 from plan_runs import LAYOUTS, MEMORY_BATCH, measure_rank, measured_config, trace_measured  # noqa: E402
 from ranks import run_ranks  # noqa: E402
 
-from trinity_train.plan.collectives import (EP_ALL_TO_ALL, FSDP_ALL_GATHER, FSDP_REDUCE_SCATTER,  # noqa: E402
-                                            MUON_REDISTRIBUTE, sent_by_category)
+from trinity_train.plan.collectives import (EP_ALL_TO_ALL, FSDP_ALL_GATHER, FSDP_EMBEDDING_ROWS_GATHER,  # noqa: E402
+                                            FSDP_EMBEDDING_ROWS_REDUCE, FSDP_REDUCE_SCATTER, MUON_REDISTRIBUTE,
+                                            sent_by_category)
 from trinity_train.parallel.mesh import ParallelDims  # noqa: E402
 from trinity_train.plan.formula import memory_per_rank  # noqa: E402
 from trinity_train.plan.timing import price_measured  # noqa: E402
@@ -55,7 +58,8 @@ HUNDRED_M = ("--model.hidden_size=512", "--model.num_layers=7", "--model.num_hea
 MODELS = {"default": (), "100m": HUNDRED_M}
 LINK_GBITS_S = 1.0  # the bed's shaped link
 ONE_HOST, ONE_GBIT = CONDITIONS[0][0], "c: 2 hosts, 1 Gbit"
-CATEGORIES = (FSDP_ALL_GATHER, FSDP_REDUCE_SCATTER, EP_ALL_TO_ALL, MUON_REDISTRIBUTE)
+CATEGORIES = (FSDP_ALL_GATHER, FSDP_REDUCE_SCATTER, FSDP_EMBEDDING_ROWS_GATHER, FSDP_EMBEDDING_ROWS_REDUCE,
+              EP_ALL_TO_ALL, MUON_REDISTRIBUTE)
 
 
 def mib(x: float) -> str:

@@ -5,7 +5,9 @@ by the place that waits, per training iteration. Installed inside each rank of a
 `trinity_train.health.collective_waits` times the waits (every collective of a step ends in
 `Work.wait()` or `_functional_collectives.wait_tensor`) and this module names each by the stack
 above it (`site`): an FSDP unit's all-gather (by the unit's name), the FSDP reduce-scatters,
-the EP all-to-alls of the forward and of the backward, Muon's exchange, the step's reductions (token
+the embedding's row all-gather and reduce-scatter (parallel/embedding_gather.py and
+embedding_rows.py: before this table had them, the reduce-scatter's waits counted as the
+embedding's all-gather), the EP all-to-alls of the forward and of the backward, Muon's exchange, the step's reductions (token
 count, loss totals, gradient norm). A wait includes the time the other rank took to arrive: what a
 rank waits for is the network and the other rank's compute together, so the 1-host job's waits are
 the baseline a link's are read against. Written to OUT_DIR/waits{RANK}.json after every iteration:
@@ -32,6 +34,10 @@ def site(frame) -> str:
         if path.endswith("gloo_reduce_scatter.py"):  # innermost: also where FSDP calls it
             return "FSDP reduce-scatter"
         owner = frame.f_locals.get("self")
+        if path.endswith("embedding_gather.py"):  # (the exchanges it calls are embedding_rows.py's)
+            return "FSDP all-gather, embedding rows"
+        if type(owner).__name__ == "TouchedRowsReduceScatter":
+            return "FSDP reduce-scatter, embedding rows"
         if type(owner).__name__ == "FSDPParamGroup":  # an unshard's wait, inside the module's hooks
             return f"FSDP all-gather, {owner._module_fqn or 'root'}"
         if "trinity_train" in path:

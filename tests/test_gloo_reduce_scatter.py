@@ -32,8 +32,8 @@ from tiny_fsdp import tiny_fsdp_model
 from trinity_train.config import load_config
 from trinity_train.parallel.embedding_rows import TouchedRowsReduceScatter
 from trinity_train.parallel.gloo_reduce_scatter import AllToAllReduceScatter
-from trinity_train.plan.collectives import (FSDP_ALL_GATHER, FSDP_ALL_REDUCE, FSDP_REDUCE_SCATTER, CollectiveLog,
-                                            sent_by_category)
+from trinity_train.plan.collectives import (FSDP_ALL_GATHER, FSDP_ALL_REDUCE, FSDP_EMBEDDING_ROWS_GATHER,
+                                            FSDP_REDUCE_SCATTER, CollectiveLog, sent_by_category)
 
 SIZES = (4 * 3, 4 * 1001, 4 * 2**16)  # elements (divisible by 2 and 4 ranks)
 
@@ -287,11 +287,12 @@ def test_each_reduce_scatter_writes_half_the_bytes(fsdp_backward):
         for size, written in after:  # (n-1)/n
             assert size / 2 <= written <= size / 2 * 1.02 + 1024, (size, written)
         total = sum(size for size, _ in after)
-        # The planner's log credits both with the textbook (n-1)/n, under FSDP reduce-scatter.
+        # The planner's log credits both with the textbook (n-1)/n, under FSDP reduce-scatter (the
+        # embedding's forward gathers its rows: parallel/embedding_gather.py).
         for name in ("gloo", "all_to_all"):
             logged = result[name]["logged"]
             assert logged[FSDP_REDUCE_SCATTER] == total / 2
-            assert set(logged) == {FSDP_ALL_GATHER, FSDP_REDUCE_SCATTER}, logged
+            assert set(logged) == {FSDP_ALL_GATHER, FSDP_EMBEDDING_ROWS_GATHER, FSDP_REDUCE_SCATTER}, logged
 
 
 # ------------------------------------------------------------------- bf16 on the wire, in FSDP

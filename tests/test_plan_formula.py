@@ -7,8 +7,9 @@ import pytest
 
 from trinity_train.config import load_config
 from trinity_train.parallel.mesh import ParallelDims
-from trinity_train.plan.collectives import (CP_CATEGORY, EP_ALL_TO_ALL, FSDP_ALL_GATHER, FSDP_ALL_REDUCE, FSDP_EMBEDDING_ROWS,
-                                            FSDP_REDUCE_SCATTER, MUON_REDISTRIBUTE, sent_by_category)
+from trinity_train.plan.collectives import (CP_CATEGORY, EP_ALL_TO_ALL, FSDP_ALL_GATHER, FSDP_ALL_REDUCE,
+                                            FSDP_EMBEDDING_ROWS_GATHER, FSDP_EMBEDDING_ROWS_REDUCE, FSDP_REDUCE_SCATTER,
+                                            MUON_REDISTRIBUTE, sent_by_category)
 from trinity_train.plan.formula import memory_per_rank, traffic_per_rank
 from trinity_train.plan.trace import trace_rank
 
@@ -51,8 +52,8 @@ def test_formula_agrees_with_the_trace(overrides, gpu):
     assert model.peak == pytest.approx(traced.peak, rel=0.10)
     sent = sent_by_category(traced.collectives)
     predicted = sent_by_category(traffic_per_rank(cfg, dims, gpu=gpu))
-    for category in (FSDP_ALL_GATHER, FSDP_REDUCE_SCATTER, FSDP_EMBEDDING_ROWS, FSDP_ALL_REDUCE, EP_ALL_TO_ALL,
-                     MUON_REDISTRIBUTE):
+    for category in (FSDP_ALL_GATHER, FSDP_REDUCE_SCATTER, FSDP_EMBEDDING_ROWS_GATHER, FSDP_EMBEDDING_ROWS_REDUCE,
+                     FSDP_ALL_REDUCE, EP_ALL_TO_ALL, MUON_REDISTRIBUTE):
         assert predicted.get(category, 0) == pytest.approx(sent.get(category, 0), rel=0.10), category
 
 
@@ -99,7 +100,7 @@ def test_bf16_on_the_wire_halves_the_traced_bytes_it_names(gpu):
     bf16 = sent_by_category(_traced(("--parallel.ep=2", *BF16_WIRE), gpu).collectives)
     assert fp32.keys() == bf16.keys()
     for category in fp32:
-        halved = category in (EP_ALL_TO_ALL, FSDP_REDUCE_SCATTER, FSDP_EMBEDDING_ROWS)
+        halved = category in (EP_ALL_TO_ALL, FSDP_REDUCE_SCATTER, FSDP_EMBEDDING_ROWS_REDUCE)
         assert bf16[category] == fp32[category] / (2 if halved else 1) > 0, category
 
 

@@ -9,12 +9,13 @@ custom reduce-scatter of the embedding's unit on a CPU job without TP (`parallel
 
 1. rank t's chunk of the input is rows [t*R, (t+1)*R) of the (padded) table; a row is touched
    when any bit of it is set (so a -0.0 travels too);
-2. one all-to-all of the counts, one of the row indices, one of the rows (in `reduce_wire_dtype`
-   as the dense one sends them, this rank's own rows included);
+2. one all-to-all of the touched rows' masks (a bit a row, `exchange_row_masks`), one of the rows
+   (`exchange_rows`, in `reduce_wire_dtype` as the dense one sends them), in ascending row order;
 3. each rank's chunk is rebuilt in a zeroed buffer and summed as `AllToAllReduceScatter` sums:
    the zeros not received are the +0.0 the dense chunk holds there, so every chunk is rebuilt bit
    for bit and the sum is the dense one's, in the same order (tests/test_gloo_reduce_scatter.py).
 
+The two exchanges serve the embedding's forward all-gather too (`parallel/embedding_gather.py`).
 `trinity-train plan` traces without data (no rows to find): there it sends the whole table, and
 the planner counts that, an upper bound, as its own category (`FSDP reduce-scatter, embedding
 rows`, plan/collectives.py). NCCL keeps FSDP's dense reduce-scatter.
@@ -24,12 +25,33 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from trinity_train.parallel.assumed_routing import assumed_routing
 from trinity_train.parallel.gloo_reduce_scatter import AllToAllReduceScatter, sum_in_rank_order
 
 # Integer dtypes of each float width: a row is "touched" when any bit of it is set (-0.0 too).
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_SHIFTS = torch.arange(8, dtype=torch.uint8)
+
+
+def exchange_row_masks(masks: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """One all-to-all of boolean row masks, [n, R] (row t for rank t): returns [n, R], row t from
+    rank t. Sent packed, a bit a row."""
+    n, rows = masks.shape
+    packed = F.pad(masks.to(torch.uint8), (0, -rows % 8)).view(n, -1, 8).bitwise_left_shift(_SHIFTS)
+    packed = packed.sum(dim=2, dtype=torch.uint8)
+    received = torch.empty_like(packed)
+    dist.all_to_all_single(received, packed, group=group)
+    return received.unsqueeze(2).bitwise_right_shift(_SHIFTS).bitwise_and(1).view(n, -1)[:, :rows].bool()
+
+
+def exchange_rows(sending: list[torch.Tensor], receiving: list[int], group: dist.ProcessGroup) -> list[torch.Tensor]:
+    """One all-to-all of whole rows: `sending[t]` ([k, width]) to rank t, `receiving[t]` rows from
+    rank t; returns what each rank sent, in rank order."""
+    values = sending[0].new_empty(sum(receiving), sending[0].shape[1])
+    dist.all_to_all_single(values, torch.cat(sending), receiving, [len(s) for s in sending], group=group)
+    return list(values.split(receiving))
 
 
 class TouchedRowsReduceScatter(AllToAllReduceScatter):
@@ -49,16 +71,10 @@ class TouchedRowsReduceScatter(AllToAllReduceScatter):
             return super().__call__(output_tensor, input_tensor, group, op, async_op)
         sent = input_tensor if self.wire_dtype is None else input_tensor.to(self.wire_dtype)
         rows = sent.view(n, -1, self.row_numel)
-        touched = [row.nonzero().squeeze(1) for row in rows.view(_BITS[sent.element_size()]).ne(0).any(dim=2)]
-        send_counts = torch.tensor([len(t) for t in touched])
-        recv_counts = torch.empty_like(send_counts)
-        dist.all_to_all_single(recv_counts, send_counts, group=group)
-        send, recv = send_counts.tolist(), recv_counts.tolist()
-        indices = torch.empty(sum(recv), dtype=torch.long)
-        dist.all_to_all_single(indices, torch.cat(touched), recv, send, group=group)
-        values = sent.new_empty(sum(recv), self.row_numel)
-        dist.all_to_all_single(values, torch.cat([rows[t][touched[t]] for t in range(n)]), recv, send, group=group)
-        chunks = sent.new_zeros(n, rows.shape[1], self.row_numel)
-        for t, (where, what) in enumerate(zip(indices.split(recv), values.split(recv))):
-            chunks[t].index_copy_(0, where, what)
+        touched = rows.view(_BITS[sent.element_size()]).ne(0).any(dim=2)  # [n, R]: rows of chunk t touched here
+        theirs = exchange_row_masks(touched, group)  # [n, R]: rows of my chunk rank t touched
+        values = exchange_rows([rows[t][touched[t]] for t in range(n)], theirs.sum(dim=1).tolist(), group)
+        chunks = sent.new_zeros(rows.shape)
+        for t in range(n):
+            chunks[t][theirs[t]] = values[t]
         sum_in_rank_order(chunks.view(n, -1), output_tensor)

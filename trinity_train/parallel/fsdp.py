@@ -41,19 +41,21 @@ threads instead, with the same collectives and the same numbers:
   not in a micro-batch that adds to the gradients of an earlier one (`overlap_reductions`).
 - `parallel.prefetch_all_gather`: each block's all-gather is issued asynchronously while the block
   before it computes (in backward, the block after it), FSDP2's explicit prefetch; and the next
-  forward's first all-gathers (the root unit's, final norm and head, and the embedding's), which
-  nothing computes beside, are issued in the optimizer step as soon as those parameters are final
-  (once Muon's AdamW part is done and its exchange's pieces have left, `prefetch_next_forward`):
-  they travel while Muon's Newton-Schulz runs. Only those units: a block's matrices are Muon's,
-  final only at its end. The next forward (or a validation pass) waits for them in FSDP's
-  pre-forward; a checkpoint load first discards them (`discard_next_forward`). Holds those two
-  units unsharded through Muon's part.
+  forward's first all-gather (the root unit's, final norm and head; and the embedding's where it
+  gathers the whole table, under TP), which nothing computes beside, is issued in the optimizer
+  step as soon as those parameters are final (once Muon's AdamW part is done and its exchange's
+  pieces have left, `prefetch_next_forward`): it travels while Muon's Newton-Schulz runs. Only
+  those units: a block's matrices are Muon's, final only at its end. The next forward (or a
+  validation pass) waits for it in FSDP's pre-forward; a checkpoint load first discards it
+  (`discard_next_forward`). Holds those units unsharded through Muon's part.
 
 With `parallel.overlap_reduce_scatter`, the root unit's reduce-scatter starts as soon as its
 gradients are final, near the backward's start (`reduce_root_at_its_last_gradient`), not in
 FSDP's final callback. With either setting and EP, a backward's FSDP traffic waits for each EP
-block's expert exchange (`parallel/backward_traffic.py`). The embedding's reduce-scatter sends
-only its touched rows (`parallel/embedding_rows.py`; any CPU job without TP).
+block's expert exchange (`parallel/backward_traffic.py`). On any CPU job without TP the
+embedding's all-gather fetches only the rows its forward reads (`parallel/embedding_gather.py`, in
+the embedding's pre-forward: it needs the token ids) and its reduce-scatter sends only its touched
+rows (`parallel/embedding_rows.py`).
 
 Gradients in bf16 on the wire (`parallel.reduce_wire_dtype = "bf16"`, off by default): half the
 bytes of every reduce-scatter and of HSDP's all-reduce, for the rounding of each rank's gradient
@@ -77,6 +79,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from trinity_train.config import ParallelConfig
 from trinity_train.parallel.backward_traffic import BackwardTraffic, hold_backward_traffic
+from trinity_train.parallel.embedding_gather import read_rows_only
 from trinity_train.parallel.embedding_rows import TouchedRowsReduceScatter
 from trinity_train.parallel.gloo_reduce_scatter import AllToAllReduceScatter
 from trinity_train.parallel.mesh import ParallelDims, expert_shard_dim
@@ -156,9 +159,11 @@ def apply_fsdp(model: nn.Module, dims: ParallelDims, device: torch.device, dtype
             if device.type == "cpu":  # gloo: its own is an all-reduce, twice the share's bytes
                 module.set_custom_reduce_scatter(reduce_scatter)
     if device.type == "cpu":
-        if dims.tp == 1:  # (a vocabulary-parallel table is a DTensor of TP's)
+        rows = dims.tp == 1  # (a vocabulary-parallel table is a DTensor of TP's)
+        if rows:
             model.embed.set_custom_reduce_scatter(
                 TouchedRowsReduceScatter(model.embed.embedding_dim, wire_dtype(parallel.reduce_wire_dtype)))
+            read_rows_only(model.embed)
         expert_blocks = [i for i, block in enumerate(model.layers) if block.is_moe and dims.ep > 1]
         overlap = parallel.overlap_reduce_scatter and dims.dp_replicate == 1
         if expert_blocks and (overlap or parallel.prefetch_all_gather):
@@ -170,7 +175,8 @@ def apply_fsdp(model: nn.Module, dims: ParallelDims, device: torch.device, dtype
             reduce_root_at_its_last_gradient(model, reduce_scatter)
         if parallel.prefetch_all_gather:
             prefetch_neighbouring_blocks(model, held=set(expert_blocks))
-            _NEXT_FORWARD[model] = ([model, model.embed], [])
+            # (the embedding's rows are gathered in its own pre-forward, once the ids are known)
+            _NEXT_FORWARD[model] = ([model] if rows else [model, model.embed], [])
 
 
 def reduce_root_at_its_last_gradient(model: FSDPModule, reduce_scatter: AllToAllReduceScatter) -> None:
@@ -229,7 +235,7 @@ def prefetch_neighbouring_blocks(model: nn.Module, held: set[int] = frozenset())
 
 
 def prefetch_next_forward(model: nn.Module) -> None:
-    """Issue the next forward's first all-gathers (the root unit's and the embedding's) now, on
+    """Issue the next forward's first all-gathers (the root unit's, and the embedding's under TP) now, on
     gloo's threads: call once their parameters are final for the step. The forward waits for them
     in FSDP's pre-forward hooks. A no-op without `parallel.prefetch_all_gather` or off a CPU job."""
     if model in _NEXT_FORWARD:

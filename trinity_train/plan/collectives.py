@@ -28,9 +28,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 FSDP_ALL_GATHER = "FSDP all-gather"
 FSDP_REDUCE_SCATTER = "FSDP reduce-scatter"
-# A CPU job's embedding: the rows its tokens touched (parallel/embedding_rows.py); data-dependent,
-# so the planner counts the whole table, an upper bound.
-FSDP_EMBEDDING_ROWS = "FSDP reduce-scatter, embedding rows"
+# A CPU job's embedding: the rows its forward reads (parallel/embedding_gather.py) and the rows its
+# tokens touched (parallel/embedding_rows.py); data-dependent, so the planner counts the whole
+# table, an upper bound.
+FSDP_EMBEDDING_ROWS_GATHER = "FSDP all-gather, embedding rows"
+FSDP_EMBEDDING_ROWS_REDUCE = "FSDP reduce-scatter, embedding rows"
 FSDP_ALL_REDUCE = "FSDP all-reduce"  # HSDP: across the replica groups
 EP_ALL_TO_ALL = "EP all-to-all"
 MUON_REDISTRIBUTE = "Muon redistribute"
@@ -87,8 +89,10 @@ def sent_bytes(name: str, a: dict, n: int, me: int) -> tuple[str, float] | None:
 
 def category(kind: str, frames: list[str]) -> str:
     """Who issued a collective of `kind`, from the file names on the Python stack."""
+    if any(f.endswith("parallel/embedding_gather.py") for f in frames):  # (it calls embedding_rows.py's exchanges)
+        return FSDP_EMBEDDING_ROWS_GATHER
     if any(f.endswith("parallel/embedding_rows.py") for f in frames):
-        return FSDP_EMBEDDING_ROWS
+        return FSDP_EMBEDDING_ROWS_REDUCE
     # FSDP's reduce-scatter on gloo; an overlapped one may be started from an autograd hook
     # (parallel/backward_traffic.py), with no FSDP frame on the stack.
     if kind == "all_to_all" and any(f.endswith("parallel/gloo_reduce_scatter.py") for f in frames):

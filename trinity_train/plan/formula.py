@@ -42,7 +42,8 @@ from trinity_train.parallel.assumed_routing import AssumedRouting
 from trinity_train.parallel.expert_parallel import cut_runs
 from trinity_train.parallel.mesh import ParallelDims
 from trinity_train.plan.collectives import (CP_CATEGORY, EP_ALL_TO_ALL, FSDP_ALL_GATHER, FSDP_ALL_REDUCE,
-                                            FSDP_EMBEDDING_ROWS, FSDP_REDUCE_SCATTER, MUON_REDISTRIBUTE)
+                                            FSDP_EMBEDDING_ROWS_GATHER, FSDP_EMBEDDING_ROWS_REDUCE, FSDP_REDUCE_SCATTER,
+                                            MUON_REDISTRIBUTE)
 from trinity_train.plan.trace import CATEGORIES
 
 FP32, LONG = 4, 8
@@ -592,19 +593,22 @@ def traffic_per_rank(cfg: Config, dims: ParallelDims, *, gpu: bool,
         # fp32 (or bf16) gradients, (n-1)/n of the n-shard input: every micro-batch, or the last only
         reductions = accum if cfg.parallel.sync_every_micro_batch else 1
         rs = sum(shards) * nums.grad_wire * (n - 1) * reductions
-        # A CPU job's embedding sends the rows its tokens touched (parallel/embedding_rows.py):
-        # data-dependent, so its own category, counted as the whole table (an upper bound).
+        # A CPU job's embedding gathers the rows its forward reads (parallel/embedding_gather.py)
+        # and sends the rows its tokens touched (parallel/embedding_rows.py): data-dependent, so
+        # their own categories, counted as the whole table (an upper bound).
         rows = unit == "dense" and not gpu and dims.tp == 1
-        table = (sum(s for u, s in zip(kinds, shards) if u[0].unit == "embed") * nums.grad_wire * (n - 1)
-                 * reductions if rows else 0.0)
+        table = sum(s for u, s in zip(kinds, shards) if u[0].unit == "embed") * (n - 1) if rows else 0.0
         if not units:
             continue
         if n > 1:  # (experts outside expert FSDP are not sharded, but still all-reduced under HSDP)
-            flows += [Flow(FSDP_ALL_GATHER, "all_gather", dim, n, gathers, ag),
+            flows += [Flow(FSDP_ALL_GATHER, "all_gather", dim, n, gathers - int(rows) * accum,
+                           ag - table * a * accum),
                       Flow(FSDP_REDUCE_SCATTER, "reduce_scatter", dim, n, (len(units) - int(rows)) * reductions,
-                           rs - table)]
+                           rs - table * nums.grad_wire * reductions)]
             if rows:
-                flows.append(Flow(FSDP_EMBEDDING_ROWS, "reduce_scatter", dim, n, reductions, table))
+                flows += [Flow(FSDP_EMBEDDING_ROWS_GATHER, "all_gather", dim, n, accum, table * a * accum),
+                          Flow(FSDP_EMBEDDING_ROWS_REDUCE, "reduce_scatter", dim, n, reductions,
+                               table * nums.grad_wire * reductions)]
         if dims.dp_replicate > 1:  # HSDP: the shards' gradients, all-reduced over the replicas once a step
             r = dims.dp_replicate
             flows.append(Flow(FSDP_ALL_REDUCE, "all_reduce", "dp_replicate", r, len(units),
