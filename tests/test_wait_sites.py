@@ -1,7 +1,7 @@
 """benchmarks/wait_sites.py names each collective wait of a training step by where it waits
 (`multinode.py --where` reads its table): on two gloo ranks of FSDP x EP, a forward, backward and
-Muon step wait in the FSDP all-gathers and reduce-scatters, the EP all-to-alls of both passes and
-Muon's exchange, and nothing is left unnamed."""
+Muon step wait in the FSDP all-gathers and reduce-scatters (the embedding's row exchanges under their
+own names), the EP all-to-alls of both passes and Muon's exchange, and nothing is left unnamed."""
 
 from __future__ import annotations
 
@@ -43,8 +43,9 @@ def _one_step_by_site() -> dict:
 def test_every_wait_of_a_step_is_named_by_its_site(rank_pool):
     for rank, counts in enumerate(rank_pool(2).run(_one_step_by_site)):
         assert "other" not in counts, (rank, counts)
-        for named in ("FSDP all-gather, root", "FSDP all-gather, embed", "FSDP all-gather, layers.1",
-                      "FSDP reduce-scatter", "EP all-to-all, forward", "EP all-to-all, backward", "Muon exchange"):
+        for named in ("FSDP all-gather, root", "FSDP all-gather, embedding rows", "FSDP all-gather, layers.1",
+                      "FSDP reduce-scatter", "FSDP reduce-scatter, embedding rows", "EP all-to-all, forward",
+                      "EP all-to-all, backward", "Muon exchange"):
             assert counts.get(named, 0) > 0, (rank, named, counts)
 
 

@@ -34,9 +34,10 @@ from trinity_train.observe.layer_stats import LayerStatsCollector, per_layer_gra
 from trinity_train.optim.muon import Muon
 from trinity_train.parallel.context import sequence_shard, shard_micro_batch
 from trinity_train.parallel.fsdp import (all_reduce_across_replicas, finish_reductions, overlap_reductions,
-                                         prefetch_next_forward, reduce_gradients)
+                                         prefetch_first_block, prefetch_next_forward, reduce_gradients)
 from trinity_train.parallel.mesh import ParallelDims
-from trinity_train.parallel.reductions import clip_grads_with_norm_, global_grad_norm, sum_over_data_parallel
+from trinity_train.parallel.reductions import (clip_grads_with_norm_, global_grad_norm, start_sum_over_data_parallel,
+                                              sum_over_data_parallel)
 from trinity_train.stability import StepGuard, Verdict
 from trinity_train.stability.drills import StepFaults
 from trinity_train.stability.rollback import LRBackoff
@@ -156,9 +157,10 @@ class TrainingStep:
         """The tensor work of `forward_backward`, with no host sync (a planner runs it on fake
         tensors): (global counted tokens, global [cross-entropy sum, aux loss, z loss], global
         tokens per expert)."""
-        # The token-weighted mean needs the global token count before the first backward.
-        tokens = sum_over_data_parallel(sum((mb["labels"] != IGNORE_INDEX).sum() for mb in parts).to(self.device),
-                                        self.dims)  # DP all-reduce
+        # The token-weighted mean needs the global token count before the first backward, not
+        # before the first forward: its DP all-reduce travels while the forward computes.
+        tokens = sum((mb["labels"] != IGNORE_INDEX).sum() for mb in parts).to(self.device)
+        counting = start_sum_over_data_parallel(tokens, self.dims)
         # Aux and z losses are means per micro-batch: average them over micro-batches and ranks
         # (the cp ranks of a row each hold its micro-batch's whole value: model._router_losses).
         per_part = 1.0 / (len(parts) * self.dims.dp * self.dims.cp)
@@ -177,6 +179,9 @@ class TrainingStep:
             with self.layer_stats.recording(stats_due):  # the forward only: not recomputations in backward
                 out = forward_micro_batch(self.model, mb, self.cfg, self.device, self.dims)
             ce_sum = self.faults.scale_loss(out.ce_sum, iteration)
+            if counting is not None:
+                counting.wait()
+                counting = None
             loss = ce_sum / tokens.clamp_min(1) + (out.aux_loss + out.z_loss) * per_part
             loss.backward()
             finish_reductions(self.model)
@@ -198,14 +203,17 @@ class TrainingStep:
         self.scheduler.step()
 
     def step_optimizer(self) -> None:
-        """The optimizer step. With Muon the next forward's first all-gathers start once its AdamW
-        part has made the embedding's and the head's values final and its exchange's pieces have
-        left, so they travel behind those pieces while Newton-Schulz computes
-        (`prefetch_next_forward`: a no-op unless a CPU job prefetches)."""
+        """The optimizer step. With Muon the next forward's first all-gather (the head's) starts
+        once its AdamW part has made those values final and its exchange's pieces have left, so it
+        travels behind those pieces while Newton-Schulz computes (`prefetch_next_forward`; with
+        another optimizer, after its step), and the first block's once the step is over
+        (`prefetch_first_block`; both no-ops unless a CPU job prefetches)."""
         if isinstance(self.optimizer, Muon):
             self.optimizer.step(beside_newton_schulz=lambda: prefetch_next_forward(self.model))
         else:
             self.optimizer.step()
+            prefetch_next_forward(self.model)
+        prefetch_first_block(self.model)
 
     def apply(self, totals: StepTotals, iteration: int, steps_applied: int) -> StepResult:
         """The guard's verdict on `totals`, then (if it applies the step) clipping, the optimizer

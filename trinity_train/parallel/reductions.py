@@ -31,6 +31,15 @@ def sum_over_data_parallel(tensor: torch.Tensor, dims: ParallelDims) -> torch.Te
     return tensor
 
 
+def start_sum_over_data_parallel(tensor: torch.Tensor, dims: ParallelDims) -> dist.Work | None:
+    """`sum_over_data_parallel`, started: `tensor` holds the sum once the returned work is
+    waited (None: nothing to wait for, on one rank). For a sum not read at once, so that it
+    travels while the rank computes."""
+    if dims.mesh is not None and dims.dp * dims.cp > 1:
+        return dist.all_reduce(tensor, group=dims.token_mesh.get_group(), async_op=True)
+    return None
+
+
 def sum_over_context(tensor: torch.Tensor, dims: ParallelDims) -> torch.Tensor:
     """Sum `tensor` over the context-parallel ranks that split the same rows, in place (and return
     it); a no-op without context parallelism."""
