@@ -37,7 +37,8 @@ conditions use the same two cores:
    replicas' all-reduce crosses the link (parallel/node_layout.py), against 1 host x 4 ranks, in
    rounds of the four conditions of 1. (`--skip-throughput --skip-recovery --hsdp` runs it alone.)
 5. With --where, where the exposed communication sits: the 2-rank job on 1 host, at 1 Gbit/s, at
-   1 Gbit/s with the EP all-to-alls in one wave, and at 1 Gbit/s with every overlap off, with
+   1 Gbit/s with the EP all-to-alls in one wave, and at 1 Gbit/s with every overlap off (and only
+   the last block kept gathered into its backward), with
    every collective wait of each rank's training thread timed by the place that waits (`wait_sites.py`: an FSDP unit's all-gather, the
    reduce-scatters, the EP all-to-alls of the forward and the backward, Muon's exchange, the step's
    reductions), and what the link added to each; beside them the machine's CPU seconds a step (user,
@@ -105,15 +106,17 @@ PAIR = Layout(1, ("--parallel.allow_ep_tp_across_nodes=true",), "1 host x 2 rank
 HSDP = Layout(2, ("--parallel.dp_replicate=2", "--parallel.dp_shard=2", "--train.micro_batch_size=2"),
               "1 host x 4 ranks, HSDP", "2 hosts x 2 ranks, HSDP")
 # The overlap settings the ablation turns on one by one (parallel/fsdp.py, parallel/expert_parallel.py),
-# after none of them.
+# after none of them, and then the reshard policy's memory rule (parallel/reshard_policy.py).
 ONE_EP_WAVE = "--parallel.ep_waves=1"
-OVERLAP_OFF = ("--parallel.overlap_reduce_scatter=false", "--parallel.prefetch_all_gather=false", ONE_EP_WAVE)
+LAST_BLOCK_KEPT_ONLY = "--parallel.keep_gathered_gib=0"
+OVERLAP_OFF = ("--parallel.overlap_reduce_scatter=false", "--parallel.prefetch_all_gather=false", ONE_EP_WAVE,
+               LAST_BLOCK_KEPT_ONLY)
 ABLATION = (
     ("no overlap", OVERLAP_OFF),
-    ("+ reduce-scatter overlapped", ("--parallel.prefetch_all_gather=false", ONE_EP_WAVE)),
-    ("+ all-gather prefetched", (ONE_EP_WAVE,)),
-    ("+ EP all-to-alls in waves (default)", ()),
-    ("+ blocks kept gathered for backward", ("--parallel.reshard_after_forward=false",)),
+    ("+ reduce-scatter overlapped", ("--parallel.prefetch_all_gather=false", ONE_EP_WAVE, LAST_BLOCK_KEPT_ONLY)),
+    ("+ all-gather prefetched", (ONE_EP_WAVE, LAST_BLOCK_KEPT_ONLY)),
+    ("+ EP all-to-alls in waves", (LAST_BLOCK_KEPT_ONLY,)),
+    ("+ blocks kept gathered within 1 GiB (default)", ()),
 )
 # (letter, what the name says of the link, shape settings; None: one host, loopback). Delays only
 # where the kernel has netem.
@@ -539,8 +542,9 @@ def theory(overrides: tuple[str, ...], world: int) -> dict:
     """Bytes each rank sends per step, from the model's sizes (fp32, 2 ranks: every collective's
     group is both ranks or, for the experts' FSDP, one rank):
 
-    - FSDP: every block is all-gathered in the forward and again in the backward (once with
-      `--parallel.reshard_after_forward=false`, and the last block once: its backward follows; the
+    - FSDP: every block is all-gathered in the forward and again in the backward (once if the
+      reshard policy keeps it gathered, parallel/reshard_policy.py: the last block, those within
+      `parallel.keep_gathered_gib`, or all with `--parallel.reshard_after_forward=false`; the
       root unit, final norm + head, once: it stays gathered after the forward; the embedding once:
       its backward does not read its weight, parallel/fsdp.py), and every unit's gradient
       reduce-scattered once; a rank sends (world-1)/world of the unit each time. The embedding's
@@ -559,6 +563,7 @@ def theory(overrides: tuple[str, ...], world: int) -> dict:
     from trinity_train.config import default_config_path, load_config
     from trinity_train.model.transformer import TrinityModel
     from trinity_train.optim.groups import is_muon_param
+    from trinity_train.parallel.reshard_policy import kept_gathered
 
     cfg = load_config(default_config_path(), list(overrides))
     with torch.device("meta"):
@@ -571,9 +576,11 @@ def theory(overrides: tuple[str, ...], world: int) -> dict:
         skipped = {id(p) for sub in skip for p in sub.parameters()}
         return sum(p.numel() for p in module.parameters() if id(p) not in skipped and id(p) not in expert_ids)
 
+    kept = kept_gathered([4 * sum(p.numel() / (ep if id(p) in expert_ids else 1) for p in block.parameters())
+                          for block in model.layers],  # a rank's part: its own experts
+                         cfg.parallel.keep_gathered_gib, cfg.parallel.reshard_after_forward)
     units = [(count(model.embed), 1)]
-    units += [(count(block), 2 if cfg.parallel.reshard_after_forward and block is not model.layers[-1] else 1)
-              for block in model.layers]
+    units += [(count(block), 1 if keep else 2) for block, keep in zip(model.layers, kept)]
     units.append((count(model, [model.embed, *model.layers]), 1))
     share = (world - 1) / world
     gather = sum(p * 4 * share * times for p, times in units[1:])

@@ -24,8 +24,13 @@ CASES = [
     # Two micro-batches reduced once (parallel.sync_every_micro_batch): the whole gradients kept.
     pytest.param(["--parallel.dp_shard=2", "--train.global_batch_size=32", "--parallel.sync_every_micro_batch=false"],
                  False, id="fsdp2-sync-last"),
-    # Every block kept gathered from its forward to its backward: no all-gather in backward.
+    # Every block kept gathered from its forward to its backward: no all-gather in backward (the
+    # default model's blocks fit parallel.keep_gathered_gib's default too). The reshard policy's
+    # budget: none but the last block (0), or the last three of an EP job's (blocks of 3.3, 2.9,
+    # 2.9 and 2.9 MiB a rank: 0.006 GiB takes blocks 2 and 1 below the last, not block 0).
     pytest.param(["--parallel.dp_shard=2", "--parallel.reshard_after_forward=false"], False, id="fsdp2-no-reshard"),
+    pytest.param(["--parallel.dp_shard=2", "--parallel.keep_gathered_gib=0"], False, id="fsdp2-reshard"),
+    pytest.param(["--parallel.ep=2", "--parallel.keep_gathered_gib=0.006"], False, id="fsdp2-ep2-keep-three"),
     # GPU numerics: bf16, the memory-efficient kernel's expanded kv heads and converted mask.
     pytest.param(["--parallel.dp_shard=2", "--train.dtype=bf16"], True, id="fsdp2-gpu-bf16"),
     # bf16 on the wire: the EP all-to-alls and the reduce-scatter (CPU: cast by the all-to-all

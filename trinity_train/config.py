@@ -170,7 +170,12 @@ class ParallelConfig:
     #   unit's unsharded fp32 gradients between micro-batches: dp_shard x the gradient memory
     reshard_after_forward: bool = True  # false: each FSDP block stays gathered from its forward to
     #   its backward (no all-gather in backward: half the blocks' all-gather bytes) for the whole
-    #   model's unsharded weights alive at the end of the forward (true: all but the last block)
+    #   model's unsharded weights alive at the end of the forward (true: all but the blocks
+    #   keep_gathered_gib keeps, and the last block)
+    keep_gathered_gib: float = 1.0  # the reshard policy's memory rule: from the last block down,
+    #   blocks stay gathered from their forward into their backward (gathered once a step, not
+    #   twice) while their unsharded weights on a rank add up to at most this; 0: only the last
+    #   block (parallel/reshard_policy.py; `trinity-train plan` prices the memory)
     overlap_reduce_scatter: bool = True  # CPU (gloo) jobs: each FSDP unit's gradient reduce-scatter
     #   travels while the next unit's backward computes, the root's from the backward's start, with
     #   EP after each block's expert exchange (GPUs overlap on NCCL's stream anyway)
@@ -373,6 +378,7 @@ NO_LIMIT_SPELLING = {
     "watchdog.multiple": "watchdog.enabled=false turns the watchdog off",
     "parallel.init_timeout_s": "there is no unlimited wait: give a long finite one, e.g. 86400",
     "parallel.collective_timeout_s": "there is no unlimited wait: give a long finite one, e.g. 86400",
+    "parallel.keep_gathered_gib": "parallel.reshard_after_forward=false keeps every block gathered",
 }
 
 

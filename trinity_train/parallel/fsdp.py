@@ -22,13 +22,14 @@ On CPUs (gloo) every unit's reduce-scatter is `gloo_reduce_scatter.AllToAllReduc
 all-to-all of the shards and a local sum, which sends half of what gloo's own (an all-reduce)
 does and, on two ranks, is bitwise the same sum.
 
-Resharding (`parallel.reshard_after_forward`, default true): each block is all-gathered for its
-forward, freed, and gathered again for its backward (ZeRO-3), except the last block, whose
-backward follows its forward at once (torchtitan's rule: freeing it would only gather it again).
-False keeps every block gathered from its forward to the end of its backward (ZeRO-2's traffic:
-no all-gather in backward, half the blocks' all-gather bytes) for the whole unsharded model's
-parameters alive at the end of the forward: for a model whose unsharded weights fit beside its
-activations on a slow network.
+Resharding (`parallel.reshard_after_forward`, default true; `parallel/reshard_policy.py`): a block
+is all-gathered for its forward, freed, and gathered again for its backward (ZeRO-3), unless the
+policy keeps it gathered from its forward to its backward: the last block (its backward follows
+its forward at once: torchtitan's rule), and the blocks below it while their unsharded weights fit
+in `parallel.keep_gathered_gib` (default 1 GiB: every block of a small model, few or none of a
+large one). False keeps every block (ZeRO-2's traffic: no all-gather in backward, half the
+blocks' all-gather bytes) for the whole unsharded model's parameters alive at the end of the
+forward.
 
 Overlap on CPUs. FSDP2 overlaps its collectives with compute through CUDA streams; a CPU job has
 none, so every collective blocked the thread that computes. Two settings put them on gloo's own
@@ -83,6 +84,7 @@ from trinity_train.parallel.embedding_gather import read_rows_only
 from trinity_train.parallel.embedding_rows import TouchedRowsReduceScatter
 from trinity_train.parallel.gloo_reduce_scatter import AllToAllReduceScatter
 from trinity_train.parallel.mesh import ParallelDims, expert_shard_dim
+from trinity_train.parallel.reshard_policy import kept_gathered
 from trinity_train.parallel.wire_precision import wire_dtype
 
 # The model's one reduce-scatter object on a CPU job, which the step tells when it may overlap.
@@ -137,11 +139,12 @@ def apply_fsdp(model: nn.Module, dims: ParallelDims, device: torch.device, dtype
     fully_shard(model.embed, mesh=mesh, mp_policy=mp_policy)
     # The embedding's backward reads only the token ids, never its weight: no all-gather for it.
     model.embed.set_unshard_in_backward(False)
-    for block in model.layers:
+    gathered_bytes = (mp_policy.param_dtype or torch.float32).itemsize
+    kept = kept_gathered([gathered_bytes * sum(_local_numel(p) for p in block.parameters()) for block in model.layers],
+                         parallel.keep_gathered_gib, parallel.reshard_after_forward)
+    for block, keep in zip(model.layers, kept):
         block_placement = None
-        # The last block's backward comes right after its forward: resharding it would only
-        # gather it again at once (torchtitan's rule too).
-        reshard = parallel.reshard_after_forward and block is not model.layers[-1]
+        reshard = not keep
         if block.is_moe and dims.ep > 1:
             fully_shard(block.mlp.experts, mesh=dims.expert_fsdp_mesh, mp_policy=mp_policy,
                         shard_placement_fn=placement, reshard_after_forward=reshard)
@@ -211,6 +214,11 @@ def reduce_root_at_its_last_gradient(model: FSDPModule, reduce_scatter: AllToAll
                 hooked.add(id(param))
 
     model.register_forward_pre_hook(before_forward)
+
+
+def _local_numel(param: torch.Tensor) -> int:
+    """The elements of this rank's part (a TP DTensor's local shard), what FSDP gathers."""
+    return param.to_local().numel() if isinstance(param, DTensor) else param.numel()
 
 
 def _units_of(block: nn.Module) -> list[FSDPModule]:

@@ -41,6 +41,7 @@ from trinity_train.optim.muon_exchange import EXCHANGE_BYTES, exchange_calls
 from trinity_train.parallel.assumed_routing import AssumedRouting
 from trinity_train.parallel.expert_parallel import cut_runs
 from trinity_train.parallel.mesh import ParallelDims
+from trinity_train.parallel.reshard_policy import kept_gathered
 from trinity_train.plan.collectives import (CP_CATEGORY, EP_ALL_TO_ALL, FSDP_ALL_GATHER, FSDP_ALL_REDUCE,
                                             FSDP_EMBEDDING_ROWS_GATHER, FSDP_EMBEDDING_ROWS_REDUCE, FSDP_REDUCE_SCATTER,
                                             MUON_REDISTRIBUTE)
@@ -102,6 +103,17 @@ def _block_params(m: ModelConfig, moe: bool, tp: int, ep: int) -> list[Param]:
 
 
 _PARAMS_CACHE: dict[tuple[str, int, int], list[list[Param]]] = {}
+
+
+def block_gathered_bytes(layers: list[list[Param]], dims: ParallelDims, a: float) -> list[float]:
+    """Each block's FSDP units (the block, its routed experts) gathered on a rank, `a` bytes an
+    element: what the reshard policy weighs (`model_params`' layers)."""
+    return [sum(unsharded_numel(p, dims) for p in layer if p.unit in ("block", "experts")) * a for layer in layers[1:-1]]
+
+
+def blocks_kept_gathered(cfg: Config, block_bytes: list[float]) -> list[bool]:
+    """Per block: kept gathered from its forward into its backward (parallel/reshard_policy.py)."""
+    return kept_gathered(block_bytes, cfg.parallel.keep_gathered_gib, cfg.parallel.reshard_after_forward)
 
 
 def model_params(m: ModelConfig, tp: int, ep: int) -> list[list[Param]]:
@@ -438,12 +450,10 @@ def memory_per_rank(cfg: Config, dims: ParallelDims, *, gpu: bool,
     # last chunk alive, the blocks resharded (under checkpointing the last block's all-gather
     # buffer still held), only the root gathered.
     forward_acts = m.num_layers * block_input if ac else sum(per_block)
-    # parallel.reshard_after_forward = false: every block stays gathered from its forward to the
-    # end of its backward (no all-gather in backward).
-    unresharded = distributed and not cfg.parallel.reshard_after_forward
-    # The last block is never resharded after its forward (`parallel/fsdp.py`).
-    forward = {**static, **kept, "gathered parameters": root + (sum(b.gathered for b in block) if unresharded
-                                                                else block[-1].gathered if distributed else 0.0),
+    # The blocks the reshard policy keeps gathered from their forward to their backward (the last
+    # one, those within parallel.keep_gathered_gib, or all: parallel/reshard_policy.py).
+    staying = blocks_kept_gathered(cfg, [b.gathered for b in block]) if distributed else [False] * len(block)
+    forward = {**static, **kept, "gathered parameters": root + sum(b.gathered for b, s in zip(block, staying) if s),
                "activations": forward_acts + model_level_activation_bytes(cfg, dims, a) + loss_chunk_bytes(cfg, dims, a),
                "communication buffers": max(b.gathered for b in block) if distributed and ac else 0.0}
 
@@ -470,11 +480,11 @@ def memory_per_rank(cfg: Config, dims: ParallelDims, *, gpu: bool,
         if distributed:  # block i's unsharded gradients are as large as its gathered parameters
             grads_now = kept_grads if accum > 1 else later_grads + (root_grads if early_root else 0.0)
             temps = (0.0 if early_root else head) + block[i].gathered + (per_block[i] if ac else 0.0)
-            prefetched = block[i - 1].prefetched if i and not unresharded else 0.0
+            prefetched = block[i - 1].prefetched if i and not staying[i - 1] else 0.0
             reducing = block[i + 1].reducing if i + 1 < m.num_layers else root_reducing
             comm = prefetched + reducing * in_flight
-            gathered = (0.0 if early_root else root) + (sum(b.gathered for b in block[:i + 1]) if unresharded
-                                                       else block[i].gathered)
+            gathered = (0.0 if early_root else root) + block[i].gathered + sum(
+                b.gathered for b, s in zip(block[:i], staying) if s)  # and the kept ones below it
         else:  # one process: gradients land in .grad directly, the head's in the loss's backward
             grads_now = kept_grads if accum > 1 else later_grads + root_grads + block[i].grad_shards
             temps, comm, gathered = per_block[i] if ac else 0.0, 0.0, 0.0
@@ -572,24 +582,21 @@ def traffic_per_rank(cfg: Config, dims: ParallelDims, *, gpu: bool,
     accum = grad_accum_for(cfg.train, dims.dp)
     layers = model_params(m, dims.tp, dims.ep)
     flows: list[Flow] = []
+    # Gathered once a step, not again in backward: the embedding (whose backward does not read its
+    # weight: `parallel/fsdp.py`), the root (never resharded) and the blocks the reshard policy
+    # keeps gathered (parallel/reshard_policy.py).
+    once = [True, *blocks_kept_gathered(cfg, block_gathered_bytes(layers, dims, a)), True]
     for unit, n, dim in (("dense", dims.fsdp_shards, dims.fsdp_dim), ("experts", dims.efsdp, "efsdp")):
         if n == 1 and dims.dp_replicate == 1:
             continue
         names = ("experts",) if unit == "experts" else ("embed", "block", "root")
-        units = [[p for p in layer if p.unit in names] for layer in layers]
-        units = [u for u in units if u]
-        kinds = Counter(tuple(u) for u in units)  # equal units counted once, times their number
-        shards = [sum(shard_numel(p, dims) for p in u) * c for u, c in kinds.items()]
-        # forward, and again in backward: not the root (never resharded) nor the embedding (whose
-        # backward does not read its weight: `parallel/fsdp.py`), nor any unit kept gathered
-        # (parallel.reshard_after_forward = false)
-        rooted = [u[0].unit in ("root", "embed") or not cfg.parallel.reshard_after_forward for u in kinds]
-        gathers = sum(1 if r else 2 for r in rooted) * accum
-        ag = sum(s * (1 if r else 2) for s, r in zip(shards, rooted)) * a * (n - 1) * accum
-        if cfg.parallel.reshard_after_forward:  # nor the last block, kept gathered into its backward
-            last = [p for p in layers[-2] if p.unit in names]
-            gathers -= (1 if last else 0) * accum
-            ag -= sum(shard_numel(p, dims) for p in last) * a * (n - 1) * accum
+        units = [(i, tuple(p for p in layer if p.unit in names)) for i, layer in enumerate(layers)]
+        units = [(i, u) for i, u in units if u]
+        kinds = Counter(u for _, u in units)  # equal units counted once, times their number
+        shard_of = {u: sum(shard_numel(p, dims) for p in u) for u in kinds}
+        shards = [shard_of[u] * c for u, c in kinds.items()]
+        gathers = sum(1 if once[i] else 2 for i, _ in units) * accum
+        ag = sum(shard_of[u] * (1 if once[i] else 2) for i, u in units) * a * (n - 1) * accum
         # fp32 (or bf16) gradients, (n-1)/n of the n-shard input: every micro-batch, or the last only
         reductions = accum if cfg.parallel.sync_every_micro_batch else 1
         rs = sum(shards) * nums.grad_wire * (n - 1) * reductions
