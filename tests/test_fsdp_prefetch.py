@@ -1,10 +1,9 @@
 """The next forward's first all-gathers, issued in the optimizer step (`parallel/fsdp.py`,
 `prefetch_next_forward`), on two gloo ranks with the tiny model under FSDP.
 
-- Prefetched (the root unit in the optimizer step, the first block after it), the forward issues
-  two all-gathers fewer (it waits for the prefetched ones; the embedding's rows are gathered in its
-  own pre-forward, which needs the ids, `parallel/embedding_gather.py`) and computes the same loss
-  and gradients bit for bit.
+- Prefetched, the forward issues one all-gather fewer (the root unit's: it waits for the
+  prefetched one; the embedding's rows are gathered in its own pre-forward, which needs the ids,
+  `parallel/embedding_gather.py`) and computes the same loss and gradients bit for bit.
 - Parameters changed after the prefetch (what a checkpoint load does) are what the next forward
   uses once `discard_next_forward` has run; without it the forward would use the gathered old
   values (checked too, so the check can fail).
@@ -21,7 +20,7 @@ import torch
 
 from tiny_fsdp import tiny_fsdp_model
 from trinity_train.optim.muon import Muon
-from trinity_train.parallel.fsdp import discard_next_forward, prefetch_first_block, prefetch_next_forward
+from trinity_train.parallel.fsdp import discard_next_forward, prefetch_next_forward
 from trinity_train.plan.collectives import FSDP_ALL_GATHER, CollectiveLog
 
 
@@ -44,20 +43,16 @@ def _checks() -> dict:
             for p in model.parameters():
                 p.to_local().mul_(1.5)
 
-    def prefetch() -> None:  # as the training step's optimizer step issues them
-        prefetch_next_forward(model)
-        prefetch_first_block(model)
-
     result = {"plain": step()}
-    prefetch()
+    prefetch_next_forward(model)
     result["prefetched"] = step()
 
-    prefetch()
+    prefetch_next_forward(model)
     scale_shards()
     discard_next_forward(model)
     result["discarded"], result["after discarded"] = step(), step()
 
-    prefetch()
+    prefetch_next_forward(model)
     scale_shards()
     result["stale"], result["after stale"] = step(), step()
     return result
@@ -79,7 +74,6 @@ def _muon_steps() -> dict:
             loss = model(ids, labels=ids).ce_sum
             loss.backward()
             opt.step(beside_newton_schulz=lambda: prefetch_next_forward(model))
-            prefetch_first_block(model)
             opt.zero_grad(set_to_none=True)
             losses[prefetch].append(loss.detach())
     return losses
@@ -105,7 +99,7 @@ def _same(a: dict, b: dict) -> bool:
 def test_a_prefetched_forward_waits_for_the_first_gathers_and_gives_the_same_bits(prefetch_results):
     for rank, result in enumerate(prefetch_results):
         plain, prefetched = result["plain"], result["prefetched"]
-        assert plain["gathers"] - prefetched["gathers"] == 2, f"rank {rank}: {plain['gathers']}, {prefetched['gathers']}"
+        assert plain["gathers"] - prefetched["gathers"] == 1, f"rank {rank}: {plain['gathers']}, {prefetched['gathers']}"
         assert _same(plain, prefetched), f"rank {rank}"
 
 
@@ -113,7 +107,7 @@ def test_a_discarded_prefetch_leaves_the_next_forward_the_new_values(prefetch_re
     for rank, result in enumerate(prefetch_results):
         assert _same(result["discarded"], result["after discarded"]), f"rank {rank}"
         assert not torch.equal(result["discarded"]["loss"], result["plain"]["loss"])
-        # not discarded: the root's and the first block's old values were used
+        # not discarded: the root's old values were used
         assert not torch.equal(result["stale"]["loss"], result["after stale"]["loss"]), f"rank {rank}"
 
 

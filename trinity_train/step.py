@@ -34,7 +34,7 @@ from trinity_train.observe.layer_stats import LayerStatsCollector, per_layer_gra
 from trinity_train.optim.muon import Muon
 from trinity_train.parallel.context import sequence_shard, shard_micro_batch
 from trinity_train.parallel.fsdp import (all_reduce_across_replicas, finish_reductions, overlap_reductions,
-                                         prefetch_first_block, prefetch_next_forward, reduce_gradients)
+                                         prefetch_next_forward, reduce_gradients)
 from trinity_train.parallel.mesh import ParallelDims
 from trinity_train.parallel.reductions import (clip_grads_with_norm_, global_grad_norm, start_sum_over_data_parallel,
                                               sum_over_data_parallel)
@@ -205,15 +205,13 @@ class TrainingStep:
     def step_optimizer(self) -> None:
         """The optimizer step. With Muon the next forward's first all-gather (the head's) starts
         once its AdamW part has made those values final and its exchange's pieces have left, so it
-        travels behind those pieces while Newton-Schulz computes (`prefetch_next_forward`; with
-        another optimizer, after its step), and the first block's once the step is over
-        (`prefetch_first_block`; both no-ops unless a CPU job prefetches)."""
+        travels behind those pieces while Newton-Schulz computes; with another optimizer, after its
+        step (`prefetch_next_forward`: a no-op unless a CPU job prefetches)."""
         if isinstance(self.optimizer, Muon):
             self.optimizer.step(beside_newton_schulz=lambda: prefetch_next_forward(self.model))
         else:
             self.optimizer.step()
             prefetch_next_forward(self.model)
-        prefetch_first_block(self.model)
 
     def apply(self, totals: StepTotals, iteration: int, steps_applied: int) -> StepResult:
         """The guard's verdict on `totals`, then (if it applies the step) clipping, the optimizer

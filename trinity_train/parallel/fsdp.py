@@ -89,9 +89,9 @@ from trinity_train.parallel.wire_precision import wire_dtype
 
 # The model's one reduce-scatter object on a CPU job, which the step tells when it may overlap.
 _REDUCE_SCATTERS: WeakKeyDictionary[nn.Module, AllToAllReduceScatter] = WeakKeyDictionary()
-# The units whose all-gathers `prefetch_next_forward` issues (a CPU job with prefetch on), those
-# `prefetch_first_block` issues, and the (unit, handle) of the ones issued and not yet discarded.
-_NEXT_FORWARD: WeakKeyDictionary[nn.Module, tuple[list[FSDPModule], list[FSDPModule], list]] = WeakKeyDictionary()
+# The units whose all-gathers `prefetch_next_forward` issues (a CPU job with prefetch on), and the
+# handles of the ones issued and not yet discarded.
+_NEXT_FORWARD: WeakKeyDictionary[nn.Module, tuple[list[FSDPModule], list]] = WeakKeyDictionary()
 
 
 def expert_placement(efsdp: int) -> Callable[[nn.Parameter], Shard]:
@@ -179,7 +179,7 @@ def apply_fsdp(model: nn.Module, dims: ParallelDims, device: torch.device, dtype
         if parallel.prefetch_all_gather:
             prefetch_neighbouring_blocks(model, held=set(expert_blocks))
             # (the embedding's rows are gathered in its own pre-forward, once the ids are known)
-            _NEXT_FORWARD[model] = ([model] if rows else [model, model.embed], _units_of(model.layers[0]), [])
+            _NEXT_FORWARD[model] = ([model] if rows else [model, model.embed], [])
 
 
 def reduce_root_at_its_last_gradient(model: FSDPModule, reduce_scatter: AllToAllReduceScatter) -> None:
@@ -247,29 +247,22 @@ def prefetch_next_forward(model: nn.Module) -> None:
     gloo's threads: call once their parameters are final for the step. The forward waits for them
     in FSDP's pre-forward hooks. A no-op without `parallel.prefetch_all_gather` or off a CPU job."""
     if model in _NEXT_FORWARD:
-        units, _, issued = _NEXT_FORWARD[model]
-        issued[:] = [(unit, unit.unshard(async_op=True)) for unit in units]
-
-
-def prefetch_first_block(model: nn.Module) -> None:
-    """Issue the first block's all-gather now, once the optimizer step is over (Muon's matrices are
-    final only then), so that it travels through the step's bookkeeping and the embedding's
-    forward instead of from the embedding's pre-forward. A no-op where `prefetch_next_forward` is."""
-    if model in _NEXT_FORWARD:
-        _, units, issued = _NEXT_FORWARD[model]
-        issued += [(unit, unit.unshard(async_op=True)) for unit in units]
+        units, handles = _NEXT_FORWARD[model]
+        handles[:] = [unit.unshard(async_op=True) for unit in units]
 
 
 def discard_next_forward(model: nn.Module) -> None:
     """Before parameters change other than by the optimizer (a checkpoint load): wait for the
-    all-gathers `prefetch_next_forward` and `prefetch_first_block` issued and free what they
-    gathered, so that the next forward gathers the new values. A no-op when none is pending."""
+    all-gathers `prefetch_next_forward` issued and free what they gathered, so that the next
+    forward gathers the new values. A no-op when none is pending."""
     if model in _NEXT_FORWARD:
-        issued = _NEXT_FORWARD[model][2]
-        for unit, handle in issued:
+        units, handles = _NEXT_FORWARD[model]
+        for handle in handles:
             handle.wait()  # a no-op for one a forward already waited for
-            unit.reshard()
-        issued.clear()
+        if handles:
+            for unit in units:
+                unit.reshard()
+        handles.clear()
 
 
 def overlap_reductions(model: nn.Module, fresh: bool) -> None:

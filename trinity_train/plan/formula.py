@@ -108,7 +108,8 @@ _PARAMS_CACHE: dict[tuple[str, int, int], list[list[Param]]] = {}
 def block_gathered_bytes(layers: list[list[Param]], dims: ParallelDims, a: float) -> list[float]:
     """Each block's FSDP units (the block, its routed experts) gathered on a rank, `a` bytes an
     element: what the reshard policy weighs (`model_params`' layers)."""
-    return [sum(unsharded_numel(p, dims) for p in layer if p.unit in ("block", "experts")) * a for layer in layers[1:-1]]
+    return [sum(unsharded_numel(p, dims) for p in layer if p.unit in ("block", "experts")) * a
+            for layer in layers[1:-1]]
 
 
 def blocks_kept_gathered(cfg: Config, block_bytes: list[float]) -> list[bool]:
@@ -447,12 +448,13 @@ def memory_per_rank(cfg: Config, dims: ParallelDims, *, gpu: bool,
     block_input = tokens * a * m.hidden_size / dims.tp  # what a checkpointed block keeps
 
     # The end of forward: every block's activations (or inputs, checkpointed) kept, the loss's
-    # last chunk alive, the blocks resharded (under checkpointing the last block's all-gather
-    # buffer still held), only the root gathered.
+    # last chunk alive, the root and the blocks the reshard policy keeps gathered (the others
+    # resharded; under checkpointing the last block's all-gather buffer still held).
     forward_acts = m.num_layers * block_input if ac else sum(per_block)
     # The blocks the reshard policy keeps gathered from their forward to their backward (the last
     # one, those within parallel.keep_gathered_gib, or all: parallel/reshard_policy.py).
-    staying = blocks_kept_gathered(cfg, [b.gathered for b in block]) if distributed else [False] * len(block)
+    staying = (blocks_kept_gathered(cfg, [b.gathered for b in block]) if distributed
+               else [False] * len(block))
     forward = {**static, **kept, "gathered parameters": root + sum(b.gathered for b, s in zip(block, staying) if s),
                "activations": forward_acts + model_level_activation_bytes(cfg, dims, a) + loss_chunk_bytes(cfg, dims, a),
                "communication buffers": max(b.gathered for b in block) if distributed and ac else 0.0}
