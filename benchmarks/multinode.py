@@ -587,8 +587,9 @@ def theory(overrides: tuple[str, ...], world: int) -> dict:
     scatter = sum(p * 4 * share for p, _ in units[1:])
     embedding_rows = units[0][0] * 4 * share  # the whole table: the most its rows read or touched can be
     expert_params = sum(p.numel() for p in model.parameters() if id(p) in expert_ids)
-    if efsdp > 1:
-        gather += expert_params * 4 * (efsdp - 1) / efsdp * 2
+    if efsdp > 1:  # (each block's experts gathered twice, or once where the block is kept)
+        gather += sum(sum(p.numel() for p in block.parameters() if id(p) in expert_ids) * (1 if keep else 2)
+                      for block, keep in zip(model.layers, kept)) * 4 * (efsdp - 1) / efsdp
         scatter += expert_params * 4 * (efsdp - 1) / efsdp
     tokens = cfg.train.micro_batch_size * cfg.data.seq_len
     moe_layers = m.num_layers - m.num_dense_layers

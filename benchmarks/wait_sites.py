@@ -7,8 +7,9 @@ by the place that waits, per training iteration. Installed inside each rank of a
 above it (`site`): an FSDP unit's all-gather (by the unit's name), the FSDP reduce-scatters,
 the embedding's row all-gather and reduce-scatter (parallel/embedding_gather.py and
 embedding_rows.py: before this table had them, the reduce-scatter's waits counted as the
-embedding's all-gather), the EP all-to-alls of the forward and of the backward, Muon's exchange, the step's reductions (token
-count, loss totals, gradient norm). A wait includes the time the other rank took to arrive: what a
+embedding's all-gather), the EP all-to-alls of the forward and of the backward, Muon's exchange,
+the step's reductions (token count, loss totals, gradient norm; the token count's is waited in
+the step itself). A wait includes the time the other rank took to arrive: what a
 rank waits for is the network and the other rank's compute together, so the 1-host job's waits are
 the baseline a link's are read against. Written to OUT_DIR/waits{RANK}.json after every iteration:
 {iteration: {site: [waits, seconds]}}, and the iteration's wall time as "iteration wall".
@@ -28,6 +29,8 @@ ITERATION_WALL = "iteration wall"
 
 def site(frame) -> str:
     """The caller a wait is charged to, from the stack above `frame`."""
+    if frame is not None and frame.f_code.co_filename.endswith("trinity_train/step.py"):
+        return "reductions (tokens, loss, grad norm)"  # the token count's, started early, waited there
     in_backward = ep = False
     while frame is not None:
         path, name = frame.f_code.co_filename, frame.f_code.co_name

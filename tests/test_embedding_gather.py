@@ -86,6 +86,7 @@ def _fsdp_micro_batches() -> dict:
                 loss.backward()
                 losses.append(loss.detach())
         result[name] = {"losses": losses, "logged": sent_by_category(log.calls),
+                        "gather_kinds": {c.kind for c in log.calls if c.category == FSDP_EMBEDDING_ROWS_GATHER},
                         "grads": {n: p.grad.to_local().clone() for n, p in model.named_parameters()}}
         model.zero_grad(set_to_none=True)
     return result
@@ -101,4 +102,5 @@ def test_fsdp_gathers_each_forwards_rows_with_the_dense_gathers_bits(rank_pool):
         # (the tiny vocabulary's 64 rows are nearly all read: the bytes are checked on bare tensors)
         gathered = rows["logged"][FSDP_EMBEDDING_ROWS_GATHER]
         assert 0 < gathered and FSDP_EMBEDDING_ROWS_GATHER not in dense["logged"], rank
+        assert rows["gather_kinds"] == {"all_to_all"}, rank  # the rows' exchanges, never the dense fallback
         assert rows["logged"][FSDP_ALL_GATHER] + gathered <= dense["logged"][FSDP_ALL_GATHER], rank

@@ -182,8 +182,8 @@ class ParallelConfig:
     prefetch_all_gather: bool = True  # CPU (gloo) jobs: each block's FSDP all-gather is issued while
     #   the block before it computes (with EP, in backward: after its expert exchange), and the next
     #   step's first one (head and final norm; the embedding too under TP, else it gathers only its
-    #   tokens' rows, in its forward) while Muon's part of the optimizer step computes (GPUs
-    #   prefetch on a CUDA stream anyway)
+    #   tokens' rows, in its forward) while Muon's part of the optimizer step computes (after
+    #   another optimizer's step; GPUs prefetch on a CUDA stream anyway)
     ep_waves: int = 2  # the EP dispatch and combine in this many waves, each for a run of every
     #   rank's local experts (at most one wave per local expert): a wave's tokens travel while the
     #   wave before computes, with the same numbers; 1: one all-to-all each way

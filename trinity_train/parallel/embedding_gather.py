@@ -6,8 +6,9 @@ benchmarks/multinode.py counts it). FSDP all-gathers the whole table all the sam
 start, where nothing else is left to compute. `ReadRowsAllGather` is FSDP2's custom all-gather of
 the embedding's unit on a CPU job without TP (`parallel/fsdp.py`):
 
-1. a forward pre-hook on the embedding (`read_rows_only`, registered before FSDP's own) hands the
-   token ids of the forward about to run to the all-gather FSDP's pre-forward makes next;
+1. a forward pre-hook on the embedding (`read_rows_only`, prepended: it runs before FSDP's own)
+   hands the token ids of the forward about to run to the all-gather FSDP's pre-forward makes
+   next;
 2. rank t owns rows [t*R, (t+1)*R) of the (padded) table; one all-to-all of the masks of the rows
    each rank reads from each owner, one of those rows, in ascending order (the two exchanges of
    `parallel/embedding_rows.py`);

@@ -45,7 +45,8 @@ threads instead, with the same collectives and the same numbers:
   forward's first all-gather (the root unit's, final norm and head; and the embedding's where it
   gathers the whole table, under TP), which nothing computes beside, is issued in the optimizer
   step as soon as those parameters are final (once Muon's AdamW part is done and its exchange's
-  pieces have left, `prefetch_next_forward`): it travels while Muon's Newton-Schulz runs. Only
+  pieces have left, `prefetch_next_forward`): it travels while Muon's Newton-Schulz runs (with
+  another optimizer it is issued after its step). Only
   those units: a block's matrices are Muon's, final only at its end. The next forward (or a
   validation pass) waits for it in FSDP's pre-forward; a checkpoint load first discards it
   (`discard_next_forward`). Holds those units unsharded through Muon's part.
@@ -84,7 +85,7 @@ from trinity_train.parallel.embedding_gather import read_rows_only
 from trinity_train.parallel.embedding_rows import TouchedRowsReduceScatter
 from trinity_train.parallel.gloo_reduce_scatter import AllToAllReduceScatter
 from trinity_train.parallel.mesh import ParallelDims, expert_shard_dim
-from trinity_train.parallel.reshard_policy import kept_gathered
+from trinity_train.parallel.reshard_policy import gathered_numel, kept_gathered
 from trinity_train.parallel.wire_precision import wire_dtype
 
 # The model's one reduce-scatter object on a CPU job, which the step tells when it may overlap.
@@ -139,8 +140,7 @@ def apply_fsdp(model: nn.Module, dims: ParallelDims, device: torch.device, dtype
     fully_shard(model.embed, mesh=mesh, mp_policy=mp_policy)
     # The embedding's backward reads only the token ids, never its weight: no all-gather for it.
     model.embed.set_unshard_in_backward(False)
-    gathered_bytes = (mp_policy.param_dtype or torch.float32).itemsize
-    kept = kept_gathered([gathered_bytes * sum(_local_numel(p) for p in block.parameters()) for block in model.layers],
+    kept = kept_gathered([_gathered_bytes(block, dims, mp_policy) for block in model.layers],
                          parallel.keep_gathered_gib, parallel.reshard_after_forward)
     for block, keep in zip(model.layers, kept):
         block_placement = None
@@ -216,9 +216,14 @@ def reduce_root_at_its_last_gradient(model: FSDPModule, reduce_scatter: AllToAll
     model.register_forward_pre_hook(before_forward)
 
 
-def _local_numel(param: torch.Tensor) -> int:
-    """The elements of this rank's part (a TP DTensor's local shard), what FSDP gathers."""
-    return param.to_local().numel() if isinstance(param, DTensor) else param.numel()
+def _gathered_bytes(block: nn.Module, dims: ParallelDims, mp_policy: MixedPrecisionPolicy) -> int:
+    """A block's FSDP units gathered on a rank (padded, in the gathered dtype): what the reshard
+    policy weighs, as the planner counts it. Its routed experts are gathered over efsdp ranks."""
+    experts = {id(p) for p in block.mlp.experts.parameters()} if block.is_moe else set()
+    numel = sum(gathered_numel((p.to_local() if isinstance(p, DTensor) else p).shape,
+                               dims.efsdp if id(p) in experts else dims.fsdp_shards, id(p) in experts)
+                for p in block.parameters())
+    return numel * (mp_policy.param_dtype or torch.float32).itemsize
 
 
 def _units_of(block: nn.Module) -> list[FSDPModule]:

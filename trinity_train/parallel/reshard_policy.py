@@ -14,11 +14,14 @@ end of the forward holds. The rule, from the last block down:
 - `reshard_after_forward = false` keeps every block.
 
 `parallel/fsdp.py` applies it; the planner's closed form (plan/formula.py) and benchmarks/
-multinode.py's theory price the same choice from the same sizes.
+multinode.py's theory price the same choice. The sizes are FSDP's padded gathered buffers
+(`gathered_numel`, the planner's count too), the same on every rank: ranks that kept different
+blocks would issue different all-gathers and hang.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 GIB = 2**30
@@ -38,3 +41,13 @@ def kept_gathered(block_bytes: Sequence[float], budget_gib: float, reshard_after
                 break
         kept[i] = True
     return kept
+
+
+def gathered_numel(shape: Sequence[int], ranks: int, experts: bool = False) -> int:
+    """Elements of a parameter of (TP/EP-local) `shape` once FSDP has gathered it over `ranks`:
+    dim 0 cut into `ranks` equal chunks, the last padded (torch.chunk), or, for routed experts
+    fewer than the ranks, split along dim 1 without padding (`mesh.expert_shard_dim`)."""
+    numel = math.prod(shape)
+    if ranks == 1 or (experts and ranks > shape[0]):
+        return numel
+    return -(-shape[0] // ranks) * ranks * (numel // shape[0])

@@ -41,7 +41,7 @@ from trinity_train.optim.muon_exchange import EXCHANGE_BYTES, exchange_calls
 from trinity_train.parallel.assumed_routing import AssumedRouting
 from trinity_train.parallel.expert_parallel import cut_runs
 from trinity_train.parallel.mesh import ParallelDims
-from trinity_train.parallel.reshard_policy import kept_gathered
+from trinity_train.parallel.reshard_policy import gathered_numel, kept_gathered
 from trinity_train.plan.collectives import (CP_CATEGORY, EP_ALL_TO_ALL, FSDP_ALL_GATHER, FSDP_ALL_REDUCE,
                                             FSDP_EMBEDDING_ROWS_GATHER, FSDP_EMBEDDING_ROWS_REDUCE, FSDP_REDUCE_SCATTER,
                                             MUON_REDISTRIBUTE)
@@ -155,18 +155,13 @@ def _model_params(m: ModelConfig, tp: int, ep: int) -> list[list[Param]]:
     return [embed, *blocks, root]
 
 
-def _rest(shape: tuple[int, ...]) -> int:
-    return math.prod(shape[1:])
-
-
 def shard_numel(p: Param, dims: ParallelDims) -> int:
     """Elements this rank allocates for its FSDP shard of `p`, padding included."""
     n = dims.efsdp if p.unit == "experts" else dims.fsdp_shards
     if n == 1 or not dims.is_distributed:
         return math.prod(p.shape)
-    if p.unit == "experts" and n > p.shape[0]:
-        return math.prod(p.shape) // n  # dim-1 sharding of the experts: even, no padding
-    return -(-p.shape[0] // n) * _rest(p.shape)  # torch.chunk: ceil(S/n) rows, padded on every rank
+    # torch.chunk: ceil(S/n) rows, padded on every rank; experts fewer than the ranks: dim 1, even
+    return gathered_numel(p.shape, n, p.unit == "experts") // n
 
 
 def unsharded_numel(p: Param, dims: ParallelDims) -> int:
@@ -584,7 +579,7 @@ def traffic_per_rank(cfg: Config, dims: ParallelDims, *, gpu: bool,
     accum = grad_accum_for(cfg.train, dims.dp)
     layers = model_params(m, dims.tp, dims.ep)
     flows: list[Flow] = []
-    # Gathered once a step, not again in backward: the embedding (whose backward does not read its
+    # Gathered once a micro-batch, not again in its backward: the embedding (whose backward does not read its
     # weight: `parallel/fsdp.py`), the root (never resharded) and the blocks the reshard policy
     # keeps gathered (parallel/reshard_policy.py).
     once = [True, *blocks_kept_gathered(cfg, block_gathered_bytes(layers, dims, a)), True]
