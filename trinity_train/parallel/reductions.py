@@ -26,8 +26,9 @@ from trinity_train.parallel.mesh import ParallelDims
 def sum_over_data_parallel(tensor: torch.Tensor, dims: ParallelDims) -> torch.Tensor:
     """Sum `tensor` over the data- and context-parallel ranks (dp x cp), in place (and return it);
     a no-op on one rank."""
-    if dims.mesh is not None and dims.dp * dims.cp > 1:
-        dist.all_reduce(tensor, group=dims.token_mesh.get_group())
+    work = start_sum_over_data_parallel(tensor, dims)
+    if work is not None:
+        work.wait()
     return tensor
 
 
