@@ -3,7 +3,7 @@ step moves per collective, and how long each fault takes to recover.
 
     python benchmarks/multinode.py [--rounds 2] [--steps 16] [--skip-throughput] [--skip-recovery]
                                    [--count-steps 10] [--recovery-steps 24] [--hsdp] [--ablation]
-                                   [--where] [--json PATH]
+                                   [--where] [--bf16-wire] [--json PATH]
 
 The default model (configs/debug.toml), FSDP x EP on 2 gloo ranks (`--parallel.ep=2`: the dense
 weights sharded over both ranks, the routed experts split between them), global batch 8 x 256
@@ -37,13 +37,19 @@ conditions use the same two cores:
    replicas' all-reduce crosses the link (parallel/node_layout.py), against 1 host x 4 ranks, in
    rounds of the four conditions of 1. (`--skip-throughput --skip-recovery --hsdp` runs it alone.)
 5. With --where, where the exposed communication sits: the 2-rank job on 1 host, at 1 Gbit/s, at
-   1 Gbit/s with the EP all-to-alls in one wave, and at 1 Gbit/s with every overlap off (and only
-   the last block kept gathered into its backward), with
-   every collective wait of each rank's training thread timed by the place that waits (`wait_sites.py`: an FSDP unit's all-gather, the
-   reduce-scatters, the EP all-to-alls of the forward and the backward, Muon's exchange, the step's
-   reductions), and what the link added to each; beside them the machine's CPU seconds a step (user,
-   system, softirq, idle from /proc/stat: the ranks of both hosts and the kernel's network work share
-   its cores). (`--skip-throughput --skip-recovery --where` runs it alone.)
+   200 Mbit/s, at 1 Gbit/s with the EP all-to-alls in one wave, and at 1 Gbit/s with every overlap
+   off (and only the last block kept gathered into its backward), with every collective wait of
+   each rank's training thread timed by the place that waits (`wait_sites.py`: an FSDP unit's
+   all-gather, the reduce-scatters, the EP all-to-alls of the forward and the backward, Muon's
+   exchange, the step's reductions), and what each shaped link added to each; beside them the
+   machine's CPU seconds a step (user, system, softirq, idle from /proc/stat: the ranks of both
+   hosts and the kernel's network work share its cores). (`--skip-throughput --skip-recovery
+   --where` runs it alone.)
+6. With --bf16-wire, rounds of the four conditions of 1 for the same job with both opt-in
+   low-precision wires on (`--parallel.ep_wire_dtype=bf16 --parallel.reduce_wire_dtype=bf16`: half
+   the bytes of the EP all-to-alls and the gradient reduce-scatters, one bf16 rounding each; not the
+   default numerics), ratios to the same round's 1-host job with the same settings.
+   (`--skip-throughput --skip-recovery --bf16-wire` runs it alone.)
 
 The 2-rank job has one rank per host, so its expert groups span the hosts, which the launchers
 refuse unless asked: it runs with `--parallel.allow_ep_tp_across_nodes=true` (`PAIR`).
@@ -102,6 +108,9 @@ class Layout:
 
 # Sections 1-3: 2 ranks. One rank per host puts the expert groups across the link: asked for.
 PAIR = Layout(1, ("--parallel.allow_ep_tp_across_nodes=true",), "1 host x 2 ranks", "2 hosts")
+# Section 6 (--bf16-wire): the 2-rank job with both opt-in low-precision wires (DESIGN §5).
+PAIR_BF16_WIRE = Layout(1, (*PAIR.args, "--parallel.ep_wire_dtype=bf16", "--parallel.reduce_wire_dtype=bf16"),
+                        "1 host x 2 ranks, bf16 wire", "2 hosts, bf16 wire")
 # Section 4 (--hsdp): 4 ranks, HSDP 2 x 2, EP inside a replica; 2 per host keep both inside a host.
 HSDP = Layout(2, ("--parallel.dp_replicate=2", "--parallel.dp_shard=2", "--train.micro_batch_size=2"),
               "1 host x 4 ranks, HSDP", "2 hosts x 2 ranks, HSDP")
@@ -629,12 +638,14 @@ def count_job(bench: Bench, steps: int) -> dict:
 
 def where_jobs(bench: Bench, steps: int) -> list[dict]:
     """The 2-rank job with every rank's collective waits timed by the place that waits
-    (`wait_sites.py`) on 1 host (condition a), at 1 Gbit/s (c), at 1 Gbit/s with the EP
-    all-to-alls in one wave, and at 1 Gbit/s with no overlap (`OVERLAP_OFF`): each row gets, per
-    rank, the median seconds per iteration at each site over the iterations after the warm-up."""
-    (a, a_link, a_shape), (c, c_link, c_shape) = CONDITIONS[0], CONDITIONS[2]
+    (`wait_sites.py`) on 1 host (condition a), at 1 Gbit/s (c), at 200 Mbit/s (d), at 1 Gbit/s
+    with the EP all-to-alls in one wave, and at 1 Gbit/s with no overlap (`OVERLAP_OFF`): each row
+    gets, per rank, the median seconds per iteration at each site over the iterations after the
+    warm-up."""
+    (a, a_link, a_shape), (c, c_link, c_shape), (d, d_link, d_shape) = CONDITIONS[0], CONDITIONS[2], CONDITIONS[3]
     rows = []
     for name, shape, extra in ((PAIR.condition(a, a_link), a_shape, ()), (PAIR.condition(c, c_link), c_shape, ()),
+                               (PAIR.condition(d, d_link), d_shape, ()),
                                (PAIR.condition(c, c_link + ", one EP wave"), c_shape, (ONE_EP_WAVE,)),
                                (PAIR.condition(c, c_link + ", no overlap"), c_shape, OVERLAP_OFF)):
         waits_dir = bench.work / f"waits-{len(rows)}"
@@ -651,11 +662,11 @@ def where_jobs(bench: Bench, steps: int) -> list[dict]:
 
 def report_where(rows: list[dict]) -> list[str]:
     """The table of `where_jobs`: seconds a step each rank waited at each site on one host, at
-    1 Gbit/s, what the link added (the ranks' mean), and at 1 Gbit/s in one EP wave and without
-    overlap."""
+    1 Gbit/s and at 200 Mbit/s with what each link added (the ranks' mean), and at 1 Gbit/s in one
+    EP wave and without overlap."""
     from wait_sites import ITERATION_WALL
 
-    one_host, link, *others = rows
+    one_host, gbit, slow, *others = rows
     sites = {site for row in rows for waits in row["waits"] for site in waits} - {ITERATION_WALL}
 
     def mean(row: dict, site: str) -> float:
@@ -666,24 +677,27 @@ def report_where(rows: list[dict]) -> list[str]:
 
     lines = [f"where the ranks wait (seconds a step, median over steps {WARMUP_ITERS + 1}-{one_host['steps']}; "
              f"rank 0 / rank 1; load {one_host['load_start']} -> {rows[-1]['load_end']})",
-             f"| site | {one_host['condition']} | {link['condition']} | added by the link (mean of the ranks) | "
-             + " | ".join(row["condition"] for row in others) + " |",
-             "|---|---|---|---|" + "---|" * len(others)]
+             f"| site | {one_host['condition']} | {gbit['condition']} | added by 1 Gbit/s (mean of the ranks) | "
+             f"{slow['condition']} | added by 200 Mbit/s | " + " | ".join(row["condition"] for row in others) + " |",
+             "|---|---|---|---|---|---|" + "---|" * len(others)]
 
-    def line(label: str, values: list[str], added: float) -> str:
-        return f"| {label} | {values[0]} | {values[1]} | {added:+.3f} | " + " | ".join(values[2:]) + " |"
+    def line(label: str, values: list[str], added: list[float]) -> str:
+        return (f"| {label} | {values[0]} | {values[1]} | {added[0]:+.3f} | {values[2]} | {added[1]:+.3f} | "
+                + " | ".join(values[3:]) + " |")
 
-    for site in sorted(sites, key=lambda s: -(mean(link, s) - mean(one_host, s))):
-        lines.append(line(site, [cell(row, site) for row in rows], mean(link, site) - mean(one_host, site)))
+    for site in sorted(sites, key=lambda s: -(mean(slow, s) - mean(one_host, s))):
+        lines.append(line(site, [cell(row, site) for row in rows],
+                          [mean(link, site) - mean(one_host, site) for link in (gbit, slow)]))
     totals = [sum(mean(row, site) for site in sites) for row in rows]
     lines.append(line("all sites (sum of the medians, mean of the ranks)", [f"{t:.3f}" for t in totals],
-                      totals[1] - totals[0]))
+                      [totals[1] - totals[0], totals[2] - totals[0]]))
     walls = [mean(row, ITERATION_WALL) for row in rows]
-    lines.append(line("the iteration", [f"{w:.3f}" for w in walls], walls[1] - walls[0]))
+    lines.append(line("the iteration", [f"{w:.3f}" for w in walls], [walls[1] - walls[0], walls[2] - walls[0]]))
     if all("cpu_per_step" in row for row in rows):  # the machine's, both hosts' ranks and the kernel together
         for kind in CPU_KINDS:
             cpu = [row["cpu_per_step"][kind] for row in rows]
-            lines.append(line(f"machine CPU s a step: {kind}", [f"{c:.3f}" for c in cpu], cpu[1] - cpu[0]))
+            lines.append(line(f"machine CPU s a step: {kind}", [f"{c:.3f}" for c in cpu],
+                              [cpu[1] - cpu[0], cpu[2] - cpu[0]]))
     return lines
 
 
@@ -747,8 +761,11 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--ablation", action="store_true",
                         help="the overlap settings one by one, on 1 host x 2 ranks and at 1 Gbit/s, per round")
     parser.add_argument("--where", action="store_true",
-                        help="time every collective wait by where it waits: 1 host, 1 Gbit/s, 1 Gbit/s in one EP wave, "
-                             "1 Gbit/s without overlap")
+                        help="time every collective wait by where it waits: 1 host, 1 Gbit/s, 200 Mbit/s, "
+                             "1 Gbit/s in one EP wave, 1 Gbit/s without overlap")
+    parser.add_argument("--bf16-wire", action="store_true",
+                        help="also run the rounds with the opt-in bf16 wire (parallel.ep_wire_dtype and "
+                             "parallel.reduce_wire_dtype = bf16)")
     parser.add_argument("--json", help="write every figure to this file")
     for hidden in ("--gloo-wire-rank", "--gloo-wire-head", "--gloo-wire-out"):  # one rank of the calibration
         parser.add_argument(hidden, help=argparse.SUPPRESS)
@@ -910,6 +927,10 @@ def bench_body(bench: Bench, args, out: dict) -> None:
         print(f"  the job finished {rec['finished_steps']} / {args.recovery_steps} steps after {rec['restarts']} restarts, "
               f"exit codes {rec['exit codes']}")
         out["recovery"] = rec
+    if args.bf16_wire:
+        print(f"# the opt-in low-precision wire: {' '.join(PAIR_BF16_WIRE.args[len(PAIR.args):])} (not the default "
+              "numerics: one bf16 rounding of what the EP all-to-alls and the gradient reduce-scatters send)")
+        out["bf16_wire_throughput"] = throughput_rounds(bench, PAIR_BF16_WIRE, args.rounds, args.steps)
     if args.hsdp:
         print(f"# HSDP 2 x 2 with EP inside a replica: {' '.join(HSDP.args)}; 2 hosts x 2 ranks keep shard and "
               "expert groups inside a host, the replicas' all-reduce crosses the link")
