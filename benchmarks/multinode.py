@@ -16,8 +16,9 @@ conditions use the same two cores:
    1 Gbit/s (+ 1 ms delay each way where the kernel has netem), (d) 200 Mbit/s (+ 5 ms). The
    shaping is on host 1's link, both directions (`launch/cluster.sh shape`); with 2 hosts every
    byte between them crosses it. tokens/s is the median over the steps after the first
-   `WARMUP_ITERS` of tokens / step_time_s; the ratio is to the same round's (a). The bytes on the
-   wire are host 1's eth0 counters (`ip -n HOST -s -j link show eth0`) over those steps.
+   `WARMUP_ITERS` of tokens / step_time_s; the ratio is to the same round's (a), and the summary
+   gives each condition's median over the rounds against (a)'s. The bytes on the wire are host
+   1's eth0 counters (`ip -n HOST -s -j link show eth0`) over those steps.
 2. Bytes per step per collective: one more bed job (unshaped) whose ranks count every collective
    they issue (a TorchDispatchMode over the whole process, installed through a sitecustomize on
    PYTHONPATH, so the job is the same `launch/multinode.sh` command): the payload each rank sends
@@ -862,11 +863,14 @@ def throughput_rounds(bench: Bench, layout: Layout, rounds: int, steps: int) -> 
         print(f"| {r['round']} | {r['condition']} | {r['shaping']} | {r['tokens_per_s']:,.0f} | {r['step_s']:.2f} | "
               f"{exposed(r)} | {r['ratio']:.2f} | {r['load_start']} -> {r['load_end']} |")
     print()
-    print("| condition | median tokens/s over rounds | ratios to a, per round |")
-    print("|---|---|---|")
+    # The one-host reference moves the most from round to round on a shared machine, so beside each
+    # round's ratio the medians' ratio: each condition's median over the rounds against a's.
+    print("| condition | median tokens/s over rounds | its ratio to a's median | ratios to a, per round |")
+    print("|---|---|---|---|")
+    medians = {name: statistics.median(r["tokens_per_s"] for r in rows if r["condition"] == name) for name in names}
     for name in names:
         mine = [r for r in rows if r["condition"] == name]
-        print(f"| {name} | {statistics.median(r['tokens_per_s'] for r in mine):,.0f} | "
+        print(f"| {name} | {medians[name]:,.0f} | {medians[name] / medians[names[0]]:.2f} | "
               f"{', '.join(format(r['ratio'], '.2f') for r in mine)} |")
     print(flush=True)
     return rows
