@@ -61,3 +61,26 @@ def test_the_benchmark_reads_each_ranks_measured_iterations_only(tmp_path, monke
         table = {"setup": {"x": -1}, "1": {"x": rank}, "2": {"x": 2 + rank}, "between": {"x": -2}, "3": {"x": 3}}
         (tmp_path / f"waits{rank}.json").write_text(json.dumps(table))
     assert multinode.rank_iterations(tmp_path, "waits", 2, 3) == [[{"x": 2}, {"x": 3}], [{"x": 3}, {"x": 3}]]
+
+
+def test_the_where_table_says_what_each_shaped_link_adds(monkeypatch):
+    """`multinode.report_where`: per site, each rank's seconds under every condition, and what
+    1 Gbit/s and 200 Mbit/s each add over one host (the mean of the ranks), the sites ordered by
+    the slower link's addition; the totals add the sites."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import multinode
+    from wait_sites import ITERATION_WALL
+
+    def row(name: str, ep: tuple[float, float], muon: tuple[float, float], wall: float) -> dict:
+        return {"condition": name, "steps": 16, "load_start": "0.5", "load_end": "1.0",
+                "waits": [{"EP": e, "Muon": m, ITERATION_WALL: wall} for e, m in zip(ep, muon)]}
+
+    rows = [row("a", (0.01, 0.03), (0.00, 0.02), 0.8), row("c", (0.03, 0.05), (0.01, 0.01), 0.9),
+            row("d", (0.05, 0.07), (0.50, 0.30), 2.0), row("c, no overlap", (0.1, 0.1), (0.1, 0.1), 1.2)]
+    lines = multinode.report_where(rows)
+    assert lines[1].split(" | ")[1:6] == ["a", "c", "added by 1 Gbit/s (mean of the ranks)", "d", "added by 200 Mbit/s"]
+    muon, ep = lines[3], lines[4]  # Muon gains more at 200 Mbit/s (+0.39) than EP (+0.04): first
+    assert muon == "| Muon | 0.000 / 0.020 | 0.010 / 0.010 | +0.000 | 0.500 / 0.300 | +0.390 | 0.100 / 0.100 |"
+    assert ep == "| EP | 0.010 / 0.030 | 0.030 / 0.050 | +0.020 | 0.050 / 0.070 | +0.040 | 0.100 / 0.100 |"
+    assert lines[5].startswith("| all sites (sum of the medians, mean of the ranks) | 0.030 | 0.050 | +0.020 | 0.460 | +0.430 |")
+    assert lines[6] == "| the iteration | 0.800 | 0.900 | +0.100 | 2.000 | +1.200 | 1.200 |"
