@@ -65,6 +65,7 @@ def two_rank_runs(corpus, root, parallel: dict | None = None):
     return dist.get_rank()
 
 
+@pytest.mark.slow  # two-rank runs, a resume and a one-process reload (~11 s)
 def test_two_rank_checkpoints_resume_exactly_and_reshard_to_one_process(corpus, tmp_path, rank_pool):
     rank_pool(2).run(two_rank_runs, corpus, tmp_path)
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
@@ -113,6 +114,7 @@ def two_rank_rollback(corpus, root):
     return dist.get_rank()
 
 
+@pytest.mark.slow  # two two-rank runs (~8 s); one-process rollback is in the fast loop
 def test_two_rank_rollback_equals_a_run_that_skipped_those_batches(corpus, tmp_path, rank_pool):
     rank_pool(2).run(two_rank_rollback, corpus, tmp_path)
     rolled, skipped = losses(tmp_path / "rolled"), losses(tmp_path / "skipped")

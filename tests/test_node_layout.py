@@ -142,6 +142,7 @@ def _hsdp_groups_on_two_nodes() -> dict:
             "ep": ranks(dims.expert_mesh["ep"])}
 
 
+@pytest.mark.slow  # four-rank HSDP steps (~11 s); the placement rule itself is checked fast above
 def test_hsdp_shards_inside_a_node_and_replicates_across(rank_pool):
     by_rank = rank_pool(4).run(_hsdp_groups_on_two_nodes)
     assert [g["shard"] for g in by_rank] == [[0, 1], [0, 1], [2, 3], [2, 3]]  # node 0, node 1

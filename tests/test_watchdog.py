@@ -102,6 +102,7 @@ def test_the_watchdog_of_a_clean_run_learns_its_phases_and_stops_with_it(corpus,
     assert not watchdog_threads() and not RunDir(tmp_path / "run").read_events(EventName.HANG)
 
 
+@pytest.mark.slow  # a console-script run left to hang (~8 s)
 def test_a_hung_rank_is_ended_by_its_watchdog_with_one_line_its_stacks_and_exit_75(corpus, tmp_path):
     config = tmp_path / "hang.toml"
     save_config(run_config(corpus, tmp_path / "unused", train={"steps": 6, "micro_batch_size": 2, "eval_every": 0},
