@@ -65,7 +65,6 @@ def two_rank_runs(corpus, root, parallel: dict | None = None):
     return dist.get_rank()
 
 
-@pytest.mark.slow  # two-rank runs, a resume and a one-process reload (~11 s)
 def test_two_rank_checkpoints_resume_exactly_and_reshard_to_one_process(corpus, tmp_path, rank_pool):
     rank_pool(2).run(two_rank_runs, corpus, tmp_path)
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"

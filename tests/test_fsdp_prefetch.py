@@ -79,6 +79,7 @@ def _muon_steps() -> dict:
     return losses
 
 
+@pytest.mark.slow  # two-rank Muon runs with and without it (~11 s); the prefetched forward is checked fast below
 def test_the_prefetch_in_the_optimizer_step_gathers_only_final_values(rank_pool):
     """What it gathers must be final when it is issued: a block's matrices (Muon's, updated after
     the hook) gathered there would feed the next forward stale weights."""
