@@ -110,8 +110,8 @@ class Layout:
 # Sections 1-3: 2 ranks. One rank per host puts the expert groups across the link: asked for.
 PAIR = Layout(1, ("--parallel.allow_ep_tp_across_nodes=true",), "1 host x 2 ranks", "2 hosts")
 # Section 6 (--bf16-wire): the 2-rank job with both opt-in low-precision wires (DESIGN §5).
-PAIR_BF16_WIRE = Layout(1, (*PAIR.args, "--parallel.ep_wire_dtype=bf16", "--parallel.reduce_wire_dtype=bf16"),
-                        "1 host x 2 ranks, bf16 wire", "2 hosts, bf16 wire")
+BF16_WIRE = ("--parallel.ep_wire_dtype=bf16", "--parallel.reduce_wire_dtype=bf16")
+PAIR_BF16_WIRE = Layout(1, (*PAIR.args, *BF16_WIRE), "1 host x 2 ranks, bf16 wire", "2 hosts, bf16 wire")
 # Section 4 (--hsdp): 4 ranks, HSDP 2 x 2, EP inside a replica; 2 per host keep both inside a host.
 HSDP = Layout(2, ("--parallel.dp_replicate=2", "--parallel.dp_shard=2", "--train.micro_batch_size=2"),
               "1 host x 4 ranks, HSDP", "2 hosts x 2 ranks, HSDP")
@@ -682,23 +682,24 @@ def report_where(rows: list[dict]) -> list[str]:
              f"{slow['condition']} | added by 200 Mbit/s | " + " | ".join(row["condition"] for row in others) + " |",
              "|---|---|---|---|---|---|" + "---|" * len(others)]
 
-    def line(label: str, values: list[str], added: list[float]) -> str:
-        return (f"| {label} | {values[0]} | {values[1]} | {added[0]:+.3f} | {values[2]} | {added[1]:+.3f} | "
+    def line(label: str, values: list[str], by_row: list[float]) -> str:
+        """One row of the table; `by_row` (a figure per condition) gives what each link added."""
+        gbit_added, slow_added = by_row[1] - by_row[0], by_row[2] - by_row[0]
+        return (f"| {label} | {values[0]} | {values[1]} | {gbit_added:+.3f} | {values[2]} | {slow_added:+.3f} | "
                 + " | ".join(values[3:]) + " |")
 
     for site in sorted(sites, key=lambda s: -(mean(slow, s) - mean(one_host, s))):
-        lines.append(line(site, [cell(row, site) for row in rows],
-                          [mean(link, site) - mean(one_host, site) for link in (gbit, slow)]))
-    totals = [sum(mean(row, site) for site in sites) for row in rows]
-    lines.append(line("all sites (sum of the medians, mean of the ranks)", [f"{t:.3f}" for t in totals],
-                      [totals[1] - totals[0], totals[2] - totals[0]]))
-    walls = [mean(row, ITERATION_WALL) for row in rows]
-    lines.append(line("the iteration", [f"{w:.3f}" for w in walls], [walls[1] - walls[0], walls[2] - walls[0]]))
+        lines.append(line(site, [cell(row, site) for row in rows], [mean(row, site) for row in rows]))
+
+    def figures(label: str, by_row: list[float]) -> None:
+        lines.append(line(label, [f"{x:.3f}" for x in by_row], by_row))
+
+    figures("all sites (sum of the medians, mean of the ranks)",
+            [sum(mean(row, site) for site in sites) for row in rows])
+    figures("the iteration", [mean(row, ITERATION_WALL) for row in rows])
     if all("cpu_per_step" in row for row in rows):  # the machine's, both hosts' ranks and the kernel together
         for kind in CPU_KINDS:
-            cpu = [row["cpu_per_step"][kind] for row in rows]
-            lines.append(line(f"machine CPU s a step: {kind}", [f"{c:.3f}" for c in cpu],
-                              [cpu[1] - cpu[0], cpu[2] - cpu[0]]))
+            figures(f"machine CPU s a step: {kind}", [row["cpu_per_step"][kind] for row in rows])
     return lines
 
 
@@ -932,7 +933,7 @@ def bench_body(bench: Bench, args, out: dict) -> None:
               f"exit codes {rec['exit codes']}")
         out["recovery"] = rec
     if args.bf16_wire:
-        print(f"# the opt-in low-precision wire: {' '.join(PAIR_BF16_WIRE.args[len(PAIR.args):])} (not the default "
+        print(f"# the opt-in low-precision wire: {' '.join(BF16_WIRE)} (not the default "
               "numerics: one bf16 rounding of what the EP all-to-alls and the gradient reduce-scatters send)")
         out["bf16_wire_throughput"] = throughput_rounds(bench, PAIR_BF16_WIRE, args.rounds, args.steps)
     if args.hsdp:

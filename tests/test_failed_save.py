@@ -52,7 +52,7 @@ def fail_on_rank_one(corpus, run_dir, async_save: bool) -> int:
     return 0
 
 
-@pytest.mark.slow  # two-rank runs (5-8 s each)
+@pytest.mark.slow  # two-rank runs (4-8 s each)
 @pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
 def test_a_save_failing_on_one_rank_fails_on_every_rank_and_the_job_trains_on(corpus, tmp_path, rank_pool, async_save):
     rank_pool(2).run(fail_on_rank_one, corpus, tmp_path / "run", async_save)
