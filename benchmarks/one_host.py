@@ -8,8 +8,8 @@ overlap, the exposed-communication clock) changes what every rank does in every 
 no link is slow. This says what it costs or saves where there is no network: REV (default
 ef36355, the last commit before that work began) is checked out in a temporary git worktree
 (removed at the end, also after a failure or Ctrl-C) and run with this checkout's Python
-environment (`PYTHONPATH` names the tree); each round runs both jobs of both trees, the trees
-alternating. A job's figure is the median tokens/s over its steps after the warm-up (as
+environment (`PYTHONPATH` names the tree); after one job that is not counted, each round runs
+both jobs of both trees, the trees alternating. A job's figure is the median tokens/s over its steps after the warm-up (as
 `benchmarks/multinode.py` counts them). Printed: every job as it ends, then the medians over the
 rounds and their ratio (this checkout / REV).
 
@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -54,19 +55,25 @@ def job_env(tree: Path) -> dict:
             "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
 
 
-def run_job(tree: Path, job: str, run_dir: Path, steps: int) -> dict:
-    """One job of `tree`, to the end; its tokens/s, steps and load."""
+def run_job(tree: Path, label: str, job: str, run_dir: Path, steps: int) -> dict:
+    """One job of `tree` (called `label`), to the end; its tokens/s, steps and load."""
     load_start = loadavg()
     log = run_dir.parent / f"{run_dir.name}.log"
     with open(log, "w") as out:
+        # Its own session: a timeout or Ctrl-C takes down the launcher, torchrun and the ranks together.
+        proc = subprocess.Popen([*JOBS[job], f"--run.dir={run_dir}", f"--train.steps={steps}"], cwd=tree,
+                                env=job_env(tree), stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         try:
-            done = subprocess.run([*JOBS[job], f"--run.dir={run_dir}", f"--train.steps={steps}"], cwd=tree,
-                                  env=job_env(tree), stdout=out, stderr=subprocess.STDOUT, timeout=JOB_TIMEOUT_S)
+            returncode = proc.wait(timeout=JOB_TIMEOUT_S)
         except subprocess.TimeoutExpired:
-            raise Failed(f"{job} of {tree.name}: not finished within {JOB_TIMEOUT_S} s (its log: {log})") from None
-    if done.returncode != 0:
+            raise Failed(f"{job} of {label}: not finished within {JOB_TIMEOUT_S} s (its log: {log})") from None
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+    if returncode != 0:
         tail = "\n".join(log.read_text().splitlines()[-15:])
-        raise Failed(f"{job} of {tree.name} exited {done.returncode} (its log: {log}):\n{tail}")
+        raise Failed(f"{job} of {label} exited {returncode} (its log: {log}):\n{tail}")
     records = train_records(run_dir)
     return {"tokens_per_s": median_tokens_per_s(records), "steps": len(records),
             "load_start": load_start, "load_end": loadavg()}
@@ -76,7 +83,8 @@ def add_worktree(rev: str, where: Path) -> None:
     done = subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(where), rev],
                           capture_output=True, text=True)
     if done.returncode != 0:
-        raise Failed(f"--before {rev}: git could not check it out ({done.stderr.strip().splitlines()[-1]}); "
+        why = (done.stderr.strip().splitlines() or [f"exit {done.returncode}"])[-1]
+        raise Failed(f"--before {rev}: git could not check it out ({why}); "
                      "give a commit of this repository")
 
 
@@ -85,14 +93,19 @@ def remove_worktree(where: Path) -> None:
 
 
 def compare(trees: dict[str, Path], rounds: int, steps: int, work: Path) -> list[dict]:
-    """`rounds` rounds of every job of every tree, each printed as it ends."""
+    """`rounds` rounds of every job of every tree, each printed as it ends, after one job that is
+    not counted (the first job of a run was the slowest of its kind in the first runs: 1,356-1,358
+    tokens/s where the same tree's later one-process jobs made 1,618-1,744)."""
     rows = []
+    label, tree = next(iter(trees.items()))
+    warmup = run_job(tree, label, "one process", work / "00-warm-up", steps)
+    print(f"warm-up (not counted): {label} one process {warmup['tokens_per_s']:,.0f} tokens/s", flush=True)
     for rnd in range(1, rounds + 1):
         order = list(trees.items()) if rnd % 2 else list(trees.items())[::-1]  # alternate who goes first
         for tree_name, tree in order:
             for job in JOBS:
-                run_dir = work / f"{len(rows) + 1:02d}-{tree_name}-{job.split()[0].replace('/', '-')}"
-                row = {"round": rnd, "tree": tree_name, "job": job, **run_job(tree, job, run_dir, steps)}
+                run_dir = work / f"{len(rows) + 1:02d}-{tree_name.split()[0]}-{job.split()[0].replace('/', '-')}"
+                row = {"round": rnd, "tree": tree_name, "job": job, **run_job(tree, tree_name, job, run_dir, steps)}
                 rows.append(row)
                 print(f"round {rnd} {tree_name:<14} {job:<18} {row['tokens_per_s']:>7,.0f} tokens/s  load "
                       f"{row['load_start']} -> {row['load_end']}", flush=True)
