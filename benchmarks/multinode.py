@@ -51,6 +51,12 @@ conditions use the same two cores:
    the bytes of the EP all-to-alls and the gradient reduce-scatters, one bf16 rounding each; not the
    default numerics), ratios to the same round's 1-host job with the same settings.
    (`--skip-throughput --skip-recovery --bf16-wire` runs it alone.)
+7. With --ablation (after the rounds of 1), what each overlap setting buys: the 2-rank job on
+   1 host and at 1 Gbit/s with every setting of `ABLATION` in turn (none of the overlaps, then the
+   reduce-scatters overlapped, the all-gathers prefetched, the EP all-to-alls in waves, and the
+   reshard policy's memory rule: the default), per round; ratios to the same round's 1-host job
+   with the same settings. The changes that send fewer bytes have no setting to turn off; what
+   they bought is measured across revisions in benchmarks/README.md §12.
 
 The 2-rank job has one rank per host, so its expert groups span the hosts, which the launchers
 refuse unless asked: it runs with `--parallel.allow_ep_tp_across_nodes=true` (`PAIR`).
@@ -109,7 +115,7 @@ class Layout:
 
 # Sections 1-3: 2 ranks. One rank per host puts the expert groups across the link: asked for.
 PAIR = Layout(1, ("--parallel.allow_ep_tp_across_nodes=true",), "1 host x 2 ranks", "2 hosts")
-# Section 6 (--bf16-wire): the 2-rank job with both opt-in low-precision wires (DESIGN §5).
+# Section 6 (--bf16-wire): the 2-rank job with both opt-in low-precision wires (DESIGN §4).
 BF16_WIRE = ("--parallel.ep_wire_dtype=bf16", "--parallel.reduce_wire_dtype=bf16")
 PAIR_BF16_WIRE = Layout(1, (*PAIR.args, *BF16_WIRE), "1 host x 2 ranks, bf16 wire", "2 hosts, bf16 wire")
 # Section 4 (--hsdp): 4 ranks, HSDP 2 x 2, EP inside a replica; 2 per host keep both inside a host.

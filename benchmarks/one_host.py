@@ -3,7 +3,7 @@ multi-node benchmark's job, this checkout against an earlier revision, side by s
 
     python benchmarks/one_host.py [--before REV] [--rounds N] [--steps N] [--json FILE]
 
-The communication work (DESIGN §5: the gloo reduce-scatter, Muon's packed exchange, prefetch,
+The communication work (DESIGN §4-5: the gloo reduce-scatter, Muon's packed exchange, prefetch,
 overlap, the exposed-communication clock) changes what every rank does in every step, also when
 no link is slow. This says what it costs or saves where there is no network: REV (default
 ef36355, the last commit before that work began) is checked out in a temporary git worktree

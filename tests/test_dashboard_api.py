@@ -211,7 +211,9 @@ def test_the_ranks_route_answers_the_heatmap_with_hosts_stragglers_and_drill_spa
     run = tmp_path / "run"
     append_jsonl(run / "metrics.jsonl", [
         {"kind": "ranks", "iter": i, "step": i, "iterations": 10, "iter_s": [0.5, 0.5], "compute_s": [0.2, 0.9 if i == 70 else 0.2],
-         "wait_s": [0.3, 0.1], "data_s": [0.01, 0.01]} for i in range(10, 210, 10)])
+         "wait_s": [0.3, 0.1], "data_s": [0.01, 0.01],
+         **({"comm_exposed_s": [0.05, 0.4]} if i > 100 else {})}  # a run from before the field, then with it
+        for i in range(10, 210, 10)])
     drill = [{"event": "fault_injected", "iter": i, "batch": i - 1, "fault": "slow_rank", "rank": 1, "seconds": 0.5}
              for i in (61, 62, 63, 90)] + [{"event": "fault_injected", "iter": 5, "batch": 4, "fault": "nan_loss", "rank": None}]
     straggler = {"event": "straggler", "iter": 70, "step": 70, "rank": 1, "host": "b", "compute_s": 0.9, "median_s": 0.2,
@@ -222,6 +224,7 @@ def test_the_ranks_route_answers_the_heatmap_with_hosts_stragglers_and_drill_spa
     ranks = get(server, "/api/runs/0/ranks")[1]
     assert ranks["ranks"] == [0, 1] and ranks["hosts"] == ["a", "b"] and ranks["x"] == list(range(10, 210, 10))
     assert ranks["compute_s"][1][6] == 0.9 and ranks["wait_s"][0] == [0.3] * 20
+    assert ranks["comm_exposed_s"] == [[None] * 10 + [0.05] * 10, [None] * 10 + [0.4] * 10]  # the panel's lines
     assert ranks["stragglers"] == [{k: v for k, v in straggler.items() if k != "event"}]
     assert [(d["fault"], d["rank"], d["first"], d["last"]) for d in ranks["drills"]] == [
         ("slow_rank", 1, 61, 63), ("slow_rank", 1, 90, 90), ("nan_loss", None, 5, 5)]

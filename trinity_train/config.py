@@ -178,7 +178,9 @@ class ParallelConfig:
     #   block (parallel/reshard_policy.py; `trinity-train plan` prices the memory)
     overlap_reduce_scatter: bool = True  # CPU (gloo) jobs: each FSDP unit's gradient reduce-scatter
     #   travels while the next unit's backward computes, the root's from the backward's start, with
-    #   EP after each block's expert exchange (GPUs overlap on NCCL's stream anyway)
+    #   EP after each block's expert exchange (GPUs overlap on NCCL's stream anyway); not under HSDP
+    #   (its all-reduce reads the reduce-scatter's output at once) nor in a micro-batch whose
+    #   gradients add to an earlier one's
     prefetch_all_gather: bool = True  # CPU (gloo) jobs: each block's FSDP all-gather is issued while
     #   the block before it computes (with EP, in backward: after its expert exchange), and the next
     #   step's first one (head and final norm; the embedding too under TP, else it gathers only its
@@ -196,7 +198,7 @@ class ParallelConfig:
     #   pieces in fp32, NCCL and HSDP's all-reduce in bf16 (docs/concepts/parallel.md, Low precision
     #   on the wire)
     ranks_per_node: int = 0  # ranks that share a node's fast link (ranks 0..n-1 are node 0, ...);
-    #   tp and ep groups must lie inside one, HSDP shard groups inside one or on whole nodes.
+    #   tp, cp and ep groups must lie inside one, HSDP shard groups inside one or on whole nodes.
     #   0: the launcher's processes per node (torchrun's LOCAL_WORLD_SIZE); `plan`: --gpus-per-node
     allow_ep_tp_across_nodes: bool = False  # true: run a layout whose tp, cp or ep groups span nodes
     #   (their collectives on the slow link between nodes) instead of refusing it
