@@ -3,23 +3,25 @@ multi-node benchmark's job, this checkout against an earlier revision, side by s
 
     python benchmarks/one_host.py [--before REV] [--rounds N] [--steps N] [--json FILE]
 
-The communication work (DESIGN §4-5: the gloo reduce-scatter, Muon's packed exchange, prefetch,
-overlap, the exposed-communication clock) changes what every rank does in every step, also when
-no link is slow. This says what it costs or saves where there is no network: REV (default
-ef36355, the last commit before that work began) is checked out in a temporary git worktree
-(removed at the end, also after a failure or Ctrl-C) and run with this checkout's Python
-environment (`PYTHONPATH` names the tree); after one job that is not counted, each round runs
-both jobs of both trees, the trees alternating. A job's figure is the median tokens/s over its steps after the warm-up (as
-`benchmarks/multinode.py` counts them). Printed: every job as it ends, then the medians over the
-rounds and their ratio (this checkout / REV).
+The communication work (DESIGN §4, §5 and §8: the gloo reduce-scatter, Muon's packed exchange,
+prefetch, overlap, the exposed-communication clock) changes what every rank does in every step,
+also when no link is slow. This says what it costs or saves where there is no network: REV
+(default ef36355, the last commit before that work began) is checked out in a temporary git
+worktree and run with this checkout's Python environment (`PYTHONPATH` names the tree); after one
+job that is not counted, each round runs both jobs of both trees, the trees alternating. A job's
+figure is the median tokens/s over its steps after the warm-up (as `benchmarks/multinode.py`
+counts them). Printed: every job as it ends, then the medians over the rounds and their ratio
+(this checkout / REV). The worktree is removed at the end, also after a failure, Ctrl-C or
+SIGTERM (a running job is stopped first); the jobs' logs are kept only when something failed.
 
 - one process: `python -m trinity_train.cli train` with multinode's job less its EP (one rank has
   no experts to split: `--parallel.ep=1`), the micro-batches accumulated on the one rank;
 - `launch/local.sh 2`: multinode's job exactly (FSDP x EP over 2 gloo ranks on this host), the
   tree's own launcher.
 
-Every process runs one OpenMP thread with passive waits (as multinode's ranks), so the two ranks
-of the 2-rank job do not fight over the machine's cores with worker threads.
+Every process runs one OpenMP thread, with passive waits unless OMP_WAIT_POLICY says otherwise
+(as multinode's ranks), so the two ranks of the 2-rank job do not fight over the machine's cores
+with worker threads.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import statistics
 import subprocess
@@ -50,9 +53,31 @@ class Failed(Exception):
     """A job or the worktree failed: one line for the user."""
 
 
+STOP_GRACE_S = 45  # torchrun's own grace for its workers is 30 s (then it kills them)
+
+
 def job_env(tree: Path) -> dict:
-    return {**os.environ, "PYTHONPATH": str(tree), "OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE",
+    """multinode's job environment (one OpenMP thread, passive waits unless set), `tree`'s code."""
+    return {**os.environ, "PYTHONPATH": str(tree), "OMP_NUM_THREADS": "1",
+            "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE"),
             "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+
+
+def log_tail(log: Path) -> str:
+    return "\n".join(log.read_text(errors="replace").splitlines()[-15:])
+
+
+def stop(proc: subprocess.Popen) -> None:
+    """Stop a job still running: SIGTERM to its session (the launcher passes it to torchrun, which
+    stops the ranks it started in sessions of their own), SIGKILL if it has not ended in time."""
+    for sig, grace in ((signal.SIGTERM, STOP_GRACE_S), (signal.SIGKILL, 10)):
+        if proc.poll() is not None:
+            return
+        os.killpg(proc.pid, sig)
+        try:
+            proc.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            pass
 
 
 def run_job(tree: Path, label: str, job: str, run_dir: Path, steps: int) -> dict:
@@ -60,20 +85,18 @@ def run_job(tree: Path, label: str, job: str, run_dir: Path, steps: int) -> dict
     load_start = loadavg()
     log = run_dir.parent / f"{run_dir.name}.log"
     with open(log, "w") as out:
-        # Its own session: a timeout or Ctrl-C takes down the launcher, torchrun and the ranks together.
+        # Its own session, so that `stop` reaches the launcher and torchrun and not this script.
         proc = subprocess.Popen([*JOBS[job], f"--run.dir={run_dir}", f"--train.steps={steps}"], cwd=tree,
                                 env=job_env(tree), stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         try:
             returncode = proc.wait(timeout=JOB_TIMEOUT_S)
         except subprocess.TimeoutExpired:
-            raise Failed(f"{job} of {label}: not finished within {JOB_TIMEOUT_S} s (its log: {log})") from None
+            raise Failed(f"{job} of {label}: not finished within {JOB_TIMEOUT_S} s (its log: {log}):\n"
+                         f"{log_tail(log)}") from None
         finally:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+            stop(proc)
     if returncode != 0:
-        tail = "\n".join(log.read_text().splitlines()[-15:])
-        raise Failed(f"{job} of {label} exited {returncode} (its log: {log}):\n{tail}")
+        raise Failed(f"{job} of {label} exited {returncode} (its log: {log}):\n{log_tail(log)}")
     records = train_records(run_dir)
     return {"tokens_per_s": median_tokens_per_s(records), "steps": len(records),
             "load_start": load_start, "load_end": loadavg()}
@@ -90,6 +113,11 @@ def add_worktree(rev: str, where: Path) -> None:
 
 def remove_worktree(where: Path) -> None:
     subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(where)], capture_output=True)
+    subprocess.run(["git", "-C", str(ROOT), "worktree", "prune"], capture_output=True)  # if the remove could not
+
+
+def interrupted(signum, _frame) -> None:
+    raise KeyboardInterrupt(signal.Signals(signum).name)
 
 
 def compare(trees: dict[str, Path], rounds: int, steps: int, work: Path) -> list[dict]:
@@ -138,21 +166,29 @@ def main(argv: list[str]) -> int:
     print(f"# load: {Path('/proc/loadavg').read_text().strip()}", flush=True)
     print(f"# the job: {' '.join(COMMON)} (multinode's; one process: --parallel.ep=1); OMP_NUM_THREADS=1", flush=True)
     names = [f"before {args.before}", "this checkout"]
+    for sig in (signal.SIGTERM, signal.SIGHUP):  # as Ctrl-C: the job stopped, the worktree removed
+        signal.signal(sig, interrupted)
+    work = Path(tempfile.mkdtemp(prefix="one_host_runs_"))  # the jobs' run directories and logs
+    error, code = None, 0
     with tempfile.TemporaryDirectory(prefix="one_host_") as tmp:
         before = Path(tmp) / "before"
         try:
             add_worktree(args.before, before)
-            work = Path(tmp) / "runs"
-            work.mkdir()
             rows = compare({names[0]: before, names[1]: ROOT}, args.rounds, args.steps, work)
         except Failed as e:
-            print(f"benchmarks/one_host.py: {e}", file=sys.stderr)
-            return 1
-        except KeyboardInterrupt:
-            print("benchmarks/one_host.py: interrupted; the worktree is removed", file=sys.stderr)
-            return 130
+            error, code = str(e), 1
+        except KeyboardInterrupt as e:
+            error, code = f"interrupted ({e or 'SIGINT'})", 130
         finally:
             remove_worktree(before)
+    if error is not None:
+        print(f"benchmarks/one_host.py: {error}", file=sys.stderr)
+        if any(work.iterdir()):
+            print(f"benchmarks/one_host.py: the jobs' run directories and logs are kept in {work}", file=sys.stderr)
+        else:
+            work.rmdir()
+        return code
+    shutil.rmtree(work, ignore_errors=True)
     print()
     for line in report(rows, names):
         print(line)
