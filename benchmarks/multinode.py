@@ -439,12 +439,24 @@ class Bench:
 
     def kill_local(self) -> None:
         for proc in self.local_procs:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                try:
-                    proc.wait(timeout=30)
-                except subprocess.TimeoutExpired:
-                    pass
+            stop_session(proc)
+
+
+STOP_GRACE_S = 45  # torchrun's own grace for its workers is 30 s (then it kills them)
+
+
+def stop_session(proc: subprocess.Popen) -> None:
+    """Stop a launcher started in a session of its own, if it still runs: SIGTERM to the session
+    (`launch/local.sh` passes it to torchrun, which stops the ranks it started in sessions of
+    their own; a SIGKILL would leave those running), then SIGKILL if it has not ended in time."""
+    for sig, grace in ((signal.SIGTERM, STOP_GRACE_S), (signal.SIGKILL, 10)):
+        if proc.poll() is not None:
+            return
+        os.killpg(proc.pid, sig)
+        try:
+            proc.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            pass
 
 
 def tail(logs: list[Path]) -> str:

@@ -38,7 +38,8 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from multinode import COMMON, JOB_TIMEOUT_S, loadavg, median_tokens_per_s, train_records  # noqa: E402
+from multinode import (COMMON, JOB_TIMEOUT_S, loadavg, median_tokens_per_s, stop_session,  # noqa: E402
+                       train_records)
 
 ROOT = Path(__file__).resolve().parents[1]
 BEFORE = "ef36355"  # the last commit before the communication work (issue 30) began
@@ -53,9 +54,6 @@ class Failed(Exception):
     """A job or the worktree failed: one line for the user."""
 
 
-STOP_GRACE_S = 45  # torchrun's own grace for its workers is 30 s (then it kills them)
-
-
 def job_env(tree: Path) -> dict:
     """multinode's job environment (one OpenMP thread, passive waits unless set), `tree`'s code."""
     return {**os.environ, "PYTHONPATH": str(tree), "OMP_NUM_THREADS": "1",
@@ -67,25 +65,12 @@ def log_tail(log: Path) -> str:
     return "\n".join(log.read_text(errors="replace").splitlines()[-15:])
 
 
-def stop(proc: subprocess.Popen) -> None:
-    """Stop a job still running: SIGTERM to its session (the launcher passes it to torchrun, which
-    stops the ranks it started in sessions of their own), SIGKILL if it has not ended in time."""
-    for sig, grace in ((signal.SIGTERM, STOP_GRACE_S), (signal.SIGKILL, 10)):
-        if proc.poll() is not None:
-            return
-        os.killpg(proc.pid, sig)
-        try:
-            proc.wait(timeout=grace)
-        except subprocess.TimeoutExpired:
-            pass
-
-
 def run_job(tree: Path, label: str, job: str, run_dir: Path, steps: int) -> dict:
     """One job of `tree` (called `label`), to the end; its tokens/s, steps and load."""
     load_start = loadavg()
     log = run_dir.parent / f"{run_dir.name}.log"
     with open(log, "w") as out:
-        # Its own session, so that `stop` reaches the launcher and torchrun and not this script.
+        # Its own session, so that `stop_session` reaches the launcher and torchrun and not this script.
         proc = subprocess.Popen([*JOBS[job], f"--run.dir={run_dir}", f"--train.steps={steps}"], cwd=tree,
                                 env=job_env(tree), stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         try:
@@ -94,7 +79,7 @@ def run_job(tree: Path, label: str, job: str, run_dir: Path, steps: int) -> dict
             raise Failed(f"{job} of {label}: not finished within {JOB_TIMEOUT_S} s (its log: {log}):\n"
                          f"{log_tail(log)}") from None
         finally:
-            stop(proc)
+            stop_session(proc)
     if returncode != 0:
         raise Failed(f"{job} of {label} exited {returncode} (its log: {log}):\n{log_tail(log)}")
     records = train_records(run_dir)
