@@ -459,6 +459,13 @@ def stop_session(proc: subprocess.Popen) -> None:
             pass
 
 
+def job_environment() -> dict:
+    """Every job's environment: this interpreter's scripts on PATH, one OpenMP thread a process,
+    passive waits unless OMP_WAIT_POLICY says otherwise."""
+    return {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+            "OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
+
+
 def tail(logs: list[Path]) -> str:
     return "\n".join(f"--- {log.name}\n{log.read_text()[-2000:]}" for log in logs if log.exists())
 
@@ -838,8 +845,7 @@ def bench_on_bed() -> Iterator[Bench]:
     for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # also where a shell left SIGINT ignored
         signal.signal(signum, stop)
 
-    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
-           "OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
+    env = job_environment()
     work = Path(tempfile.mkdtemp(prefix="trinity-multinode-bench-"))
     bed = ClusterBed(2, PREFIX, SUBNET, env=env)
     bench = Bench(bed, work, env)

@@ -38,8 +38,8 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from multinode import (COMMON, JOB_TIMEOUT_S, loadavg, median_tokens_per_s, stop_session,  # noqa: E402
-                       train_records)
+from multinode import (COMMON, JOB_TIMEOUT_S, WARMUP_ITERS, job_environment, loadavg,  # noqa: E402
+                       median_tokens_per_s, stop_session, tail, train_records)
 
 ROOT = Path(__file__).resolve().parents[1]
 BEFORE = "ef36355"  # the last commit before the communication work (issue 30) began
@@ -55,14 +55,8 @@ class Failed(Exception):
 
 
 def job_env(tree: Path) -> dict:
-    """multinode's job environment (one OpenMP thread, passive waits unless set), `tree`'s code."""
-    return {**os.environ, "PYTHONPATH": str(tree), "OMP_NUM_THREADS": "1",
-            "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE"),
-            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
-
-
-def log_tail(log: Path) -> str:
-    return "\n".join(log.read_text(errors="replace").splitlines()[-15:])
+    """multinode's job environment, `tree`'s code."""
+    return {**job_environment(), "PYTHONPATH": str(tree)}
 
 
 def run_job(tree: Path, label: str, job: str, run_dir: Path, steps: int) -> dict:
@@ -77,11 +71,11 @@ def run_job(tree: Path, label: str, job: str, run_dir: Path, steps: int) -> dict
             returncode = proc.wait(timeout=JOB_TIMEOUT_S)
         except subprocess.TimeoutExpired:
             raise Failed(f"{job} of {label}: not finished within {JOB_TIMEOUT_S} s (its log: {log}):\n"
-                         f"{log_tail(log)}") from None
+                         f"{tail([log])}") from None
         finally:
             stop_session(proc)
     if returncode != 0:
-        raise Failed(f"{job} of {label} exited {returncode} (its log: {log}):\n{log_tail(log)}")
+        raise Failed(f"{job} of {label} exited {returncode} (its log: {log}):\n{tail([log])}")
     records = train_records(run_dir)
     return {"tokens_per_s": median_tokens_per_s(records), "steps": len(records),
             "load_start": load_start, "load_end": loadavg()}
@@ -146,8 +140,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--steps", type=int, default=16, help="steps per job (the first 3 are warm-up)")
     parser.add_argument("--json", help="write every figure to this file")
     args = parser.parse_args(argv)
-    if args.rounds < 1 or args.steps < 6:
-        parser.error("--rounds must be >= 1 and --steps >= 6 (the first 3 steps are warm-up)")
+    if args.rounds < 1 or args.steps <= WARMUP_ITERS + 2:
+        parser.error(f"--rounds must be >= 1 and --steps above {WARMUP_ITERS + 2} (the first {WARMUP_ITERS} are warm-up)")
     print(f"# load: {Path('/proc/loadavg').read_text().strip()}", flush=True)
     print(f"# the job: {' '.join(COMMON)} (multinode's; one process: --parallel.ep=1); OMP_NUM_THREADS=1", flush=True)
     names = [f"before {args.before}", "this checkout"]
