@@ -43,7 +43,7 @@ def main() -> int:
     args = parser.parse_args()
     run_dir = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="goodput-drill-")) / "run"
     command = ["launch/local.sh", "2", "--max-restarts=3", *SMALL_MODEL, f"--train.steps={args.steps}",
-               "--train.eval_every=10", "--checkpoint.every=5", "--metrics.progress_bar=false",
+               "--eval.every=10", "--checkpoint.every=5", "--metrics.progress_bar=false",
                "--watchdog.floor_s=4", "--watchdog.multiple=3", "--stability.rollback_after=2",
                "--stability.rollback_lookback=2", f"--stability.inject={DRILLS}", f"--run.dir={run_dir}"]
     print(f"# load before: {load()}", flush=True)

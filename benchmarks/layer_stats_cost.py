@@ -46,7 +46,7 @@ ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_CONFIG = ROOT / "configs" / "debug.toml"
 # Nothing but training steps: no validation, checkpoints or console lines; a given peak, so no
 # matmul probe at start.
-QUIET = ["--train.eval_every=0", "--checkpoint.every=0", "--metrics.progress_bar=false",
+QUIET = ["--eval.every=0", "--checkpoint.every=0", "--metrics.progress_bar=false",
          "--train.log_every=1000000000", "--metrics.peak_flops=1e12", "--train.steps=1000000000",
          "--stability.rollback_after=0"]  # no checkpoints to roll back to: say nothing of it
 

@@ -95,7 +95,7 @@ RECOVERY_TIMEOUT_S = 900  # the recovery job
 COLLECTIVE_TIMEOUT_S = 8
 RANK_STATS_EVERY = 4  # the ranks records (exposed communication) over 4 iterations each
 COMMON = ("--parallel.ep=2", "--train.global_batch_size=8", "--train.micro_batch_size=4",
-          "--train.eval_every=0", "--checkpoint.every=0", "--metrics.progress_bar=false",
+          "--eval.every=0", "--checkpoint.every=0", "--metrics.progress_bar=false",
           "--metrics.layer_stats_every=0", "--optim.schedule=constant", f"--metrics.rank_stats_every={RANK_STATS_EVERY}")
 
 

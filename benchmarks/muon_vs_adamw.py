@@ -36,7 +36,7 @@ def run_config(run_dir: Path, steps: int, optimizer: str, adamw_lr: float, muon_
                overrides: list[str]) -> Config:
     return load_config(ROOT / "configs" / "debug.toml", [
         f"--train.steps={steps}", "--train.micro_batch_size=8", "--data.seq_len=128",
-        f"--train.eval_every={steps}", "--train.eval_batches=8", f"--train.log_every={steps}",
+        f"--eval.every={steps}", "--eval.batches=8", f"--train.log_every={steps}",
         f"--optim.warmup_steps={max(1, steps // 10)}", "--checkpoint.every=0",
         "--metrics.progress_bar=false", f"--run.dir={run_dir}",
         f"--optim.name={optimizer}", f"--optim.lr={adamw_lr}", f"--optim.muon_lr={muon_lr}",

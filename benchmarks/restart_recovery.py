@@ -88,7 +88,7 @@ TRAINER_SETTINGS = {
     "model": dict(vocab_size=320, hidden_size=32, num_layers=2, num_dense_layers=1, num_heads=2, num_kv_heads=1,
                   head_dim=16, intermediate_size=64, num_experts=4, num_experts_per_tok=2,
                   moe_intermediate_size=16, sliding_window=8, global_every=2),
-    "data": {"seq_len": 16}, "train": {"steps": 30, "micro_batch_size": 2, "eval_every": 0},
+    "data": {"seq_len": 16}, "train": {"steps": 30, "micro_batch_size": 2}, "eval": {"every": 0},
     "checkpoint": {"every": 5}, "metrics": {"progress_bar": False, "peak_flops": 1e11},
 }
 

@@ -66,7 +66,7 @@ def config(run_dir: Path, steps: int, every: int, overrides: list[str], faults: 
     """The default job for `steps` steps, checkpointing every `every` and keeping them all."""
     cfg = load_config(ROOT / "configs" / "debug.toml", overrides)
     cfg.optim.lr, cfg.optim.muon_lr = cfg.optim.lr * lr_factor, cfg.optim.muon_lr * lr_factor
-    cfg.train.steps, cfg.train.eval_every, cfg.train.log_every = steps, steps, 100
+    cfg.train.steps, cfg.eval.every, cfg.train.log_every = steps, steps, 100
     cfg.checkpoint.every, cfg.checkpoint.keep = every, steps
     cfg.checkpoint.resume = "auto" if resume else "none"
     cfg.metrics.progress_bar = False

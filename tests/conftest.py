@@ -130,7 +130,7 @@ def layout_config(corpus: Path, run_dir: Path, changes: dict, world: int) -> Con
     table = {
         "model": {"num_layers": 3, "num_kv_heads": 2, "route_scale": 2.0, "global_every": 2},
         "train": {"steps": 3, "micro_batch_size": 1, "grad_accum": LAYOUT_GLOBAL_ROWS // dp,
-                  "eval_every": 0, "grad_clip": 0.5, "seed": 5},
+                  "grad_clip": 0.5, "seed": 5}, "eval": {"every": 0},
         # Adam's eps is raised from 1e-8: near-zero gradients (sums that cancel to ~1e-6) differ
         # in their last bits between summation orders, and a tiny eps turns that noise into whole
         # lr-sized steps of either sign. 1e-4 keeps real gradients at full Adam steps.
@@ -161,7 +161,7 @@ TWO_RANK_LAYOUTS = {
     "fsdp2_sync_last": {"parallel": {"dp_shard": 2, "sync_every_micro_batch": False}},
     "hsdp2_sync_last": {"parallel": {"dp_replicate": 2, "dp_shard": 1, "sync_every_micro_batch": False}},
     # FSDP keeping every block gathered from its forward to its backward (no all-gather in backward).
-    "fsdp2_no_reshard": {"parallel": {"dp_shard": 2, "reshard_after_forward": False}},
+    "fsdp2_no_reshard": {"parallel": {"dp_shard": 2, "keep_gathered_gib": float("inf")}},
 }
 FOUR_RANK_LAYOUTS = {
     "hsdp2x2": {"parallel": {"dp_replicate": 2, "dp_shard": 2}},

@@ -43,12 +43,12 @@ DRILLS = [{"fault": "loss_spike", "first": 12}, {"fault": "poison_random", "firs
 
 
 def drill_config(corpus: Path, run_dir: Path, *faults: dict, train: dict | None = None,
-                 metrics: dict | None = None, **stability) -> Config:
+                 eval: dict | None = None, metrics: dict | None = None, **stability) -> Config:
     """`STEPS` steps of 4 x 16 tokens on `corpus` with the drill tests' guard and `faults`
-    injected, a checkpoint every 5 steps; `train`/`metrics` and `stability` override."""
+    injected, a checkpoint every 5 steps; `train`/`eval`/`metrics` and `stability` override."""
     return run_config(corpus, run_dir,
-                      train={"steps": STEPS, "micro_batch_size": 4, "grad_accum": 1, "eval_every": STEPS,
-                             "eval_batches": 2, **(train or {})},
+                      train={"steps": STEPS, "micro_batch_size": 4, "grad_accum": 1, **(train or {})},
+                      eval={"every": STEPS, "batches": 2, **(eval or {})},
                       optim={"lr": 3e-3, "warmup_steps": 2},
                       # The drills' thresholds were set on this order; in order 2 (other batches)
                       # the clean run's tiny model drifts at iteration 52 and the guard opens a
@@ -87,7 +87,7 @@ def train_killed_then_resumed(make_config: Callable[[], Config], killed_after: C
 def write_drill_run(corpus: Path, run_dir: Path, *, seed: int = 0) -> DrillRun:
     # (max_rollbacks 6: the poison can take more than the default 3 rollbacks to leave behind,
     # as with seed 1 on the corpus prepare-data's pipeline builds, and these runs must finish)
-    train_killed_then_resumed(lambda: drill_config(corpus, run_dir, *DRILLS, train={"eval_every": 10, "seed": seed},
+    train_killed_then_resumed(lambda: drill_config(corpus, run_dir, *DRILLS, train={"seed": seed}, eval={"every": 10},
                                                    metrics={"layer_stats_every": 5}, max_rollbacks=6),
                               killed_after=lambda trainer: trainer.state.step == KILL_AT_STEP)
 

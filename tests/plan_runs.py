@@ -36,7 +36,7 @@ from trinity_train.plan.trace import RankTrace, local_bytes, peak_by_category, t
 MEASURED_ITERATION = 2
 # What every measured run sets beside its layout: no validation, checkpoints, layer statistics or
 # compile; one iteration to warm up and the measured one.
-QUIET = ("--train.eval_every=0", "--checkpoint.every=0", "--metrics.progress_bar=false",
+QUIET = ("--eval.every=0", "--checkpoint.every=0", "--metrics.progress_bar=false",
          "--metrics.layer_stats_every=0", "--train.compile=false", f"--train.steps={MEASURED_ITERATION}")
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters (malloc.h)
 MMAP_FROM_BYTES = 64 * 1024

@@ -30,7 +30,7 @@ def two_rank_config(corpus: Path, run_dir: Path, steps: int, *faults: dict, **me
     or layer statistics) and no spike guard (a tiny model fitting word salad for 300 steps has
     loss spikes): the rank statistics and `faults` alone."""
     return run_config(corpus, run_dir, model={"num_layers": 2, "global_every": 2}, optim={"name": "adamw"},
-                      train={"steps": steps, "micro_batch_size": 1, "grad_accum": 1, "eval_every": 0},
+                      train={"steps": steps, "micro_batch_size": 1, "grad_accum": 1}, eval={"every": 0},
                       checkpoint={"every": 0}, metrics={"layer_stats_every": 0, **metrics},
                       stability={"spike_zscore": 0.0, "rollback_after": 0, "inject": [dict(f) for f in faults]})
 

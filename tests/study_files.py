@@ -21,7 +21,7 @@ def write_base(corpus: Path, folder: Path, **sections: dict) -> Path:
     table = {
         "model": dict(RUN_MODEL),
         "data": {"path": str(corpus), "seq_len": SEQ_LEN},
-        "train": {"steps": STEPS, "micro_batch_size": MICRO_BATCH, "eval_every": 3, "eval_batches": 1},
+        "train": {"steps": STEPS, "micro_batch_size": MICRO_BATCH}, "eval": {"every": 3, "batches": 1},
         "optim": {"warmup_steps": 2},
         "checkpoint": {"every": 3},
         "metrics": {"progress_bar": False, "peak_flops": 1e11},

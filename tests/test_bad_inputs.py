@@ -26,7 +26,7 @@ def dataset(corpus, tmp_path):
 
 
 def config_file(corpus, tmp_path, run_dir, **sections):
-    cfg = run_config(corpus, run_dir, train={"steps": 2, "micro_batch_size": 2, "eval_every": 0},
+    cfg = run_config(corpus, run_dir, train={"steps": 2, "micro_batch_size": 2}, eval={"every": 0},
                      checkpoint={"every": 2}, **sections)
     path = tmp_path / f"config-{len(list(tmp_path.glob('config-*')))}.toml"
     save_config(cfg, path)

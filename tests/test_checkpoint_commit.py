@@ -20,7 +20,7 @@ class Crash(Exception):
 
 
 def config(corpus, run_dir, **checkpoint):
-    return run_config(corpus, run_dir, train={"steps": 6, "micro_batch_size": 2, "eval_every": 0},
+    return run_config(corpus, run_dir, train={"steps": 6, "micro_batch_size": 2}, eval={"every": 0},
                       checkpoint={"every": 2, "keep": 5, "async_save": True, **checkpoint})
 
 

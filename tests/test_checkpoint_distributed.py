@@ -28,7 +28,7 @@ def config(corpus, run_dir, dp: int, steps: int = 4, stability: dict | None = No
         parallel=parallel or {},
         data=data or {},
         # The same 4-row global batch for any number of data-parallel ranks.
-        train={"steps": steps, "micro_batch_size": 1, "grad_accum": 4 // dp, "eval_every": 0},
+        train={"steps": steps, "micro_batch_size": 1, "grad_accum": 4 // dp}, eval={"every": 0},
         optim={"lr": 1e-2, "eps": 1e-4, "warmup_steps": 2},
         checkpoint={"every": 2, **checkpoint},
         stability=stability or {})

@@ -20,7 +20,7 @@ from trinity_train.records import EventName, RecordKind
 
 
 def config(corpus, run_dir, steps=6, **checkpoint):
-    return run_config(corpus, run_dir, train={"steps": steps, "micro_batch_size": 2, "eval_every": 0},
+    return run_config(corpus, run_dir, train={"steps": steps, "micro_batch_size": 2}, eval={"every": 0},
                       checkpoint={"every": 2, "keep": 5, **checkpoint})
 
 

@@ -3,7 +3,8 @@
 import pytest
 
 from conftest import CONFIGS, shipped_training_configs
-from trinity_train.config import Config, config_to_dict, load_config, parse_overrides, save_config
+from trinity_train.config import (Config, config_from_dict, config_to_dict, load_config, parse_overrides, save_config,
+                                  upgrade_stored_config)
 from trinity_train.errors import ConfigError
 from trinity_train.run_config import load_run_config
 
@@ -88,8 +89,8 @@ def test_override_values_read_as_toml_with_bare_strings():
     (["--stability.inject=[{fault='poison_repeat', first=5, token=9000}]"], "stability.inject[0].token: must be a token id below model.vocab_size (8192)"),
     (["--model.block=postnorm"], "model.block: must be one of 'trinity'"),
     (["--parallel.tp=3"], "parallel.tp: tp=3 must divide model.num_heads=4"),
-    (["--parallel.reduce_wire_dtype=fp16"], "parallel.reduce_wire_dtype: must be one of 'fp32', 'bf16', got 'fp16'"),
-    (["--parallel.ep_wire_dtype=fp32"], "parallel.ep_wire_dtype: must be one of 'compute', 'bf16', got 'fp32'"),
+    (["--parallel.reduce_wire_dtype=fp16"], "parallel.reduce_wire_dtype: must be one of 'full', 'bf16', got 'fp16'"),
+    (["--parallel.ep_wire_dtype=fp32"], "parallel.ep_wire_dtype: must be one of 'full', 'bf16', got 'fp32'"),
     (["--train.steps"], "override '--train.steps' has no value"),
     (["steps=5"], "unexpected argument 'steps=5'"),
 ])
@@ -124,3 +125,50 @@ def test_every_shipped_config_runs_with_the_spike_guard_and_rollbacks(path):
     assert s.skip_nonfinite and s.spike_zscore > 0 and s.rollback_after > 0
     assert cfg.checkpoint.every > 0  # something to roll back to
     assert s.rollback_lookback < cfg.checkpoint.every * cfg.checkpoint.keep  # and it is kept
+
+
+@pytest.mark.parametrize("override, replacement", [
+    ("--train.eval_every=10", "config key 'train.eval_every' moved: use eval.every"),
+    ("--train.eval_batches=2", "config key 'train.eval_batches' moved: use eval.batches"),
+    ("--metrics.passkey_every=5", "config key 'metrics.passkey_every' moved: use eval.passkey_every"),
+    ("--metrics.position_buckets=[0, 64]", "config key 'metrics.position_buckets' moved: use eval.position_buckets"),
+    ("--parallel.reshard_after_forward=false", "keep_gathered_gib = inf"),
+    ("--parallel.overlap_reduce_scatter=false", "config key 'parallel.overlap_reduce_scatter' was removed"),
+    ("--parallel.prefetch_all_gather=false", "config key 'parallel.prefetch_all_gather' was removed"),
+    ("--parallel.ep_waves=1", "config key 'parallel.ep_waves' was removed"),
+    ("--data.sample_order=1", "config key 'data.sample_order' was removed"),
+    ("--parallel.ep_wire_dtype=compute", "parallel.ep_wire_dtype: 'compute' is now spelled 'full'"),
+    ("--parallel.reduce_wire_dtype=fp32", "parallel.reduce_wire_dtype: 'fp32' is now spelled 'full'"),
+])
+def test_a_retired_key_or_value_is_refused_in_one_line_naming_its_replacement(override, replacement):
+    with pytest.raises(ConfigError) as info:
+        load_config(CONFIGS / "debug.toml", [override])
+    assert replacement in str(info.value) and "\n" not in str(info.value)
+
+
+def test_keep_gathered_gib_takes_inf_and_round_trips_through_toml_and_json(tmp_path):
+    import json
+
+    cfg = load_config(CONFIGS / "debug.toml", ["--parallel.keep_gathered_gib=inf"])
+    assert cfg.parallel.keep_gathered_gib == float("inf")
+    table = json.loads(json.dumps(config_to_dict(cfg), allow_nan=False))  # a checkpoint's meta.json
+    assert config_from_dict(table) == cfg
+    save_config(cfg, tmp_path / "c.toml")
+    assert load_config(tmp_path / "c.toml") == cfg
+    with pytest.raises(ConfigError, match="train.grad_clip: must be a finite number"):
+        load_config(CONFIGS / "debug.toml", ["--train.grad_clip=inf"])
+
+
+def test_a_stored_config_of_an_earlier_version_is_upgraded_not_refused():
+    # A checkpoint's meta.json written before the [eval] section and the parallel keys' removal.
+    old = config_to_dict(load_config(CONFIGS / "debug.toml"))
+    new_eval = old.pop("eval")
+    old["train"].update(eval_every=new_eval["every"], eval_batches=new_eval["batches"])
+    old["metrics"].update({k: v for k, v in new_eval.items() if k not in ("every", "batches")})
+    old["parallel"].update(reshard_after_forward=False, overlap_reduce_scatter=True, prefetch_all_gather=True,
+                           ep_waves=2, ep_wire_dtype="compute", reduce_wire_dtype="fp32")
+    old["data"]["sample_order"] = 2
+    upgraded = config_from_dict(upgrade_stored_config(old))
+    assert upgraded.eval == load_config(CONFIGS / "debug.toml").eval
+    assert upgraded.parallel.keep_gathered_gib == float("inf")
+    assert (upgraded.parallel.ep_wire_dtype, upgraded.parallel.reduce_wire_dtype) == ("full", "full")

@@ -29,7 +29,7 @@ BASE_SEQ, LONG_SEQ = 16, 32
 
 def base_config(corpus, run_dir, **sections):
     """The run a phase extends: 8 steps at sequences of 16, a checkpoint every 4."""
-    base = {"train": {"steps": 8, "micro_batch_size": 2, "grad_accum": 1, "eval_every": 0},
+    base = {"train": {"steps": 8, "micro_batch_size": 2, "grad_accum": 1}, "eval": {"every": 0},
             "optim": {"lr": 3e-3, "warmup_steps": 2}, "checkpoint": {"every": 4, "keep": 3},
             "data": {"seq_len": BASE_SEQ}}
     for section, values in sections.items():
@@ -169,7 +169,7 @@ def test_the_shipped_phase_extends_the_default_model_keeping_its_window_and_rope
 def test_the_shipped_configs_extend_a_run_through_the_cli(corpus, tmp_path, capsys):
     # The shipped files on the tiny model and corpus: the default job, then its extension from its run directory.
     tiny = [f"--model.{k}={v}" for k, v in RUN_MODEL.items()] + [
-        f"--data.path={corpus}", "--train.steps=4", "--train.micro_batch_size=2", "--train.eval_every=0",
+        f"--data.path={corpus}", "--train.steps=4", "--train.micro_batch_size=2", "--eval.every=0",
         "--checkpoint.every=2", "--metrics.progress_bar=false", "--metrics.peak_flops=1e11"]
     base, phase = tmp_path / "base", tmp_path / "phase"
     code, err = cli_in_process(capsys, "train", "--config", CONFIGS / "debug.toml", *tiny, "--data.seq_len=16",
@@ -178,7 +178,7 @@ def test_the_shipped_configs_extend_a_run_through_the_cli(corpus, tmp_path, caps
     # In this one process (the file's cp = 2 needs two), and without the passkey probe (its prompts
     # are longer than these 64-token rows).
     code, err = cli_in_process(capsys, "train", "--config", CONFIGS / "extend_context.toml", *tiny,
-                               "--data.seq_len=64", "--parallel.cp=1", "--metrics.passkey_every=0",
+                               "--data.seq_len=64", "--parallel.cp=1", "--eval.passkey_every=0",
                                f"--checkpoint.init_from={base}", f"--run.dir={phase}")
     assert code == 0, err
     (extended,) = RunDir(phase).read_events(EventName.CONTEXT_EXTENDED)

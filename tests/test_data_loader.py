@@ -196,7 +196,7 @@ def test_position_ids_restart_at_documents_with_doc_masking(tmp_path):
     starts = np.cumsum([1, 5, 20, 3, 40, 8, 30, 60])[:-1]  # token value at each document start
     for masking in (True, False):
         cfg = config(path, tmp_path, mbs=2)
-        cfg.train.eval_every = 0  # the validation split is a single sequence
+        cfg.eval.every = 0  # the validation split is a single sequence
         cfg.model.doc_masking = masking
         train, _ = build_loaders(cfg)
         for batch in take(train, 4):
@@ -290,24 +290,15 @@ def test_damaged_or_incomplete_dataset_is_rejected(dataset, tmp_path):
         build_loaders(config(damaged, tmp_path, mbs=1, verify_checksums=False))
 
 
-@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
-def test_a_checkpoint_of_the_materialised_order_resumes_in_it_whatever_the_config_says(dataset, tmp_path):
-    import torch.distributed.checkpoint as dcp
-
-    old, _ = build_loaders(config(dataset, tmp_path, sample_order=1))
-    new, _ = build_loaders(config(dataset, tmp_path))  # order 2, the default
-    assert new.state_dict()["version"] == 2 and old.state_dict()["version"] == 1
-    assert not all(torch.equal(a.input_ids, b.input_ids) for a, b in zip(take(old, 3), take(new, 3)))
-    dcp.save({"loader": old}, checkpoint_id=str(tmp_path / "ckpt"))  # as every checkpoint before order 2
-    expected = take(old, 3)
-    resumed, _ = build_loaders(config(dataset, tmp_path))
-    dcp.load({"loader": resumed}, checkpoint_id=str(tmp_path / "ckpt"))
-    assert resumed.state_dict()["version"] == 1
-    assert all(torch.equal(e.input_ids, g.input_ids) for e, g in zip(expected, take(resumed, 3)))
-    state = {k: v for k, v in old.state_dict().items() if k != "version"}  # a state of no version: order 1
-    again, _ = build_loaders(config(dataset, tmp_path))
-    again.load_state_dict(state)
-    assert again.state_dict()["version"] == 1
+def test_a_checkpoint_in_the_removed_materialised_order_is_refused_in_one_line(dataset, tmp_path):
+    # Order 1 (a materialised permutation) was every run's before order 2 and is no longer read:
+    # its state (version 1, or no version at all) is refused with what to do, not read in order 2.
+    loader, _ = build_loaders(config(dataset, tmp_path))
+    assert loader.state_dict()["version"] == 2
+    for state in ({**loader.state_dict(), "version": 1},
+                  {k: v for k, v in loader.state_dict().items() if k != "version"}):
+        with pytest.raises(DataError, match=r"sample order 1, which this version no longer reads .*checkpoint.init_from"):
+            build_loaders(config(dataset, tmp_path))[0].load_state_dict(state)
 
 
 def test_stamped_verification_hashes_each_shard_once_shared_among_the_ranks(tmp_path, monkeypatch):

@@ -22,7 +22,7 @@ from trinity_train.train import Trainer
 
 def failing_save_config(corpus, run_dir, async_save: bool, rank: int = -1, last: int = -1, max_failed: int = 3,
                         first: int = 4):
-    return run_config(corpus, run_dir, train={"steps": 6, "micro_batch_size": 1, "grad_accum": 1, "eval_every": 0},
+    return run_config(corpus, run_dir, train={"steps": 6, "micro_batch_size": 1, "grad_accum": 1}, eval={"every": 0},
                       checkpoint={"every": 2, "keep": 5, "async_save": async_save, "max_failed_saves": max_failed},
                       metrics={"layer_stats_every": 0},
                       stability={"inject": [{"fault": "fail_save", "first": first, "last": last, "rank": rank}]})

@@ -36,7 +36,7 @@ def config(corpus, tmp_path_factory) -> Path:
     """8 steps, a checkpoint every 2, the lr changing every step."""
     path = tmp_path_factory.mktemp("fault") / "config.toml"
     save_config(run_config(corpus, path.parent / "unused",
-                           train={"steps": 8, "micro_batch_size": 2, "grad_accum": 2, "eval_every": 0},
+                           train={"steps": 8, "micro_batch_size": 2, "grad_accum": 2}, eval={"every": 0},
                            optim={"warmup_steps": 2, "decay_fraction": 0.5},
                            checkpoint={"every": 2, "keep": 2}), path)
     return path

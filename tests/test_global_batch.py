@@ -45,7 +45,7 @@ def test_a_layout_the_global_batch_cannot_split_over_is_one_config_error(tmp_pat
 
 def config(corpus, run_dir, resume="none"):
     return run_config(corpus, run_dir, model={"num_layers": 2, "global_every": 2},
-                      train={"steps": 6, "micro_batch_size": 1, "global_batch_size": 4, "eval_every": 0},
+                      train={"steps": 6, "micro_batch_size": 1, "global_batch_size": 4}, eval={"every": 0},
                       optim={"name": "adamw", "lr": 1e-2, "eps": 1e-4, "warmup_steps": 2},
                       checkpoint={"every": 2, "keep": 5, "resume": resume})
 

@@ -376,7 +376,7 @@ def _hsdp_backward() -> dict:
     ids = torch.randint(0, TINY_MODEL["vocab_size"], (2, 16), generator=g)
     result = {}
     for wire in ("fp32", "bf16", "one process"):
-        parallel = {"dp_replicate": 2, "dp_shard": 1, "reduce_wire_dtype": wire if wire != "one process" else "fp32"}
+        parallel = {"dp_replicate": 2, "dp_shard": 1, "reduce_wire_dtype": "bf16" if wire == "bf16" else "full"}
         cfg = load_config(None, {"model": dict(TINY_MODEL), "parallel": parallel})
         dims = ParallelDims.one_process() if wire == "one process" else ParallelDims.from_config(cfg, 2)
         if dims.is_distributed:

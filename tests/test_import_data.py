@@ -157,7 +157,7 @@ def test_an_imported_corpus_trains(tmp_path, tokenizer_file, fmt):
     from trinity_train.train import train
 
     imported(corpus(fmt, tmp_path, tokenizer_file), tmp_path / "data", tokenizer_file)
-    summary = train(run_config(tmp_path / "data", tmp_path / "run", train={"steps": 2, "eval_every": 2}))
+    summary = train(run_config(tmp_path / "data", tmp_path / "run", train={"steps": 2}, eval={"every": 2}))
     assert summary.step == 2 and np.isfinite(summary.last_loss) and np.isfinite(summary.last_val_loss)
 
 

@@ -260,8 +260,7 @@ def test_compiled_blocks_give_the_eager_statistics_without_recompiling():
 
 
 def test_trainer_writes_a_layers_record_every_interval(corpus, tmp_path):
-    cfg = run_config(corpus, tmp_path / "run", train={"steps": 4, "micro_batch_size": 2, "grad_accum": 2,
-                                                      "eval_every": 0},
+    cfg = run_config(corpus, tmp_path / "run", train={"steps": 4, "micro_batch_size": 2, "grad_accum": 2}, eval={"every": 0},
                      metrics={"layer_stats_every": 2}, checkpoint={"every": 0})
     Trainer(cfg).run()
     records = read_jsonl(tmp_path / "run" / "metrics.jsonl")
@@ -289,7 +288,7 @@ def test_every_shipped_config_takes_layer_statistics(path):
 def test_a_skipped_steps_incident_report_has_its_layer_gradient_norms(corpus, tmp_path):
     guard = {"window": 32, "min_history": 4, "max_consecutive_skips": 6,
              "inject": [{"fault": "grad_scale", "first": 9, "factor": 1e4}]}
-    cfg = run_config(corpus, tmp_path / "run", train={"steps": 10, "micro_batch_size": 4, "eval_every": 0},
+    cfg = run_config(corpus, tmp_path / "run", train={"steps": 10, "micro_batch_size": 4}, eval={"every": 0},
                      optim={"warmup_steps": 2}, checkpoint={"every": 0}, stability=guard,
                      metrics={"layer_stats_every": 1})
     Trainer(cfg).run()

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from conftest import cli_in_process, run_config
 from trinity_train import cli
-from trinity_train.config import Config, MetricsConfig, position_bucket_starts
+from trinity_train.config import Config, EvalConfig, position_bucket_starts
 from trinity_train.data import passkey
 from trinity_train.errors import ConfigError
 from trinity_train.evaluation.passkey import pad_inputs, padded_length, probe_inputs
@@ -74,10 +74,10 @@ def test_the_model_refuses_groups_where_gradients_are_taken():
 
 
 def test_default_buckets_are_powers_of_two_below_the_sequence_length():
-    assert position_bucket_starts(MetricsConfig(), 256) == [0, 64, 128]
-    assert position_bucket_starts(MetricsConfig(), 4096) == [0, 64, 128, 256, 512, 1024, 2048]
-    assert position_bucket_starts(MetricsConfig(), 16) == [0]
-    assert position_bucket_starts(MetricsConfig(position_buckets=[0, 100, 1000]), 256) == [0, 100, 1000]
+    assert position_bucket_starts(EvalConfig(), 256) == [0, 64, 128]
+    assert position_bucket_starts(EvalConfig(), 4096) == [0, 64, 128, 256, 512, 1024, 2048]
+    assert position_bucket_starts(EvalConfig(), 16) == [0]
+    assert position_bucket_starts(EvalConfig(position_buckets=[0, 100, 1000]), 256) == [0, 100, 1000]
 
 
 def test_positions_are_within_the_document_with_document_masking():
@@ -93,8 +93,7 @@ def test_positions_are_within_the_document_with_document_masking():
 @pytest.mark.parametrize("doc_masking", [False, True])
 def test_validation_by_position_adds_up_to_the_validation_loss(corpus, tmp_path, doc_masking):
     cfg = run_config(corpus, tmp_path / "run", model={"doc_masking": doc_masking},
-                     train={"micro_batch_size": 2, "eval_batches": 3},
-                     metrics={"position_buckets": [0, 3, 8]})
+                     train={"micro_batch_size": 2}, eval={"batches": 3, "position_buckets": [0, 3, 8]})
     trainer = Trainer(cfg)
     val = evaluate(trainer.model, trainer.val_loader, cfg, trainer.device)
     assert val.position_starts == [0, 3, 8]
@@ -168,7 +167,7 @@ def test_a_control_prompt_hides_another_key_and_asks_for_the_same(template):
 
 
 def test_a_length_too_short_for_the_prompt_is_one_clear_error():
-    with pytest.raises(ConfigError, match=r"metrics.passkey_lengths: 50 tokens cannot hold the passkey prompt"):
+    with pytest.raises(ConfigError, match=r"eval.passkey_lengths: 50 tokens cannot hold the passkey prompt"):
         passkey.passkey_prompt(chars, 50, 0.5, "12345")
 
 
@@ -221,12 +220,11 @@ def test_padding_at_the_end_leaves_the_scores_unchanged():
 # ---------------------------------------------------------------------------- a run's probe
 
 
-def probe_run_config(corpus, run_dir, parallel: dict | None = None, **metrics):
+def probe_run_config(corpus, run_dir, parallel: dict | None = None, **probe):
     return run_config(corpus, run_dir, data={"seq_len": 256}, parallel=parallel or {},
-                      train={"steps": 2, "micro_batch_size": 2, "eval_every": 1, "eval_batches": 1},
-                      checkpoint={"every": 2},
-                      metrics={"passkey_every": 2, "passkey_lengths": [256, 512], "passkey_depths": [0.25, 0.75],
-                               **metrics})
+                      train={"steps": 2, "micro_batch_size": 2}, checkpoint={"every": 2},
+                      eval={"every": 1, "batches": 1, "passkey_every": 2, "passkey_lengths": [256, 512],
+                            "passkey_depths": [0.25, 0.75], **probe})
 
 
 def test_a_tiny_runs_probe_writes_its_record_and_the_command_probes_its_checkpoint(corpus, tmp_path, capsys):
@@ -250,7 +248,7 @@ def test_a_tiny_runs_probe_writes_its_record_and_the_command_probes_its_checkpoi
     printed = json.loads(out.out)
     assert printed == json.loads((tmp_path / "probe.json").read_text())
     assert printed["step"] == 2 and printed["passkey_lengths"] == [256, 300] and printed["passkey_prompts"] == [4, 4]
-    assert printed["template"] == "prose"  # the run's metrics.passkey_template
+    assert printed["template"] == "prose"  # the run's eval.passkey_template
     # the checkpoint holds the weights the run's last probe scored
     assert printed["passkey_logprob"][0] == pytest.approx(probes[-1]["passkey_logprob"][0], rel=1e-5)
 
@@ -276,19 +274,19 @@ def test_probe_context_errors_are_one_line(corpus, tmp_path, capsys):
 
 
 @pytest.mark.parametrize("overrides, message", [
-    ({"position_buckets": [64, 128]}, "metrics.position_buckets: must be the first position of each bucket"),
-    ({"position_buckets": [0, 64, 64]}, "metrics.position_buckets"),
-    ({"passkey_every": -1}, "metrics.passkey_every: must be >= 0"),
-    ({"passkey_depths": [1.5]}, "metrics.passkey_depths: must be fractions"),
-    ({"passkey_template": "poetry"}, "metrics.passkey_template: must be one of prose, code, got 'poetry'"),
-    ({"passkey_every": 10, "passkey_lengths": [4096]}, "metrics.passkey_lengths: none of [4096] is at most data.seq_len=256"),
+    ({"position_buckets": [64, 128]}, "eval.position_buckets: must be the first position of each bucket"),
+    ({"position_buckets": [0, 64, 64]}, "eval.position_buckets"),
+    ({"passkey_every": -1}, "eval.passkey_every: must be >= 0"),
+    ({"passkey_depths": [1.5]}, "eval.passkey_depths: must be fractions"),
+    ({"passkey_template": "poetry"}, "eval.passkey_template: must be one of prose, code, got 'poetry'"),
+    ({"passkey_every": 10, "passkey_lengths": [4096]}, "eval.passkey_lengths: none of [4096] is at most data.seq_len=256"),
 ])
 def test_bad_long_context_settings_are_refused(overrides, message):
     from trinity_train.config import load_config
 
     with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("]", r"\]")):
-        load_config(None, {"metrics": overrides})
-    assert Config().metrics.passkey_every == 0  # off unless a config turns it on
+        load_config(None, {"eval": overrides})
+    assert Config().eval.passkey_every == 0  # off unless a config turns it on
 
 
 def test_sinks_name_each_bucket_and_length_by_its_value():
@@ -314,7 +312,7 @@ def test_sinks_name_each_bucket_and_length_by_its_value():
 # Under cp 2 each prompt is split zigzag (chunks of 64 at 256, the 7-token halo of the 8-token
 # window crossing ranks) and the 254-token prompts are padded to 256.
 LONG_CONTEXT = {"data": {"seq_len": 256},
-                "metrics": {"passkey_every": 1, "passkey_lengths": [256, 254], "passkey_keys": 1}}
+                "eval": {"passkey_every": 1, "passkey_lengths": [256, 254], "passkey_keys": 1}}
 RANK_LAYOUTS = {"fsdp2": {"parallel": {"dp_shard": 2}}, "tp2": {"parallel": {"tp": 2}}, "ep2": {"parallel": {"ep": 2}},
                 "cp2": {"parallel": {"cp": 2}}}
 

@@ -34,7 +34,7 @@ STEPS = 4
 SMALL_MODEL = ("--model.hidden_size=64", "--model.num_layers=2", "--model.head_dim=16",
                "--model.intermediate_size=128", "--model.moe_intermediate_size=32")
 COMMON = (f"--train.steps={STEPS}", "--train.global_batch_size=8", "--train.micro_batch_size=2",
-          "--checkpoint.every=2", "--train.eval_every=0", "--metrics.progress_bar=false",
+          "--checkpoint.every=2", "--eval.every=0", "--metrics.progress_bar=false",
           "--optim.schedule=constant", *SMALL_MODEL)
 FSDP_EP = ("--parallel.ep=2",)          # dp_shard 4 (FSDP over both hosts), experts over 2 ranks of a host
 # Expert groups across the hosts are refused unless asked for (parallel/node_layout.py); these

@@ -43,7 +43,7 @@ def test_the_layout_and_one_rank_class(eight_ranks):
 def test_ep_bytes_are_the_dispatch_of_balanced_routing(eight_ranks):
     # 3 MoE layers x 4 all-to-alls (dispatch, combine; forward, backward) of the rank's token
     # copies (8 x 256 tokens x top 2) x 256 fp32 values, half of them to the other ep rank; each in
-    # two waves (parallel.ep_waves = 2, 4 local experts), so 24 calls.
+    # two waves (expert_parallel.EP_WAVES = 2, 4 local experts), so 24 calls.
     (ep,) = [r for r in eight_ranks["traffic"] if r["collective"] == "EP all-to-all"]
     assert ep["calls"] == 24 and ep["dim"] == "ep" and ep["group"] == 2
     assert ep["inside_bytes"] == 12 * 8 * 256 * 2 * 256 * 4 / 2 and ep["across_bytes"] == 0

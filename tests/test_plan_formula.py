@@ -28,7 +28,7 @@ CASES = [
     # default model's blocks fit parallel.keep_gathered_gib's default too). The reshard policy's
     # budget: none but the last block (0), or the last three of an EP job's (blocks of 3.3, 2.9,
     # 2.9 and 2.9 MiB a rank: 0.006 GiB takes blocks 2 and 1 below the last, not block 0).
-    pytest.param(["--parallel.dp_shard=2", "--parallel.reshard_after_forward=false"], False, id="fsdp2-no-reshard"),
+    pytest.param(["--parallel.dp_shard=2", "--parallel.keep_gathered_gib=inf"], False, id="fsdp2-no-reshard"),
     pytest.param(["--parallel.dp_shard=2", "--parallel.keep_gathered_gib=0"], False, id="fsdp2-reshard"),
     pytest.param(["--parallel.ep=2", "--parallel.keep_gathered_gib=0.006"], False, id="fsdp2-ep2-keep-three"),
     # GPU numerics: bf16, the memory-efficient kernel's expanded kv heads and converted mask.

@@ -2,7 +2,7 @@
 forward into their backward.
 
 - The rule: the last block always; below it, from the top, while the blocks' bytes fit the budget,
-  stopping at the first that does not; every block with `reshard_after_forward = false`.
+  stopping at the first that does not; every block with `keep_gathered_gib = inf`.
 - Applied by `apply_fsdp` on two gloo ranks (the tiny model): with the default budget every block
   is gathered once a step, with none only the last; the losses and gradients are the same bits
   (resharding changes when weights are gathered, not what they are).
@@ -18,15 +18,15 @@ from trinity_train.parallel.reshard_policy import GIB, kept_gathered
 from trinity_train.plan.collectives import FSDP_ALL_GATHER, CollectiveLog
 
 
-@pytest.mark.parametrize("sizes, budget, reshard, kept", [
-    ([1.0, 1.0, 1.0, 1.0], 0.0, True, [False, False, False, True]),  # only the last
-    ([1.0, 1.0, 1.0, 1.0], 2.0, True, [False, True, True, True]),  # two below it fit
-    ([1.0, 3.0, 1.0, 9.0], 2.0, True, [False, False, True, True]),  # the last is free; block 1 ends the run
-    ([5.0, 5.0], 0.0, False, [True, True]),  # reshard_after_forward = false: all
-    ([], 1.0, True, []),
+@pytest.mark.parametrize("sizes, budget, kept", [
+    ([1.0, 1.0, 1.0, 1.0], 0.0, [False, False, False, True]),  # only the last
+    ([1.0, 1.0, 1.0, 1.0], 2.0, [False, True, True, True]),  # two below it fit
+    ([1.0, 3.0, 1.0, 9.0], 2.0, [False, False, True, True]),  # the last is free; block 1 ends the run
+    ([5.0, 5.0], float("inf"), [True, True]),  # inf: every block
+    ([], 1.0, []),
 ])
-def test_the_last_blocks_stay_gathered_while_they_fit(sizes, budget, reshard, kept):
-    assert kept_gathered([s * GIB for s in sizes], budget, reshard) == kept
+def test_the_last_blocks_stay_gathered_while_they_fit(sizes, budget, kept):
+    assert kept_gathered([s * GIB for s in sizes], budget) == kept
 
 
 def _gathers_by_budget() -> dict:

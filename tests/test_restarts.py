@@ -66,7 +66,7 @@ def test_a_collective_whose_peer_never_arrives_fails_after_the_configured_timeou
 
 
 def config(corpus, run_dir, **checkpoint):
-    return run_config(corpus, run_dir, train={"steps": 4, "micro_batch_size": 2, "eval_every": 0},
+    return run_config(corpus, run_dir, train={"steps": 4, "micro_batch_size": 2}, eval={"every": 0},
                       checkpoint={"every": 2, **checkpoint})
 
 
@@ -137,7 +137,7 @@ def test_a_killed_and_a_hung_rank_are_restarted_once_each_and_the_run_finishes(c
     ranks (rank 0's names rank 1 as behind), torchrun restarts again, and the third attempt,
     meeting neither drill, finishes."""
     config = tmp_path / "drills.toml"
-    save_config(run_config(corpus, tmp_path / "unused", train={"steps": 12, "micro_batch_size": 1, "eval_every": 0},
+    save_config(run_config(corpus, tmp_path / "unused", train={"steps": 12, "micro_batch_size": 1}, eval={"every": 0},
                            checkpoint={"every": 2}, watchdog={"floor_s": 4.0, "multiple": 3.0},
                            stability={"rollback_after": 2, "rollback_lookback": 2,
                                       "inject": [{"fault": "kill_rank", "first": 3, "rank": 1},

@@ -13,7 +13,7 @@ from trinity_train.records import EventName, RecordKind
 
 def config(corpus, run_dir, steps, resume="none", **optim):
     return run_config(corpus, run_dir,
-                      train={"steps": steps, "micro_batch_size": 2, "eval_every": 0},
+                      train={"steps": steps, "micro_batch_size": 2}, eval={"every": 0},
                       optim={"warmup_steps": 2, "decay_fraction": 0.5, **optim},
                       checkpoint={"every": 2, "resume": resume})
 

@@ -25,7 +25,7 @@ NEW_LR = 1e-3  # the resumed run's: its weights differ from the abandoned run's 
 
 def config(corpus, run_dir, **sections):
     """12 steps, a checkpoint every 4 (4, 8, 12), no validation; `sections` override."""
-    base = {"train": {"steps": 12, "micro_batch_size": 2, "eval_every": 0},
+    base = {"train": {"steps": 12, "micro_batch_size": 2}, "eval": {"every": 0},
             "optim": {"warmup_steps": 2}, "checkpoint": {"every": 4, "keep": 5}}
     for section, values in sections.items():
         base[section] = {**base.get(section, {}), **values}

@@ -51,7 +51,7 @@ def test_a_killed_holder_does_not_block_the_next_start(tmp_path):
 @pytest.fixture
 def config_file(corpus, tmp_path):
     path = tmp_path / "config.toml"
-    save_config(run_config(corpus, tmp_path / "run", train={"steps": 8, "micro_batch_size": 2, "eval_every": 4},
+    save_config(run_config(corpus, tmp_path / "run", train={"steps": 8, "micro_batch_size": 2}, eval={"every": 4},
                            checkpoint={"every": 4}), path)
     return path
 

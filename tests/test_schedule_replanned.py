@@ -37,7 +37,7 @@ def test_a_resume_that_extends_the_run_records_and_prints_it(corpus, tmp_path, c
     run_dir = tmp_path / "run"
 
     def config(steps, resume="none"):
-        return run_config(corpus, run_dir, train={"steps": steps, "micro_batch_size": 2, "eval_every": 0},
+        return run_config(corpus, run_dir, train={"steps": steps, "micro_batch_size": 2}, eval={"every": 0},
                           optim={"schedule": "cosine", "warmup_steps": 1}, checkpoint={"every": 2, "resume": resume})
 
     Trainer(config(2)).run()

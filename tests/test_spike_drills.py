@@ -197,7 +197,7 @@ def test_a_huge_learning_rate_from_step_0_is_caught_in_the_warmup_then_halts(cor
 # corpus, with the default guard: what the default job does, at a twentieth of its step time.
 SMALL_DEFAULT_JOB = ["--model.hidden_size=64", "--model.num_layers=2", "--model.head_dim=16",
                      "--model.intermediate_size=128", "--model.moe_intermediate_size=32", "--data.seq_len=128",
-                     "--train.eval_every=0", "--checkpoint.every=10", "--metrics.progress_bar=false",
+                     "--eval.every=0", "--checkpoint.every=10", "--metrics.progress_bar=false",
                      # data order 1, as the drills (tests/drill_run.py): in order 2's other
                      # batches this clean job rolls back at iteration 98, before any fault
                      "--data.sample_order=1"]

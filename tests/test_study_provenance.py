@@ -126,8 +126,8 @@ def test_a_study_committed_before_provenance_still_reads():
     state = StudyState(V1 / "study_state.json")
     record = state.cell("prenorm-normal-s0")
     assert record["status"] == FINISHED and record["commits"] == [] and record["config_sha256"] is None
-    from trinity_train.config import load_config
-    measures = measure_cell(StudyDir(V1).cell("prenorm-normal-s0"), load_config(V1 / "configs" / "prenorm-normal-s0.toml"))
+    from trinity_train.config import load_stored_config
+    measures = measure_cell(StudyDir(V1).cell("prenorm-normal-s0"), load_stored_config(V1 / "configs" / "prenorm-normal-s0.toml"))
     assert measures["val_loss_at"]["100%"]["val_loss"] == pytest.approx(6.449, abs=5e-4)  # its report's number
     assert measures["val_loss_at"]["50%"] is None  # v1 validated at step 40, not at 50 %
     assert measures["observed_spikes"] is None  # its guard acted

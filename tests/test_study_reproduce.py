@@ -44,7 +44,7 @@ def committed_cell() -> tuple[StudyDir, str, bool]:
 
 def train_from_stored_config(study: StudyDir, name: str, run_dir: Path) -> list[tuple[int, float, float]]:
     cfg = load_config(study.cell_config(name), {"run": {"dir": str(run_dir)}, "checkpoint": {"every": 0},
-                                               "train": {"eval_every": 0}, "metrics": {"progress_bar": False}})
+                                               "eval": {"every": 0}, "metrics": {"progress_bar": False}})
     trainer = Trainer(cfg)
     trainer.start()
     for _ in range(ITERATIONS):

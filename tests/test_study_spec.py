@@ -45,9 +45,9 @@ def test_the_shipped_study_compares_every_variant_seed_by_seed_at_three_learning
     first = cells[0].config
     assert first.model.num_layers > load_config(ROOT / "configs" / "debug.toml").model.num_layers
     assert study.tokens == first.train.steps * global_batch(first, 1) * first.data.seq_len
-    assert study.val_tokens == first.train.eval_batches * global_batch(first, 1) * first.data.seq_len
+    assert study.val_tokens == first.eval.batches * global_batch(first, 1) * first.data.seq_len
     assert first.metrics.layer_stats_every > 0  # the depth profile needs the "layers" records
-    assert first.train.steps % first.train.eval_every == 0 and (first.train.steps // 2) % first.train.eval_every == 0
+    assert first.train.steps % first.eval.every == 0 and (first.train.steps // 2) % first.eval.every == 0
     rates = [(setting.lr, setting.muon_lr) for setting in study.lrs]
     assert rates == sorted(rates) and len(set(rates)) == len(rates)  # a sensitivity curve, low to high
 

@@ -19,7 +19,7 @@ from trinity_train.records import EventName, RecordKind
 
 def tiny_config(corpus, run_dir, **sections):
     base = {
-        "train": {"steps": 6, "micro_batch_size": 2, "grad_accum": 2, "eval_every": 3, "eval_batches": 2},
+        "train": {"steps": 6, "micro_batch_size": 2, "grad_accum": 2}, "eval": {"every": 3, "batches": 2},
         "optim": {"lr": 3e-3, "warmup_steps": 2, "decay_fraction": 0.5},  # the lr changes every step
         "checkpoint": {"every": 2, "keep": 5},
     }
@@ -62,11 +62,10 @@ def test_resume_reproduces_an_uninterrupted_run_exactly(corpus, tmp_path, async_
 
 
 def test_gradient_accumulation_equals_one_large_batch(corpus, tmp_path):
-    one = Trainer(tiny_config(corpus, tmp_path / "one", train={"steps": 2, "micro_batch_size": 4, "grad_accum": 1,
-                                                               "eval_every": 0}))
+    one = Trainer(tiny_config(corpus, tmp_path / "one", train={"steps": 2, "micro_batch_size": 4, "grad_accum": 1}, eval={"every": 0}))
     one.run()
     four = Trainer(tiny_config(corpus, tmp_path / "four", train={"steps": 2, "micro_batch_size": 1,
-                                                                 "grad_accum": 4, "eval_every": 0}))
+                                                                 "grad_accum": 4}, eval={"every": 0}))
     four.run()
     for a, b in zip(train_records(tmp_path / "one"), train_records(tmp_path / "four")):
         assert a["tokens"] == b["tokens"] == 4 * 16
@@ -77,7 +76,7 @@ def test_gradient_accumulation_equals_one_large_batch(corpus, tmp_path):
 
 
 def test_metrics_and_validation_lines(corpus, tmp_path):
-    trainer = Trainer(tiny_config(corpus, tmp_path / "run", train={"steps": 6, "eval_every": 3}))
+    trainer = Trainer(tiny_config(corpus, tmp_path / "run", train={"steps": 6}, eval={"every": 3}))
     summary = trainer.run()
     records = train_records(tmp_path / "run")
     assert len(records) == 6
@@ -102,7 +101,7 @@ def test_metrics_and_validation_lines(corpus, tmp_path):
 
 
 def test_non_finite_step_is_skipped_and_recorded(corpus, tmp_path, monkeypatch):
-    trainer = Trainer(tiny_config(corpus, tmp_path / "run", train={"steps": 4, "eval_every": 0},
+    trainer = Trainer(tiny_config(corpus, tmp_path / "run", train={"steps": 4}, eval={"every": 0},
                                   checkpoint={"every": 0}))
     forward = trainer.model.forward
     calls = {"n": 0}
@@ -182,22 +181,22 @@ def test_rollback_allowance_and_no_checkpoint_yet(corpus, tmp_path):
 
 def test_run_directory_of_a_different_run_is_refused(corpus, tmp_path):
     run_dir = tmp_path / "run"
-    train(tiny_config(corpus, run_dir, train={"steps": 2, "eval_every": 0}))
+    train(tiny_config(corpus, run_dir, train={"steps": 2}, eval={"every": 0}))
     with pytest.raises(ConfigError, match=r"run.dir: .* different config \(optim.lr: 0.003 -> 0.001\)"):
-        Trainer(tiny_config(corpus, run_dir, train={"steps": 2, "eval_every": 0}, optim={"lr": 1e-3}))
+        Trainer(tiny_config(corpus, run_dir, train={"steps": 2}, eval={"every": 0}, optim={"lr": 1e-3}))
 
     # The same config again starts over: the metrics describe the new run only. How a run is
     # started or displayed (resume, progress display) is not part of what makes it different.
-    train(tiny_config(corpus, run_dir, train={"steps": 2, "eval_every": 0, "log_every": 5}))
+    train(tiny_config(corpus, run_dir, train={"steps": 2, "log_every": 5}, eval={"every": 0}))
     assert [r["iter"] for r in train_records(run_dir)] == [1, 2]
 
     (run_dir / "config.toml").write_text("[train]\nsteps = 'two'\n")
     with pytest.raises(ConfigError, match="config.toml this version cannot read"):
-        Trainer(tiny_config(corpus, run_dir, train={"steps": 2, "eval_every": 0}))
+        Trainer(tiny_config(corpus, run_dir, train={"steps": 2}, eval={"every": 0}))
 
 
 def test_resume_of_a_finished_run_has_nothing_to_do(corpus, tmp_path):
-    cfg = tiny_config(corpus, tmp_path / "run", train={"steps": 2, "eval_every": 0})
+    cfg = tiny_config(corpus, tmp_path / "run", train={"steps": 2}, eval={"every": 0})
     train(cfg)
     cfg.checkpoint.resume = "auto"
     summary = train(cfg)
@@ -206,7 +205,7 @@ def test_resume_of_a_finished_run_has_nothing_to_do(corpus, tmp_path):
 
 
 def test_init_from_starts_from_the_given_weights(corpus, tmp_path):
-    cfg = tiny_config(corpus, tmp_path / "run", train={"steps": 1, "eval_every": 0, "seed": 1})
+    cfg = tiny_config(corpus, tmp_path / "run", train={"steps": 1, "seed": 1}, eval={"every": 0})
     donor = build_model_for_training(cfg, torch.device("cpu"))
     save_model_checkpoint(donor, cfg, tmp_path / "donor")
 
@@ -219,10 +218,9 @@ def test_init_from_starts_from_the_given_weights(corpus, tmp_path):
 
 
 def test_activation_checkpointing_changes_nothing_but_memory(corpus, tmp_path):
-    plain = Trainer(tiny_config(corpus, tmp_path / "plain", train={"steps": 2, "eval_every": 0}))
+    plain = Trainer(tiny_config(corpus, tmp_path / "plain", train={"steps": 2}, eval={"every": 0}))
     plain.run()
-    ac = Trainer(tiny_config(corpus, tmp_path / "ac", train={"steps": 2, "eval_every": 0,
-                                                            "activation_checkpointing": True}))
+    ac = Trainer(tiny_config(corpus, tmp_path / "ac", train={"steps": 2, "activation_checkpointing": True}, eval={"every": 0}))
     ac.run()
     assert [r["loss"] for r in train_records(tmp_path / "plain")] == [r["loss"] for r in train_records(tmp_path / "ac")]
     assert list(ModelState(plain.model).state_dict()) == list(ModelState(ac.model).state_dict())
@@ -231,7 +229,7 @@ def test_activation_checkpointing_changes_nothing_but_memory(corpus, tmp_path):
 
 
 def test_bf16_autocast_trains_close_to_fp32(corpus, tmp_path):
-    train(tiny_config(corpus, tmp_path / "fp32", train={"steps": 2, "eval_every": 0}))
-    train(tiny_config(corpus, tmp_path / "bf16", train={"steps": 2, "eval_every": 0, "dtype": "bf16"}))
+    train(tiny_config(corpus, tmp_path / "fp32", train={"steps": 2}, eval={"every": 0}))
+    train(tiny_config(corpus, tmp_path / "bf16", train={"steps": 2, "dtype": "bf16"}, eval={"every": 0}))
     for a, b in zip(train_records(tmp_path / "fp32"), train_records(tmp_path / "bf16")):
         assert a["loss"] != b["loss"] and b["loss"] == pytest.approx(a["loss"], abs=0.05)

@@ -91,7 +91,7 @@ def watchdog_threads() -> list[threading.Thread]:
 
 
 def test_the_watchdog_of_a_clean_run_learns_its_phases_and_stops_with_it(corpus, tmp_path):
-    trainer = Trainer(run_config(corpus, tmp_path / "run", train={"steps": 2, "micro_batch_size": 2, "eval_every": 2},
+    trainer = Trainer(run_config(corpus, tmp_path / "run", train={"steps": 2, "micro_batch_size": 2}, eval={"every": 2},
                                  checkpoint={"every": 2}))
     assert not watchdog_threads()  # a trainer never started watches nothing
     trainer.run()
@@ -105,7 +105,7 @@ def test_the_watchdog_of_a_clean_run_learns_its_phases_and_stops_with_it(corpus,
 @pytest.mark.slow  # a console-script run left to hang (~8 s)
 def test_a_hung_rank_is_ended_by_its_watchdog_with_one_line_its_stacks_and_exit_75(corpus, tmp_path):
     config = tmp_path / "hang.toml"
-    save_config(run_config(corpus, tmp_path / "unused", train={"steps": 6, "micro_batch_size": 2, "eval_every": 0},
+    save_config(run_config(corpus, tmp_path / "unused", train={"steps": 6, "micro_batch_size": 2}, eval={"every": 0},
                            checkpoint={"every": 2}, watchdog={"floor_s": 3.0, "multiple": 2.0},
                            stability={"inject": [{"fault": "hang_rank", "first": 3, "seconds": 120}]}), config)
     run = RunDir(tmp_path / "run")

@@ -106,8 +106,6 @@ class DataConfig:
     verify_checksums: str = "stamp"  # "stamp": each dp rank sha256s its 1/dp share of the shards once,
     #   stamps them in cache_dir, and rehashes one only when its files changed (size, mtime, inode);
     #   "full": every rank hashes every shard at every start (true); "sizes": sizes only (false)
-    sample_order: int = 2  # 2: a stateless permutation per epoch (memory flat in the data); 1: the
-    #   materialised one of runs before it. A resume keeps its checkpoint's order whatever this says
 
 
 @dataclass
@@ -120,8 +118,6 @@ class TrainConfig:
     #                             a resume on other ranks trains on the same batches. 0: micro x accum x dp
     grad_clip: float = 1.0  # the global gradient norm is clipped to this; 0: no clipping
     seed: int = 0  # seeds the model's initialisation (data.seed the data order)
-    eval_every: int = 50  # validation every this many steps (also at step 0 and at the end)
-    eval_batches: int = 4  # held-out batches of each validation (the same ones each time)
     dtype: str = "fp32"  # "fp32" or "bf16" (autocast)
     compile: bool = False  # torch.compile each block
     activation_checkpointing: bool = False  # recompute each block's activations in the backward pass
@@ -168,35 +164,17 @@ class ParallelConfig:
     sync_every_micro_batch: bool = True  # false: FSDP reduces gradients after the step's last
     #   micro-batch only (one reduce-scatter a step, not one per micro-batch), keeping every
     #   unit's unsharded fp32 gradients between micro-batches: dp_shard x the gradient memory
-    reshard_after_forward: bool = True  # false: each FSDP block stays gathered from its forward to
-    #   its backward (no all-gather in backward: half the blocks' all-gather bytes) for the whole
-    #   model's unsharded weights alive at the end of the forward (true: all but the blocks
-    #   keep_gathered_gib keeps, and the last block)
-    keep_gathered_gib: float = 1.0  # the reshard policy's memory rule: from the last block down,
-    #   blocks stay gathered from their forward into their backward (gathered once a step, not
-    #   twice) while their unsharded weights on a rank add up to at most this; 0: only the last
-    #   block (parallel/reshard_policy.py; `trinity-train plan` prices the memory)
-    overlap_reduce_scatter: bool = True  # CPU (gloo) jobs: each FSDP unit's gradient reduce-scatter
-    #   travels while the next unit's backward computes, the root's from the backward's start, with
-    #   EP after each block's expert exchange (GPUs overlap on NCCL's stream anyway); not under HSDP
-    #   (its all-reduce reads the reduce-scatter's output at once) nor in a micro-batch whose
-    #   gradients add to an earlier one's
-    prefetch_all_gather: bool = True  # CPU (gloo) jobs: each block's FSDP all-gather is issued while
-    #   the block before it computes (with EP, in backward: after its expert exchange), and the next
-    #   step's first one (head and final norm; the embedding too under TP, else it gathers only its
-    #   tokens' rows, in its forward) while Muon's part of the optimizer step computes (after
-    #   another optimizer's step; GPUs prefetch on a CUDA stream anyway)
-    ep_waves: int = 2  # the EP dispatch and combine in this many waves, each for a run of every
-    #   rank's local experts (at most one wave per local expert): a wave's tokens travel while the
-    #   wave before computes, with the same numbers; 1: one all-to-all each way
-    ep_wire_dtype: str = "compute"  # "bf16": the EP all-to-alls carry the routed tokens' activations
-    #   (and, in backward, their gradients) in bf16, cast back to the compute dtype on arrival: half
-    #   the bytes of an fp32 job's dispatch and combine; "compute": as computed (bf16 already under
-    #   a GPU's train.dtype = "bf16")
-    reduce_wire_dtype: str = "fp32"  # "bf16": FSDP's gradient reduce-scatter (and HSDP's all-reduce
-    #   across replicas) sends bf16 gradients, half the bytes; a CPU (gloo) job sums the received
-    #   pieces in fp32, NCCL and HSDP's all-reduce in bf16 (docs/concepts/parallel.md, Low precision
-    #   on the wire)
+    keep_gathered_gib: float = 1.0  # the reshard policy: from the last block down, blocks stay
+    #   gathered from their forward into their backward (gathered once a step, not twice) while
+    #   their unsharded weights on a rank add up to at most this; 0: only the last block; inf:
+    #   every block (no all-gather in backward, ZeRO-2's traffic; parallel/reshard_policy.py;
+    #   `trinity-train plan` prices the memory)
+    ep_wire_dtype: str = "full"  # the EP all-to-alls: "full" sends the routed tokens' activations
+    #   (and, in backward, their gradients) as computed (bf16 already under train.dtype = "bf16"
+    #   on a GPU); "bf16" casts them for the wire, half an fp32 job's dispatch and combine bytes
+    reduce_wire_dtype: str = "full"  # FSDP's gradient reduce-scatter and HSDP's all-reduce across
+    #   replicas: "full" sends fp32 gradients; "bf16" half the bytes for one rounding of each
+    #   rank's gradient (docs/concepts/parallel.md, Low precision on the wire)
     ranks_per_node: int = 0  # ranks that share a node's fast link (ranks 0..n-1 are node 0, ...);
     #   tp, cp and ep groups must lie inside one, HSDP shard groups inside one or on whole nodes.
     #   0: the launcher's processes per node (torchrun's LOCAL_WORLD_SIZE); `plan`: --gpus-per-node
@@ -289,6 +267,12 @@ class MetricsConfig:
     straggler_ratio: float = 1.5  # a rank whose compute time is this many times the median of the
     #                               others' ...
     straggler_reports: int = 3  # ... in this many reports in a row is a straggler (an event)
+
+
+@dataclass
+class EvalConfig:
+    every: int = 50  # validation every this many steps (also at step 0 and at the end); 0: none
+    batches: int = 4  # held-out batches of each validation (the same ones each time)
     position_buckets: list[int] = field(default_factory=list)  # first positions of the buckets of
     #   the validation loss by position (position in the document with model.doc_masking, else in
     #   the row), increasing from 0; empty: 0 and the powers of two from 64 below data.seq_len
@@ -322,6 +306,7 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
@@ -363,6 +348,8 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     elif tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return _finite(float(value), key)
+        if value == "inf" and key in UNBOUNDED_KEYS:
+            return math.inf
     elif tp is str:
         if isinstance(value, str):
             return value
@@ -380,17 +367,70 @@ NO_LIMIT_SPELLING = {
     "watchdog.multiple": "watchdog.enabled=false turns the watchdog off",
     "parallel.init_timeout_s": "there is no unlimited wait: give a long finite one, e.g. 86400",
     "parallel.collective_timeout_s": "there is no unlimited wait: give a long finite one, e.g. 86400",
-    "parallel.keep_gathered_gib": "parallel.reshard_after_forward=false keeps every block gathered",
 }
+# Float keys where inf means "no limit". JSON (a checkpoint's metadata) has no inf, so
+# `config_to_dict` writes it as the string "inf", which these keys read back.
+UNBOUNDED_KEYS = ("parallel.keep_gathered_gib",)
 
 
 def _finite(value: float, key: str) -> float:
-    """Every float setting is a finite number: nan or inf would pass comparisons silently (nan) or
-    break the run far from the config (JSON has no inf, so every checkpoint save would fail)."""
+    """Every float setting is a finite number (but inf where `UNBOUNDED_KEYS` allows it): nan or
+    inf would pass comparisons silently (nan) or break the run far from the config."""
+    if key in UNBOUNDED_KEYS and value == math.inf:
+        return value
     if not math.isfinite(value):
         spelling = NO_LIMIT_SPELLING.get(key)
         raise ConfigError(f"{key}: must be a finite number, got {value}" + (f" ({spelling})" if spelling else ""))
     return value
+
+
+# Keys a release moved (old -> new) or removed (-> what to do instead). A user's config that sets one
+# is refused with that line; a checkpoint's stored config is upgraded (`upgrade_stored_config`).
+MOVED_KEYS = {
+    "train.eval_every": "eval.every",
+    "train.eval_batches": "eval.batches",
+    **{f"metrics.{k}": f"eval.{k}" for k in ("position_buckets", "passkey_every", "passkey_lengths",
+                                             "passkey_depths", "passkey_keys", "passkey_template")},
+}
+REMOVED_KEYS = {
+    "parallel.reshard_after_forward": "it folded into parallel.keep_gathered_gib: false is "
+                                      "keep_gathered_gib = inf (every block kept), true the default",
+    "parallel.overlap_reduce_scatter": "a CPU job overlaps its reduce-scatters wherever they apply "
+                                       "(GPUs on NCCL's stream); delete the line",
+    "parallel.prefetch_all_gather": "a CPU job prefetches its all-gathers wherever they apply "
+                                    "(GPUs on a CUDA stream); delete the line",
+    "parallel.ep_waves": "the EP exchange's waves are internal; delete the line",
+    "data.sample_order": "every run reads the stateless sample order; delete the line",
+}
+
+
+def _retired_key_message(key: str) -> str:
+    if key in MOVED_KEYS:
+        return f"config key '{key}' moved: use {MOVED_KEYS[key]}"
+    return f"config key '{key}' was removed: {REMOVED_KEYS[key]}"
+
+
+def upgrade_stored_config(table: dict) -> dict:
+    """A config an earlier version stored (a checkpoint's meta.json) in today's keys and values:
+    moved keys moved, removed ones dropped (`reshard_after_forward = false` as keep_gathered_gib =
+    inf), renamed values renamed. A user's own config is never upgraded: it is refused in one line."""
+    table = {section: dict(values) if isinstance(values, dict) else values for section, values in table.items()}
+    parallel = table.get("parallel", {})
+    if parallel.get("reshard_after_forward") is False:
+        parallel["keep_gathered_gib"] = "inf"
+    for key, renames in RENAMED_VALUES.items():
+        section, name = key.split(".")
+        value = table.get(section, {}).get(name)
+        if isinstance(value, str) and value in renames:
+            table[section][name] = renames[value]
+    for old in [*MOVED_KEYS, *REMOVED_KEYS]:
+        section, name = old.split(".")
+        if isinstance(table.get(section), dict) and name in table[section]:
+            value = table[section].pop(name)
+            if old in MOVED_KEYS:
+                new_section, new_name = MOVED_KEYS[old].split(".")
+                table.setdefault(new_section, {})[new_name] = value
+    return table
 
 
 def _build(cls: type, table: dict, prefix: str) -> Any:
@@ -399,6 +439,8 @@ def _build(cls: type, table: dict, prefix: str) -> Any:
     kwargs = {}
     for k, v in table.items():
         key = f"{prefix}.{k}" if prefix else k
+        if key in MOVED_KEYS or key in REMOVED_KEYS:
+            raise ConfigError(_retired_key_message(key))
         if k not in names:
             raise ConfigError(_unknown_key_message(key, k, names))
         kwargs[k] = _coerce(_respelled(key, v), hints[k], key)
@@ -407,11 +449,15 @@ def _build(cls: type, table: dict, prefix: str) -> Any:
 
 # The boolean values of a key that was a boolean before it took named values, and their names now.
 OLD_SPELLINGS = {"data.verify_checksums": {True: "full", False: "sizes"}}
+# Values a release renamed: refused with the new name (one vocabulary for the wire dtypes).
+RENAMED_VALUES = {"parallel.ep_wire_dtype": {"compute": "full"}, "parallel.reduce_wire_dtype": {"fp32": "full"}}
 
 
 def _respelled(key: str, value: Any) -> Any:
     if isinstance(value, bool) and key in OLD_SPELLINGS:
         return OLD_SPELLINGS[key][value]
+    if isinstance(value, str) and value in RENAMED_VALUES.get(key, {}):
+        raise ConfigError(f"{key}: {value!r} is now spelled {RENAMED_VALUES[key][value]!r}")
     return value
 
 
@@ -507,8 +553,20 @@ def load_config(path: str | Path | None = None, overrides: list[str] | dict | No
     return config_from_dict(table)
 
 
+def load_stored_config(path: str | Path) -> Config:
+    """A resolved config the framework wrote (a study cell's, a run's config.toml), by an earlier
+    version too: its retired keys upgraded (`upgrade_stored_config`), not refused."""
+    return config_from_dict(upgrade_stored_config(_read_toml(Path(path))))
+
+
 def config_to_dict(cfg: Config) -> dict:
-    return dataclasses.asdict(cfg)
+    """The config as plain data (JSON-safe: an unbounded key's inf is the string "inf")."""
+    table = dataclasses.asdict(cfg)
+    for key in UNBOUNDED_KEYS:
+        section, name = key.split(".")
+        if table[section][name] == math.inf:
+            table[section][name] = "inf"
+    return table
 
 
 def save_config(cfg: Config, path: str | Path) -> None:
@@ -558,12 +616,13 @@ def validate(cfg: Config) -> None:
     _validate_checkpoint(cfg.checkpoint)
     _validate_stability(cfg.stability)
     _validate_metrics(cfg.metrics)
+    _validate_eval(cfg.eval)
     _validate_watchdog(cfg.watchdog)
     require(bool(cfg.run.dir), "run.dir", "must not be empty")
-    require(cfg.metrics.passkey_every == 0 or min(cfg.metrics.passkey_lengths) <= cfg.data.seq_len,
-            "metrics.passkey_lengths", f"none of {cfg.metrics.passkey_lengths} is at most data.seq_len="
+    require(cfg.eval.passkey_every == 0 or min(cfg.eval.passkey_lengths) <= cfg.data.seq_len,
+            "eval.passkey_lengths", f"none of {cfg.eval.passkey_lengths} is at most data.seq_len="
             f"{cfg.data.seq_len}: the probe runs at the lengths the model trains at; add one, or set "
-            "metrics.passkey_every=0")
+            "eval.passkey_every=0")
     _no_negative_floats(cfg, "")
 
 
@@ -612,13 +671,10 @@ def _validate_model(m: ModelConfig) -> None:
 
 
 VERIFY_MODES = ("stamp", "full", "sizes")
-SAMPLE_ORDER_VERSIONS = (1, 2)
 
 
 def _validate_data(d: DataConfig) -> None:
     one_of(d.verify_checksums, VERIFY_MODES, "data.verify_checksums")
-    require(d.sample_order in SAMPLE_ORDER_VERSIONS, "data.sample_order",
-            f"must be 1 or 2, got {d.sample_order}")
     require(d.seq_len > 0, "data.seq_len", f"must be positive, got {d.seq_len}")
     require(0.0 < d.val_fraction < 0.5, "data.val_fraction", f"must be in (0, 0.5), got {d.val_fraction}")
     require(d.vocab_size >= 256 + 2, "data.vocab_size", "must be at least 258 (bytes plus specials)")
@@ -642,9 +698,8 @@ def _validate_data(d: DataConfig) -> None:
 
 
 def _validate_train(t: TrainConfig) -> None:
-    for name in ("steps", "micro_batch_size", "grad_accum", "eval_batches", "log_every"):
+    for name in ("steps", "micro_batch_size", "grad_accum", "log_every"):
         require(getattr(t, name) > 0, f"train.{name}", f"must be positive, got {getattr(t, name)}")
-    require(t.eval_every >= 0, "train.eval_every", "must be >= 0 (0 disables validation)")
     require(t.global_batch_size >= 0, "train.global_batch_size", "must be >= 0 (0: micro_batch_size x grad_accum x dp)")
     if t.global_batch_size > 0:
         require(t.grad_accum == 1, "train.grad_accum",
@@ -677,14 +732,17 @@ def _validate_optim(o: OptimConfig) -> None:
     one_of(o.muon_ns_dtype, ("auto", "bf16", "fp32"), "optim.muon_ns_dtype")
 
 
+WIRE_DTYPES = ("full", "bf16")  # parallel/wire_precision.py
+
+
 def _validate_parallel(p: ParallelConfig) -> None:
-    for name in ("dp_replicate", "cp", "tp", "ep", "ep_waves"):
+    for name in ("dp_replicate", "cp", "tp", "ep"):
         require(getattr(p, name) >= 1, f"parallel.{name}", f"must be >= 1, got {getattr(p, name)}")
     require(p.dp_shard == -1 or p.dp_shard >= 1, "parallel.dp_shard", "must be >= 1, or -1 for the rest")
     for name in ("init_timeout_s", "collective_timeout_s"):
         require(getattr(p, name) > 0, f"parallel.{name}", f"must be positive (seconds), got {getattr(p, name)}")
-    one_of(p.ep_wire_dtype, ("compute", "bf16"), "parallel.ep_wire_dtype")
-    one_of(p.reduce_wire_dtype, ("fp32", "bf16"), "parallel.reduce_wire_dtype")
+    for name in ("ep_wire_dtype", "reduce_wire_dtype"):
+        one_of(getattr(p, name), WIRE_DTYPES, f"parallel.{name}")
     require(p.ranks_per_node >= 0, "parallel.ranks_per_node",
             f"must be >= 1, or 0 for the launcher's processes per node, got {p.ranks_per_node}")
 
@@ -742,17 +800,22 @@ def _validate_metrics(mc: MetricsConfig) -> None:
     require(mc.straggler_ratio > 1, "metrics.straggler_ratio",
             f"must be above 1 (a rank this many times slower than the others), got {mc.straggler_ratio}")
     require(mc.straggler_reports >= 1, "metrics.straggler_reports", "must be >= 1")
-    b = mc.position_buckets
-    require(not b or (b[0] == 0 and all(x < y for x, y in zip(b, b[1:]))), "metrics.position_buckets",
+
+
+def _validate_eval(ev: EvalConfig) -> None:
+    require(ev.batches > 0, "eval.batches", f"must be positive, got {ev.batches}")
+    require(ev.every >= 0, "eval.every", "must be >= 0 (0 disables validation)")
+    b = ev.position_buckets
+    require(not b or (b[0] == 0 and all(x < y for x, y in zip(b, b[1:]))), "eval.position_buckets",
             f"must be the first position of each bucket, increasing from 0 (e.g. [0, 256, 1024]), got {b}")
-    require(mc.passkey_every >= 0, "metrics.passkey_every", f"must be >= 0 (0 turns the probe off), got {mc.passkey_every}")
-    require(bool(mc.passkey_lengths) and all(n > 0 for n in mc.passkey_lengths), "metrics.passkey_lengths",
-            f"must be positive token counts, got {mc.passkey_lengths}")
-    require(bool(mc.passkey_depths) and all(0 <= d <= 1 for d in mc.passkey_depths), "metrics.passkey_depths",
-            f"must be fractions of the filler in [0, 1], got {mc.passkey_depths}")
-    require(mc.passkey_keys >= 1, "metrics.passkey_keys", f"must be >= 1, got {mc.passkey_keys}")
-    require(mc.passkey_template in PASSKEY_TEMPLATES, "metrics.passkey_template",
-            f"must be one of {', '.join(PASSKEY_TEMPLATES)}, got '{mc.passkey_template}'")
+    require(ev.passkey_every >= 0, "eval.passkey_every", f"must be >= 0 (0 turns the probe off), got {ev.passkey_every}")
+    require(bool(ev.passkey_lengths) and all(n > 0 for n in ev.passkey_lengths), "eval.passkey_lengths",
+            f"must be positive token counts, got {ev.passkey_lengths}")
+    require(bool(ev.passkey_depths) and all(0 <= d <= 1 for d in ev.passkey_depths), "eval.passkey_depths",
+            f"must be fractions of the filler in [0, 1], got {ev.passkey_depths}")
+    require(ev.passkey_keys >= 1, "eval.passkey_keys", f"must be >= 1, got {ev.passkey_keys}")
+    require(ev.passkey_template in PASSKEY_TEMPLATES, "eval.passkey_template",
+            f"must be one of {', '.join(PASSKEY_TEMPLATES)}, got '{ev.passkey_template}'")
 
 
 def _validate_watchdog(w: WatchdogConfig) -> None:
@@ -765,11 +828,11 @@ def _validate_watchdog(w: WatchdogConfig) -> None:
 FIRST_POSITION_BUCKET = 64
 
 
-def position_bucket_starts(mc: MetricsConfig, seq_len: int) -> list[int]:
-    """The first position of each bucket of the validation loss by position: `metrics.position_buckets`,
+def position_bucket_starts(ev: EvalConfig, seq_len: int) -> list[int]:
+    """The first position of each bucket of the validation loss by position: `eval.position_buckets`,
     or 0 and the powers of two from 64 below `seq_len` ([0, 64, 128] for 256 tokens)."""
-    if mc.position_buckets:
-        return list(mc.position_buckets)
+    if ev.position_buckets:
+        return list(ev.position_buckets)
     starts, edge = [0], FIRST_POSITION_BUCKET
     while edge < seq_len:
         starts.append(edge)

@@ -269,15 +269,15 @@ def position_buckets(positions: torch.Tensor, starts: torch.Tensor) -> torch.Ten
 @torch.no_grad()
 def evaluate(model: nn.Module, val_loader: Any, cfg: Config, device: torch.device,
              dims: ParallelDims | None = None) -> Validation:
-    """Mean cross entropy over the first `train.eval_batches` validation batches (all ranks), and
-    by position bucket (`metrics.position_buckets`, from the loss's own chunks)."""
+    """Mean cross entropy over the first `eval.batches` validation batches (all ranks), and
+    by position bucket (`eval.position_buckets`, from the loss's own chunks)."""
     dims = dims or ParallelDims.one_process()
     model.eval()
-    starts = position_bucket_starts(cfg.metrics, cfg.data.seq_len)
+    starts = position_bucket_starts(cfg.eval, cfg.data.seq_len)
     starts_tensor = torch.tensor(starts)
     # cross-entropy sum, tokens, then each bucket's cross-entropy sum, then each bucket's tokens
     totals = torch.zeros(2 + 2 * len(starts), dtype=torch.float64, device=device)
-    for batch in val_loader.batches(cfg.train.eval_batches):
+    for batch in val_loader.batches(cfg.eval.batches):
         for mb in micro_batches(batch, cfg.train.micro_batch_size, dims, cfg.model.doc_masking):
             buckets = position_buckets(token_positions(mb, cfg.model.doc_masking), starts_tensor)
             out = forward_micro_batch(model, mb, cfg, device, dims, token_groups=buckets.to(device),

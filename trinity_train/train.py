@@ -40,7 +40,7 @@ from trinity_train.checkpoint.compat import (check_same_seq_len, config_differen
                                              describe_differences)
 from trinity_train.checkpoint.init_from import check_init_from, init_checkpoint, start_events
 from trinity_train.checkpoint.manager import read_compatible_meta
-from trinity_train.config import Config, config_to_dict, load_config, save_config
+from trinity_train.config import Config, config_to_dict, load_stored_config, save_config
 from trinity_train.data import build_loaders
 from trinity_train.data.ledger import SkipLedger
 from trinity_train.errors import CheckpointError, ConfigError
@@ -171,7 +171,7 @@ def check_run_dir(cfg: Config, run_dir: Path) -> list[tuple[str, Any, Any]]:
         return []
     fresh = cfg.checkpoint.resume == "none"
     try:
-        previous = config_to_dict(load_config(previous_file))
+        previous = config_to_dict(load_stored_config(previous_file))
     except ConfigError as e:
         if fresh:
             raise ConfigError(f"run.dir: '{run_dir}' holds a run whose config.toml this version cannot read "
@@ -245,7 +245,7 @@ class Trainer:
         self.ledger = SkipLedger.load(self.rundir.ledger) if self.resume_from else SkipLedger(self.rundir.ledger)
         self.train_loader, self.val_loader = build_loaders(cfg, dp_rank=self.dims.dp_rank,
                                                            dp_size=self.dims.dp, ledger=self.ledger)
-        self.passkey = probe_for_run(cfg, self.train_loader.dataset_dirs[0]) if cfg.metrics.passkey_every else None
+        self.passkey = probe_for_run(cfg, self.train_loader.dataset_dirs[0]) if cfg.eval.passkey_every else None
         self.step_fn = TrainingStep(self.model, self.optimizer, self.scheduler, self.guard, cfg, self.device,
                                     self.dims, lr_backoff=self.lr_backoff, faults=self.faults)
         self.recovery = Recovery(cfg, self.rundir, self.ledger, run=self, loader=self.train_loader,
@@ -329,13 +329,8 @@ class Trainer:
         if self.resume_from is not None:
             meta = self._load(self.resume_from)
             self.recovery.resumed()
-            order = self.train_loader.sample_order
             resumed = [event(EventName.RESUME, checkpoint=str(self.resume_from), step=self.state.step,
-                             iter=self.state.iteration, sample_order=order)]
-            if order != self.cfg.data.sample_order and self.is_main:
-                print(f"note: the run continues in data sample order {order}, its checkpoint's "
-                      f"(data.sample_order={self.cfg.data.sample_order} applies to runs that start anew)",
-                      file=sys.stderr)
+                             iter=self.state.iteration)]
             replan = replanned(config_from_meta(meta, self.resume_from), self.cfg, self.state.step)
             if replan is not None and self.is_main:
                 print(describe_replanned(replan), file=sys.stderr)
@@ -425,7 +420,7 @@ class Trainer:
         self.start()
         status = FAILED
         try:
-            if cfg.train.eval_every > 0 and self.resume_from is None and self.state.step < cfg.train.steps:
+            if cfg.eval.every > 0 and self.resume_from is None and self.state.step < cfg.train.steps:
                 self._validate()  # the starting point: about ln(vocab)
             while self.state.step < cfg.train.steps:
                 self.train_one_iteration()
@@ -493,7 +488,7 @@ class Trainer:
 
     def _after_applied_step(self) -> None:
         cfg, step = self.cfg, self.state.step
-        if cfg.train.eval_every > 0 and (step % cfg.train.eval_every == 0 or step == cfg.train.steps):
+        if cfg.eval.every > 0 and (step % cfg.eval.every == 0 or step == cfg.train.steps):
             self._validate()
         if self.checkpoints.is_due(step) or (step == cfg.train.steps and cfg.checkpoint.every > 0):
             self._save()
@@ -560,7 +555,7 @@ class Trainer:
         self.summary.last_val_loss = val.loss
 
     def _passkey_due(self) -> bool:
-        every = self.cfg.metrics.passkey_every
+        every = self.cfg.eval.passkey_every
         return self.passkey is not None and (self.state.step % every == 0 or self.state.step == self.cfg.train.steps)
 
 

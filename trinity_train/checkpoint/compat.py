@@ -6,7 +6,8 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
-from trinity_train.config import Config, ModelConfig, config_differences, config_from_dict, describe_differences
+from trinity_train.config import (Config, ModelConfig, config_differences, config_from_dict, describe_differences,
+                                  upgrade_stored_config)
 from trinity_train.errors import CheckpointError, ConfigError
 from trinity_train.model.blocks import global_every, norm_eps
 
@@ -18,9 +19,9 @@ TRAINING_ONLY_MODEL_KEYS = frozenset({
 
 
 def config_from_meta(meta: dict, path: Path) -> Config:
-    """The resolved config stored in a checkpoint's meta.json."""
+    """The resolved config stored in a checkpoint's meta.json (an earlier version's in today's keys)."""
     try:
-        return config_from_dict(meta["config"])
+        return config_from_dict(upgrade_stored_config(meta["config"]))
     except KeyError:
         raise CheckpointError(f"checkpoint '{path}' has no config in its meta.json") from None
     except ConfigError as e:

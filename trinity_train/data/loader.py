@@ -27,7 +27,7 @@ import torch
 from trinity_train.config import Config, DataConfig, rows_per_rank
 from trinity_train.data.default_corpus import default_dataset, default_dataset_dir
 from trinity_train.data.ledger import SkipLedger
-from trinity_train.data.mixing import SAMPLE_ORDERS, MixSchedule
+from trinity_train.data.mixing import SAMPLE_ORDER, MixSchedule, StatelessOrder
 from trinity_train.data.shards import PreparedDataset, TokenSplit
 from trinity_train.errors import DataError
 from trinity_train.rundir import RunDir
@@ -81,17 +81,12 @@ class _MixedRows:
     """Reads stream samples -> rows, for a set of sources and their schedule."""
 
     def __init__(self, readers: list[SequenceReader], schedule: MixSchedule, datasets: list[PreparedDataset],
-                 sample_order: int | None = None, seed: int = 0):
-        """`sample_order`: the `mixing.SAMPLE_ORDERS` version that orders each source's sequences;
-        None reads them in order (validation)."""
+                 shuffled: bool = True, seed: int = 0):
+        """`shuffled`: each source's sequences in the seeded sample order (training); else in
+        order (validation)."""
         self.readers, self.schedule, self.datasets, self.seed = readers, schedule, datasets, seed
         self.vocab_size = min(ds.vocab_size for ds in datasets)
-        self.use_order(sample_order)
-
-    def use_order(self, sample_order: int | None) -> None:
-        self.sample_order = sample_order
-        self.orders = None if sample_order is None else [
-            SAMPLE_ORDERS[sample_order](r.num_sequences, self.seed, k) for k, r in enumerate(self.readers)]
+        self.orders = [StatelessOrder(r.num_sequences, seed, k) for k, r in enumerate(self.readers)] if shuffled else None
 
     def locate(self, samples: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         return self.schedule.locate(samples)
@@ -146,11 +141,6 @@ class TrainLoader:
         self._anchor_batch, self._anchor_sample = 0, 0
 
     @property
-    def sample_order(self) -> int:
-        """The `mixing.SAMPLE_ORDERS` version it reads in: the config's, or its checkpoint's."""
-        return self._mixed.sample_order
-
-    @property
     def position(self) -> int:
         """Global batches consumed (skipped ones included): the index of the next batch."""
         return self._position
@@ -203,9 +193,9 @@ class TrainLoader:
         self._position += n
 
     def state_dict(self) -> dict:
-        # "version" is the sample order's (`mixing.SAMPLE_ORDERS`): every state written before order
+        # "version" is the sample order's (`mixing.SAMPLE_ORDER`): every state written before order
         # 2 existed says 1, and a checkpoint (DCP) loads only the keys it has, so no key was added.
-        return {"version": self._mixed.sample_order, "position": self._position,
+        return {"version": SAMPLE_ORDER, "position": self._position,
                 "samples_consumed": self._first_sample(self._position),
                 "global_batch_size": self.global_batch_size, "anchor_batch": self._anchor_batch,
                 "anchor_sample": self._anchor_sample, "seed": self.seed, "fingerprint": self.fingerprint}
@@ -219,11 +209,10 @@ class TrainLoader:
             raise DataError(f"the checkpoint was trained with data.seed={state.get('seed')}, this run has "
                             f"data.seed={self.seed}; resume with the same seed")
         order = state.get("version", 1)
-        if order not in SAMPLE_ORDERS:
-            raise DataError(f"the checkpoint's data position uses sample order {order!r}, which this version "
-                            f"does not know ({', '.join(map(str, SAMPLE_ORDERS))}); resume with the version that wrote it")
-        if order != self._mixed.sample_order:  # a run keeps the order it started with, whatever data.sample_order says
-            self._mixed.use_order(order)
+        if order != SAMPLE_ORDER:
+            raise DataError(f"the checkpoint's data position is in sample order {order!r}, which this version no "
+                            f"longer reads (only {SAMPLE_ORDER}, the stateless order): finish that run with the "
+                            "version that wrote it, or continue its weights in a new run (checkpoint.init_from)")
         position = int(state["position"])
         if int(state["global_batch_size"]) == self.global_batch_size:
             self._anchor_batch, self._anchor_sample = int(state["anchor_batch"]), int(state["anchor_sample"])
@@ -342,7 +331,7 @@ def build_loaders(cfg: Config, dp_rank: int = 0, dp_size: int = 1,
                         f"{cfg.train.micro_batch_size} x grad_accum {rows // cfg.train.micro_batch_size} x "
                         f"{dp_size} ranks); "
                         "add data or lower the batch size or seq_len")
-    train_mixed = _MixedRows(train_readers, MixSchedule(phases, d.seed), datasets, d.sample_order, d.seed)
+    train_mixed = _MixedRows(train_readers, MixSchedule(phases, d.seed), datasets, True, d.seed)
 
     ledger = ledger if ledger is not None else SkipLedger.load(RunDir(cfg.run.dir).ledger)
     skips = [ledger, SkipLedger.from_ranges(d.skip_ranges, reason="data.skip_ranges")]
@@ -350,11 +339,11 @@ def build_loaders(cfg: Config, dp_rank: int = 0, dp_size: int = 1,
                         _fingerprint(datasets, phases, d.seq_len), skips)
 
     val_readers = [SequenceReader(ds.splits["val"], d.seq_len, doc_positions) for ds in datasets]
-    val_mixed = _MixedRows(val_readers, MixSchedule(phases[:1], d.seed), datasets)
+    val_mixed = _MixedRows(val_readers, MixSchedule(phases[:1], d.seed), datasets, shuffled=False)
     val = ValidationLoader(val_mixed, d.seq_len, rows, dp_rank, dp_size)
-    if cfg.train.eval_every > 0 and val.num_batches(1) == 0:
+    if cfg.eval.every > 0 and val.num_batches(1) == 0:
         raise DataError(f"the validation split{'s' if len(datasets) > 1 else ''} of "
                         f"{', '.join(str(ds.path) for ds in datasets)} cannot fill one global batch of "
                         f"{global_batch} sequences of {d.seq_len} tokens; prepare with a larger "
-                        "--val-fraction, or set train.eval_every=0")
+                        "--val-fraction, or set eval.every=0")
     return train, val

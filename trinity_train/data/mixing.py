@@ -9,10 +9,11 @@ Training reads one infinite stream of samples; global batch *i* is a contiguous 
    that source's (samples of k before this phase + block * quota[k] + rank of j among k's slots)-th
    sample. Phases change the weights from a given sample on.
 2. Ordering. A source's samples run through its sequences in epochs; each epoch is a fresh seeded
-   permutation, so no sequence repeats before every other has been seen. Two versions exist
-   (`data.sample_order`): 1, `EpochOrder`, materialises the permutation (8 bytes per sequence per
-   rank: 29 GB at 15T tokens); 2, `StatelessOrder`, computes it per index (a few round keys).
-   Runs keep the version they started with (`SAMPLE_ORDERS`, the loader's state).
+   permutation, so no sequence repeats before every other has been seen. `StatelessOrder`
+   computes it per index (a few round keys, whatever the data's size): order version 2
+   (`SAMPLE_ORDER`, recorded in the loader's state). Version 1, which materialised each
+   permutation (8 bytes per sequence per rank: 29 GB at 15T tokens), was removed; a checkpoint
+   in it is refused.
 """
 
 from __future__ import annotations
@@ -98,26 +99,6 @@ class MixSchedule:
         return source, index
 
 
-class EpochOrder:
-    """A source's own stream: sample m is sequence perm_e[m mod N] of epoch e = m // N."""
-
-    def __init__(self, num_sequences: int, seed: int, source: int):
-        self.num_sequences, self.seed, self.source = num_sequences, seed, source
-        self._perms = _LRU()
-
-    def _permutation(self, epoch: int) -> np.ndarray:
-        return self._perms.get_or(epoch, lambda: np.random.default_rng(
-            [self.seed, _ORDER_STREAM, self.source, epoch]).permutation(self.num_sequences))
-
-    def sequences(self, indices: np.ndarray) -> np.ndarray:
-        epoch, within = np.divmod(np.asarray(indices, dtype=np.int64), self.num_sequences)
-        out = np.empty_like(within)
-        for e in np.unique(epoch).tolist():
-            sel = epoch == e
-            out[sel] = self._permutation(e)[within[sel]]
-        return out
-
-
 def _mix64(x: np.ndarray) -> np.ndarray:
     """splitmix64's finaliser: a bijective avalanche of uint64 (wrapping arithmetic)."""
     x = x ^ (x >> np.uint64(30))
@@ -166,9 +147,9 @@ class FeistelPermutation:
 
 
 class StatelessOrder:
-    """Order version 2: the same contract as `EpochOrder` (sample m of a source is sequence
-    perm_e[m mod N], e = m // N, a fresh seeded permutation per epoch), but perm_e is a
-    `FeistelPermutation`, so a rank holds a few keys per cached epoch instead of N int64.
+    """Order version 2: sample m of a source is sequence perm_e[m mod N], e = m // N, a fresh
+    seeded permutation per epoch; perm_e is a `FeistelPermutation`, so a rank holds a few keys
+    per cached epoch instead of N int64.
 
     Chosen over a two-level order (shuffle the shards, then the sequences inside each): that one
     is no cheaper (it still needs a bijection inside a shard of ~10^6 sequences), mixes worse (a
@@ -193,6 +174,6 @@ class StatelessOrder:
         return out
 
 
-# `data.sample_order` -> the class that orders a source's sequences. 1 is every run's order before
-# version 2 existed, kept so that those runs resume (and committed study cells rerun) unchanged.
-SAMPLE_ORDERS = {1: EpochOrder, 2: StatelessOrder}
+# The version of the sample order `StatelessOrder` computes, recorded in the loader's state (a
+# state without it is version 1's).
+SAMPLE_ORDER = 2

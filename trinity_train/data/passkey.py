@@ -7,7 +7,7 @@ tokens before it) all lie inside the input. Every piece is tokenized on its own 
 so the key's tokens are the same in the needle and in the answer. Everything is a function of the
 tokenizer, the length, the depth and the key's number: the same prompts at every validation.
 
-Two templates (`metrics.passkey_template`) pose the same task: "prose", Mohtashami & Jaggi's
+Two templates (`eval.passkey_template`) pose the same task: "prose", Mohtashami & Jaggi's
 English, and "code", a Python module with the key assigned in it and asked for at its end, for
 models trained on code (the embedded default corpus is the Python standard library's source,
 where English prose is rare). Both end the question with the needle's own words before the key
@@ -83,7 +83,7 @@ def passkey_prompt(encode: Callable[[str], list[int]], length: int, depth: float
     question, answer = encode(words.question), encode(words.answer.format(key=key))
     filler_tokens = length + 1 - len(intro) - len(needle) - len(question) - len(answer)
     if filler_tokens < 0:
-        raise ConfigError(f"metrics.passkey_lengths: {length} tokens cannot hold the passkey prompt, which needs "
+        raise ConfigError(f"eval.passkey_lengths: {length} tokens cannot hold the passkey prompt, which needs "
                           f"{length - filler_tokens} with this tokenizer; use longer lengths")
     unit = encode(words.filler)
     filler = (unit * (filler_tokens // len(unit) + 1))[:filler_tokens]

@@ -49,10 +49,10 @@ def add_probe_parser(subparsers) -> None:
     which.add_argument("--checkpoint", type=user_path, metavar="PATH", help="probe this checkpoint")
     parser.add_argument("--lengths", type=token_lengths,
                         help="prompt lengths in tokens, comma-separated (default: the checkpoint config's "
-                             "metrics.passkey_lengths up to its data.seq_len)")
+                             "eval.passkey_lengths up to its data.seq_len)")
     parser.add_argument("--template", choices=PASSKEY_TEMPLATES,
                         help="the prompts' words: prose (English) or code (a Python module) (default: the "
-                             "checkpoint config's metrics.passkey_template)")
+                             "checkpoint config's eval.passkey_template)")
     parser.add_argument("--tokenizer", type=user_path,
                         help="tokenizer.json (default: the one of the run's data, where its config says)")
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
@@ -93,20 +93,20 @@ def run_probe_context(args: argparse.Namespace) -> int:
     path = checkpoint_to_probe(args)
     device = device_of(args.device)
     model, cfg = load_model_checkpoint(path, device)
-    lengths = args.lengths or probe_lengths(cfg.metrics, cfg.data.seq_len)
+    lengths = args.lengths or probe_lengths(cfg.eval, cfg.data.seq_len)
     if not lengths:
-        raise ArgumentError(f"none of the checkpoint's metrics.passkey_lengths {cfg.metrics.passkey_lengths} is at "
+        raise ArgumentError(f"none of the checkpoint's eval.passkey_lengths {cfg.eval.passkey_lengths} is at "
                             f"most its data.seq_len={cfg.data.seq_len}; pass --lengths")
     tokenizer = args.tokenizer or training_tokenizer_file(cfg.data)
     if tokenizer is None or not Path(tokenizer).is_file():
         where = f"'{tokenizer}' is not a file" if tokenizer else "the run's dataset (and its tokenizer.json) is not where its config says"
         raise DataError(f"the probe needs the run's tokenizer: {where}; pass --tokenizer PATH")
-    metrics = replace(cfg.metrics, passkey_template=args.template or cfg.metrics.passkey_template)
-    result = PasskeyProbe.from_tokenizer(tokenizer, metrics, lengths).run(model, cfg, device)
-    report = {"checkpoint": str(path), "step": read_meta(path)["step"], "template": metrics.passkey_template,
+    settings = replace(cfg.eval, passkey_template=args.template or cfg.eval.passkey_template)
+    result = PasskeyProbe.from_tokenizer(tokenizer, settings, lengths).run(model, cfg, device)
+    report = {"checkpoint": str(path), "step": read_meta(path)["step"], "template": settings.passkey_template,
               **result.record_fields()}
     if out is not None:
         atomic_write_json(out, report)
     print(json.dumps(report, indent=2) if args.json else
-          f"{path} (step {report['step']}, {metrics.passkey_template} prompts):\n{format_table(result)}")
+          f"{path} (step {report['step']}, {settings.passkey_template} prompts):\n{format_table(result)}")
     return exit_codes.DONE

@@ -7,7 +7,7 @@ every answer token is the model's greedy next token, and `passkey_logprob` is th
 log-likelihood of the answer tokens. A second forward scores the same keys in the control prompts,
 which hide another key (`passkey_logprob_other_key`): a model that does not read the needle scores
 the key alike in both, one that reads it higher in its own prompt (`data/passkey.py`). The
-training loop runs it at validation every `metrics.passkey_every` steps; `trinity-train
+training loop runs it at validation every `eval.passkey_every` steps; `trinity-train
 probe-context` runs it on a checkpoint. Every data-parallel rank runs the same prompts (the forward
 is collective under FSDP, TP and EP) and gets the same result. Under context parallelism a prompt is split like a training row
 (`parallel.context.shard_micro_batch`: zigzag chunks, positions computed on the whole prompt), so
@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from trinity_train.config import Config, MetricsConfig
+from trinity_train.config import Config, EvalConfig
 from trinity_train.data.passkey import PasskeyPrompt, passkey_prompts
 from trinity_train.data.shards import TOKENIZER_FILE
 from trinity_train.data.tokenizer import load_tokenizer
@@ -96,15 +96,15 @@ class PasskeyProbe:
         self.controls = controls
 
     @classmethod
-    def from_tokenizer(cls, tokenizer_file: str | Path, metrics: MetricsConfig, lengths: list[int]) -> PasskeyProbe:
+    def from_tokenizer(cls, tokenizer_file: str | Path, settings: EvalConfig, lengths: list[int]) -> PasskeyProbe:
         tokenizer = load_tokenizer(tokenizer_file)
 
         def encode(text: str) -> list[int]:
             return tokenizer.encode(text, add_special_tokens=False).ids
 
         def prompts(controls: bool) -> dict[int, list[PasskeyPrompt]]:
-            return passkey_prompts(encode, lengths, metrics.passkey_depths, metrics.passkey_keys,
-                                   metrics.passkey_template, controls)
+            return passkey_prompts(encode, lengths, settings.passkey_depths, settings.passkey_keys,
+                                   settings.passkey_template, controls)
 
         return cls(prompts(False), prompts(True))
 
@@ -147,16 +147,16 @@ def mean_logprob(totals: torch.Tensor) -> float:
     return float(-totals[GROUP_CE].sum() / totals[GROUP_TOKENS].sum())
 
 
-def probe_lengths(metrics: MetricsConfig, seq_len: int) -> list[int]:
+def probe_lengths(settings: EvalConfig, seq_len: int) -> list[int]:
     """The configured lengths the run can probe: those up to `data.seq_len`."""
-    return [n for n in metrics.passkey_lengths if n <= seq_len]
+    return [n for n in settings.passkey_lengths if n <= seq_len]
 
 
 def probe_for_run(cfg: Config, dataset_dir: Path) -> PasskeyProbe:
-    """The training run's probe (`metrics.passkey_every`): its lengths up to `data.seq_len`,
+    """The training run's probe (`eval.passkey_every`): its lengths up to `data.seq_len`,
     tokenized by the tokenizer of the run's (first) dataset."""
     tokenizer = Path(dataset_dir) / TOKENIZER_FILE
     if not tokenizer.is_file():
-        raise DataError(f"metrics.passkey_every: the passkey probe needs the run's tokenizer, and '{tokenizer}' "
-                        "is missing; prepare the dataset with its tokenizer.json or set metrics.passkey_every=0")
-    return PasskeyProbe.from_tokenizer(tokenizer, cfg.metrics, probe_lengths(cfg.metrics, cfg.data.seq_len))
+        raise DataError(f"eval.passkey_every: the passkey probe needs the run's tokenizer, and '{tokenizer}' "
+                        "is missing; prepare the dataset with its tokenizer.json or set eval.passkey_every=0")
+    return PasskeyProbe.from_tokenizer(tokenizer, cfg.eval, probe_lengths(cfg.eval, cfg.data.seq_len))

@@ -13,7 +13,7 @@ The model's MoE sorts its token copies by expert and calls `experts(x_sorted, co
 2. the module's own forward runs on the local expert shards (one grouped GEMM per projection);
 3. combine: the permutation is undone and the results travel back with the reverse all-to-all.
 
-In waves (`parallel.ep_waves`, DeepSeek's dual-batch overlap cut by expert instead of by batch):
+In waves (`EP_WAVES`, DeepSeek's dual-batch overlap cut by expert instead of by batch):
 every rank's local experts are cut into runs, and wave w carries the tokens of run w of every rank.
 Wave w+1's tokens travel while wave w's experts compute, and wave w's results travel home while
 wave w+1's compute; the backward runs the same pattern in reverse. An expert's rows are the same
@@ -249,6 +249,11 @@ def _tp_input(x: torch.Tensor, tp_mesh: DeviceMesh) -> torch.Tensor:
 def _tp_output(y: torch.Tensor, tp_mesh: DeviceMesh) -> torch.Tensor:
     """All-reduce the partial sums of the width shards; backward passes the gradient through."""
     return DTensor.from_local(y, tp_mesh, [Partial()], run_check=False).full_tensor()
+
+
+# The waves a job's EP exchange runs in (an internal setting: 2 overlaps the first wave's compute
+# with the second's transfer; more waves mean more, smaller all-to-alls).
+EP_WAVES = 2
 
 
 class ExpertParallel(ParallelStyle):

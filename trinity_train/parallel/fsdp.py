@@ -113,7 +113,7 @@ def _for_params(params, placement: Callable[[nn.Parameter], Shard]
     return lambda p: placement(p) if id(p) in ids else None
 
 
-def mixed_precision_policy(device: torch.device, dtype: str, reduce_wire_dtype: str = "fp32",
+def mixed_precision_policy(device: torch.device, dtype: str, reduce_wire_dtype: str = "full",
                            hsdp: bool = False) -> MixedPrecisionPolicy:
     """bf16 compute on GPUs when `train.dtype = "bf16"`; fp32 otherwise (the CPU has no fast bf16
     path). Sharded master weights are always fp32. Gradients are reduced in fp32, or in bf16 under
@@ -141,7 +141,7 @@ def apply_fsdp(model: nn.Module, dims: ParallelDims, device: torch.device, dtype
     # The embedding's backward reads only the token ids, never its weight: no all-gather for it.
     model.embed.set_unshard_in_backward(False)
     kept = kept_gathered([_gathered_bytes(block, dims, mp_policy) for block in model.layers],
-                         parallel.keep_gathered_gib, parallel.reshard_after_forward)
+                         parallel.keep_gathered_gib)
     for block, keep in zip(model.layers, kept):
         block_placement = None
         reshard = not keep
@@ -168,15 +168,15 @@ def apply_fsdp(model: nn.Module, dims: ParallelDims, device: torch.device, dtype
                 TouchedRowsReduceScatter(model.embed.embedding_dim, wire_dtype(parallel.reduce_wire_dtype)))
             read_rows_only(model.embed)
         expert_blocks = [i for i, block in enumerate(model.layers) if block.is_moe and dims.ep > 1]
-        overlap = parallel.overlap_reduce_scatter and dims.dp_replicate == 1
-        if expert_blocks and (overlap or parallel.prefetch_all_gather):
+        overlap = dims.dp_replicate == 1
+        if expert_blocks:
             traffic = BackwardTraffic()
-            hold_backward_traffic(model, expert_blocks, traffic, _units_of if parallel.prefetch_all_gather else None)
+            hold_backward_traffic(model, expert_blocks, traffic, _units_of)
             reduce_scatter.run_or_hold = traffic.run_or_hold
         if overlap:
             _REDUCE_SCATTERS[model] = reduce_scatter
             reduce_root_at_its_last_gradient(model, reduce_scatter)
-        if parallel.prefetch_all_gather:
+        if True:
             prefetch_neighbouring_blocks(model, held=set(expert_blocks))
             # (the embedding's rows are gathered in its own pre-forward, once the ids are known)
             _NEXT_FORWARD[model] = ([model] if rows else [model, model.embed], [])

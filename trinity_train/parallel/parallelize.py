@@ -17,7 +17,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 
 from trinity_train.config import Config, ParallelConfig
 from trinity_train.model import TrinityModel, build_model
-from trinity_train.parallel.expert_parallel import ExpertParallel
+from trinity_train.parallel.expert_parallel import EP_WAVES, ExpertParallel
 from trinity_train.parallel.fsdp import apply_fsdp
 from trinity_train.parallel.mesh import ParallelDims
 from trinity_train.parallel.sharded_init import init_weights_like_one_process
@@ -30,14 +30,14 @@ Wrap = Callable[[nn.Module, Config], nn.Module]
 
 def split_model(model: TrinityModel, dims: ParallelDims, parallel: ParallelConfig | None = None) -> TrinityModel:
     """Tensor and expert parallelism, in place, on a model built on the meta device; the EP
-    all-to-alls go as `parallel` says (`ep_wire_dtype`, `ep_waves`; None: the defaults)."""
+    all-to-alls go as `parallel` says (`ep_wire_dtype`; None: the defaults), in `EP_WAVES` waves."""
     parallel = parallel or ParallelConfig()
     if dims.tp > 1:
         apply_tensor_parallel(model, dims.tp_mesh)
     expert_mesh = dims.expert_mesh
     if expert_mesh is not None:
         for moe in model.moe_layers:
-            parallelize_module(moe.experts, expert_mesh, ExpertParallel(wire_dtype(parallel.ep_wire_dtype), parallel.ep_waves))
+            parallelize_module(moe.experts, expert_mesh, ExpertParallel(wire_dtype(parallel.ep_wire_dtype), EP_WAVES))
     return model
 
 

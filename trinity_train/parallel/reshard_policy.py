@@ -1,5 +1,5 @@
 """Which FSDP blocks stay gathered from their forward into their backward: the reshard policy
-(`parallel.reshard_after_forward`, `parallel.keep_gathered_gib`).
+(`parallel.keep_gathered_gib`).
 
 A block resharded after its forward is all-gathered again for its backward: its all-gather bytes
 twice a step, for its unsharded weights freed in between. A block kept gathered is gathered once,
@@ -11,7 +11,7 @@ end of the forward holds. The rule, from the last block down:
   EP part, its routed experts included) add up to at most `keep_gathered_gib` (the trade DeepSpeed
   ZeRO-3's `stage3_max_live_parameters` makes, counted in bytes): the highest first, since their
   backward comes first and frees them soonest; the first block that does not fit ends the run;
-- `reshard_after_forward = false` keeps every block.
+  0 keeps only the last block, inf every block (ZeRO-2's traffic: no all-gather in backward).
 
 `parallel/fsdp.py` applies it; the planner's closed form (plan/formula.py) and benchmarks/
 multinode.py's theory price the same choice. The sizes are FSDP's padded gathered buffers
@@ -27,11 +27,9 @@ from collections.abc import Sequence
 GIB = 2**30
 
 
-def kept_gathered(block_bytes: Sequence[float], budget_gib: float, reshard_after_forward: bool = True) -> list[bool]:
+def kept_gathered(block_bytes: Sequence[float], budget_gib: float) -> list[bool]:
     """Per block (first to last): whether it stays gathered from its forward into its backward,
     given each block's unsharded bytes on this rank (see the module)."""
-    if not reshard_after_forward:
-        return [True] * len(block_bytes)
     kept = [False] * len(block_bytes)
     spent = 0.0
     for i in reversed(range(len(block_bytes))):

@@ -1,6 +1,6 @@
 """The precision of what travels between ranks (`parallel.ep_wire_dtype`, `parallel.reduce_wire_dtype`).
 
-Both settings are off by default: the EP all-to-alls carry activations as computed and FSDP reduces
+Both are "full" by default: the EP all-to-alls carry activations as computed and FSDP reduces
 fp32 gradients. "bf16" halves the bytes of an fp32 job's collectives for one bf16 rounding of what
 is sent (docs/concepts/parallel.md, Low precision on the wire, says what each backend sums in).
 """
@@ -13,5 +13,5 @@ _DTYPES = {"bf16": torch.bfloat16}
 
 
 def wire_dtype(setting: str) -> torch.dtype | None:
-    """The dtype a setting sends in; None: as the tensor is ("compute", "fp32")."""
+    """The dtype a setting sends in; None: as the tensor is ("full")."""
     return _DTYPES.get(setting)

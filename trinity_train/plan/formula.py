@@ -39,7 +39,7 @@ from trinity_train.optim.groups import is_muon_param
 from trinity_train.optim.muon import deal_rounds, ns_cost
 from trinity_train.optim.muon_exchange import EXCHANGE_BYTES, exchange_calls
 from trinity_train.parallel.assumed_routing import AssumedRouting
-from trinity_train.parallel.expert_parallel import cut_runs
+from trinity_train.parallel.expert_parallel import EP_WAVES, cut_runs
 from trinity_train.parallel.mesh import ParallelDims
 from trinity_train.parallel.reshard_policy import gathered_numel, kept_gathered
 from trinity_train.plan.collectives import (CP_CATEGORY, EP_ALL_TO_ALL, FSDP_ALL_GATHER, FSDP_ALL_REDUCE,
@@ -114,7 +114,7 @@ def block_gathered_bytes(layers: list[list[Param]], dims: ParallelDims, a: float
 
 def blocks_kept_gathered(cfg: Config, block_bytes: list[float]) -> list[bool]:
     """Per block: kept gathered from its forward into its backward (parallel/reshard_policy.py)."""
-    return kept_gathered(block_bytes, cfg.parallel.keep_gathered_gib, cfg.parallel.reshard_after_forward)
+    return kept_gathered(block_bytes, cfg.parallel.keep_gathered_gib)
 
 
 def model_params(m: ModelConfig, tp: int, ep: int) -> list[list[Param]]:
@@ -460,9 +460,9 @@ def memory_per_rank(cfg: Config, dims: ParallelDims, *, gpu: bool,
     # (fp32) and the blocks above it reduce-scattered into their shards; the head's gradient
     # waits for the root's reduce-scatter at the very end.
     head = a * m.vocab_size // dims.tp * m.hidden_size  # unsharded, in the compute dtype
-    # A CPU job's reduce-scatter left travelling (parallel.overlap_reduce_scatter) holds what it
+    # A CPU job's reduce-scatter left travelling (without HSDP: parallel/gloo) holds what it
     # receives beside its input until the next one is issued.
-    in_flight = 2 if (not gpu and cfg.parallel.overlap_reduce_scatter and dims.dp_replicate == 1) else 1
+    in_flight = 2 if (not gpu and dims.dp_replicate == 1) else 1
     # There the root's reduce-scatter starts when its gradients are final, before the last block's
     # backward (`reduce_root_at_its_last_gradient`; with one micro-batch a step: a later one adds
     # to the first's gradients and does not overlap): the root resharded, the head's gradient
@@ -623,7 +623,7 @@ def traffic_per_rank(cfg: Config, dims: ParallelDims, *, gpu: bool,
         out_of_rank = tokens * m.num_experts_per_tok * (dims.ep - 1) / dims.ep * m.hidden_size * nums.ep_wire
         per_layer = 2 * out_of_rank * (1 + routing.skew)  # dispatch and combine, forward and backward
         forwards = 2 if cfg.train.activation_checkpointing else 1  # the recomputation dispatches again
-        waves = len(cut_runs(m.num_experts // dims.ep, cfg.parallel.ep_waves))  # each wave its own calls
+        waves = len(cut_runs(m.num_experts // dims.ep, EP_WAVES))  # each wave its own calls
         calls = 2 * (forwards + 1) * waves * moe_layers * accum
         sent = (per_layer + (forwards - 1) * out_of_rank * (1 + routing.skew)) * moe_layers * accum
         flows.append(Flow(EP_ALL_TO_ALL, "all_to_all", "ep", dims.ep, calls, sent))

@@ -16,7 +16,7 @@ import tomllib
 from dataclasses import dataclass
 
 from trinity_train.config import (Config, config_differences, config_to_dict, describe_differences,
-                                  grad_accum_for, load_config, rows_per_rank)
+                                  grad_accum_for, load_config, load_stored_config, rows_per_rank)
 from trinity_train.errors import ConfigError
 from trinity_train.run_config import load_run_config
 from trinity_train.study.layout import StudyDir
@@ -88,11 +88,11 @@ def _check_budget(study: Study, cfg: Config, nproc: int) -> None:
 def _check_validation(study: Study, cfg: Config, nproc: int) -> None:
     if study.val_tokens is None:
         return
-    tokens = cfg.train.eval_batches * global_batch(cfg, nproc) * cfg.data.seq_len
+    tokens = cfg.eval.batches * global_batch(cfg, nproc) * cfg.data.seq_len
     if tokens != study.val_tokens:
         raise StudyError(f"{study.path}: val_tokens: the study states {study.val_tokens} validation tokens but its base "
-                         f"config evaluates {cfg.train.eval_batches} batches x {global_batch(cfg, nproc)} sequences x "
-                         f"{cfg.data.seq_len} tokens = {tokens}; state that or change train.eval_batches")
+                         f"config evaluates {cfg.eval.batches} batches x {global_batch(cfg, nproc)} sequences x "
+                         f"{cfg.data.seq_len} tokens = {tokens}; state that or change eval.batches")
 
 
 def _leaves(table: dict, prefix: str = "") -> set[str]:
@@ -204,7 +204,7 @@ def recorded_config_mismatch(cell: Cell, out: StudyDir) -> str | None:
     if not recorded.is_file():
         return None
     try:
-        previous = config_to_dict(load_config(recorded))
+        previous = config_to_dict(load_stored_config(recorded))
     except ConfigError as e:
         return f"its config.toml cannot be read ({e})"
     diffs = [d for d in config_differences(previous, config_to_dict(cell.config)) if d[0] not in IGNORED_KEYS]

@@ -3,7 +3,7 @@
 Loss and stability, from the `train`, `val` records and the events:
 - `val`: the validation curve of the run's main line (`step`, `tokens` seen, `val_loss`), and
   `val_loss_at`: the loss at exactly 50 % and 100 % of the steps (None where no validation ran at
-  that step: `train.eval_every` must divide it), so cells compare at matched token counts (every
+  that step: `eval.every` must divide it), so cells compare at matched token counts (every
   cell trains the same tokens per step);
 - `skipped_steps`, `nonfinite_steps` (loss or gradient norm not finite), `rollbacks` (from the
   train records and the rollback events; a halt after too many skips in a row leaves its last
