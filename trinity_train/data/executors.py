@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from trinity_train.data.worker_death import children_die_with_this_process
 from trinity_train.errors import ConfigError, DataError
 
 EXECUTORS = ("local", "slurm", "ray")
@@ -81,7 +82,11 @@ def run_pipeline(pipeline: list, o: ExecutorOptions, logging_dir: Path, name: st
         # threads the parent started (TOKENIZERS_PARALLELISM above).
         executor = LocalPipelineExecutor(pipeline, tasks=o.tasks, workers=workers, logging_dir=str(logging_dir),
                                          start_method="fork")
-        executor.run()
+        # Local only: SLURM's tasks are the cluster's jobs, meant to outlive this process (a rerun
+        # finds them done), and Ray's workers are Ray's, which ray.shutdown and Ray's own
+        # processes end.
+        with children_die_with_this_process():
+            executor.run()
     elif o.executor == "slurm":
         executor = _slurm_executor(pipeline, o, logging_dir, name)
         try:
@@ -120,9 +125,9 @@ def _wait_for_slurm(executor, logging_dir: Path) -> None:
                               text=True)
         if not _ALIVE.intersection(done.stdout.split()) and executor.get_incomplete_ranks():
             missing = executor.get_incomplete_ranks()
-            raise TasksUnfinished(f"SLURM job {executor.job_id} ended with {len(missing)} prepare task(s) unfinished "
-                            f"(first: task {missing[0]}; logs: {logging_dir / 'slurm_logs'}); run the same "
-                            "prepare-data again to run only those")
+            raise TasksUnfinished(f"SLURM job {executor.job_id} ended with {len(missing)} prepare task(s) "
+                                  f"unfinished (first: task {missing[0]}; logs: {logging_dir / 'slurm_logs'}); run "
+                                  "the same prepare-data again to run only those")
         time.sleep(_POLL_SECONDS)
 
 
