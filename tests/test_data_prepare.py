@@ -314,3 +314,28 @@ def test_a_refused_run_leaves_its_out_as_found(tmp_path):
     with pytest.raises(ArgumentError, match="--overwrite"):
         prepare(options([good], prepared, seed=1))
     assert tree(prepared) == found
+
+
+def test_a_refusal_keeps_what_an_earlier_run_left(tmp_path, monkeypatch):
+    from trinity_train.data.prepare_steps import TokenizeToShards
+
+    srcs = [write_jsonl(tmp_path / f"{i}.jsonl", documents(1, seed=i)) for i in range(2)]  # none held out
+    out = tmp_path / "out"
+    run = TokenizeToShards.run
+
+    def interrupted(self, data=None, rank=0, world_size=1):
+        if rank == 1:
+            raise KeyboardInterrupt  # not a refusal: what the run wrote stays for its rerun
+        yield from run(self, data, rank, world_size)
+
+    monkeypatch.setattr(TokenizeToShards, "run", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        prepare(options(srcs, out, tasks=2, workers=1, val_fraction=0.01))
+    monkeypatch.setattr(TokenizeToShards, "run", run)
+    left = tree(out)
+    assert any(name.endswith("completions/00000") for name in left)
+    with pytest.raises(DataError, match="too few to hold out"):
+        prepare(options(srcs, out, tasks=2, workers=1, val_fraction=0.01))
+    after = tree(out)  # task 1's shards, record and marker gone; task 0's and the tokenizer as they were
+    assert after.keys() == left.keys()
+    assert {k: v for k, v in after.items() if "/logs/" not in k} == {k: v for k, v in left.items() if "/logs/" not in k}
