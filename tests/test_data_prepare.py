@@ -273,7 +273,7 @@ def test_bad_input_through_the_cli_is_one_line_and_exit_1(tmp_path, capsys):
                    "--train-tokenizer", "300", "--no-progress"])
         err = capsys.readouterr().err.strip().splitlines()
         assert rc == 1 and len(err) == 1 and err[0].startswith("error: ") and says in err[0]
-        assert not (tmp_path / "out" / "manifest.json").exists()
+        assert not (tmp_path / "out").exists()  # refused: no directory, lock or pipeline state left
 
 
 def tree(root: Path) -> dict | None:
