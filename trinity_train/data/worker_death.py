@@ -9,7 +9,9 @@ no initializer, its Manager none), so the hook is os.register_at_fork's: while
 a SIGKILL when its parent goes (prctl PR_SET_PDEATHSIG), then checks that the parent did not go
 before it asked. The kernel's "parent" is the forking thread: datatrove forks the manager and the
 pool from the thread that calls run(); the pool's own thread forks only replacements of a worker
-that died, and ends (taking them) only when the pool does.
+that died, and ends (taking them) only when the pool does. Only forked children are reached: the
+pool forks (executors.py asks for it) and so does the manager, from multiprocess's default start
+method, fork on Linux before Python 3.14 (tests/test_data_prepare_executors.py would see a change).
 """
 
 from __future__ import annotations
