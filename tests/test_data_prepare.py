@@ -273,4 +273,69 @@ def test_bad_input_through_the_cli_is_one_line_and_exit_1(tmp_path, capsys):
                    "--train-tokenizer", "300", "--no-progress"])
         err = capsys.readouterr().err.strip().splitlines()
         assert rc == 1 and len(err) == 1 and err[0].startswith("error: ") and says in err[0]
-        assert not (tmp_path / "out" / "manifest.json").exists()
+        assert not (tmp_path / "out").exists()  # refused: no directory, lock or pipeline state left
+
+
+def tree(root: Path) -> dict | None:
+    """Every path under `root` with a file's bytes (None for a directory); None when `root` is absent."""
+    if not root.exists():
+        return None
+    return {str(p.relative_to(root)): None if p.is_dir() else p.read_bytes() for p in root.rglob("*")}
+
+
+def test_a_refused_run_leaves_its_out_as_found(tmp_path):
+    few = write_jsonl(tmp_path / "few.jsonl", documents(1))  # too few to hold any out
+    good = write_jsonl(tmp_path / "a.jsonl", documents(20))
+    bad = write_jsonl(tmp_path / "b.jsonl", documents(20, seed=1))
+    bad.write_text(bad.read_text() + "{oops\n")
+    no_eos = tmp_path / "no_eos.json"
+    Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)} | {"[UNK]": 99}, unk_token="[UNK]")).save(
+        str(no_eos))
+    # Found at the end (after the tasks wrote their shards), by the second of two tasks (after the
+    # first finished), before anything is written; the tokenizer trained on the good file alone.
+    refusals = [(options([few], None), DataError, "too few to hold out"),
+                (options([good, bad], None, tasks=2, workers=1, tokenizer_sample_bytes=1), DataError,
+                 r"b\.jsonl:21: malformed JSON"),
+                (options([good], None, train_tokenizer=0, tokenizer=str(no_eos)), DataError, "end-of-document")]
+    existing = tmp_path / "existing"
+    (existing / "notes").mkdir(parents=True)
+    (existing / "notes" / "a.txt").write_text("mine")
+    (existing / "b.txt").write_text("mine too")
+    for opts, error, message in refusals:
+        for out in (tmp_path / "absent" / "out", existing):
+            found = tree(out)
+            opts.out = str(out)
+            with pytest.raises(error, match=message):
+                prepare(opts)
+            assert tree(out) == found and (out.exists() or not out.parent.exists())
+    # A different dataset there, without --overwrite: refused before the lock is taken.
+    prepared = prepare(options([good], tmp_path / "prepared"))
+    found = tree(prepared)
+    with pytest.raises(ArgumentError, match="--overwrite"):
+        prepare(options([good], prepared, seed=1))
+    assert tree(prepared) == found
+
+
+def test_a_refusal_keeps_what_an_earlier_run_left(tmp_path, monkeypatch):
+    from trinity_train.data.prepare_steps import TokenizeToShards
+
+    srcs = [write_jsonl(tmp_path / f"{i}.jsonl", documents(1, seed=i)) for i in range(2)]  # none held out
+    out = tmp_path / "out"
+    run = TokenizeToShards.run
+
+    def interrupted(self, data=None, rank=0, world_size=1):
+        if rank == 1:
+            raise KeyboardInterrupt  # not a refusal: what the run wrote stays for its rerun
+        yield from run(self, data, rank, world_size)
+
+    monkeypatch.setattr(TokenizeToShards, "run", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        prepare(options(srcs, out, tasks=2, workers=1, val_fraction=0.01))
+    monkeypatch.setattr(TokenizeToShards, "run", run)
+    left = tree(out)
+    assert any(name.endswith("completions/00000") for name in left)
+    with pytest.raises(DataError, match="too few to hold out"):
+        prepare(options(srcs, out, tasks=2, workers=1, val_fraction=0.01))
+    after = tree(out)  # task 1's shards, record and marker gone; task 0's and the tokenizer as they were
+    assert after.keys() == left.keys()
+    assert {k: v for k, v in after.items() if "/logs/" not in k} == {k: v for k, v in left.items() if "/logs/" not in k}

@@ -10,7 +10,9 @@ import os
 import shutil
 import subprocess
 import sys
+import signal
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -94,6 +96,86 @@ def test_a_task_killed_mid_way_runs_again_alone_and_the_result_is_identical(tmp_
     assert again.returncode == 0 and "1 of 3 tasks run now" in again.stdout, again.stdout + again.stderr
     assert {p: p.stat().st_mtime_ns for p in out.glob("*/[01]*.bin")} == before  # tasks 0 and 1 not redone
     assert fingerprint(out) == fingerprint(tmp_path / "whole")
+
+
+# prepare-data whose tasks, once started, say so (a file named by their task in argv[1]) and then
+# wait: a run to kill while its workers are busy.
+BUSY_TASKS = """
+import sys, time
+from pathlib import Path
+from trinity_train import cli
+from trinity_train.data.prepare_steps import TokenizeToShards
+run = TokenizeToShards.run
+def busy(self, data=None, rank=0, world_size=1):
+    (Path(sys.argv[1]) / str(rank)).touch()
+    time.sleep(120)
+    yield from run(self, data, rank, world_size)
+TokenizeToShards.run = busy
+sys.exit(cli.main(sys.argv[2:]))
+"""
+
+
+def proc_stat(pid: int) -> list[str] | None:
+    """/proc/PID/stat's fields from the state on (state, ppid, ..., [19]: start time); None: no such process."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return text[text.rindex(")") + 2:].split()
+
+
+def descendants(pid: int) -> dict[int, str]:
+    """Every live process under `pid` (pid -> start time, so a reused pid is not taken for it)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and (fields := proc_stat(int(entry.name))):
+            children.setdefault(int(fields[1]), []).append(int(entry.name))
+    found, todo = {}, list(children.get(pid, []))
+    while todo:
+        child = todo.pop()
+        if (fields := proc_stat(child)) and fields[0] != "Z":
+            found[child] = fields[19]
+            todo += children.get(child, [])
+    return found
+
+
+def still_alive(processes: dict[int, str]) -> list[int]:
+    return [pid for pid, start in processes.items()
+            if (fields := proc_stat(pid)) and fields[19] == start and fields[0] != "Z"]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc; the workers' hook is Linux's")
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_killed_run_leaves_no_process_behind(tmp_path, workers):
+    """SIGKILL to prepare-data alone (as `kill -9` or the OOM killer): datatrove's manager process
+    and, with 2 workers, its pool die with it instead of staying on, orphaned."""
+    started = tmp_path / "started"
+    started.mkdir()
+    log = (tmp_path / "log.txt").open("w")
+    run = subprocess.Popen([sys.executable, "-c", BUSY_TASKS, str(started),
+                            *prepare_args(corpus(tmp_path / "in"), tmp_path / "out", "--workers", workers)],
+                           cwd=ROOT, env=ONE_THREAD_ENV, stdout=log, stderr=log, start_new_session=True)
+    try:
+        for _ in range(1200):  # up to 120 s for the tokenizer, then `workers` tasks under way
+            if len(list(started.iterdir())) == workers or run.poll() is not None:
+                break
+            time.sleep(0.1)
+        assert run.poll() is None and len(list(started.iterdir())) == workers, (tmp_path / "log.txt").read_text()
+        left = descendants(run.pid)
+        assert len(left) >= workers  # the manager, and the pool's workers
+        os.kill(run.pid, signal.SIGKILL)
+        assert run.wait(timeout=30) == -signal.SIGKILL
+        for _ in range(100):  # up to 10 s for the kernel to deliver their SIGKILL
+            if not still_alive(left):
+                break
+            time.sleep(0.1)
+        assert still_alive(left) == []
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(run.pid, signal.SIGKILL)  # the session this test started, should a check fail
+        run.wait(timeout=30)
+        log.close()
 
 
 @pytest.mark.slow

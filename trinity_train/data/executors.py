@@ -13,11 +13,17 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from trinity_train.data.worker_death import children_die_with_this_process
 from trinity_train.errors import ConfigError, DataError
 
 EXECUTORS = ("local", "slurm", "ray")
 _ALIVE = {"PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "REQUEUED", "RESIZING", "SUSPENDED"}
 _POLL_SECONDS = 2.0
+
+
+class TasksUnfinished(DataError):
+    """The pipeline stopped with tasks not done: not a refusal of the inputs, so what the run wrote
+    stays for the rerun (which runs only those tasks), and the message points into it."""
 
 
 @dataclass
@@ -76,21 +82,25 @@ def run_pipeline(pipeline: list, o: ExecutorOptions, logging_dir: Path, name: st
         # threads the parent started (TOKENIZERS_PARALLELISM above).
         executor = LocalPipelineExecutor(pipeline, tasks=o.tasks, workers=workers, logging_dir=str(logging_dir),
                                          start_method="fork")
-        executor.run()
+        # Local only: SLURM's tasks are the cluster's jobs, meant to outlive this process (a rerun
+        # finds them done), and Ray's workers are Ray's, which ray.shutdown and Ray's own
+        # processes end.
+        with children_die_with_this_process():
+            executor.run()
     elif o.executor == "slurm":
         executor = _slurm_executor(pipeline, o, logging_dir, name)
         try:
             executor.run()  # submits the array job (nothing when every task is already complete)
         except subprocess.CalledProcessError as e:
-            raise DataError(f"sbatch refused the prepare job (exit {e.returncode}); its script is "
-                            f"{logging_dir / 'launch_script.slurm'}") from None
+            raise TasksUnfinished(f"sbatch refused the prepare job (exit {e.returncode}); its script is "
+                                  f"{logging_dir / 'launch_script.slurm'}") from None
         _wait_for_slurm(executor, logging_dir)
     else:
         executor = _run_on_ray(pipeline, o, logging_dir, progress)
     missing = executor.get_incomplete_ranks()
     if missing:
-        raise DataError(f"{len(missing)} of {o.tasks} prepare tasks did not finish (first: task {missing[0]}; its "
-                        f"log: {logging_dir / 'logs'}); run the same prepare-data again to run only those")
+        raise TasksUnfinished(f"{len(missing)} of {o.tasks} prepare tasks did not finish (first: task {missing[0]}; "
+                              f"its log: {logging_dir / 'logs'}); run the same prepare-data again to run only those")
 
 
 def _slurm_executor(pipeline: list, o: ExecutorOptions, logging_dir: Path, name: str):
@@ -115,9 +125,9 @@ def _wait_for_slurm(executor, logging_dir: Path) -> None:
                               text=True)
         if not _ALIVE.intersection(done.stdout.split()) and executor.get_incomplete_ranks():
             missing = executor.get_incomplete_ranks()
-            raise DataError(f"SLURM job {executor.job_id} ended with {len(missing)} prepare task(s) unfinished "
-                            f"(first: task {missing[0]}; logs: {logging_dir / 'slurm_logs'}); run the same "
-                            "prepare-data again to run only those")
+            raise TasksUnfinished(f"SLURM job {executor.job_id} ended with {len(missing)} prepare task(s) "
+                                  f"unfinished (first: task {missing[0]}; logs: {logging_dir / 'slurm_logs'}); run "
+                                  "the same prepare-data again to run only those")
         time.sleep(_POLL_SECONDS)
 
 

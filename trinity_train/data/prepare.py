@@ -18,7 +18,6 @@ written last, so a directory without one is never mistaken for a complete datase
 from __future__ import annotations
 
 import argparse
-import contextlib
 import hashlib
 import json
 import shutil
@@ -35,7 +34,9 @@ from tokenizers import Tokenizer
 from trinity_train import __version__
 from trinity_train.files import atomic_write_json, atomic_write_text, output_directory, read_json_object
 from trinity_train.data.documents import FORMATS, TEXT, Inputs, load_documents, resolve_inputs
-from trinity_train.data.executors import EXECUTORS, ExecutorOptions, check_executor_options, run_pipeline
+from trinity_train.data.executors import (EXECUTORS, ExecutorOptions, TasksUnfinished, check_executor_options,
+                                          run_pipeline)
+from trinity_train.data.prepare_footprint import Footprint
 from trinity_train.data.prepare_steps import (ReadInputs, ReadOptions, ShardOptions, TokenizeToShards,
                                               datatrove_logging, is_validation, read_report_path,
                                               task_record_path)
@@ -44,12 +45,13 @@ from trinity_train.data.shards import (FORMAT_VERSION, MANIFEST, SPLITS, TOKENIZ
                                        token_dtype_for, write_manifest)
 from trinity_train.data.tokenizer import (MIN_BPE_VOCAB, find_eos_id, load_tokenizer, tokenizer_sha256,
                                           train_byte_level_bpe, vocab_size_of)
-from trinity_train.errors import ArgumentError, ConfigError, DataError
+from trinity_train.errors import ArgumentError, ConfigError, DataError, UserError
 
 _TRAINED_TOKENIZER_RECORD = "tokenizer.build.json"  # which build trained tokenizer.json
 _LOCK = ".prepare.lock"
 _WORK_PREFIX = ".work-"
 _PIPELINE_DIR = ".prepare"  # datatrove's logging directories, one per build key
+_OWNED = (_LOCK, _PIPELINE_DIR, f"{_WORK_PREFIX}*", MANIFEST, TOKENIZER_FILE, _TRAINED_TOKENIZER_RECORD, *SPLITS)
 _SAMPLE_BATCH = 8192
 # 2^30 tokens: 2 GiB of uint16 ids (4 GiB of uint32) a shard, so 15T tokens are ~14,000 shard
 # records (not 2x10^5 of 65,536 documents), and one shard is still seconds to hash or copy.
@@ -108,42 +110,54 @@ def prepare(opts: PrepareOptions) -> Path:
     tokenizer_spec = ({"train_vocab": opts.train_tokenizer} if opts.train_tokenizer
                       else {"sha256": file_sha256(_existing(opts.tokenizer))})
     build_key = _build_key(opts, inputs.fingerprint(), tokenizer_spec)
-    created = not out.exists()
+    _refuse_early(opts, out, build_key)
+    footprint = Footprint(out, _OWNED, _LOCK)
     out.mkdir(parents=True, exist_ok=True)
-    try:
-        _prepare_locked(opts, out, inputs, build_key, started)
-    except BaseException:
-        if created:  # a build that failed before writing anything leaves no directory behind
-            _remove_if_only_the_lock(out)
-        raise
+    with FileLock(str(out / _LOCK)):
+        footprint.snapshot()
+        try:
+            _prepare_locked(opts, out, inputs, build_key, started)
+        except BaseException as e:
+            # A refusal takes back what this run wrote; any other failure (Ctrl-C, a task left
+            # unfinished, a full disk) keeps it for the rerun, but leaves no empty directory.
+            if (isinstance(e, UserError) and not isinstance(e, TasksUnfinished)
+                    or footprint.created_dirs and [p.name for p in out.iterdir()] == [_LOCK]):
+                footprint.take_back()
+            raise
     return out
 
 
-def _remove_if_only_the_lock(out: Path) -> None:
-    if [p.name for p in out.iterdir()] == [_LOCK]:
-        (out / _LOCK).unlink(missing_ok=True)
-        with contextlib.suppress(OSError):
-            out.rmdir()
+def _refuse_early(opts: PrepareOptions, out: Path, build_key: str) -> None:
+    """The refusals known before anything is written, raised before `out` is touched."""
+    if (out / MANIFEST).is_file() and read_manifest(out).get("build_key") != build_key and not opts.overwrite:
+        raise _other_dataset(out)
+    if opts.tokenizer:
+        tokenizer = load_tokenizer(opts.tokenizer)
+        find_eos_id(tokenizer, opts.eos_token or None)
+        _token_dtype(opts.dtype, vocab_size_of(tokenizer))
+
+
+def _other_dataset(out: Path) -> ArgumentError:
+    return ArgumentError(f"--out '{out}' already holds a different prepared dataset; choose another --out or "
+                         "pass --overwrite to replace it")
 
 
 def _prepare_locked(opts: PrepareOptions, out: Path, inputs: Inputs, build_key: str, started: float) -> None:
-    with FileLock(str(out / _LOCK)):
-        if (out / MANIFEST).is_file():
-            previous = read_manifest(out)
-            if previous.get("build_key") == build_key:
-                opts.stats.update(reused=True, seconds=time.perf_counter() - started)
-                return
-            if not opts.overwrite:
-                raise ArgumentError(f"--out '{out}' already holds a different prepared dataset; choose another "
-                                    "--out or pass --overwrite to replace it")
-            (out / MANIFEST).unlink()  # from here on the directory no longer looks complete
-        for stale in out.glob(f"{_WORK_PREFIX}*"):  # left by a killed run (we hold the lock)
-            shutil.rmtree(stale, ignore_errors=True)
-        work = Path(tempfile.mkdtemp(prefix=_WORK_PREFIX, dir=out))  # datasets' cache; never reused
-        try:
-            _build(opts, out, inputs, build_key, work)
-        finally:
-            shutil.rmtree(work, ignore_errors=True)
+    if (out / MANIFEST).is_file():
+        previous = read_manifest(out)
+        if previous.get("build_key") == build_key:
+            opts.stats.update(reused=True, seconds=time.perf_counter() - started)
+            return
+        if not opts.overwrite:  # written by a run that held the lock since _refuse_early looked
+            raise _other_dataset(out)
+        (out / MANIFEST).unlink()  # from here on the directory no longer looks complete
+    for stale in out.glob(f"{_WORK_PREFIX}*"):  # left by a killed run (we hold the lock)
+        shutil.rmtree(stale, ignore_errors=True)
+    work = Path(tempfile.mkdtemp(prefix=_WORK_PREFIX, dir=out))  # datasets' cache; never reused
+    try:
+        _build(opts, out, inputs, build_key, work)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
     opts.stats["seconds"] = time.perf_counter() - started
 
 
