@@ -39,7 +39,7 @@ def time_rank(seq_len: int, repeats: int) -> dict:
     import torch.distributed as dist
 
     from trinity_train.model.context_attention import SequenceShard, _kv_rows, gathered_keys, zigzag_index
-    from trinity_train.parallel.context import GroupExchange
+    from trinity_train.parallel.context_parallel import GroupExchange
 
     torch.set_num_threads(1)
     init_gloo()

@@ -5,8 +5,8 @@ by the place that waits, per training iteration. Installed inside each rank of a
 `trinity_train.health.collective_waits` times the waits (every collective of a step ends in
 `Work.wait()` or `_functional_collectives.wait_tensor`) and this module names each by the stack
 above it (`site`): an FSDP unit's all-gather (by the unit's name), the FSDP reduce-scatters,
-the embedding's row all-gather and reduce-scatter (parallel/embedding_gather.py and
-embedding_rows.py: before this table had them, the reduce-scatter's waits counted as the
+the embedding's row all-gather and reduce-scatter (parallel/gloo/embedding_all_gather.py and
+embedding_reduce_scatter.py: before this table had them, the reduce-scatter's waits counted as the
 embedding's all-gather), the EP all-to-alls of the forward and of the backward, Muon's exchange,
 the step's reductions (token count, loss totals, gradient norm; the token count's is waited in
 the step itself). A wait includes the time the other rank took to arrive: what a
@@ -34,10 +34,10 @@ def site(frame) -> str:
     in_backward = ep = False
     while frame is not None:
         path, name = frame.f_code.co_filename, frame.f_code.co_name
-        if path.endswith("gloo_reduce_scatter.py"):  # innermost: also where FSDP calls it
+        if path.endswith("parallel/gloo/reduce_scatter.py"):  # innermost: also where FSDP calls it
             return "FSDP reduce-scatter"
         owner = frame.f_locals.get("self")
-        if path.endswith("embedding_gather.py"):  # (the exchanges it calls are embedding_rows.py's)
+        if path.endswith("embedding_all_gather.py"):  # (the exchanges it calls are row_exchange.py's)
             return "FSDP all-gather, embedding rows"
         if type(owner).__name__ == "TouchedRowsReduceScatter":
             return "FSDP reduce-scatter, embedding rows"

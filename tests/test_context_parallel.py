@@ -34,7 +34,7 @@ from trinity_train.files import read_jsonl
 from trinity_train.model.attention import build_attention_mask, positions_from_documents, scaled_dot_product
 from trinity_train.model.context_attention import SequenceShard, context_attention_mask, halo_plan
 from trinity_train.model.transformer import layer_attention_mask
-from trinity_train.parallel.context import context_token_index, shard_micro_batch, split_for_context
+from trinity_train.parallel.context_parallel import context_token_index, shard_micro_batch, split_for_context
 from trinity_train.parallel.mesh import ParallelDims
 from trinity_train.parallel.node_layout import Nodes
 from trinity_train.records import RecordKind

@@ -1,5 +1,5 @@
 """The embedding's all-gather on gloo fetches only the rows its forward reads
-(`parallel/embedding_gather.py`), on two gloo ranks.
+(`parallel/gloo/embedding_all_gather.py`), on two gloo ranks.
 
 - On bare tensors: every row the ids name, and this rank's own shard, are bit for bit the dense
   all-gather's, every other row is zero, and the rank writes under a quarter of the dense bytes to
@@ -20,7 +20,7 @@ from ranks import init_gloo
 from test_gloo_reduce_scatter import _socket_bytes_written
 from tiny_fsdp import tiny_fsdp_model
 from trinity_train.parallel.assumed_routing import AssumedRouting, assume_routing
-from trinity_train.parallel.embedding_gather import ReadRowsAllGather
+from trinity_train.parallel.gloo.embedding_all_gather import ReadRowsAllGather
 from trinity_train.plan.collectives import (FSDP_ALL_GATHER, FSDP_EMBEDDING_ROWS_GATHER, CollectiveLog,
                                             sent_by_category)
 

@@ -1,16 +1,15 @@
-"""The next forward's first all-gathers, issued in the optimizer step (`parallel/fsdp.py`,
-`prefetch_next_forward`), on two gloo ranks with the tiny model under FSDP.
+"""The next forward's first all-gathers, issued in the optimizer step (`parallel/gloo`,
+`GlooCommunication.prefetch_next_forward`), on two gloo ranks with the tiny model under FSDP.
 
 - Prefetched, the forward issues one all-gather fewer (the root unit's: it waits for the
   prefetched one; the embedding's rows are gathered in its own pre-forward, which needs the ids,
-  `parallel/embedding_gather.py`) and computes the same loss and gradients bit for bit.
+  `parallel/gloo/embedding_all_gather.py`) and computes the same loss and gradients bit for bit.
 - Parameters changed after the prefetch (what a checkpoint load does) are what the next forward
   uses once `discard_next_forward` has run; without it the forward would use the gathered old
   values (checked too, so the check can fail).
-- Muon calls `beside_newton_schulz` after its AdamW part and before its Muon part when no packed
-  exchange runs (one process), where the training step prefetches (only the training step: DCP's
-  optimizer-state initialisation steps it too); with a packed exchange it runs once the pieces
-  have left (tests/test_muon_distributed.py).
+- Muon runs its while-orthogonalising hooks after its AdamW part and before its Muon part when no
+  packed exchange runs (one process), where a CPU job prefetches; with a packed exchange they run
+  once the pieces have left (tests/test_muon_distributed.py).
 """
 
 from __future__ import annotations
@@ -18,14 +17,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tiny_fsdp import tiny_fsdp_model
+from tiny_fsdp import tiny_fsdp_job
 from trinity_train.optim.muon import Muon
-from trinity_train.parallel.fsdp import discard_next_forward, prefetch_next_forward
+from trinity_train.parallel.gloo.communication import GlooOverlap
 from trinity_train.plan.collectives import FSDP_ALL_GATHER, CollectiveLog
 
 
 def _checks() -> dict:
-    model, ids = tiny_fsdp_model(prefetch_all_gather=True)
+    model, ids, communication = tiny_fsdp_job(GlooOverlap())
 
     def step() -> dict:
         """A forward and backward: the loss, the gradients, the FSDP all-gathers issued."""
@@ -44,15 +43,15 @@ def _checks() -> dict:
                 p.to_local().mul_(1.5)
 
     result = {"plain": step()}
-    prefetch_next_forward(model)
+    communication.prefetch_next_forward()
     result["prefetched"] = step()
 
-    prefetch_next_forward(model)
+    communication.prefetch_next_forward()
     scale_shards()
-    discard_next_forward(model)
+    communication.discard_next_forward()
     result["discarded"], result["after discarded"] = step(), step()
 
-    prefetch_next_forward(model)
+    communication.prefetch_next_forward()
     scale_shards()
     result["stale"], result["after stale"] = step(), step()
     return result
@@ -60,20 +59,22 @@ def _checks() -> dict:
 
 def _muon_steps() -> dict:
     """Three Muon steps of the tiny model under FSDP, the next forward's all-gathers issued in the
-    optimizer step as the training step issues them, and without: the losses."""
+    optimizer step where a CPU job's install issues them (Muon's while-orthogonalising hook), and
+    without: the losses."""
     from trinity_train.config import OptimConfig
     from trinity_train.optim.groups import build_optimizer
 
     losses = {}
     for prefetch in (False, True):
         torch.manual_seed(0)
-        model, ids = tiny_fsdp_model(prefetch_all_gather=prefetch)
+        model, ids, communication = tiny_fsdp_job(GlooOverlap(all_gather=prefetch))
         opt = build_optimizer(model, OptimConfig(name="muon"))
+        opt.register_while_orthogonalising_hook(communication.prefetch_next_forward)  # a no-op unprefetched
         losses[prefetch] = []
         for _ in range(3):
             loss = model(ids, labels=ids).ce_sum
             loss.backward()
-            opt.step(beside_newton_schulz=lambda: prefetch_next_forward(model))
+            opt.step()
             opt.zero_grad(set_to_none=True)
             losses[prefetch].append(loss.detach())
     return losses
@@ -118,7 +119,12 @@ def test_muon_runs_its_hook_between_the_adamw_and_the_muon_parts_in_one_process(
     before = {"matrix": matrix.detach().clone(), "vector": vector.detach().clone()}
     seen = {}
     matrix.grad, vector.grad = torch.randn(4, 4), torch.randn(4)
-    opt.step(beside_newton_schulz=lambda: seen.update(vector=not torch.equal(vector, before["vector"]),
-                                                      matrix=not torch.equal(matrix, before["matrix"])))
+    handle = opt.register_while_orthogonalising_hook(
+        lambda: seen.update(vector=not torch.equal(vector, before["vector"]), matrix=not torch.equal(matrix, before["matrix"])))
+    opt.step()
     assert seen == {"vector": True, "matrix": False}
     assert not torch.equal(matrix, before["matrix"])
+    handle.remove()
+    seen.clear()
+    opt.step()
+    assert seen == {}  # removed, as torch's optimizer hooks

@@ -1,4 +1,4 @@
-"""FSDP's reduce-scatter on gloo (`parallel/gloo_reduce_scatter.py`): half the bytes, the same sums.
+"""FSDP's reduce-scatter on gloo (`parallel/gloo/reduce_scatter.py`): half the bytes, the same sums.
 
 - On two gloo ranks `AllToAllReduceScatter` gives bitwise what gloo's own reduce-scatter (a clone,
   an all-reduce and a chunk) gives, on bare tensors and on the gradients of a real FSDP backward.
@@ -30,8 +30,8 @@ from conftest import TINY_MODEL
 from ranks import init_gloo
 from tiny_fsdp import tiny_fsdp_model
 from trinity_train.config import load_config
-from trinity_train.parallel.embedding_rows import TouchedRowsReduceScatter
-from trinity_train.parallel.gloo_reduce_scatter import AllToAllReduceScatter
+from trinity_train.parallel.gloo.embedding_reduce_scatter import TouchedRowsReduceScatter
+from trinity_train.parallel.gloo.reduce_scatter import AllToAllReduceScatter
 from trinity_train.plan.collectives import (FSDP_ALL_GATHER, FSDP_ALL_REDUCE, FSDP_EMBEDDING_ROWS_GATHER,
                                             FSDP_REDUCE_SCATTER, CollectiveLog, sent_by_category)
 
@@ -211,7 +211,7 @@ def _fsdp_backward() -> dict:
     for name, comm in (("gloo", DefaultReduceScatter), ("all_to_all", AllToAllReduceScatter),
                        ("overlapped", AllToAllReduceScatter), ("as trained", lambda: installed[model])):
         calls: list = []
-        shared = comm()  # one object for every unit (the embedding's own as trained), as apply_fsdp installs it
+        shared = comm()  # one object for every unit (the embedding's own as trained), as install_gloo_communication installs it
         if name in ("overlapped", "as trained"):
             shared.overlapping = True
         for module in model.modules():
@@ -264,7 +264,7 @@ def test_overlapped_reduce_scatters_travel_past_the_backward_and_give_the_same_b
 
 def test_the_roots_reduce_scatter_leaves_first_in_an_overlapped_backward(fsdp_backward):
     """The root unit (final norm, head) has its gradients near the backward's start: with the
-    objects `apply_fsdp` installs (overlapping; the embedding's sends its touched rows), its
+    objects `install_gloo_communication` installs (overlapping; the embedding's sends its touched rows), its
     reduce-scatter is the first one issued (FSDP's own order puts it in the final callback, after
     every block's) and the sums are gloo's, bit for bit."""
     for rank, result in enumerate(fsdp_backward):
@@ -288,7 +288,7 @@ def test_each_reduce_scatter_writes_half_the_bytes(fsdp_backward):
             assert size / 2 <= written <= size / 2 * 1.02 + 1024, (size, written)
         total = sum(size for size, _ in after)
         # The planner's log credits both with the textbook (n-1)/n, under FSDP reduce-scatter (the
-        # embedding's forward gathers its rows: parallel/embedding_gather.py).
+        # embedding's forward gathers its rows: parallel/gloo/embedding_all_gather.py).
         for name in ("gloo", "all_to_all"):
             logged = result[name]["logged"]
             assert logged[FSDP_REDUCE_SCATTER] == total / 2
@@ -369,6 +369,7 @@ def _hsdp_backward() -> dict:
     """HSDP over the two ranks (two replicas of one shard each), one backward with fp32 and with
     bf16 gradients on the wire, and this rank's own gradients from one process on its batch."""
     from trinity_train.parallel.mesh import ParallelDims
+    from trinity_train.parallel.gloo.communication import install_gloo_communication
     from trinity_train.parallel.parallelize import build_parallel_model
 
     init_gloo()
@@ -382,6 +383,7 @@ def _hsdp_backward() -> dict:
         if dims.is_distributed:
             dims.build_mesh("cpu")
         model = build_parallel_model(cfg, dims, torch.device("cpu"))
+        install_gloo_communication(model, None, dims, torch.device("cpu"), cfg.parallel.reduce_wire_dtype)
         log = CollectiveLog()
         with log:
             model(ids, labels=ids).ce_sum.backward()

@@ -31,7 +31,8 @@ from trinity_train.observe.layer_stats import LayerStatsCollector, per_layer_gra
 from trinity_train.parallel.reductions import global_grad_norm
 from trinity_train.rundir import RunDir
 from trinity_train.stability.incidents import read_incidents
-from trinity_train.train import Trainer, apply_training_wrappers
+from trinity_train.parallel.parallelize import apply_training_wrappers
+from trinity_train.train import Trainer
 from trinity_train.records import IncidentAction, RecordKind
 
 MEDIAN_TOLERANCE = activation_sums.MEDIAN_RELATIVE_PRECISION

@@ -26,7 +26,6 @@ LAYERS = [
 ]
 SIDEWAYS = {
     ("observe", "parallel"),  # layer statistics are global values: they reduce through parallel.reductions
-    ("plan", "train"),  # a plan wraps the model as training does (train.apply_training_wrappers)
 }
 
 

@@ -212,7 +212,9 @@ def scenario_packed_exchange(rank, world, out_dir):
     set_distributed_grads(model, 0)
     hooked = []  # the calls already issued each time the hook runs
     with CollectiveLog() as log:
-        opt.step(beside_newton_schulz=lambda: hooked.append(len(log.calls)))
+        handle = opt.register_while_orthogonalising_hook(lambda: hooked.append(len(log.calls)))
+        opt.step()
+        handle.remove()
     kinds = sorted(c.kind for c in log.calls)
     saved = muon_exchange.EXCHANGE_BYTES
     muon_exchange.EXCHANGE_BYTES = 1
@@ -220,9 +222,10 @@ def scenario_packed_exchange(rank, world, out_dir):
         model, _ = distributed_model("fsdp2")
         opt = make_optimizer(model)
         with CollectiveLog() as log:
+            opt.register_while_orthogonalising_hook(lambda: hooked.append(len(log.calls)))
             for step in range(STEPS):
                 set_distributed_grads(model, step)
-                opt.step(beside_newton_schulz=lambda: hooked.append(len(log.calls)))
+                opt.step()
         chunked_calls = len(log.calls)
     finally:
         muon_exchange.EXCHANGE_BYTES = saved

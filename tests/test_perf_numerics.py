@@ -18,7 +18,7 @@ from trinity_train.model.attention import (SlidingWindowBlocks, build_attention_
                                            sliding_window_blocks)
 from trinity_train.model.loss import chunked_cross_entropy
 from trinity_train.model.moe import _PermuteRows, _SortTokenCopies
-from trinity_train.train import apply_training_wrappers
+from trinity_train.parallel.parallelize import apply_training_wrappers
 
 
 def tiny(**overrides) -> ModelConfig:

@@ -18,7 +18,7 @@ def _one_step_by_site() -> dict:
     from ranks import init_gloo
     from trinity_train.config import load_config
     from trinity_train.optim.groups import build_optimizer
-    from trinity_train.parallel.fsdp import finish_reductions, overlap_reductions
+    from trinity_train.parallel.gloo.communication import install_gloo_communication
     from trinity_train.parallel.mesh import ParallelDims
     from trinity_train.parallel.parallelize import build_parallel_model
 
@@ -31,11 +31,12 @@ def _one_step_by_site() -> dict:
     dims.build_mesh("cpu")
     model = build_parallel_model(cfg, dims, torch.device("cpu"))
     optimizer = build_optimizer(model, cfg.optim)
+    communication = install_gloo_communication(model, optimizer, dims, torch.device("cpu"))
     ids = torch.randint(0, TINY_MODEL["vocab_size"], (2, 16), generator=torch.Generator().manual_seed(dist.get_rank()))
     with WaitSites() as sites:
-        overlap_reductions(model, fresh=True)
+        communication.before_backward(fresh=True)
         model(ids, labels=ids).ce_sum.backward()
-        finish_reductions(model)
+        communication.after_backward()
         optimizer.step()
     return {site: count for site, (count, _) in sites.waits.items()}
 

@@ -31,10 +31,9 @@ from trinity_train.config import Config, position_bucket_starts
 from trinity_train.model.attention import positions_from_documents
 from trinity_train.model.loss import GROUP_CE, GROUP_TOKENS, IGNORE_INDEX
 from trinity_train.observe.layer_stats import LayerStatsCollector, per_layer_grad_norms
-from trinity_train.optim.muon import Muon
-from trinity_train.parallel.context import sequence_shard, shard_micro_batch
-from trinity_train.parallel.fsdp import (all_reduce_across_replicas, finish_reductions, overlap_reductions,
-                                         prefetch_next_forward, reduce_gradients)
+from trinity_train.parallel.context_parallel import sequence_shard, shard_micro_batch
+from trinity_train.parallel.fsdp import all_reduce_across_replicas, reduce_gradients
+from trinity_train.parallel.gloo.communication import GlooCommunication
 from trinity_train.parallel.mesh import ParallelDims
 from trinity_train.parallel.reductions import (clip_grads_with_norm_, global_grad_norm, start_sum_over_data_parallel,
                                               sum_over_data_parallel)
@@ -69,7 +68,7 @@ def micro_batches(batch: Any, micro_batch_size: int, dims: ParallelDims | None =
                   doc_masking: bool = False) -> list[dict[str, torch.Tensor]]:
     """Split the rank's rows of a global batch into micro-batches of model inputs. Context
     parallelism splits the sequence here: with `dims.cp > 1` each micro-batch keeps this rank's
-    share of every row (`parallel.context.shard_micro_batch`; `doc_masking`: the model's)."""
+    share of every row (`parallel.context_parallel.shard_micro_batch`; `doc_masking`: the model's)."""
     fields = ("input_ids", "labels", "position_ids", "document_ids")
     tensors = {f: getattr(batch, f) for f in fields if getattr(batch, f, None) is not None}
     rows = tensors["input_ids"].shape[0]
@@ -113,7 +112,8 @@ class TrainingStep:
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, guard: StepGuard,
                  cfg: Config, device: torch.device, dims: ParallelDims | None = None,
-                 lr_backoff: LRBackoff | None = None, faults: StepFaults | None = None):
+                 lr_backoff: LRBackoff | None = None, faults: StepFaults | None = None,
+                 communication: GlooCommunication | None = None):
         self.model = model
         self.optimizer = optimizer
         self.scheduler = scheduler
@@ -123,6 +123,8 @@ class TrainingStep:
         self.dims = dims or ParallelDims.one_process()
         self.lr_backoff = lr_backoff or LRBackoff()
         self.faults = faults if faults is not None else StepFaults()  # the drills' hooks; no-ops without
+        # A CPU job's overlapped collectives (parallel/gloo); no-ops elsewhere.
+        self.communication = communication or GlooCommunication()
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.layer_stats = LayerStatsCollector(model, cfg.metrics.layer_stats_every, self.dims)
 
@@ -175,7 +177,7 @@ class TrainingStep:
             elif self.dims.dp_replicate > 1:
                 all_reduce_across_replicas(self.model, now=last)
             # The reduced shards start out empty only in the first backward that reduces.
-            overlap_reductions(self.model, fresh=i == 0 if sync_every else last)
+            self.communication.before_backward(fresh=i == 0 if sync_every else last)
             with self.layer_stats.recording(stats_due):  # the forward only: not recomputations in backward
                 out = forward_micro_batch(self.model, mb, self.cfg, self.device, self.dims)
             ce_sum = self.faults.scale_loss(out.ce_sum, iteration)
@@ -184,7 +186,7 @@ class TrainingStep:
                 counting = None
             loss = ce_sum / tokens.clamp_min(1) + (out.aux_loss + out.z_loss) * per_part
             loss.backward()
-            finish_reductions(self.model)
+            self.communication.after_backward()
             totals += torch.stack([ce_sum.detach().float(), out.aux_loss.detach().float() * per_part,
                                    out.z_loss.detach().float() * per_part])
             counts = out.tokens_per_expert if counts is None else counts + out.tokens_per_expert
@@ -198,20 +200,9 @@ class TrainingStep:
         the expert-bias update, the scheduler step."""
         if self.cfg.train.grad_clip > 0:
             clip_grads_with_norm_(self.params, self.cfg.train.grad_clip, grad_norm)
-        self.step_optimizer()
+        self.optimizer.step()  # (a CPU job's prefetch of the next forward runs inside it: parallel/gloo)
         self.model.update_expert_biases(tokens_per_expert)
         self.scheduler.step()
-
-    def step_optimizer(self) -> None:
-        """The optimizer step. With Muon the next forward's first all-gather (the head's) starts
-        once its AdamW part has made those values final and its exchange's pieces have left, so it
-        travels behind those pieces while Newton-Schulz computes; with another optimizer, after its
-        step (`prefetch_next_forward`: a no-op unless a CPU job prefetches)."""
-        if isinstance(self.optimizer, Muon):
-            self.optimizer.step(beside_newton_schulz=lambda: prefetch_next_forward(self.model))
-        else:
-            self.optimizer.step()
-            prefetch_next_forward(self.model)
 
     def apply(self, totals: StepTotals, iteration: int, steps_applied: int) -> StepResult:
         """The guard's verdict on `totals`, then (if it applies the step) clipping, the optimizer

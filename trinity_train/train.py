@@ -53,7 +53,7 @@ from trinity_train.observe.recorder import RecordingCallback
 from trinity_train.observe.timeline import TimelineWriter
 from trinity_train.optim.groups import build_optimizer
 from trinity_train.optim.schedule import build_scheduler, describe_replanned, replanned
-from trinity_train.parallel.fsdp import discard_next_forward
+from trinity_train.parallel.gloo.communication import GlooOverlap, install_gloo_communication
 from trinity_train.parallel.mesh import ParallelDims
 from trinity_train.parallel.parallelize import build_parallel_model
 from trinity_train.parallel.process_group import (destroy_distributed, init_distributed, leave_together,
@@ -78,25 +78,11 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)  # every device's generator
 
 
-def apply_training_wrappers(model: nn.Module, cfg: Config) -> nn.Module:
-    """Activation checkpointing, then compilation, per block (DESIGN §4 order), in place: the
-    parameter names seen by checkpoints are unchanged."""
-    if cfg.train.activation_checkpointing:
-        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-
-        for i, block in enumerate(model.layers):
-            model.layers[i] = checkpoint_wrapper(block)
-    if cfg.train.compile:
-        for block in model.layers:
-            block.compile()
-    return model
-
-
 def build_model_for_training(cfg: Config, device: torch.device, dims: ParallelDims | None = None) -> nn.Module:
     """The model with freshly drawn weights (seeded by `train.seed`), on `device`, wrapped, and
     split over the ranks of `dims` when given; one process draws the same weights."""
     seed_everything(cfg.train.seed)
-    model = build_parallel_model(cfg, dims or ParallelDims.one_process(), device, wrap=apply_training_wrappers)
+    model = build_parallel_model(cfg, dims or ParallelDims.one_process(), device)
     model.train()
     return model
 
@@ -202,9 +188,10 @@ class Trainer:
 
     def __init__(self, cfg: Config, dims: ParallelDims | None = None, device: torch.device | None = None,
                  model_builder: ModelBuilder = build_model_for_training,
-                 callbacks: list[TrainerCallback] | None = None):
+                 callbacks: list[TrainerCallback] | None = None, gloo_overlap: GlooOverlap = GlooOverlap()):
         """One process by default; a rank of a distributed launch passes its `dims` (with the
-        mesh built) and its device. `callbacks` run after the built-in ones, in order."""
+        mesh built) and its device. `callbacks` run after the built-in ones, in order.
+        `gloo_overlap`: a CPU job's overlaps, all on (a benchmark's ablation turns one off)."""
         # Everything that can be checked without work is checked first.
         validate_rules(cfg)
         if dims is None and dist.is_initialized():
@@ -233,6 +220,8 @@ class Trainer:
 
         self.model = model_builder(cfg, self.device)
         self.optimizer = build_optimizer(self.model, cfg.optim)
+        self.communication = install_gloo_communication(self.model, self.optimizer, self.dims, self.device,
+                                                        cfg.parallel.reduce_wire_dtype, gloo_overlap)
         self.scheduler = build_scheduler(self.optimizer, cfg)
         self.guard = StepGuard.for_config(cfg)
         self.lr_backoff = LRBackoff()
@@ -247,7 +236,8 @@ class Trainer:
                                                            dp_size=self.dims.dp, ledger=self.ledger)
         self.passkey = probe_for_run(cfg, self.train_loader.dataset_dirs[0]) if cfg.eval.passkey_every else None
         self.step_fn = TrainingStep(self.model, self.optimizer, self.scheduler, self.guard, cfg, self.device,
-                                    self.dims, lr_backoff=self.lr_backoff, faults=self.faults)
+                                    self.dims, lr_backoff=self.lr_backoff, faults=self.faults,
+                                    communication=self.communication)
         self.recovery = Recovery(cfg, self.rundir, self.ledger, run=self, loader=self.train_loader,
                                  checkpoints=self.checkpoints, faults=self.faults, is_main=self.is_main)
         self.timeline = TimelineWriter(self.rundir.timeline, enabled=self.is_main)
@@ -291,9 +281,12 @@ class Trainer:
     def _load(self, path: Path) -> dict:
         """Load every stateful component from the checkpoint `path` (a resume, a rollback);
         returns its meta.json."""
-        discard_next_forward(self.model)  # gathered from the values the load replaces
         with self.phase(Phase.CHECKPOINT_LOAD):
             meta = load_checkpoint(path, self.checkpoint_state(), self.cfg)
+        # A CPU job's next-forward all-gathers were issued from the values the load replaced (by
+        # the last step, or by DCP's optimizer-state initialisation, which steps the optimizer
+        # inside the load): freed, so that the next forward gathers the loaded ones.
+        self.communication.discard_next_forward()
         self._apply_lr()
         return meta
 
@@ -585,10 +578,11 @@ def step_record(result: StepResult, state: TrainerState, batch_index: int, throu
         lr_scale=result.lr_scale if result.lr_scale != 1.0 else None, **expert_load_stats(result.tokens_per_expert))
 
 
-def train(cfg: Config, callbacks: list[TrainerCallback] | None = None) -> TrainSummary:
+def train(cfg: Config, callbacks: list[TrainerCallback] | None = None,
+          gloo_overlap: GlooOverlap = GlooOverlap()) -> TrainSummary:
     """Run (or resume) the training job `cfg` describes in this process, with `callbacks` attached
     to its loop; returns what it did. Under torchrun (see launch/) this process is one rank of the
-    job."""
+    job. `gloo_overlap`: only a benchmark's ablation changes it (parallel/gloo)."""
     if world_size_from_env() == 1:
         dims = ParallelDims.from_config(cfg, 1)  # a layout one process cannot give, before the run directory
         with run_dir_owned(cfg.run.dir):  # before anything reads or writes the run directory
@@ -597,7 +591,8 @@ def train(cfg: Config, callbacks: list[TrainerCallback] | None = None) -> TrainS
     try:
         with run_dir_owned(cfg.run.dir):  # rank 0 holds it for the job
             builder = functools.partial(build_model_for_training, dims=dims)
-            summary = Trainer(cfg, dims, device, model_builder=builder, callbacks=callbacks).run()
+            summary = Trainer(cfg, dims, device, model_builder=builder, callbacks=callbacks,
+                              gloo_overlap=gloo_overlap).run()
             leave_together()
         return summary
     finally:

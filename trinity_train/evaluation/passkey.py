@@ -10,7 +10,7 @@ the key alike in both, one that reads it higher in its own prompt (`data/passkey
 training loop runs it at validation every `eval.passkey_every` steps; `trinity-train
 probe-context` runs it on a checkpoint. Every data-parallel rank runs the same prompts (the forward
 is collective under FSDP, TP and EP) and gets the same result. Under context parallelism a prompt is split like a training row
-(`parallel.context.shard_micro_batch`: zigzag chunks, positions computed on the whole prompt), so
+(`parallel.context_parallel.shard_micro_batch`: zigzag chunks, positions computed on the whole prompt), so
 each rank holds 1/cp of it; the key's tokens are scored where they live and the totals summed over
 the cp group. A prompt is padded at its end to a length the layout can split (`padded_length`):
 no earlier position attends to the padding (causal attention) and it has no labels, so the scores
@@ -31,7 +31,7 @@ from trinity_train.data.shards import TOKENIZER_FILE
 from trinity_train.data.tokenizer import load_tokenizer
 from trinity_train.errors import DataError
 from trinity_train.model.loss import GROUP_CE, GROUP_CORRECT, GROUP_TOKENS, IGNORE_INDEX
-from trinity_train.parallel.context import shard_micro_batch, split_for_context
+from trinity_train.parallel.context_parallel import shard_micro_batch, split_for_context
 from trinity_train.parallel.mesh import ParallelDims
 from trinity_train.parallel.reductions import sum_over_context
 from trinity_train.step import forward_micro_batch

@@ -18,7 +18,7 @@ values travel, differently for the two kinds of layer:
   own query slots zero and dropped. `HaloWindow`.
 
 The model knows no process group: the collectives come from the `ContextExchange` of the
-`SequenceShard` the forward is given (`parallel/context.py` implements it over the cp group; the
+`SequenceShard` the forward is given (`parallel/context_parallel.py` implements it over the cp group; the
 backward of each sends the gradients back the way the data came).
 """
 

@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import heapq
 import math
+from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -54,6 +55,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 from torch.optim.adam import adam
+from torch.utils.hooks import RemovableHandle
 
 from trinity_train.kernel_device import kernel_device
 from trinity_train.optim.muon_exchange import Assignment, Exchange, packed_dim
@@ -165,6 +167,17 @@ class Muon(torch.optim.Optimizer):
                         nesterov=nesterov, ns_steps=ns_steps, scale=scale, ns_dtype=ns_dtype,
                         betas=betas, eps=eps, fused=fused)
         super().__init__(params, defaults)
+        self._while_orthogonalising: OrderedDict[int, Callable[[], None]] = OrderedDict()  # (RemovableHandle needs a weak-referenceable dict)
+
+    def register_while_orthogonalising_hook(self, hook: Callable[[], None]) -> RemovableHandle:
+        """Run `hook()` once in every step, when the AdamW groups' parameters are final and the
+        first packed exchange's pieces have left (right after the AdamW part where no packed
+        exchange runs): what it sends travels behind Muon's pieces while Newton-Schulz computes,
+        instead of ahead of them (a CPU job issues the next forward's first all-gathers there:
+        parallel/gloo). As torch's other optimizer hooks, `handle.remove()` removes it."""
+        handle = RemovableHandle(self._while_orthogonalising)
+        self._while_orthogonalising[handle.id] = hook
+        return handle
 
     def add_param_group(self, param_group: dict) -> None:
         super().add_param_group(param_group)
@@ -185,13 +198,10 @@ class Muon(torch.optim.Optimizer):
                                  f"shape {tuple(p.shape)}; put it in an 'adamw' group")
 
     @torch.no_grad()
-    def step(self, closure=None, beside_newton_schulz: Callable[[], None] | None = None):
-        """One step of every group. `beside_newton_schulz()` runs once, when the AdamW groups'
-        parameters are final and the first packed exchange's pieces have left (right after the
-        AdamW part where no packed exchange runs): what it sends travels behind Muon's pieces while
-        Newton-Schulz computes, instead of ahead of them (the training step starts the next
-        forward's first all-gathers there). The matrices whole on this rank are orthogonalised
-        there too, while those pieces travel."""
+    def step(self, closure=None):
+        """One step of every group. The matrices whole on this rank are orthogonalised while the
+        first packed exchange's pieces travel, after the hooks that run there
+        (`register_while_orthogonalising_hook`)."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -199,7 +209,7 @@ class Muon(torch.optim.Optimizer):
         for group in self.param_groups:
             if group["kind"] == "adamw":
                 self._adamw_step(group)
-        self._muon_step([g for g in self.param_groups if g["kind"] == "muon"], beside_newton_schulz or (lambda: None))
+        self._muon_step([g for g in self.param_groups if g["kind"] == "muon"])
         return loss
 
     # ------------------------------------------------------------------------------ AdamW
@@ -233,7 +243,7 @@ class Muon(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------------------- Muon
 
-    def _muon_step(self, groups: list[dict], beside_newton_schulz: Callable[[], None]) -> None:
+    def _muon_step(self, groups: list[dict]) -> None:
         # Matrices that share a layout, shape and Newton-Schulz setting can share rounds.
         buckets: dict[tuple, list[tuple[torch.Tensor, dict]]] = {}
         for group in groups:
@@ -274,9 +284,10 @@ class Muon(torch.optim.Optimizer):
                     _apply_update(p, group, o)
 
         def meanwhile() -> None:
-            """While the first exchange's pieces travel: the hook, then the matrices no rank
+            """While the first exchange's pieces travel: the hooks, then the matrices no rank
             shares (whole on this rank: expert stacks under EP), which need no collective."""
-            beside_newton_schulz()
+            for hook in list(self._while_orthogonalising.values()):
+                hook()
             run_rounds(local=True)
 
         run_rounds(local=False)  # the round-by-round exchanges block: before any packed one is in flight

@@ -2,7 +2,7 @@
 DeviceMesh that names those groups.
 
 The world is `dp_replicate x dp_shard x cp x tp` ranks (torchtitan's order). Context parallelism
-(`cp`, `parallel/context.py`) splits each row over `cp` ranks that read the same rows; for the
+(`cp`, `parallel/context_parallel.py`) splits each row over `cp` ranks that read the same rows; for the
 weights those ranks are data-parallel ranks like the others: FSDP shards over `dp_shard x cp`
 (the flattened dim `dp_shard_cp`; named `dp_shard` when cp = 1) and their gradients sum.
 Expert parallelism borrows its ranks from `dp_shard x cp` (as in torchtitan): the `ep` ranks of

@@ -1,15 +1,14 @@
 """Make a TrinityModel distributed: the construction order of DESIGN §4.
 
 build on the meta device -> tensor parallel -> expert parallel -> activation checkpointing and
-compile (the caller's `wrap`) -> FSDP/HSDP -> materialise on the device -> `init_weights()` shard
-by shard with the values one process would draw. A model never exists whole on one rank; one
+compile (`apply_training_wrappers`) -> FSDP/HSDP -> materialise on the device -> `init_weights()`
+shard by shard with the values one process would draw. (A CPU job's gloo collectives are
+installed after, with the optimizer: `parallel/gloo`.) A model never exists whole on one rank; one
 process takes the same path without the parallel steps, so single- and multi-process runs start
 from identical weights for the same seed.
 """
 
 from __future__ import annotations
-
-from typing import Callable
 
 import torch
 from torch import nn
@@ -24,8 +23,19 @@ from trinity_train.parallel.sharded_init import init_weights_like_one_process
 from trinity_train.parallel.tensor_parallel import apply_tensor_parallel
 from trinity_train.parallel.wire_precision import wire_dtype
 
-# Applied between the model-splitting steps and FSDP (activation checkpointing, compile).
-Wrap = Callable[[nn.Module, Config], nn.Module]
+
+def apply_training_wrappers(model: nn.Module, cfg: Config) -> nn.Module:
+    """Activation checkpointing, then compilation, per block (DESIGN §4 order), in place: the
+    parameter names seen by checkpoints are unchanged."""
+    if cfg.train.activation_checkpointing:
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+        for i, block in enumerate(model.layers):
+            model.layers[i] = checkpoint_wrapper(block)
+    if cfg.train.compile:
+        for block in model.layers:
+            block.compile()
+    return model
 
 
 def split_model(model: TrinityModel, dims: ParallelDims, parallel: ParallelConfig | None = None) -> TrinityModel:
@@ -41,14 +51,12 @@ def split_model(model: TrinityModel, dims: ParallelDims, parallel: ParallelConfi
     return model
 
 
-def build_parallel_model(cfg: Config, dims: ParallelDims, device: torch.device,
-                         wrap: Wrap | None = None) -> TrinityModel:
-    """Build, parallelise, materialise and initialise (seeded with `train.seed`) the model."""
+def build_parallel_model(cfg: Config, dims: ParallelDims, device: torch.device) -> TrinityModel:
+    """Build, parallelise, wrap, materialise and initialise (seeded with `train.seed`) the model."""
     model = build_model(cfg.model, device="meta")
     if dims.is_distributed:
         split_model(model, dims, cfg.parallel)
-    if wrap is not None:
-        model = wrap(model, cfg)
+    model = apply_training_wrappers(model, cfg)
     if dims.is_distributed:
         apply_fsdp(model, dims, device, cfg.train.dtype, cfg.parallel)
     model.to_empty(device=device)

@@ -6,7 +6,7 @@ algorithms: all-gather its shard x (n-1); reduce-scatter (n-1)/n of its input; a
 2(n-1)/n of the tensor (ring); all-to-all the rows meant for the other ranks; broadcast the
 tensor x (n-1) from the root. What a backend actually puts on the wire differs by a factor per
 kind (gloo builds reduce-scatter from an all-reduce: ~2x, so FSDP's on gloo is an all-to-all of
-the shards, `parallel/gloo_reduce_scatter.py`, filed under FSDP reduce-scatter with its own
+the shards, `parallel/gloo/reduce_scatter.py`, filed under FSDP reduce-scatter with its own
 bytes, the same (n-1)/n; benchmarks/multinode.py calibrates the factors).
 
 Each call is also named by *who* issued it (FSDP, the EP dispatch, Muon, other) from the Python
@@ -28,15 +28,15 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 FSDP_ALL_GATHER = "FSDP all-gather"
 FSDP_REDUCE_SCATTER = "FSDP reduce-scatter"
-# A CPU job's embedding: the rows its forward reads (parallel/embedding_gather.py) and the rows its
-# tokens touched (parallel/embedding_rows.py); data-dependent, so the planner counts the whole
+# A CPU job's embedding: the rows its forward reads (parallel/gloo/embedding_all_gather.py) and the rows its
+# tokens touched (parallel/gloo/embedding_reduce_scatter.py); data-dependent, so the planner counts the whole
 # table, an upper bound.
 FSDP_EMBEDDING_ROWS_GATHER = "FSDP all-gather, embedding rows"
 FSDP_EMBEDDING_ROWS_REDUCE = "FSDP reduce-scatter, embedding rows"
 FSDP_ALL_REDUCE = "FSDP all-reduce"  # HSDP: across the replica groups
 EP_ALL_TO_ALL = "EP all-to-all"
 MUON_REDISTRIBUTE = "Muon redistribute"
-# Context parallelism's collectives (parallel/context.py), forward and backward.
+# Context parallelism's collectives (parallel/context_parallel.py), forward and backward.
 CP_CATEGORY = {"all_to_all": "CP halo all-to-all", "all_gather": "CP key/value all-gather",
                "reduce_scatter": "CP key/value reduce-scatter", "all_reduce": "CP loss all-reduce"}
 
@@ -89,13 +89,14 @@ def sent_bytes(name: str, a: dict, n: int, me: int) -> tuple[str, float] | None:
 
 def category(kind: str, frames: list[str]) -> str:
     """Who issued a collective of `kind`, from the file names on the Python stack."""
-    if any(f.endswith("parallel/embedding_gather.py") for f in frames):  # (it calls embedding_rows.py's exchanges)
+    # (both embedding collectives call row_exchange.py's all-to-alls)
+    if any(f.endswith("parallel/gloo/embedding_all_gather.py") for f in frames):
         return FSDP_EMBEDDING_ROWS_GATHER
-    if any(f.endswith("parallel/embedding_rows.py") for f in frames):
+    if any(f.endswith("parallel/gloo/embedding_reduce_scatter.py") for f in frames):
         return FSDP_EMBEDDING_ROWS_REDUCE
     # FSDP's reduce-scatter on gloo; an overlapped one may be started from an autograd hook
-    # (parallel/backward_traffic.py), with no FSDP frame on the stack.
-    if kind == "all_to_all" and any(f.endswith("parallel/gloo_reduce_scatter.py") for f in frames):
+    # (parallel/gloo/ep_backward_hold.py), with no FSDP frame on the stack.
+    if kind == "all_to_all" and any(f.endswith("parallel/gloo/reduce_scatter.py") for f in frames):
         return FSDP_REDUCE_SCATTER
     if any("/torch/distributed/fsdp/" in f for f in frames):
         if kind == "all_gather":
@@ -107,7 +108,7 @@ def category(kind: str, frames: list[str]) -> str:
         return f"FSDP {kind}"
     if any(f.endswith("optim/muon.py") for f in frames):
         return MUON_REDISTRIBUTE
-    if any(f.endswith("parallel/context.py") for f in frames):
+    if any(f.endswith("parallel/context_parallel.py") for f in frames):
         return CP_CATEGORY.get(kind, f"CP {kind}")
     if kind == "all_to_all":  # the dispatch's forward, or its backward (autograd's frames only)
         return EP_ALL_TO_ALL

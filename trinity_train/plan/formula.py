@@ -597,8 +597,8 @@ def traffic_per_rank(cfg: Config, dims: ParallelDims, *, gpu: bool,
         # fp32 (or bf16) gradients, (n-1)/n of the n-shard input: every micro-batch, or the last only
         reductions = accum if cfg.parallel.sync_every_micro_batch else 1
         rs = sum(shards) * nums.grad_wire * (n - 1) * reductions
-        # A CPU job's embedding gathers the rows its forward reads (parallel/embedding_gather.py)
-        # and sends the rows its tokens touched (parallel/embedding_rows.py): data-dependent, so
+        # A CPU job's embedding gathers the rows its forward reads (parallel/gloo/embedding_all_gather.py)
+        # and sends the rows its tokens touched (parallel/gloo/embedding_reduce_scatter.py): data-dependent, so
         # their own categories, counted as the whole table (an upper bound).
         rows = unit == "dense" and not gpu and dims.tp == 1
         table = sum(s for u, s in zip(kinds, shards) if u[0].unit == "embed") * (n - 1) if rows else 0.0

@@ -41,17 +41,17 @@ from trinity_train.model import build_model
 from trinity_train.optim.groups import build_optimizer
 from trinity_train.optim.schedule import build_scheduler
 from trinity_train.parallel.assumed_routing import AssumedRouting, assume_routing
-from trinity_train.parallel.context import shard_micro_batch
+from trinity_train.parallel.context_parallel import shard_micro_batch
 from trinity_train.parallel.fsdp import apply_fsdp
 from trinity_train.parallel.mesh import ParallelDims
-from trinity_train.parallel.parallelize import split_model
+from trinity_train.parallel.gloo.communication import install_gloo_communication
+from trinity_train.parallel.parallelize import apply_training_wrappers, split_model
 from trinity_train.parallel.reductions import global_grad_norm
 from trinity_train.plan.collectives import EP_ALL_TO_ALL, CollectiveCall, CollectiveLog
 from trinity_train.plan.fake_world import (CpuGroupedMatmul, fake_world, gpu_collectives_and_kernels,
                                           sharding_metadata_apart)
 from trinity_train.stability import StepGuard
 from trinity_train.step import TrainingStep
-from trinity_train.train import apply_training_wrappers
 
 # FSDPMemTracker's categories and (one process, no FSDP) MemTracker's -> the plan's.
 CATEGORY_OF = {
@@ -106,7 +106,7 @@ def create_optimizer_state(step: TrainingStep) -> None:
     gradients does both first, and the traced iteration is a steady-state one."""
     for p in step.params:
         p.grad = torch.zeros_like(p)
-    step.step_optimizer()
+    step.optimizer.step()
     step.optimizer.zero_grad(set_to_none=True)
 
 
@@ -186,8 +186,9 @@ def trace_rank(cfg: Config, world_size: int, rank: int, *, gpu: bool,
             model.to_empty(device="cpu")
             model.train()
             optimizer = build_optimizer(model, cfg.optim)
+            communication = install_gloo_communication(model, optimizer, dims, device, cfg.parallel.reduce_wire_dtype)
             step = TrainingStep(model, optimizer, build_scheduler(optimizer, cfg),
-                                StepGuard(cfg.stability), cfg, torch.device("cpu"), dims)
+                                StepGuard(cfg.stability), cfg, torch.device("cpu"), dims, communication=communication)
             grad_accum = grad_accum_for(cfg.train, dims.dp)
             parts = [_micro_batch(cfg, dims) for _ in range(min(grad_accum, micro_batches))]
             create_optimizer_state(step)

@@ -5,7 +5,7 @@ chunk, so each rank sends 2(n-1)/n of its input instead of (n-1)/n (pytorch#1189
 bed measured 2.03x the credited bytes). gloo's all-to-all is native, so `AllToAllReduceScatter`
 sends chunk r of the input to rank r, receives every rank's copy of its own chunk and sums them
 locally (the pattern of Megatron's `reduce_scatter_with_fp32_accumulation`). FSDP2 takes it
-through `FSDPModule.set_custom_reduce_scatter` (`parallel/fsdp.py` sets it on every unit of a CPU
+through `FSDPModule.set_custom_reduce_scatter` (`communication.py` sets it on every unit of a CPU
 job); NCCL keeps its own reduce-scatter.
 
 The local sum adds the chunks in rank order, (g0 + g1) + g2 + ...: on two ranks that is the one
@@ -35,14 +35,14 @@ class AllToAllReduceScatter(ReduceScatter):
     `input_tensor` (n equal chunks, chunk r for rank r) into `output_tensor` over `group`.
 
     One object serves every FSDP unit of a model. While `overlapping` (the step sets it for a
-    backward whose reduced gradients nothing reads before it ends: see `parallel/fsdp.py`), a
+    backward whose reduced gradients nothing reads before it ends: see `communication.py`), a
     call only starts the all-to-all (`async_op=True`, on gloo's threads) and returns; the sum
     lands in `output_tensor` when the call after the next one is made, or at `finish()`, which
     the step calls when the backward is over and before anything reads a gradient. So one unit's
     reduce-scatter travels while the next unit's backward computes, and at most two are in
     flight: one more unit's input and received buffers alive than a blocking call keeps. An
     overlapped call's all-to-all starts through `run_or_hold` (in an EP job's backward, after the
-    current block's expert exchange: `parallel/backward_traffic.py`), or when it is completed."""
+    current block's expert exchange: `ep_backward_hold.py`), or when it is completed."""
 
     IN_FLIGHT = 1  # unit reduce-scatters left travelling behind the newest
 
@@ -50,7 +50,7 @@ class AllToAllReduceScatter(ReduceScatter):
         self.overlapping = False
         self.wire_dtype = wire_dtype  # what the chunks travel as (None: FSDP's reduce dtype)
         # Where an overlapped call's all-to-all is started: at once, or when the backward's expert
-        # exchange lets it (`parallel/backward_traffic.py`, an EP job's `BackwardTraffic.run_or_hold`).
+        # exchange lets it (`ep_backward_hold.py`, an EP job's `BackwardTraffic.run_or_hold`).
         self.run_or_hold: Callable[[Callable[[], None]], None] = lambda start: start()
         self._pending: list[_Transfer] = []
 

@@ -1,17 +1,17 @@
-"""The embedding's all-gather on gloo, fetching only the rows this rank's tokens read.
+"""The embedding's weight all-gather on gloo, fetching only the rows this rank's tokens read.
 
 The embedding's forward reads one row per token, `weight[input_ids]`: with the default job's
 1,024 tokens a rank and 8,192 rows, about a tenth of the table (the bytes-per-step table of
 benchmarks/multinode.py counts it). FSDP all-gathers the whole table all the same, at the step's
 start, where nothing else is left to compute. `ReadRowsAllGather` is FSDP2's custom all-gather of
-the embedding's unit on a CPU job without TP (`parallel/fsdp.py`):
+the embedding's unit on a CPU job without TP (`communication.py`):
 
 1. a forward pre-hook on the embedding (`read_rows_only`, prepended: it runs before FSDP's own)
    hands the token ids of the forward about to run to the all-gather FSDP's pre-forward makes
    next;
 2. rank t owns rows [t*R, (t+1)*R) of the (padded) table; one all-to-all of the masks of the rows
    each rank reads from each owner, one of those rows, in ascending order (the two exchanges of
-   `parallel/embedding_rows.py`);
+   `row_exchange.py`);
 3. the gathered table holds this rank's own rows and every row its tokens read, bit for bit the
    dense all-gather's; every other row is zero and nothing reads it: the embedding's backward
    reads only the ids (it is never gathered for backward), the head is untied, checkpoints and
@@ -33,7 +33,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather
 
 from trinity_train.parallel.assumed_routing import assumed_routing
-from trinity_train.parallel.embedding_rows import exchange_row_masks, exchange_rows
+from trinity_train.parallel.gloo.row_exchange import exchange_row_masks, exchange_rows
 
 
 class ReadRowsAllGather(DefaultAllGather):

@@ -15,8 +15,8 @@ the backward prefetch of the block below an EP block are started only when an EP
 exchange is over (its MoE input's gradient is complete: a tensor hook), and then travel while that
 block's attention backward computes, before the next block's expert exchange. After the lowest EP
 block everything starts at once, as before. The same collectives with the same inputs, started
-later within the backward: the same sums. A CPU job with EP and the overlap settings only
-(`parallel/fsdp.py`); FSDP2's streams order a GPU job's traffic.
+later within the backward: the same sums. A CPU job with EP only
+(`communication.py`); FSDP2's streams order a GPU job's traffic.
 """
 
 from __future__ import annotations

@@ -1,21 +1,21 @@
-"""The embedding's reduce-scatter on gloo, sending only the rows a rank's tokens touched.
+"""The embedding's gradient reduce-scatter on gloo, sending only the rows a rank's tokens touched.
 
 A step's embedding gradient is zero in every row whose token no sequence of the rank held: a few
 percent of a large vocabulary's rows, about a tenth of the default job's 8,192 (the bytes-per-step
 table of benchmarks/multinode.py counts it). FSDP reduce-scatters the whole table all the same,
 and it is the backward's last reduce-scatter (the embedding's gradient is final only when the
 backward ends), so nothing computes while it travels. `TouchedRowsReduceScatter` is FSDP2's
-custom reduce-scatter of the embedding's unit on a CPU job without TP (`parallel/fsdp.py`):
+custom reduce-scatter of the embedding's unit on a CPU job without TP (`communication.py`):
 
 1. rank t's chunk of the input is rows [t*R, (t+1)*R) of the (padded) table; a row is touched
    when any bit of it is set (so a -0.0 travels too);
-2. one all-to-all of the touched rows' masks (a bit a row, `exchange_row_masks`), one of the rows
-   (`exchange_rows`, in `reduce_wire_dtype` as the dense one sends them), in ascending row order;
+2. one all-to-all of the touched rows' masks (a bit a row), one of the rows (in
+   `reduce_wire_dtype` as the dense one sends them), in ascending row order (`row_exchange`);
 3. each rank's chunk is rebuilt in a zeroed buffer and summed as `AllToAllReduceScatter` sums:
    the zeros not received are the +0.0 the dense chunk holds there, so every chunk is rebuilt bit
    for bit and the sum is the dense one's, in the same order (tests/test_gloo_reduce_scatter.py).
 
-The two exchanges serve the embedding's forward all-gather too (`parallel/embedding_gather.py`).
+The two exchanges serve the embedding's forward all-gather too (`embedding_all_gather.py`).
 `trinity-train plan` traces without data (no rows to find): there it sends the whole table, and
 the planner counts that, an upper bound, as its own category (`FSDP reduce-scatter, embedding
 rows`, plan/collectives.py). NCCL keeps FSDP's dense reduce-scatter.
@@ -25,33 +25,13 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from trinity_train.parallel.assumed_routing import assumed_routing
-from trinity_train.parallel.gloo_reduce_scatter import AllToAllReduceScatter, sum_in_rank_order
+from trinity_train.parallel.gloo.reduce_scatter import AllToAllReduceScatter, sum_in_rank_order
+from trinity_train.parallel.gloo.row_exchange import exchange_row_masks, exchange_rows
 
 # Integer dtypes of each float width: a row is "touched" when any bit of it is set (-0.0 too).
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-_SHIFTS = torch.arange(8, dtype=torch.uint8)
-
-
-def exchange_row_masks(masks: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    """One all-to-all of boolean row masks, [n, R] (row t for rank t): returns [n, R], row t from
-    rank t. Sent packed, a bit a row."""
-    n, rows = masks.shape
-    packed = F.pad(masks.to(torch.uint8), (0, -rows % 8)).view(n, -1, 8).bitwise_left_shift(_SHIFTS)
-    packed = packed.sum(dim=2, dtype=torch.uint8)
-    received = torch.empty_like(packed)
-    dist.all_to_all_single(received, packed, group=group)
-    return received.unsqueeze(2).bitwise_right_shift(_SHIFTS).bitwise_and(1).view(n, -1)[:, :rows].bool()
-
-
-def exchange_rows(sending: list[torch.Tensor], receiving: list[int], group: dist.ProcessGroup) -> list[torch.Tensor]:
-    """One all-to-all of whole rows: `sending[t]` ([k, width]) to rank t, `receiving[t]` rows from
-    rank t; returns what each rank sent, in rank order."""
-    values = sending[0].new_empty(sum(receiving), sending[0].shape[1])
-    dist.all_to_all_single(values, torch.cat(sending), receiving, [len(s) for s in sending], group=group)
-    return list(values.split(receiving))
 
 
 class TouchedRowsReduceScatter(AllToAllReduceScatter):
