@@ -330,6 +330,24 @@
     checkpoint: "#1565c0", rollback: "#6a1b9a", validation: "#00838f", statistics: "#8d6e63", data: "#ad1457",
     shutdown: "#bdbdbd", lost: "#c62828" };
 
+  // The bars keep their size however many rows the legend wraps onto (a narrow window): the chart's
+  // height is their rows, a frame (margins, axis and its title) and the legend's height as last
+  // drawn (one row before the first draw, as on a wide window), refitted after each draw since a
+  // resize re-wraps the legend. On the div, not in the layout: a resize of the window drops the
+  // layout's height and plotly takes the div's.
+  const BAR_PX = 34, FRAME_PX = 100, LEGEND_ROW_PX = 29;
+  const legendPx = (div) => (div._fullLayout && div._fullLayout.legend ? div._fullLayout.legend._height : LEGEND_ROW_PX);
+  const barsHeight = (div, rows) => `${FRAME_PX + BAR_PX * rows + legendPx(div)}px`;
+
+  function fitGoodputHeight() {
+    const div = $("plot-goodput");
+    const height = barsHeight(div, div.data[0].y.length);
+    if (div.style.height !== height) {
+      div.style.height = height;
+      Plotly.Plots.resize(div);
+    }
+  }
+
   draw.goodput = function () {
     const runs = visibleRuns().filter((r) => state.data[r.index].goodput && state.data[r.index].goodput.attempts.length);
     if (!setEmpty("plot-goodput", !runs.length ? "No time accounted yet: a run writes timeline.jsonl from its first iteration on (runs from before it have none)." : null)) return;
@@ -345,9 +363,11 @@
       marker: { color: GOODPUT_COLORS[c] }, customdata: rows.map((row) => (row.wall > 0 ? (100 * (row.seconds[c] || 0)) / row.wall : 0)),
       hovertemplate: `%{y}<br>${labels[c]}: %{x:.1f} s (%{customdata:.1f}% of its wall)<extra></extra>`, meta: { kind: "goodput", category: c },
     }));
-    react("plot-goodput", traces, { barmode: "stack", margin: { l: 20, r: 20, t: 10, b: 40 }, height: 130 + 34 * rows.length,
+    $("plot-goodput").style.height = barsHeight($("plot-goodput"), rows.length);
+    react("plot-goodput", traces, { barmode: "stack", margin: { l: 20, r: 20, t: 10, b: 40 },
       xaxis: { title: { text: "seconds" }, automargin: true }, yaxis: { automargin: true, autorange: "reversed", type: "category" },
-      legend: legendBelow({ traceorder: "normal" }), font: { size: 12 } });
+      // maxheight 1: all of the legend, which the height makes room for (plotly scrolls one past half of it)
+      legend: legendBelow({ traceorder: "normal", maxheight: 1 }), font: { size: 12 } });
   };
 
   // ---- the layer plots -------------------------------------------------------------------
@@ -468,6 +488,7 @@
       div.dataset.listening = "true";
       div.on("plotly_click", onClick);
       if (TIME_PLOTS.includes(id)) div.on("plotly_relayout", onRelayout);
+      if (id === "plot-goodput") div.on("plotly_afterplot", fitGoodputHeight);
     }
   }
 
