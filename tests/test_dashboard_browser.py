@@ -5,7 +5,8 @@ MoE layer, two runs overlaid, the incident report on a click, a live update, the
 and where the time of each run's attempts went; and on a real two-rank `slow_rank` drill run
 (tests/rank_health_run.py) the rank x iteration heatmap: host-labelled rows, the straggler
 starred on its rank, the drill outlined, and below it a line per rank of its exposed
-communication."""
+communication. In a wide and a narrow window, no chart's legend covers its axes' titles or tick
+labels."""
 
 import os
 import random
@@ -86,6 +87,48 @@ def check_goodput_panel(driver, run):
     assert len(figure(driver, "plot-experts")["data"][0]["z"]) == len(MOE_LAYERS)
     for plot_id in ("plot-grad-norm", "plot-lr", "plot-throughput", "plot-moe-lines", "plot-depth-grad", "plot-depth-rms"):
         figure(driver, plot_id)
+
+
+# Each drawn chart's legend box, axis titles and tick labels, in page pixels; in plotly's SVG the
+# legend is `g.legend` (its `rect.bg` the box), an axis title `g.g-xtitle`, `g.g-y2title`..., a tick
+# label `g.xtick`, `g.y2tick`...
+CHART_TEXT = """
+const box = (e) => { const r = e.getBoundingClientRect(); return [r.left, r.top, r.right, r.bottom]; };
+const texts = (d, pattern) => [...d.querySelectorAll('g[class] > text')]
+  .filter((t) => pattern.test(t.parentNode.getAttribute('class')) && t.textContent.trim())
+  .map((t) => [t.parentNode.getAttribute('class'), t.textContent, box(t)]);
+const charts = {};
+for (const d of document.querySelectorAll('.js-plotly-plot')) {
+  if (d.offsetParent === null) continue;  // hidden: the panel shows its note instead
+  const legend = d.querySelector('.legend rect.bg');
+  charts[d.id] = {legend: legend ? box(legend) : null, titles: texts(d, /^g-[xy][0-9]*title$/), ticks: texts(d, /^[xy][0-9]*tick$/)};
+}
+return charts;
+"""
+# after a resize, until plotly has redrawn every chart at its div's new width
+RESIZED = """
+return window.innerWidth <= arguments[0] && [...document.querySelectorAll('.js-plotly-plot')]
+  .filter((d) => d.offsetParent !== null)
+  .every((d) => Math.abs(d._fullLayout.width - d.getBoundingClientRect().width) < 2);
+"""
+
+
+def covered_text(driver) -> tuple[dict, list[str]]:
+    """(each drawn chart's boxes, "chart: what covers what" for a legend over an axis title or tick
+    label, and for an axis title over a tick label)."""
+    charts = driver.execute_script(CHART_TEXT)
+    covered = []
+    for plot_id, chart in charts.items():
+        over = [("legend", chart["legend"])] if chart["legend"] else []
+        pairs = [(a, b) for a in over for b in chart["titles"] + chart["ticks"]]
+        pairs += [((f"{kind} {text!r}", rect), b) for kind, text, rect in chart["titles"] for b in chart["ticks"]]
+        covered += [f"{plot_id}: {name} at {rect} over {kind} {text!r} at {under}"
+                    for (name, rect), (kind, text, under) in pairs if boxes_overlap(rect, under)]
+    return charts, covered
+
+
+def boxes_overlap(a, b) -> bool:
+    return a[0] < b[2] and b[0] < a[2] and a[1] < b[3] and b[1] < a[3]
 
 
 def run_lines(driver):
@@ -184,3 +227,23 @@ def test_the_rank_heatmap_shows_a_slow_rank_drill_live_and_in_the_report(tmp_pat
         driver.get(out.as_uri())
         browser.wait_until_rendered(driver)
         check_rank_heatmap(driver, slow_rank_run)
+
+
+def test_no_chart_draws_its_legend_over_its_axis_titles_or_tick_labels(drill_runs):
+    """Issue 48: the goodput chart of a run of few attempts wrote "seconds" over its legend. Every
+    chart, in a wide and a narrow window (which wraps the legends onto more rows), and no axis title
+    over tick labels either (where plotly puts a title squeezed for room); the goodput chart's
+    legend, axis title and tick labels must be there, so that it cannot pass on a chart that drew
+    none of them."""
+    with DashboardServer([drill_runs[0].path]) as server, browser.headless_chromium() as driver:
+        driver.get(server.url)
+        browser.wait_until_rendered(driver)
+        for width in (1600, 700):
+            driver.set_window_size(width, 1400)
+            WebDriverWait(driver, 30).until(lambda d: d.execute_script(RESIZED, width))
+            charts, covered = covered_text(driver)
+            goodput = charts["plot-goodput"]
+            assert goodput["legend"] and [t[:2] for t in goodput["titles"]] == [["g-xtitle", "seconds"]], (width, goodput)
+            assert {t[0] for t in goodput["ticks"]} == {"xtick", "ytick"}, (width, goodput)
+            assert len(charts) > 5, charts  # the other charts were checked too
+            assert not covered, (width, covered)

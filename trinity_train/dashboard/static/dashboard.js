@@ -96,11 +96,19 @@
     return !message;
   }
 
+  // A horizontal legend at the bottom of the figure (yref "container"), under the x axis's title:
+  // plotly reserves its height in the bottom margin however many rows it wraps onto. At a paper y
+  // (a fraction of the plot area's height) it landed on the axis title of a short or narrow chart.
+  // Charts with it give their x axis automargin: without, plotly lifts the title into the tick labels.
+  // A new object each time: plotly keeps the layout it is given and edits it (a dragged legend).
+  const legendBelow = (extra) => Object.assign({ orientation: "h", xref: "container", x: 0, xanchor: "left",
+    yref: "container", y: 0, yanchor: "bottom", font: { size: 11 } }, extra);
+
   function baseLayout(extra) {
     return Object.assign({
       margin: { l: 60, r: 20, t: 10, b: 40 }, hovermode: "closest", showlegend: true,
-      legend: { orientation: "h", y: -0.18, font: { size: 11 } },
-      xaxis: { title: { text: "iteration" }, zeroline: false, range: state.range ? state.range.slice() : undefined, autorange: !state.range },
+      legend: legendBelow(),
+      xaxis: { title: { text: "iteration" }, automargin: true, zeroline: false, range: state.range ? state.range.slice() : undefined, autorange: !state.range },
       yaxis: { zeroline: false, automargin: true },
       // event markers sit on a hidden axis spanning the plot's height
       yaxis9: { overlaying: "y", range: [0, 1], visible: false, fixedrange: true },
@@ -322,6 +330,24 @@
     checkpoint: "#1565c0", rollback: "#6a1b9a", validation: "#00838f", statistics: "#8d6e63", data: "#ad1457",
     shutdown: "#bdbdbd", lost: "#c62828" };
 
+  // The bars keep their size however many rows the legend wraps onto (a narrow window): the chart's
+  // height is their rows, a frame (margins, axis and its title) and the legend's height as last
+  // drawn (one row before the first draw, as on a wide window), refitted after each draw since a
+  // resize re-wraps the legend. On the div, not in the layout: a resize of the window drops the
+  // layout's height and plotly takes the div's.
+  const BAR_PX = 34, FRAME_PX = 100, LEGEND_ROW_PX = 29;
+  const legendPx = (div) => (div._fullLayout && div._fullLayout.legend ? div._fullLayout.legend._height : LEGEND_ROW_PX);
+  const barsHeight = (div, rows) => `${FRAME_PX + BAR_PX * rows + legendPx(div)}px`;
+
+  function fitGoodputHeight() {
+    const div = $("plot-goodput");
+    const height = barsHeight(div, div.data[0].y.length);
+    if (div.style.height !== height) {
+      div.style.height = height;
+      Plotly.Plots.resize(div);
+    }
+  }
+
   draw.goodput = function () {
     const runs = visibleRuns().filter((r) => state.data[r.index].goodput && state.data[r.index].goodput.attempts.length);
     if (!setEmpty("plot-goodput", !runs.length ? "No time accounted yet: a run writes timeline.jsonl from its first iteration on (runs from before it have none)." : null)) return;
@@ -337,9 +363,11 @@
       marker: { color: GOODPUT_COLORS[c] }, customdata: rows.map((row) => (row.wall > 0 ? (100 * (row.seconds[c] || 0)) / row.wall : 0)),
       hovertemplate: `%{y}<br>${labels[c]}: %{x:.1f} s (%{customdata:.1f}% of its wall)<extra></extra>`, meta: { kind: "goodput", category: c },
     }));
-    react("plot-goodput", traces, { barmode: "stack", margin: { l: 20, r: 20, t: 10, b: 40 }, height: 130 + 34 * rows.length,
-      xaxis: { title: { text: "seconds" } }, yaxis: { automargin: true, autorange: "reversed", type: "category" },
-      legend: { orientation: "h", traceorder: "normal", y: -0.3, font: { size: 11 } }, font: { size: 12 } });
+    $("plot-goodput").style.height = barsHeight($("plot-goodput"), rows.length);
+    react("plot-goodput", traces, { barmode: "stack", margin: { l: 20, r: 20, t: 10, b: 40 },
+      xaxis: { title: { text: "seconds" }, automargin: true }, yaxis: { automargin: true, autorange: "reversed", type: "category" },
+      // maxheight 1: all of the legend, which the height makes room for (plotly scrolls one past half of it)
+      legend: legendBelow({ traceorder: "normal", maxheight: 1 }), font: { size: 12 } });
   };
 
   // ---- the layer plots -------------------------------------------------------------------
@@ -372,8 +400,8 @@
         yaxis: { title: { text: "MoE layer" }, type: "category", automargin: true }, font: { size: 12 } });
     }
     const depth = (id, traces, title) => {
-      if (setEmpty(id, why)) react(id, traces, { margin: { l: 60, r: 20, t: 10, b: 40 }, hovermode: "closest", legend: { orientation: "h", y: -0.2, font: { size: 11 } },
-        xaxis: { title: { text: "layer" }, dtick: 1 }, yaxis: { title: { text: title }, automargin: true }, font: { size: 12 } });
+      if (setEmpty(id, why)) react(id, traces, { margin: { l: 60, r: 20, t: 10, b: 40 }, hovermode: "closest", legend: legendBelow(),
+        xaxis: { title: { text: "layer" }, automargin: true, dtick: 1 }, yaxis: { title: { text: title }, automargin: true }, font: { size: 12 } });
     };
     const profile = (r, record, key, dash, what) => ({
       x: record[key].map((_, i) => i), y: record[key], type: "scatter", mode: "lines+markers", name: `${escapeHtml(r.name)} ${what}`,
@@ -447,8 +475,8 @@
     });
     const ticks = [...lengths].sort((a, b) => a - b);
     react("plot-passkey", traces, { margin: { l: 60, r: 60, t: 10, b: 40 }, hovermode: "closest", showlegend: true,
-      legend: { orientation: "h", y: -0.22, font: { size: 11 } }, font: { size: 12 }, paper_bgcolor: "#fff", plot_bgcolor: "#fff",
-      xaxis: { title: { text: "prompt length (tokens)" }, type: "log", tickvals: ticks, ticktext: ticks.map(String) },
+      legend: legendBelow(), font: { size: 12 }, paper_bgcolor: "#fff", plot_bgcolor: "#fff",
+      xaxis: { title: { text: "prompt length (tokens)" }, automargin: true, type: "log", tickvals: ticks, ticktext: ticks.map(String) },
       yaxis: { title: { text: "retrieved" }, range: [-0.05, 1.05], tickformat: ".0%", zeroline: false },
       yaxis2: { title: { text: "key log-likelihood" }, overlaying: "y", side: "right", showgrid: false, zeroline: false } });
   };
@@ -460,6 +488,7 @@
       div.dataset.listening = "true";
       div.on("plotly_click", onClick);
       if (TIME_PLOTS.includes(id)) div.on("plotly_relayout", onRelayout);
+      if (id === "plot-goodput") div.on("plotly_afterplot", fitGoodputHeight);
     }
   }
 
