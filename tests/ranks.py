@@ -85,12 +85,12 @@ def rank_trainer(cfg, callbacks: list | None = None):
     split over the ranks as the config's layout says, as `train.train` builds it."""
     import functools
 
-    from trinity_train.parallel.mesh import ParallelDims
+    from trinity_train.parallel.node_layout import layout_on_nodes
     from trinity_train.parallel.process_group import nodes_from_env
     from trinity_train.train import Trainer, build_model_for_training
 
     init_gloo()
-    dims = ParallelDims.from_config(cfg, dist.get_world_size(), nodes_from_env(cfg))
+    dims = layout_on_nodes(cfg, dist.get_world_size(), nodes_from_env(cfg))
     dims.build_mesh("cpu")
     return Trainer(cfg, dims, torch.device("cpu"), model_builder=functools.partial(build_model_for_training, dims=dims),
                    callbacks=callbacks)

@@ -87,3 +87,46 @@ def test_the_walk_sees_imports():
     """The checks above would pass vacuously if the walk missed imports."""
     assert imported_packages(PACKAGE / "train.py") >= {"checkpoint", "data", "model", "parallel", "stability"}
     assert "model" in imported_packages(PACKAGE / "parallel" / "tensor_parallel.py")
+
+
+def imported_modules(path: Path) -> set[str]:
+    """The trinity_train modules `path` imports, TYPE_CHECKING blocks included (a cycle hidden
+    there is still two modules that each need the other to be read)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        names = []
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("trinity_train"):
+            # `from pkg import submodule` imports the submodule; any other name, pkg itself
+            names = [f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in MODULE_NAMES else node.module
+                     for a in node.names]
+        elif isinstance(node, ast.Import):
+            names = [a.name for a in node.names if a.name.startswith("trinity_train")]
+        found.update(n for n in names if n in MODULE_NAMES)
+    return found
+
+
+MODULE_NAMES = {".".join(("trinity_train",) + m.relative_to(PACKAGE).with_suffix("").parts).removesuffix(".__init__")
+                for m in MODULES}
+
+
+def test_no_two_modules_import_each_other_directly_or_through_others():
+    graph = {".".join(("trinity_train",) + m.relative_to(PACKAGE).with_suffix("").parts).removesuffix(".__init__"):
+             imported_modules(m) for m in MODULES}
+    assert len(graph) > 100 and sum(map(len, graph.values())) > 300  # the walk found the imports
+    state: dict[str, str] = {}
+
+    def visit(module: str, path: list[str]) -> None:
+        state[module] = "open"
+        for target in sorted(graph.get(module, ())):
+            if target == module:
+                continue
+            if state.get(target) == "open":
+                cycle = path[path.index(target):] + [target]
+                raise AssertionError("import cycle: " + " -> ".join(cycle))
+            if target not in state:
+                visit(target, path + [target])
+        state[module] = "done"
+
+    for module in sorted(graph):
+        if module not in state:
+            visit(module, [module])

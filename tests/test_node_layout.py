@@ -16,7 +16,7 @@ import torch.distributed as dist
 from ranks import init_gloo
 from trinity_train.errors import ConfigError
 from trinity_train.parallel.mesh import ParallelDims
-from trinity_train.parallel.node_layout import Nodes, nodes_for, within_nodes
+from trinity_train.parallel.node_layout import Nodes, layout_on_nodes, nodes_for, within_nodes
 from trinity_train.parallel.process_group import init_distributed, nodes_from_env
 from trinity_train.plan.fake_world import fake_world
 from trinity_train.run_config import load_run_config
@@ -73,7 +73,7 @@ def test_the_rule_agrees_with_the_groups_torch_builds():
             cfg = cfg_with(dp_replicate=dp_replicate, cp=cp, tp=tp, ep=ep, allow_ep_tp_across_nodes=allow)
             want_refused = shards_cut or (not allow and any(across.values()))
             try:
-                ParallelDims.from_config(cfg, world, Nodes(per_node, "test"))
+                layout_on_nodes(cfg, world, Nodes(per_node, "test"))
                 got_refused = False
             except ConfigError as e:
                 got_refused = True
@@ -87,27 +87,27 @@ def test_the_rule_agrees_with_the_groups_torch_builds():
 def test_ep_across_nodes_is_refused_unless_asked():
     one_rank_per_node = Nodes(1, "LOCAL_WORLD_SIZE, the launcher's processes per node")
     with pytest.raises(ConfigError) as err:
-        ParallelDims.from_config(cfg_with(ep=2), 2, one_rank_per_node)
+        layout_on_nodes(cfg_with(ep=2), 2, one_rank_per_node)
     message = str(err.value)
     assert message.startswith("parallel.ep: ep=2 would put its groups across nodes: each spans ep x tp = 2 "
                               "neighbouring ranks, which nodes of 1 ranks (LOCAL_WORLD_SIZE")
     assert "MoE layer's token all-to-alls" in message and "parallel.allow_ep_tp_across_nodes=true" in message
-    dims = ParallelDims.from_config(cfg_with(ep=2, allow_ep_tp_across_nodes=True), 2, one_rank_per_node)
+    dims = layout_on_nodes(cfg_with(ep=2, allow_ep_tp_across_nodes=True), 2, one_rank_per_node)
     assert dims.ep == 2
     # 2 ranks per node: the expert groups {0, 1} and {2, 3} are each a node's.
-    assert ParallelDims.from_config(cfg_with(ep=2), 4, Nodes(2, "test")).efsdp == 2
+    assert layout_on_nodes(cfg_with(ep=2), 4, Nodes(2, "test")).efsdp == 2
     with pytest.raises(ConfigError, match=r"^parallel.tp: tp=2 would put its groups across nodes"):
-        ParallelDims.from_config(cfg_with(tp=2), 4, Nodes(1, "test"))
+        layout_on_nodes(cfg_with(tp=2), 4, Nodes(1, "test"))
 
 
 def test_hsdp_shards_cut_by_a_node_boundary_are_refused():
     # 12 ranks, 4 per node: shard groups of 6 ranks straddle nodes 0-1 and 1-2.
     with pytest.raises(ConfigError, match=r"^parallel.dp_shard: HSDP's shard groups \(dp_shard x cp x tp = 6 "
                                           r"neighbouring ranks\) are cut by the boundaries of nodes of 4"):
-        ParallelDims.from_config(cfg_with(dp_replicate=2), 12, Nodes(4, "test"))
+        layout_on_nodes(cfg_with(dp_replicate=2), 12, Nodes(4, "test"))
     # Shard groups inside a node, or of whole nodes, and FSDP alone over any nodes, are fine.
     for dp_replicate, world, per_node in ((2, 8, 4), (2, 16, 4), (1, 12, 8)):
-        ParallelDims.from_config(cfg_with(dp_replicate=dp_replicate), world, Nodes(per_node, "test"))
+        layout_on_nodes(cfg_with(dp_replicate=dp_replicate), world, Nodes(per_node, "test"))
 
 
 def test_the_ranks_per_node_come_from_the_config_else_the_launcher(monkeypatch):
@@ -133,7 +133,7 @@ def _hsdp_groups_on_two_nodes() -> dict:
     """HSDP 2 x 2 with ep 2 on 4 ranks said to be 2 nodes of 2 (as a launcher would say them)."""
     init_gloo()
     cfg = cfg_with(dp_replicate=2, dp_shard=2, ep=2, ranks_per_node=2)
-    dims = ParallelDims.from_config(cfg, dist.get_world_size(), nodes_from_env(cfg))
+    dims = layout_on_nodes(cfg, dist.get_world_size(), nodes_from_env(cfg))
     dims.build_mesh("cpu")
 
     def ranks(mesh) -> list[int]:

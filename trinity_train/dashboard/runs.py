@@ -23,7 +23,7 @@ import numpy as np
 from trinity_train.columnar import read_mirror
 from trinity_train.dashboard.columns import MetricsColumns
 from trinity_train.dashboard.tail import FileTail
-from trinity_train.records import EventName, RecordKind, named, run_status
+from trinity_train.records import EventName, named, run_status
 from trinity_train.rundir import RunDir, incident_iteration
 
 

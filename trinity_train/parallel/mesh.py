@@ -33,7 +33,6 @@ from typing import TYPE_CHECKING
 from trinity_train.config import Config, ModelConfig, grad_accum_for, require
 from trinity_train.errors import ConfigError
 from trinity_train.model.alignment import GROUPED_MM_ALIGNMENT
-from trinity_train.parallel.node_layout import Nodes, check_groups_within_nodes
 
 if TYPE_CHECKING:  # torch is imported by build_mesh: the launchers' preflight checks a layout without it
     from torch.distributed.device_mesh import DeviceMesh
@@ -99,10 +98,10 @@ class ParallelDims:
     _flat: dict[str, DeviceMesh] = field(default_factory=dict, repr=False)  # by "_".join(dims)
 
     @classmethod
-    def from_config(cls, cfg: Config, world_size: int, nodes: Nodes | None = None) -> ParallelDims:
+    def from_config(cls, cfg: Config, world_size: int) -> ParallelDims:
         """Resolve `dp_shard = -1` and reject a layout that cannot run on `world_size` ranks
-        (`check_layout_config` first: the rules that need no world size); with `nodes`, also one
-        whose groups would sit badly on nodes of that many ranks (`node_layout`)."""
+        (`check_layout_config` first: the rules that need no world size). Where the groups fall on
+        the nodes is `node_layout.layout_on_nodes`'s check, on top of this one."""
         check_layout_config(cfg)
         p = cfg.parallel
         fixed = p.dp_replicate * p.cp * p.tp
@@ -134,10 +133,7 @@ class ParallelDims:
                 f"parallel.tp: each rank's expert width model.moe_intermediate_size / tp = "
                 f"{m.moe_intermediate_size // p.tp} must be a multiple of {GROUPED_MM_ALIGNMENT} for "
                 f"model.expert_impl='grouped'; use a smaller tp or model.expert_impl='loop'")
-        dims = cls(p.dp_replicate, dp_shard, p.tp, p.ep, world_size, p.cp)
-        if nodes is not None:
-            check_groups_within_nodes(dims, p, nodes)
-        return dims
+        return cls(p.dp_replicate, dp_shard, p.tp, p.ep, world_size, p.cp)
 
     @classmethod
     def one_process(cls) -> ParallelDims:

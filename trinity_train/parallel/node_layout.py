@@ -24,13 +24,10 @@ The ranks per node come from `parallel.ranks_per_node`, else from the launcher (
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-from trinity_train.config import ParallelConfig
+from trinity_train.config import Config, ParallelConfig
 from trinity_train.errors import ConfigError
-
-if TYPE_CHECKING:
-    from trinity_train.parallel.mesh import ParallelDims
+from trinity_train.parallel.mesh import ParallelDims
 
 
 @dataclass(frozen=True)
@@ -39,6 +36,15 @@ class Nodes:
 
     ranks: int
     source: str
+
+
+def layout_on_nodes(cfg: Config, world_size: int, nodes: Nodes | None) -> ParallelDims:
+    """`ParallelDims.from_config`, and with `nodes` the layouts refused whose groups would sit
+    badly on nodes of that many ranks (`check_groups_within_nodes`)."""
+    dims = ParallelDims.from_config(cfg, world_size)
+    if nodes is not None:
+        check_groups_within_nodes(dims, cfg.parallel, nodes)
+    return dims
 
 
 def nodes_for(p: ParallelConfig, launcher_ranks: int | None, launcher_source: str) -> Nodes | None:

@@ -18,8 +18,7 @@ import sys
 
 from trinity_train.config import default_config_path, load_config
 from trinity_train.errors import UserError
-from trinity_train.parallel.mesh import ParallelDims
-from trinity_train.parallel.node_layout import nodes_for
+from trinity_train.parallel.node_layout import layout_on_nodes, nodes_for
 
 
 def main(argv: list[str]) -> int:
@@ -32,7 +31,7 @@ def main(argv: list[str]) -> int:
     try:
         cfg = load_config(args.config or default_config_path(), overrides)
         nodes = nodes_for(cfg.parallel, args.ranks_per_node, "the launcher's processes per node")
-        ParallelDims.from_config(cfg, args.world_size, nodes)
+        layout_on_nodes(cfg, args.world_size, nodes)
     except UserError as e:
         print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
         return e.exit_code

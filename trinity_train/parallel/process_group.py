@@ -19,7 +19,7 @@ from trinity_train.config import Config
 from trinity_train.errors import ConfigError
 from trinity_train.parallel.config_agreement import require_same_config
 from trinity_train.parallel.mesh import ParallelDims
-from trinity_train.parallel.node_layout import Nodes, nodes_for
+from trinity_train.parallel.node_layout import Nodes, layout_on_nodes, nodes_for
 
 
 def world_size_from_env() -> int:
@@ -54,7 +54,7 @@ def init_distributed(cfg: Config) -> tuple[ParallelDims, torch.device]:
     once with the same message instead of hanging in a collective; right after joining, the
     ranks check that they all run the same config.
     """
-    dims = ParallelDims.from_config(cfg, world_size_from_env(), nodes_from_env(cfg))
+    dims = layout_on_nodes(cfg, world_size_from_env(), nodes_from_env(cfg))
     device = resolve_device(cfg)
     if device.type == "cuda":
         torch.cuda.set_device(device)

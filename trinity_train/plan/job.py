@@ -17,7 +17,7 @@ from trinity_train.errors import ConfigError
 from trinity_train.model import build_model
 from trinity_train.parallel.assumed_routing import AssumedRouting
 from trinity_train.parallel.mesh import ParallelDims
-from trinity_train.parallel.node_layout import Nodes
+from trinity_train.parallel.node_layout import Nodes, layout_on_nodes
 from trinity_train.parallel.parallelize import split_model
 from trinity_train.plan.fake_world import fake_world
 from trinity_train.plan.rank_classes import RankClass, rank_classes
@@ -56,7 +56,7 @@ class JobPlan:
 def layout_for(cfg: Config, world_size: int, nodes: Nodes) -> ParallelDims:
     """`ParallelDims.from_config`, with valid layouts near a refused one named in the message."""
     try:
-        return ParallelDims.from_config(cfg, world_size, nodes)
+        return layout_on_nodes(cfg, world_size, nodes)
     except ConfigError as e:
         near = nearby_layouts(cfg, world_size, nodes)
         hint = f"; valid near it: {'; '.join(near)}" if near else ""
@@ -71,7 +71,7 @@ def nearby_layouts(cfg: Config, world_size: int, nodes: Nodes, limit: int = 3) -
     def valid(world: int, **changes) -> bool:
         parallel = dataclasses.replace(p, **changes)
         try:
-            ParallelDims.from_config(dataclasses.replace(cfg, parallel=parallel), world, nodes)
+            layout_on_nodes(dataclasses.replace(cfg, parallel=parallel), world, nodes)
         except ConfigError:
             return False
         return True

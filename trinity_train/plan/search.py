@@ -25,7 +25,7 @@ from trinity_train.config import Config
 from trinity_train.errors import ConfigError
 from trinity_train.parallel.assumed_routing import AssumedRouting
 from trinity_train.parallel.mesh import ParallelDims
-from trinity_train.parallel.node_layout import Nodes, within_nodes
+from trinity_train.parallel.node_layout import Nodes, layout_on_nodes, within_nodes
 from trinity_train.plan.formula import communicators, memory_per_rank, traffic_per_rank
 from trinity_train.plan.hardware import DEFAULT_NODES, DEFAULT_RESERVE, Hardware, Reserve
 from trinity_train.plan.timing import DEFAULT_MFU, StepTime, step_time
@@ -120,7 +120,7 @@ def search(cfg: Config, world: int, hardware: Hardware, *, nodes: Nodes = DEFAUL
                 for chunk in sorted(LOSS_CHUNKS, reverse=True):
                     candidate = _with(cfg, layout, micro, ac, chunk, batch)
                     try:
-                        dims = ParallelDims.from_config(candidate, world, nodes)
+                        dims = layout_on_nodes(candidate, world, nodes)
                     except ConfigError:
                         continue
                     memory = memory_per_rank(candidate, dims, gpu=gpu, routing=routing)
