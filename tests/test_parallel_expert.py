@@ -195,6 +195,29 @@ def _moe_layer_run(overlapped: bool, waves: int = 1) -> dict:
             "hidden": hidden}
 
 
+def _fsdp_view_warnings() -> list[str]:
+    """The tiny model under TP 2 x EP 2 with FSDP (its experts their own unit), one forward and
+    backward: FSDP2's warnings that a unit returned a view (an in-place op on it would drop the
+    unit's pre-backward hook), and a check that the step ran."""
+    import warnings
+
+    from conftest import TINY_MODEL
+    from trinity_train.config import load_config
+    from trinity_train.parallel.mesh import ParallelDims
+    from trinity_train.parallel.parallelize import build_parallel_model
+
+    cfg = load_config(None, {"model": dict(TINY_MODEL), "parallel": {"tp": 2, "ep": 2}})
+    dims = ParallelDims.from_config(cfg, dist.get_world_size())
+    dims.build_mesh("cpu")
+    model = build_parallel_model(cfg, dims, torch.device("cpu"))
+    ids = torch.randint(0, cfg.model.vocab_size, (2, 16), generator=torch.Generator().manual_seed(dims.dp_rank))
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        model(ids, labels=ids).ce_sum.backward()
+    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+    return [str(w.message) for w in seen if "returned a view" in str(w.message)]
+
+
 def _all_checks() -> dict:
     """Everything this file checks, in one spawned group (starting ranks is the slow part)."""
     init_gloo()
@@ -207,6 +230,7 @@ def _all_checks() -> dict:
     results["roundtrip"] = {waves: _dispatch_roundtrip(waves) for waves in (1, 2)}
     results["moe layer"] = {(overlapped, waves): _moe_layer_run(overlapped, waves)
                             for overlapped, waves in ((True, 1), (False, 1), (True, 2))}
+    results["fsdp view warnings"] = _fsdp_view_warnings()
     return results
 
 
@@ -325,3 +349,9 @@ def test_in_waves_the_experts_compute_while_tokens_travel(rank_results):
         for what, value in one.items():
             if what != "hidden":  # the grouped GEMM: see test_waves_give_the_numbers_of_one_wave
                 assert _same(two[what], value, exact=False), f"rank {rank}: {what} differs"
+
+
+def test_the_experts_unit_under_tp_and_ep_returns_no_view(rank_results):
+    # DTensor's full_tensor() returns a view; the TP output's all-reduce returns a tensor of its own.
+    for rank, result in enumerate(rank_results):
+        assert result["fsdp view warnings"] == [], f"rank {rank}: {result['fsdp view warnings'][:1]}"

@@ -246,9 +246,25 @@ def _tp_input(x: torch.Tensor, tp_mesh: DeviceMesh) -> torch.Tensor:
         grad_placements=[Partial()])
 
 
+class _SumOverTp(torch.autograd.Function):
+    """Megatron's g: the width shards' partial sums all-reduced in forward; the gradient passed
+    through in backward (every tp rank holds the same output and so already the whole gradient).
+    Its output is a tensor of its own: DTensor's `full_tensor()` returns a view of its local
+    tensor, and a view returned by an FSDP unit (the experts', under EP) would lose FSDP's
+    pre-backward hook to any in-place op on it (FSDP2 warns of it on every rank)."""
+
+    @staticmethod
+    def forward(ctx, y: torch.Tensor, tp_mesh: DeviceMesh) -> torch.Tensor:
+        return funcol.wait_tensor(funcol.all_reduce(y, "sum", tp_mesh))
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None
+
+
 def _tp_output(y: torch.Tensor, tp_mesh: DeviceMesh) -> torch.Tensor:
     """All-reduce the partial sums of the width shards; backward passes the gradient through."""
-    return DTensor.from_local(y, tp_mesh, [Partial()], run_check=False).full_tensor()
+    return _SumOverTp.apply(y, tp_mesh)
 
 
 # The waves a job's EP exchange runs in (an internal setting: 2 overlaps the first wave's compute
