@@ -88,3 +88,25 @@ def test_the_walk_sees_imports():
     """The checks above would pass vacuously if the walk missed imports."""
     assert imported_packages(PACKAGE / "train.py") >= {"checkpoint", "data", "model", "parallel", "stability"}
     assert "model" in imported_packages(PACKAGE / "parallel" / "tensor_parallel.py")
+
+
+def tooling_imports(path: Path) -> set[str]:
+    """The modules `path` imports whose top-level package is not trinity_train (every import, any depth)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module)
+        elif isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+    return found
+
+
+def test_trinity_train_never_imports_the_development_harness():
+    """trinity_harness (the tests' and benchmarks' ranks, cluster bed, job runner and instruments)
+    is development tooling installed beside the package: nothing in trinity_train may need it, nor
+    the tests or benchmarks' own modules."""
+    for module in MODULES:
+        bad = {m for m in tooling_imports(module) if m.split(".")[0] in ("trinity_harness", "tests", "benchmarks")}
+        assert not bad, f"{module.relative_to(PACKAGE)} imports {sorted(bad)}"
+    # the check is not vacuous: the walk sees the harness's imports where they are
+    assert "trinity_harness.ranks" in tooling_imports(PACKAGE.parent / "tests" / "conftest.py")
