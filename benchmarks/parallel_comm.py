@@ -17,23 +17,20 @@ CPU gloo ranks on this machine; the counts are exact, nothing here is timed.
 from __future__ import annotations
 
 import argparse
-import sys
 from collections import defaultdict
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.distributed.distributed_c10d import _resolve_process_group
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from trinity_harness.ranks import init_gloo, run_ranks
 from trinity_train.config import Config, load_config
 from trinity_train.parallel.expert_parallel import cut_runs
 from trinity_train.parallel.mesh import ParallelDims
 from trinity_train.parallel.parallelize import build_parallel_model
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the gloo-rank harness of the tests
-from ranks import init_gloo, run_ranks  # noqa: E402
+from trinity_train.plan.collectives import process_group
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "debug.toml"
 ALL_TO_ALL = torch.ops._c10d_functional.all_to_all_single.default
@@ -51,7 +48,7 @@ class AllToAllBytes(TorchDispatchMode):
         if func is ALL_TO_ALL:
             tensor, _, input_splits, group_name = args
             if tensor.is_floating_point():  # tokens, not the per-expert counts exchanged first
-                group = _resolve_process_group(group_name)
+                group = process_group(group_name)
                 me = dist.get_group_rank(group, dist.get_rank())
                 row_bytes = tensor.element_size() * tensor[0].numel() if tensor.shape[0] else 0
                 self.sent.append(sum(s for r, s in enumerate(input_splits) if r != me) * row_bytes)
