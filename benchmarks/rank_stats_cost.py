@@ -26,23 +26,22 @@ import os
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as layer_stats_cost.py: no spinning threads
 
-import argparse
-import statistics
-import sys
-import tempfile
-import time
-from pathlib import Path
-from types import SimpleNamespace
+import argparse  # noqa: E402
+import statistics  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+from types import SimpleNamespace  # noqa: E402
 
-
-from layer_stats_cost import CLOCKS, DEFAULT_CONFIG, QUIET, ROOT, Samples
-from trinity_harness.ranks import rank_trainer, run_ranks
-from trinity_harness.jobs import loadavg
-from trinity_train.config import load_config
-from trinity_train.callbacks import TrainerCallback
-from trinity_train.health.collective_waits import CollectiveWaits, timed_wait
-from trinity_train.health.rank_stats import RankStatsCallback
-from trinity_train.records import Phase
+from layer_stats_cost import CLOCKS, DEFAULT_CONFIG, QUIET, ROOT, Samples  # noqa: E402
+from trinity_harness.jobs import loadavg  # noqa: E402
+from trinity_harness.ranks import rank_trainer, run_ranks  # noqa: E402
+from trinity_train.config import load_config  # noqa: E402
+from trinity_train.callbacks import TrainerCallback  # noqa: E402
+from trinity_train.health.collective_waits import CollectiveWaits, timed_wait  # noqa: E402
+from trinity_train.health.rank_stats import RankStatsCallback  # noqa: E402
+from trinity_train.records import Phase  # noqa: E402
 
 # A debug-model step of about a second on 2 shared cores: 2 x 128 tokens per rank.
 SMALLER = ["--train.micro_batch_size=2", "--data.seq_len=128", "--metrics.layer_stats_every=0"]

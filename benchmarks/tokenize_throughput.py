@@ -26,26 +26,26 @@ import os
 os.environ.setdefault("RAYON_NUM_THREADS", "1")  # before tokenizers starts its thread pool
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-import argparse
-import statistics
-import sys
-import tempfile
-import time
-from pathlib import Path
+import argparse  # noqa: E402
+import statistics  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
 
-import datasets
-import numpy as np
-import pyarrow.compute as pc
-from datatrove.data import Document
-from datatrove.pipeline.tokens import DocumentTokenizer
-from loguru import logger
+import datasets  # noqa: E402
+import numpy as np  # noqa: E402
+import pyarrow.compute as pc  # noqa: E402
+from datatrove.data import Document  # noqa: E402
+from datatrove.pipeline.tokens import DocumentTokenizer  # noqa: E402
+from loguru import logger  # noqa: E402
 
-from trinity_harness.jobs import loadavg
-from trinity_train.data.default_corpus import corpus_files, stdlib_root
-from trinity_train.data.prepare_steps import (ENCODE_BATCH, DocumentEncoder, ShardOptions,
+from trinity_harness.jobs import loadavg  # noqa: E402
+from trinity_train.data.default_corpus import corpus_files, stdlib_root  # noqa: E402
+from trinity_train.data.prepare_steps import (ENCODE_BATCH, DocumentEncoder, ShardOptions,  # noqa: E402
                                               TokenizeToShards, is_validation)
-from trinity_train.data.shards import ShardWriter, TokenSizedShards
-from trinity_train.data.tokenizer import EOS_TOKEN, train_byte_level_bpe
+from trinity_train.data.shards import ShardWriter, TokenSizedShards  # noqa: E402
+from trinity_train.data.tokenizer import EOS_TOKEN, train_byte_level_bpe  # noqa: E402
 
 
 def stdlib_documents(megabytes: float, unit: str) -> list[str]:
