@@ -78,9 +78,9 @@ from pathlib import Path
 
 from trinity_harness.cluster_bed import bed_unavailable, surviving_train_records
 from trinity_harness.instruments import COUNTER_ENV, ITERATION_WALL, WAITS_ENV, rank_iterations
-from trinity_harness.jobs import (CALIBRATION_MB, CONDITIONS, COMMON, CPU_KINDS, PAIR, WARMUP_ITERS, Bench, Layout, RecoveryJob, kind_of,
-                                  bench_on_bed, calibrate, exposed, instrumented_env, loadavg, median_step_s, tail,
-                                  train_records)
+from trinity_harness.jobs import (CALIBRATION_MB, COMMON, CONDITIONS, CPU_KINDS, PAIR, WARMUP_ITERS, Bench, Layout,
+                                  RecoveryJob, bench_on_bed, calibrate, exposed, instrumented_env, kind_of, loadavg,
+                                  median_step_s, tail, train_records)
 from trinity_train.config import default_config_path, load_config
 from trinity_train.parallel.mesh import ParallelDims
 from trinity_train.plan.formula import local_tokens, model_params, traffic_per_rank
@@ -94,7 +94,6 @@ PAIR_BF16_WIRE = Layout(1, (*PAIR.args, *BF16_WIRE), "1 host x 2 ranks, bf16 wir
 # Section 4 (--hsdp): 4 ranks, HSDP 2 x 2, EP inside a replica; 2 per host keep both inside a host.
 HSDP = Layout(2, ("--parallel.dp_replicate=2", "--parallel.dp_shard=2", "--train.micro_batch_size=2"),
               "1 host x 4 ranks, HSDP", "2 hosts x 2 ranks, HSDP")
-# The overlap settings the ablation turns on one by one (parallel/fsdp.py, parallel/expert_parallel.py),
 
 # ============================================================================================
 # THE ABLATION'S SWITCHES: the one place that says how to turn each overlap off. They are config
