@@ -22,13 +22,10 @@ import sys
 import time
 from pathlib import Path
 
+from trinity_harness.cluster_bed import ClusterBed, bed_unavailable
+from trinity_harness.jobs import loadavg
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))  # the cluster bed's Python wrapper
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from cluster_bed import ClusterBed, bed_unavailable  # noqa: E402
-from multinode import loadavg  # noqa: E402
-
 PREFIX, SUBNET, PORT = "tk", "10.214.0", 5999  # a prefix and /24 no test bed uses
 TIMEOUT_S = 120  # any one transfer; a stalled one stops the script with the error, it does not hang
 

@@ -24,6 +24,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch  # noqa: E402
 
+from trinity_harness.jobs import loadavg  # noqa: E402
 from trinity_train.checkpoint import CheckpointManager, ModelState, OptimizerState  # noqa: E402
 from trinity_train.config import default_config_path, load_config  # noqa: E402
 from trinity_train.model import build_model  # noqa: E402
@@ -93,9 +94,7 @@ def main(argv: list[str]) -> int:
                 hash_files(files, new)
                 costs[name].append(time.perf_counter() - started)
         size = sum(f.stat().st_size for f in files)
-    with open("/proc/loadavg") as f:
-        load = f.read().strip()
-    print(f"# load: {load}")
+    print(f"# load: {loadavg()}")
     print(f"checkpoint: {len(files)} files, {size / 1e6:.1f} MB; save (sync, DCP, incl. fsync) best "
           f"{min(saves):.3f} s, median {statistics.median(saves):.3f} s")
     print("| hash | best s | MB/s | of the save time |")

@@ -35,7 +35,7 @@ from trinity_train.config import load_config
 from trinity_train.model.attention import (build_attention_mask, sliding_window_attention,
                                            sliding_window_blocks)
 from trinity_train.model.loss import chunked_cross_entropy
-from trinity_train.model.moe import GroupedExperts, _PermuteRows, _SortTokenCopies
+from trinity_train.model.moe import GroupedExperts, PermuteRows, SortTokenCopies
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -174,8 +174,8 @@ def gather_cases(cfg) -> dict[str, Callable[[], None]]:
     y = torch.randn(tokens * k, m.hidden_size, generator=generator, requires_grad=True)
 
     def ours():
-        _SortTokenCopies.apply(x, order, inverse, k).sum().backward()
-        _PermuteRows.apply(y, inverse, order).sum().backward()
+        SortTokenCopies.apply(x, order, inverse, k).sum().backward()
+        PermuteRows.apply(y, inverse, order).sum().backward()
 
     def indexing():
         x[order // k].sum().backward()

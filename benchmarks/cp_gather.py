@@ -19,16 +19,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))  # the rank harness
-sys.path.insert(0, str(ROOT / "benchmarks"))
+from trinity_harness.jobs import loadavg
+from trinity_harness.ranks import init_gloo, run_ranks
 
-from multinode import loadavg  # noqa: E402
-from ranks import init_gloo, run_ranks  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 HEADS, KV_HEADS, HEAD_DIM = 4, 2, 64  # configs/debug.toml
 
@@ -38,7 +35,7 @@ def time_rank(seq_len: int, repeats: int) -> dict:
     import torch
     import torch.distributed as dist
 
-    from trinity_train.model.context_attention import SequenceShard, _kv_rows, gathered_keys, zigzag_index
+    from trinity_train.model.context_attention import SequenceShard, gathered_keys, kv_rows, zigzag_index
     from trinity_train.parallel.context_parallel import GroupExchange
 
     torch.set_num_threads(1)
@@ -55,7 +52,7 @@ def time_rank(seq_len: int, repeats: int) -> dict:
     q, k, v = tensor(HEADS), tensor(KV_HEADS), tensor(KV_HEADS)
 
     def gather_only() -> None:
-        shard.exchange.all_gather(_kv_rows(k, v)).sum().backward()
+        shard.exchange.all_gather(kv_rows(k, v)).sum().backward()
 
     def attention() -> None:
         layer.attend(q, k, v, HEAD_DIM ** -0.5).sum().backward()

@@ -6,7 +6,7 @@
 The default model (configs/debug.toml) with document masking on and its 128-token sliding
 window, one sequence of `--seq-len` tokens a step (micro-batch 1), trained for real on `cp` gloo
 ranks (world = cp: the cp ranks also shard the weights, FSDP over dp_shard x cp). Iteration 2 of
-each job is measured by the planner's tracker on the real tensors (`tests/plan_runs.py`,
+each job is measured by the planner's tracker on the real tensors (`trinity_harness/plan_runs.py`,
 `measure_rank`): bytes by category at the iteration's peak, rank 0's. Beside it, what the plan's
 closed form (`plan/formula.py`, `memory_per_rank`) predicts for the same layout.
 
@@ -18,20 +18,17 @@ not with the sequence. The ratio column is activations at cp = 1 / activations a
 from __future__ import annotations
 
 import argparse
-import sys
 import tempfile
 from pathlib import Path
 
+from trinity_harness.jobs import loadavg
+from trinity_harness.plan_runs import measure_rank, measured_config
+from trinity_harness.ranks import run_ranks
+
+from trinity_train.parallel.mesh import ParallelDims
+from trinity_train.plan.formula import memory_per_rank
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))  # the rank harness and the measured runs
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-from multinode import loadavg  # noqa: E402
-from plan_runs import measure_rank, measured_config  # noqa: E402
-from ranks import run_ranks  # noqa: E402
-
-from trinity_train.parallel.mesh import ParallelDims  # noqa: E402
-from trinity_train.plan.formula import memory_per_rank  # noqa: E402
 
 MIB = 2 ** 20
 

@@ -32,15 +32,14 @@ import time
 import urllib.request
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "tests"))
-
-from synthetic_run import layers_record, train_record  # noqa: E402  (the tests' record shapes)
-
-from trinity_train.columnar import MirrorWriter  # noqa: E402
-from trinity_train.dashboard import browser  # noqa: E402
-from trinity_train.rundir import RunDir  # noqa: E402
+from trinity_harness.jobs import loadavg
+from trinity_harness.synthetic_run import layers_record, train_record  # the tests' record shapes
+from trinity_train.columnar import MirrorWriter
+from trinity_train.dashboard import browser
 from trinity_train.records import EventName
+from trinity_train.rundir import RunDir
+
+REPO = Path(__file__).resolve().parent.parent
 
 SKIPS = (123_457, 500_001)
 ROLLBACK = (700_000, 700_050)  # to_iter, iter: 700_001..700_050 abandoned
@@ -183,10 +182,10 @@ def main() -> None:
     parser.add_argument("--lines", type=int, default=1_000_000)
     parser.add_argument("--keep", type=Path, help="write the run directory here (default: a temporary one)")
     args = parser.parse_args()
-    print(f"load before: {Path('/proc/loadavg').read_text().strip()}")
+    print(f"load before: {loadavg()}")
     dashboard_load(args.lines, args.keep)
     layer_stats_overhead()
-    print(f"load after: {Path('/proc/loadavg').read_text().strip()}")
+    print(f"load after: {loadavg()}")
 
 
 if __name__ == "__main__":

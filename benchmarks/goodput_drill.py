@@ -22,6 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from trinity_harness.jobs import loadavg
 from trinity_train.records import EventName
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -29,11 +30,6 @@ SMALL_MODEL = ["--model.hidden_size=64", "--model.num_layers=2", "--model.head_d
                "--model.intermediate_size=128", "--model.moe_intermediate_size=32"]
 DRILLS = ('[{fault="kill_rank", first=8, rank=1}, {fault="hang_rank", first=14, rank=1, seconds=600}, '
           '{fault="nan_loss", first=21, last=22}]')
-
-
-def load() -> str:
-    with open("/proc/loadavg") as f:
-        return " ".join(f.read().split()[:3])
 
 
 def main() -> int:
@@ -46,11 +42,11 @@ def main() -> int:
                "--eval.every=10", "--checkpoint.every=5", "--metrics.progress_bar=false",
                "--watchdog.floor_s=4", "--watchdog.multiple=3", "--stability.rollback_after=2",
                "--stability.rollback_lookback=2", f"--stability.inject={DRILLS}", f"--run.dir={run_dir}"]
-    print(f"# load before: {load()}", flush=True)
+    print(f"# load before: {loadavg()}", flush=True)
     started = time.time()
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=1200)
     launcher_wall = time.time() - started
-    print(f"# load after: {load()}", flush=True)
+    print(f"# load after: {loadavg()}", flush=True)
     if done.returncode != 0:
         print(done.stderr[-3000:], file=sys.stderr)
         return done.returncode
@@ -69,7 +65,7 @@ def main() -> int:
     step_s = median_step_seconds(run_dir)
     write_s = timeline_write_seconds()
     print(f"writing an iteration's timeline line: {write_s * 1e6:.1f} us, {100 * write_s / step_s:.3f} % of the "
-          f"drill's median step ({step_s * 1e3:.1f} ms), load {load()}")
+          f"drill's median step ({step_s * 1e3:.1f} ms), load {loadavg()}")
     print(f"run directory: {run_dir}")
     return 0
 

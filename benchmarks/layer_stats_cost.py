@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from measure import synchronize
+from trinity_harness.jobs import loadavg
 from trinity_train.config import load_config
 from trinity_train.train import Trainer
 
@@ -49,13 +50,6 @@ DEFAULT_CONFIG = ROOT / "configs" / "debug.toml"
 QUIET = ["--eval.every=0", "--checkpoint.every=0", "--metrics.progress_bar=false",
          "--train.log_every=1000000000", "--metrics.peak_flops=1e12", "--train.steps=1000000000",
          "--stability.rollback_after=0"]  # no checkpoints to roll back to: say nothing of it
-
-
-def load_average() -> str:
-    try:
-        return Path("/proc/loadavg").read_text().strip()
-    except OSError:
-        return "unavailable"
 
 
 @dataclass
@@ -125,7 +119,7 @@ class LayerStatsOverhead:
 def measure_layer_stats_overhead(config: Path = DEFAULT_CONFIG, overrides: list[str] | None = None,
                                  pairs: int = 20, rounds: int = 12) -> LayerStatsOverhead:
     """Run the iterations described in the module docstring and return what they measured."""
-    load = [load_average()]
+    load = [loadavg()]
     with tempfile.TemporaryDirectory() as run_dir:
         cfg = load_config(config, list(overrides or []) + QUIET + [f"--run.dir={run_dir}"])
         interval = cfg.metrics.layer_stats_every
@@ -169,7 +163,7 @@ def measure_layer_stats_overhead(config: Path = DEFAULT_CONFIG, overrides: list[
                     samples.extra += [t - statistics.median(plain) for t in took]
             costs.append(every_k)
         trainer.finish()
-    load.append(load_average())
+    load.append(loadavg())
     return LayerStatsOverhead(costs, load)
 
 
@@ -179,7 +173,7 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--pairs", type=int, default=20, help="statistics iterations at interval 1")
     parser.add_argument("--rounds", type=int, default=12, help="statistics iterations at the configured interval")
     args, overrides = parser.parse_known_args(argv)
-    print(f"# load: {load_average()}")
+    print(f"# load: {loadavg()}")
     result = measure_layer_stats_overhead(args.config, overrides, args.pairs, args.rounds)
     print(f"config: {args.config.relative_to(ROOT) if args.config.is_relative_to(ROOT) else args.config} "
           f"{' '.join(overrides)}")

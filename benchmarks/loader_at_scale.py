@@ -40,6 +40,7 @@ from pathlib import Path
 
 import numpy as np
 
+from trinity_harness.jobs import loadavg
 from trinity_train.data.shards import (OFFSET_DTYPE, shard_paths, shard_record, split_summary, new_manifest,
                                        token_dtype_for, write_manifest)
 
@@ -230,13 +231,13 @@ def main() -> None:
         return
     free = shutil.disk_usage(args.dir).free
     print(f"sparse files under {args.dir} ({free / 1e9:.0f} GB free); rank {DP_RANK} of {DP_SIZE}, "
-          f"seq_len {SEQ_LEN}, batch {BATCH:,}; load {Path('/proc/loadavg').read_text().split()[:3]}", flush=True)
+          f"seq_len {SEQ_LEN}, batch {BATCH:,}; load {loadavg()}", flush=True)
     zero_hashes, rows = ZeroHashes(), []
     for total in (int(float(s)) for s in args.sizes.split(",")):
         rows += run_size(total, args, Path(args.dir), zero_hashes)
         print(f"{total:.1e} tokens done (writing took {rows[-1]['write_s']:.0f} s)", flush=True)
     print(table(rows))
-    print(f"load after: {Path('/proc/loadavg').read_text().split()[:3]}")
+    print(f"load after: {loadavg()}")
     if not all(r["resume_equal"] for r in rows):
         raise SystemExit("a resumed loader produced another batch")
 

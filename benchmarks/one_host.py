@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import signal
 import statistics
@@ -37,8 +36,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from multinode import (COMMON, JOB_TIMEOUT_S, WARMUP_ITERS, job_environment, loadavg,  # noqa: E402
+from trinity_harness.jobs import (COMMON, JOB_TIMEOUT_S, WARMUP_ITERS, job_environment, loadavg,
                        median_tokens_per_s, stop_session, tail, train_records)
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -142,7 +140,7 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     if args.rounds < 1 or args.steps <= WARMUP_ITERS + 2:
         parser.error(f"--rounds must be >= 1 and --steps above {WARMUP_ITERS + 2} (the first {WARMUP_ITERS} are warm-up)")
-    print(f"# load: {Path('/proc/loadavg').read_text().strip()}", flush=True)
+    print(f"# load: {loadavg()}", flush=True)
     print(f"# the job: {' '.join(COMMON)} (multinode's; one process: --parallel.ep=1); OMP_NUM_THREADS=1", flush=True)
     names = [f"before {args.before}", "this checkout"]
     for sig in (signal.SIGTERM, signal.SIGHUP):  # as Ctrl-C: the job stopped, the worktree removed

@@ -2,7 +2,7 @@
 
 1. All-to-all traffic of one training step with `ep` expert-parallel gloo ranks: the bytes each
    rank sends to other ranks in every token all-to-all (dispatch and combine, forward and
-   backward; a direction's waves summed, `parallel.ep_waves`), next to the theoretical count per direction
+   backward; a direction's waves summed, `EP_WAVES`), next to the theoretical count per direction
    `tokens x top_k x hidden x bytes x (ep - 1) / ep` (each token copy leaves its rank unless its
    expert is local, which uniform routing makes 1/ep of them).
 2. Parameter + optimizer-state memory held by one rank with FSDP over 1, 2 and 4 ranks (AdamW,
@@ -17,23 +17,20 @@ CPU gloo ranks on this machine; the counts are exact, nothing here is timed.
 from __future__ import annotations
 
 import argparse
-import sys
 from collections import defaultdict
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.distributed.distributed_c10d import _resolve_process_group
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from trinity_harness.ranks import init_gloo, run_ranks
 from trinity_train.config import Config, load_config
-from trinity_train.parallel.expert_parallel import cut_runs
+from trinity_train.parallel.expert_parallel import EP_WAVES, cut_runs
 from trinity_train.parallel.mesh import ParallelDims
 from trinity_train.parallel.parallelize import build_parallel_model
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the gloo-rank harness of the tests
-from ranks import init_gloo, run_ranks  # noqa: E402
+from trinity_train.plan.collectives import process_group
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "debug.toml"
 ALL_TO_ALL = torch.ops._c10d_functional.all_to_all_single.default
@@ -51,7 +48,7 @@ class AllToAllBytes(TorchDispatchMode):
         if func is ALL_TO_ALL:
             tensor, _, input_splits, group_name = args
             if tensor.is_floating_point():  # tokens, not the per-expert counts exchanged first
-                group = _resolve_process_group(group_name)
+                group = process_group(group_name)
                 me = dist.get_group_rank(group, dist.get_rank())
                 row_bytes = tensor.element_size() * tensor[0].numel() if tensor.shape[0] else 0
                 self.sent.append(sum(s for r, s in enumerate(input_splits) if r != me) * row_bytes)
@@ -125,7 +122,7 @@ def report_all_to_all(cfg: Config, ep: int, rows: int) -> None:
           f"{m.hidden_size} x {element} x ({ep}-1)/{ep} = {theory:,.0f} B")
     print(f"  {'rank':>4} {'layer':>5} {'pass':>8} {'op':>9} {'measured B':>12} {'/ theory':>9}")
     totals = defaultdict(int)
-    waves = len(cut_runs(m.num_experts // ep, cfg.parallel.ep_waves))  # each direction's all-to-alls a layer
+    waves = len(cut_runs(m.num_experts // ep, EP_WAVES))  # each direction's all-to-alls a layer
     for rank, res in enumerate(per_rank):
         for phase in ("forward", "backward"):
             calls = res[phase]

@@ -6,7 +6,7 @@ what can be measured here"): memory, traffic and step time.
 
 1. Memory: rank 0's traced peak (`trace_rank(..., gpu=False)`) and the closed form's
    (`formula.memory_per_rank`) against a real step of the same
-   config (tests/plan_runs.py: iteration 2 of a real Trainer on fresh gloo ranks, one OpenMP
+   config (trinity_harness/plan_runs.py: iteration 2 of a real Trainer on fresh gloo ranks, one OpenMP
    thread each), for the default model and a ~100M-parameter one (`HUNDRED_M`), one process,
    FSDP 2, FSDP 2 x EP 2 and TP 2 x FSDP 2 x EP 2 (4 ranks: ep must divide dp_shard), each with
    and without activation checkpointing, 4 x 256 tokens a step (micro-batch 2). The real peak is
@@ -36,21 +36,20 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))  # the rank harness and the measured runs
-sys.path.insert(0, str(ROOT / "benchmarks"))
+from trinity_harness.cluster_bed import bed_unavailable
+from trinity_harness.jobs import COMMON as MULTINODE_JOB
+from trinity_harness.jobs import CONDITIONS, bench_on_bed, loadavg
+from trinity_harness.plan_runs import LAYOUTS, MEMORY_BATCH, measure_rank, measured_config, trace_measured
+from trinity_harness.ranks import run_ranks
 
-from multinode import COMMON as MULTINODE_JOB  # noqa: E402
-from multinode import CONDITIONS, bed_unavailable, bench_on_bed, loadavg  # noqa: E402
-from plan_runs import LAYOUTS, MEMORY_BATCH, measure_rank, measured_config, trace_measured  # noqa: E402
-from ranks import run_ranks  # noqa: E402
-
-from trinity_train.plan.collectives import (EP_ALL_TO_ALL, FSDP_ALL_GATHER, FSDP_EMBEDDING_ROWS_GATHER,  # noqa: E402
+from trinity_train.plan.collectives import (EP_ALL_TO_ALL, FSDP_ALL_GATHER, FSDP_EMBEDDING_ROWS_GATHER,
                                             FSDP_EMBEDDING_ROWS_REDUCE, FSDP_REDUCE_SCATTER, MUON_REDISTRIBUTE,
                                             sent_by_category)
-from trinity_train.parallel.mesh import ParallelDims  # noqa: E402
-from trinity_train.plan.formula import memory_per_rank  # noqa: E402
-from trinity_train.plan.timing import price_measured  # noqa: E402
+from trinity_train.parallel.mesh import ParallelDims
+from trinity_train.plan.formula import memory_per_rank
+from trinity_train.plan.timing import price_measured
+
+ROOT = Path(__file__).resolve().parents[1]
 
 # ~100M parameters (99.4M: 8 x 16 experts of 512 x 512 in 6 MoE layers, hidden 512).
 HUNDRED_M = ("--model.hidden_size=512", "--model.num_layers=7", "--model.num_heads=8", "--model.num_kv_heads=4",
@@ -145,7 +144,7 @@ def main(argv: list[str]) -> int:
     models = args.models.split(",")
     if unknown := set(models) - set(MODELS):
         parser.error(f"--models: unknown {sorted(unknown)}; choose from {sorted(MODELS)}")
-    print(f"# load: {Path('/proc/loadavg').read_text().strip()}", flush=True)
+    print(f"# load: {loadavg()}", flush=True)
     with tempfile.TemporaryDirectory(prefix="trinity-plan-vs-measured-") as tmp:
         work = Path(tmp)
         if not args.skip_traffic:
@@ -154,7 +153,7 @@ def main(argv: list[str]) -> int:
             memory_table(models, work)
         if not args.skip_time:
             time_check(args.rounds, args.steps, work)
-    print(f"# load after: {Path('/proc/loadavg').read_text().strip()}")
+    print(f"# load after: {loadavg()}")
     return 0
 
 

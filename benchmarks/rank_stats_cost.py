@@ -1,6 +1,6 @@
 """What the rank statistics (`metrics.rank_stats_every`) cost, as a fraction of the step.
 
-Side by side in one run on 2 gloo ranks of this machine (tests/ranks.py; one OpenMP thread each):
+Side by side in one run on 2 gloo ranks of this machine (trinity_harness/ranks.py; one OpenMP thread each):
 both ranks build one Trainer (configs/debug.toml with a smaller batch by default, so a round is
 seconds, not a minute) and run rounds of k = `metrics.rank_stats_every` whole training
 iterations (`Trainer.train_one_iteration`), alternately with the rank statistics on (every
@@ -26,18 +26,17 @@ import os
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as layer_stats_cost.py: no spinning threads
 
-import argparse
-import statistics
-import sys
-import tempfile
-import time
-from pathlib import Path
-from types import SimpleNamespace
+import argparse  # noqa: E402
+import statistics  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+from types import SimpleNamespace  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the gloo-rank harness of the tests
-
-from layer_stats_cost import CLOCKS, DEFAULT_CONFIG, QUIET, ROOT, Samples, load_average  # noqa: E402
-from ranks import rank_trainer, run_ranks  # noqa: E402
+from layer_stats_cost import CLOCKS, DEFAULT_CONFIG, QUIET, ROOT, Samples  # noqa: E402
+from trinity_harness.jobs import loadavg  # noqa: E402
+from trinity_harness.ranks import rank_trainer, run_ranks  # noqa: E402
 from trinity_train.config import load_config  # noqa: E402
 from trinity_train.callbacks import TrainerCallback  # noqa: E402
 from trinity_train.health.collective_waits import CollectiveWaits, timed_wait  # noqa: E402
@@ -133,7 +132,7 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--full-batch", action="store_true", help="the config's own batch (default: 2 x 128 tokens)")
     args, overrides = parser.parse_known_args(argv)
     overrides = ([] if args.full_batch else SMALLER) + overrides
-    before = load_average()
+    before = loadavg()
     with tempfile.TemporaryDirectory() as run_dir:
         samples, phases, (waits, exposed_s) = run_ranks(args.ranks, _rounds, args.config, overrides, args.pairs,
                                                         run_dir, timeout_s=3600)[0]
@@ -153,7 +152,7 @@ def main(argv: list[str]) -> None:
     print(f"{' ' * len(label)} exposed communication: {waits:.0f} waits timed per iteration x {per_wait * 1e6:.2f} us "
           f"= {waits * per_wait * 1e6:.1f} us, {100 * waits * per_wait / step:.4f} % of the step "
           f"(it measured {exposed_s * 1e3:.1f} ms exposed per iteration on rank 0)")
-    print(f"# load after: {load_average()}")
+    print(f"# load after: {loadavg()}")
 
 
 if __name__ == "__main__":

@@ -29,6 +29,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from trinity_harness.jobs import loadavg
 from trinity_train.config import load_config, save_config
 from trinity_train.records import EventName
 
@@ -149,14 +150,12 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--trainer", action="store_true", help="kill a worker of a real training job")
     parser.add_argument("--data", help="--trainer: a prepared dataset (default: a small one made here)")
     args = parser.parse_args(argv)
-    with open("/proc/loadavg") as f:
-        print(f"# load: {f.read().strip()}", flush=True)
+    print(f"# load: {loadavg()}", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         data = Path(args.data) if args.data else None
         if args.trainer and data is None:
-            sys.path.insert(0, str(ROOT / "tests"))
-            from helpers import prepare_word_corpus
+            from trinity_harness.corpus import prepare_word_corpus
 
             words = "the quick brown fox jumps over a lazy dog while one small cat sat".split()
             (root / "corpus").mkdir()

@@ -30,6 +30,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from trinity_harness.jobs import loadavg
 from trinity_train.checkpoint.layout import step_dir_name
 from trinity_train.config import Config, FaultConfig, load_config, validate
 from trinity_train.run_config import validate_rules
@@ -123,7 +124,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, help="keep the run directories here (default: a temporary directory)")
     args, overrides = parser.parse_known_args()
     root = args.out or Path(tempfile.mkdtemp(prefix="spike_drill_"))
-    print(f"load before: {open('/proc/loadavg').read().strip()}", flush=True)
+    print(f"load before: {loadavg()}", flush=True)
 
     started = time.perf_counter()
     clean_dir = root / "clean"
@@ -164,7 +165,7 @@ def main() -> None:
     step = statistics.median(clean["step_times"])
     print(f"guard verdict: {per_call * 1e6:.0f} us per step = {per_call / step * 100:.3f} % of the median "
           f"step ({step:.3f} s)")
-    print(f"load after: {open('/proc/loadavg').read().strip()}; wall {time.perf_counter() - started:.0f} s")
+    print(f"load after: {loadavg()}; wall {time.perf_counter() - started:.0f} s")
     if args.out is None:
         shutil.rmtree(root, ignore_errors=True)
 

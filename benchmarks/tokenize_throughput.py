@@ -40,6 +40,7 @@ from datatrove.data import Document  # noqa: E402
 from datatrove.pipeline.tokens import DocumentTokenizer  # noqa: E402
 from loguru import logger  # noqa: E402
 
+from trinity_harness.jobs import loadavg  # noqa: E402
 from trinity_train.data.default_corpus import corpus_files, stdlib_root  # noqa: E402
 from trinity_train.data.prepare_steps import (ENCODE_BATCH, DocumentEncoder, ShardOptions,  # noqa: E402
                                               TokenizeToShards, is_validation)
@@ -144,7 +145,7 @@ def main() -> int:
     args = parser.parse_args()
     logger.disable("datatrove")
     datasets.disable_progress_bars()
-    print(f"# load: {Path('/proc/loadavg').read_text().strip()}")
+    print(f"# load: {loadavg()}")
     texts = stdlib_documents(args.input_mb, args.documents)
     mb = sum(len(t.encode()) for t in texts) / 1e6
     tokenizer = train_byte_level_bpe([texts], args.vocab, len(texts))
@@ -171,7 +172,7 @@ def main() -> int:
         best, median = min(seconds[name]), statistics.median(seconds[name])
         rate = f"{total / best:12,.0f}" if not name.startswith("part_hash") else f"{'-':>12s}"
         print(f"{name:28s} {best:7.3f} ({median:6.3f}) {rate} {best / base:21.2f}x time")
-    print(f"# load: {Path('/proc/loadavg').read_text().strip()}")
+    print(f"# load: {loadavg()}")
     return 0
 
 

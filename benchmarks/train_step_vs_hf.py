@@ -48,6 +48,7 @@ from typing import Callable, Iterator
 import torch
 
 from measure import Timings, matmul_probe, model_gemm_shapes, step_flops, timed
+from trinity_harness.jobs import loadavg
 from trinity_train.config import Config, load_config
 from trinity_train.data import build_loaders
 from trinity_train.model import build_model
@@ -189,10 +190,6 @@ def build_hf(cfg: Config, experts: str) -> Trainee:
 # ---------------------------------------------------------------------------- reports
 
 
-def load_average() -> str:
-    return Path("/proc/loadavg").read_text().strip()
-
-
 def note_resolved_variants(variants: list[str], configs: list[Config]) -> None:
     """Say where the config turned on more than a variant names (its label says what ran)."""
     for variant, cfg in zip(variants, configs):
@@ -262,7 +259,7 @@ def report_throughput(args: argparse.Namespace, overrides: list[str]) -> int:
     base = configs[0]
     flops = step_flops(base)
     tokens = base.train.micro_batch_size * base.train.grad_accum * base.data.seq_len
-    print(f"# load: {load_average()}")
+    print(f"# load: {loadavg()}")
     print(f"config {args.config}: {tokens} tokens/step, {flops / tokens / 1e6:.2f} MFLOP/token "
           f"(training_flops_per_token) = {flops / 1e9:.1f} GFLOP/step; {args.data} batches; "
           f"{torch.get_num_threads()} threads; each model in its own process")
@@ -317,7 +314,7 @@ def report_throughput(args: argparse.Namespace, overrides: list[str]) -> int:
             if run is not reference:
                 print(f"throughput {run.name} / {reference.name}: "
                       f"{reference.timings.best / run.timings.best:.2f}x")
-    print(f"# load after: {load_average()}")
+    print(f"# load after: {loadavg()}")
     return 0 if ok else 1
 
 

@@ -36,8 +36,9 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from layer_stats_cost import CLOCKS, QUIET, ROOT, Samples, load_average
+from layer_stats_cost import CLOCKS, QUIET, ROOT, Samples
 from measure import synchronize
+from trinity_harness.jobs import loadavg
 from trinity_train.config import WatchdogConfig, load_config
 from trinity_train.health.watchdog import Watchdog
 from trinity_train.records import Phase
@@ -98,7 +99,7 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--config", type=Path, default=DEFAULT_CONFIG)
     parser.add_argument("--pairs", type=int, default=15, help="iterations with the watchdog on")
     args, overrides = parser.parse_known_args(argv)
-    print(f"# load: {load_average()}")
+    print(f"# load: {loadavg()}")
     store = local_store()
     with tempfile.TemporaryDirectory() as run_dir:
         cfg = load_config(args.config, list(overrides) + QUIET + ["--metrics.layer_stats_every=0",
@@ -158,7 +159,7 @@ def main(argv: list[str]) -> None:
     wake_us = thread_wake_us(store)
     print(f"thread:       {wake_us:.0f} us of CPU per wake-up (publishing), one per {watchdog.tick_s:.2f} s tick "
           f"= {100 * wake_us * 1e-6 / watchdog.tick_s:.3f} % of one core, whatever the step")
-    print(f"# load after: {load_average()}")
+    print(f"# load after: {loadavg()}")
 
 
 if __name__ == "__main__":

@@ -7,7 +7,8 @@
 # the layout comes from the config, e.g.
 #   launch/local.sh 4 --parallel.tp=2            # tp 2 x FSDP 2
 #   launch/local.sh 8 --parallel.ep=4            # experts over 4 ranks, FSDP over all 8
-# N defaults to the number of visible GPUs when given as "gpus".
+# N defaults to the number of visible GPUs when given as "gpus". TRAIN_MODULE: the module each rank
+# runs (default trinity_train.cli; the benchmarks' trinity_harness.train_instrumented measures it).
 set -euo pipefail
 
 usage="usage: launch/local.sh N|gpus [--max-restarts R] [--config FILE] [--section.key=value ...]"
@@ -24,4 +25,4 @@ source "$(dirname "$0")/restarts.sh"
 python -m trinity_train.parallel.preflight --ranks-per-node "$nproc" "$nproc" ${train_args[@]+"${train_args[@]}"}
 # --standalone: a private c10d rendezvous on a free local port, so several jobs can share a node.
 run_torchrun --standalone --nnodes=1 --nproc-per-node="$nproc" --max-restarts="$max_restarts" \
-    -m trinity_train.cli train ${train_args[@]+"${train_args[@]}"}
+    -m "${TRAIN_MODULE:-trinity_train.cli}" train ${train_args[@]+"${train_args[@]}"}

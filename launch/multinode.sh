@@ -9,7 +9,8 @@
 # RDZV_ID (default "trinity-train"; give each concurrent job its own), MAX_RESTARTS (default 3,
 # see launch/restarts.sh), NODE_ADDR (the address this node advertises; default: the source address
 # of its route to the head), RDZV_LAST_CALL_S (elastic NNODES=MIN:MAX: how long a rendezvous that
-# has MIN nodes waits for more, default 30). Under SLURM, NNODES and NODE_RANK default to SLURM_JOB_NUM_NODES and
+# has MIN nodes waits for more, default 30), TRAIN_MODULE (the module each rank runs, default
+# trinity_train.cli; the benchmarks' trinity_harness.train_instrumented measures it). Under SLURM, NNODES and NODE_RANK default to SLURM_JOB_NUM_NODES and
 # SLURM_NODEID.
 #
 # The nodes meet at a c10d rendezvous on HEAD_ADDR:PORT, hosted by node 0 (its torchrun serves
@@ -104,4 +105,4 @@ is_host=$([[ "$node_rank" == 0 ]] && echo true || echo false)
 run_torchrun --nnodes="$nnodes" --nproc-per-node="$nproc" --max-restarts="$max_restarts" \
     --rdzv-backend=c10d --rdzv-endpoint="$head_ip:$port" --rdzv-id="${RDZV_ID:-trinity-train}" \
     --rdzv-conf="is_host=$is_host,last_call_timeout=${RDZV_LAST_CALL_S:-30}" --local-addr="$node_addr" \
-    -m trinity_train.cli train ${train_args[@]+"${train_args[@]}"}
+    -m "${TRAIN_MODULE:-trinity_train.cli}" train ${train_args[@]+"${train_args[@]}"}

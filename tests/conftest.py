@@ -4,6 +4,7 @@ configs. Test modules take the `corpus` fixture and build configs with `tiny_mod
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -12,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import prepare_word_corpus
+from trinity_harness.corpus import prepare_word_corpus
 from trinity_train.config import Config, ModelConfig, load_config
 
 WORDS = ("the quick brown fox jumps over a lazy dog while one small cat sat on the warm mat and "
@@ -39,6 +40,16 @@ CONFIGS = ROOT / "configs"
 # while it waits: the same math in every process, and no stalls on a shared CPU.
 SUBPROCESS_ENV = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
 ONE_THREAD_ENV = {**SUBPROCESS_ENV, "OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE"}
+
+
+def benchmark_module(name: str):
+    """benchmarks/NAME.py imported as a module (the benchmarks are scripts, not a package; those the
+    tests import take their shared code from trinity_harness, not from each other)."""
+    spec = importlib.util.spec_from_file_location(f"benchmark_{name}", ROOT / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # (dataclasses look their module up there)
+    spec.loader.exec_module(module)
+    return module
 
 
 def run_python(*args, cwd: Path = ROOT, env: dict | None = None, timeout: float = 600,
@@ -194,7 +205,7 @@ def run_layouts(corpus: Path, root: Path, layouts: dict, run, common: dict | Non
     (`layout_config` with `common` sections under the layout's) and return {layout: run(trainer)}."""
     import torch.distributed as dist
 
-    from ranks import init_gloo, rank_trainer
+    from trinity_harness.ranks import init_gloo, rank_trainer
 
     init_gloo()
     results = {}
@@ -207,7 +218,7 @@ def run_layouts(corpus: Path, root: Path, layouts: dict, run, common: dict | Non
 @pytest.fixture(scope="session")
 def rank_pool():
     """`rank_pool(n)`: n gloo ranks spawned once for the whole session (`ranks.RankPool`)."""
-    from ranks import RankPool
+    from trinity_harness.ranks import RankPool
 
     pools: dict[int, RankPool] = {}
 

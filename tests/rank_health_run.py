@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from conftest import run_config
-from ranks import rank_trainer
+from trinity_harness.ranks import rank_trainer
 from trinity_train.config import Config
 from trinity_train.records import EventName, RecordKind
 from trinity_train.rundir import RunDir

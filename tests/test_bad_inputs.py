@@ -235,7 +235,7 @@ def test_the_console_script_prints_no_traceback(dataset, tmp_path):
 
 @pytest.fixture
 def run(tmp_path):
-    from synthetic_run import write_rollback_run
+    from trinity_harness.synthetic_run import write_rollback_run
 
     write_rollback_run(tmp_path / "run")
     return tmp_path / "run"

@@ -15,7 +15,7 @@ from conftest import run_config
 from helpers import poison_batches
 from trinity_train.checkpoint import verify_checkpoint
 from trinity_train.files import read_jsonl
-from ranks import init_gloo
+from trinity_harness.ranks import init_gloo
 from trinity_train.parallel.mesh import ParallelDims
 from trinity_train.train import Trainer, build_model_for_training
 from trinity_train.records import RecordKind

@@ -40,8 +40,10 @@ seq_len = 16
 steps = 4
 micro_batch_size = 2
 grad_accum = 2
-eval_every = 2
-eval_batches = 1
+
+[eval]
+every = 2
+batches = 1
 
 [checkpoint]
 every = 2

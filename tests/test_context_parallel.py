@@ -26,9 +26,9 @@ import torch
 import torch.distributed as dist
 
 from conftest import WORDS, layout_config, merge_sections, run_config, run_layouts
-from helpers import prepare_word_corpus
+from trinity_harness.corpus import prepare_word_corpus
 from layout_runs import COMMON, assert_run_matches, assert_stats_match, recorded
-from ranks import rank_trainer
+from trinity_harness.ranks import rank_trainer
 from trinity_train.errors import ConfigError
 from trinity_train.files import read_jsonl
 from trinity_train.model.attention import build_attention_mask, positions_from_documents, scaled_dot_product

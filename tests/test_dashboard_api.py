@@ -10,7 +10,7 @@ import time
 import pytest
 
 from conftest import run_python
-from synthetic_run import append_jsonl, train_record, write_rollback_run
+from trinity_harness.synthetic_run import append_jsonl, train_record, write_rollback_run
 from trinity_train.dashboard.server import DashboardServer
 from trinity_train.records import IncidentAction
 

@@ -16,7 +16,7 @@ from selenium.webdriver.support.ui import WebDriverWait
 
 from drill_run import STEPS, write_drill_run
 from rank_health_run import SLOW_FIRST, SLOW_LAST, SLOW_RANK
-from synthetic_run import MOE_LAYERS, append_jsonl, train_record
+from trinity_harness.synthetic_run import MOE_LAYERS, append_jsonl, train_record
 from trinity_train.dashboard import browser
 from trinity_train.dashboard.report import write_report
 from trinity_train.dashboard.server import DashboardServer

@@ -4,7 +4,7 @@ import socket
 import subprocess
 import sys
 
-from synthetic_run import write_rollback_run
+from trinity_harness.synthetic_run import write_rollback_run
 from conftest import assert_fails_in_one_line, run_cli
 
 

@@ -8,7 +8,7 @@ import shutil
 import pytest
 from selenium.webdriver.support.ui import WebDriverWait
 
-from synthetic_run import append_jsonl, write_rollback_run
+from trinity_harness.synthetic_run import append_jsonl, write_rollback_run
 from test_long_context_eval import probe_run_config
 from trinity_train.dashboard import browser, views
 from trinity_train.dashboard.columns import MAX_POSITION_BUCKETS

@@ -5,7 +5,7 @@ built-in panel's draw function and page slot exist."""
 import pytest
 from selenium.webdriver.support.ui import WebDriverWait
 
-from synthetic_run import write_rollback_run
+from trinity_harness.synthetic_run import write_rollback_run
 from test_dashboard_api import get, wait_for
 from trinity_train.dashboard import assets, browser, panels, views
 from trinity_train.dashboard.report import REPORT_WIDTH, snapshot, write_report

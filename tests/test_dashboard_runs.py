@@ -2,7 +2,7 @@
 
 import numpy as np
 
-from synthetic_run import MOE_LAYERS, NUM_EXPERTS, NUM_LAYERS, write_rollback_run
+from trinity_harness.synthetic_run import MOE_LAYERS, NUM_EXPERTS, NUM_LAYERS, write_rollback_run
 from trinity_train.dashboard import views
 from trinity_train.dashboard.runs import RunView
 from trinity_train.records import EventName, IncidentAction

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from cluster_bed import ClusterBed, SlurmBed, bed_unavailable, leftovers, slurm_unavailable
+from trinity_harness.cluster_bed import ClusterBed, SlurmBed, bed_unavailable, leftovers, slurm_unavailable
 from conftest import ONE_THREAD_ENV, ROOT, assert_one_line_error, cli_in_process
 from test_data_prepare import documents, write_jsonl
 from trinity_train.data.prepare_steps import KILL_TASK_ENV

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather
 
-from ranks import init_gloo
+from trinity_harness.ranks import init_gloo
 from test_gloo_reduce_scatter import _socket_bytes_written
 from tiny_fsdp import tiny_fsdp_model
 from trinity_train.parallel.assumed_routing import AssumedRouting, assume_routing

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from conftest import assert_one_line_error, cli_in_process, run_config
-from ranks import rank_trainer
+from trinity_harness.ranks import rank_trainer
 from trinity_train.checkpoint import verify_checkpoint
 from trinity_train.config import save_config
 from trinity_train.errors import CheckpointError

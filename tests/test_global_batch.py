@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from conftest import run_config, run_python
 from helpers import StopWhen
-from ranks import init_gloo
+from trinity_harness.ranks import init_gloo
 from trinity_train.config import grad_accum_for, load_config
 from trinity_train.errors import ConfigError
 from trinity_train.parallel.mesh import ParallelDims

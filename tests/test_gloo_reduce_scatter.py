@@ -27,7 +27,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
 
 from conftest import TINY_MODEL
-from ranks import init_gloo
+from trinity_harness.ranks import init_gloo
 from tiny_fsdp import tiny_fsdp_model
 from trinity_train.config import load_config
 from trinity_train.parallel.gloo.embedding_reduce_scatter import TouchedRowsReduceScatter

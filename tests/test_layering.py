@@ -130,3 +130,25 @@ def test_no_two_modules_import_each_other_directly_or_through_others():
     for module in sorted(graph):
         if module not in state:
             visit(module, [module])
+
+
+def tooling_imports(path: Path) -> set[str]:
+    """The modules `path` imports whose top-level package is not trinity_train (every import, any depth)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module)
+        elif isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+    return found
+
+
+def test_trinity_train_never_imports_the_development_harness():
+    """trinity_harness (the tests' and benchmarks' ranks, cluster bed, job runner and instruments)
+    is development tooling installed beside the package: nothing in trinity_train may need it, nor
+    the tests or benchmarks' own modules."""
+    for module in MODULES:
+        bad = {m for m in tooling_imports(module) if m.split(".")[0] in ("trinity_harness", "tests", "benchmarks")}
+        assert not bad, f"{module.relative_to(PACKAGE)} imports {sorted(bad)}"
+    # the check is not vacuous: the walk sees the harness's imports where they are
+    assert "trinity_harness.ranks" in tooling_imports(PACKAGE.parent / "tests" / "conftest.py")

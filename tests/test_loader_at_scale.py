@@ -5,25 +5,17 @@ speeds are the benchmark's to report (benchmarks/README.md), not asserted here."
 
 from __future__ import annotations
 
-import importlib.util
 import json
 
 import pytest
 
-from conftest import ONE_THREAD_ENV, ROOT, run_python
+from conftest import ONE_THREAD_ENV, ROOT, benchmark_module, run_python
 
 pytestmark = pytest.mark.slow  # writes ~19k sparse files, starts three loaders in a subprocess
 
 
-def benchmark_module():
-    spec = importlib.util.spec_from_file_location("loader_at_scale", ROOT / "benchmarks" / "loader_at_scale.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_rank_2047_of_2048_resumes_at_batch_3_6_million_with_flat_memory(tmp_path):
-    bench = benchmark_module()
+    bench = benchmark_module("loader_at_scale")
     shard_tokens = 1 << 20  # small shards, so the sources hold ~9.5k (15T tokens: ~14k) and some fall to rank 2047
     dirs, shards = [], []
     for k, (name, tokens) in enumerate(zip(bench.SOURCES, bench.source_tokens(10_000_000_000, shard_tokens))):

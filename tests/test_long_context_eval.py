@@ -324,7 +324,7 @@ def evaluate_long_context(corpus, root, layouts: dict) -> dict:
     import torch.distributed as dist
 
     from conftest import layout_config, merge_sections
-    from ranks import rank_trainer
+    from trinity_harness.ranks import rank_trainer
 
     world = dist.get_world_size() if dist.is_initialized() else 1
     results = {}
@@ -360,7 +360,7 @@ def test_data_tensor_expert_and_context_parallel_ranks_evaluate_as_one_process(c
 def cp2_probe_run(corpus, run_dir) -> int:
     import torch.distributed as dist
 
-    from ranks import rank_trainer
+    from trinity_harness.ranks import rank_trainer
 
     rank_trainer(probe_run_config(corpus, run_dir, parallel={"cp": 2})).run()
     dist.barrier()

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from cluster_bed import ClusterBed, bed_unavailable, leftovers, surviving_train_records, wait_for
+from trinity_harness.cluster_bed import ClusterBed, bed_unavailable, leftovers, surviving_train_records, wait_for
 from conftest import SUBPROCESS_ENV, assert_one_line_error, run_cli
 from trinity_train.files import read_jsonl
 from trinity_train.records import EventName, RecordKind

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from cluster_bed import SlurmBed, leftovers, slurm_unavailable
+from trinity_harness.cluster_bed import SlurmBed, leftovers, slurm_unavailable
 from conftest import ONE_THREAD_ENV, ROOT, layout_config
 from trinity_train.config import save_config
 from trinity_train.files import read_jsonl

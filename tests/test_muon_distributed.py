@@ -23,7 +23,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from torch.distributed.tensor.placement_types import _StridedShard
 from torch.utils.flop_counter import FlopCounterMode
 
-from ranks import init_gloo
+from trinity_harness.ranks import init_gloo
 from trinity_train.optim.muon import Muon
 
 SHAPES = {

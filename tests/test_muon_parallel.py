@@ -25,7 +25,7 @@ from trinity_train.checkpoint import dcp_io
 from trinity_train.checkpoint.stateful import ModelState, OptimizerState
 from trinity_train.config import load_config
 from trinity_train.optim.groups import build_optimizer
-from ranks import init_gloo
+from trinity_harness.ranks import init_gloo
 from trinity_train.parallel.mesh import ParallelDims
 from trinity_train.parallel.parallelize import build_parallel_model
 from trinity_train.parallel.reductions import sum_over_data_parallel

@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ranks import init_gloo
+from trinity_harness.ranks import init_gloo
 from trinity_train.errors import ConfigError
 from trinity_train.parallel.mesh import ParallelDims
 from trinity_train.parallel.node_layout import Nodes, layout_on_nodes, nodes_for, within_nodes

@@ -7,10 +7,9 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from conftest import ROOT, SUBPROCESS_ENV
+from conftest import ROOT, SUBPROCESS_ENV, benchmark_module
 
-sys.path.insert(0, str(ROOT / "benchmarks"))
-import one_host  # noqa: E402
+one_host = benchmark_module("one_host")
 
 
 def worktrees() -> str:

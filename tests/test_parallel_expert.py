@@ -28,7 +28,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from unittest import mock
 
-from ranks import init_gloo
+from trinity_harness.ranks import init_gloo
 from trinity_train.config import ModelConfig
 from trinity_train.model.moe import MoE, GroupedExperts
 from trinity_train.parallel.expert_parallel import ExpertParallel, cut_runs, through_experts

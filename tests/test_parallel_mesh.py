@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from ranks import init_gloo
+from trinity_harness.ranks import init_gloo
 from trinity_train.run_config import load_run_config
 from trinity_train.errors import ConfigError, UserError
 from trinity_train.parallel.mesh import ParallelDims, expert_shard_dim

@@ -17,7 +17,7 @@ from trinity_train.model.attention import (SlidingWindowBlocks, build_attention_
                                            scaled_dot_product, sliding_window_attention,
                                            sliding_window_blocks)
 from trinity_train.model.loss import chunked_cross_entropy
-from trinity_train.model.moe import _PermuteRows, _SortTokenCopies
+from trinity_train.model.moe import PermuteRows, SortTokenCopies
 from trinity_train.parallel.parallelize import apply_training_wrappers
 
 
@@ -158,11 +158,11 @@ def test_moe_gathers_have_exact_gradients():
     order = torch.argsort(chosen, stable=True)
     inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel()))
     x = torch.randn(tokens, 6, dtype=torch.float64, requires_grad=True)
-    assert torch.equal(_SortTokenCopies.apply(x, order, inverse, top_k), x[order // top_k])
-    torch.autograd.gradcheck(lambda t: _SortTokenCopies.apply(t, order, inverse, top_k), (x,))
+    assert torch.equal(SortTokenCopies.apply(x, order, inverse, top_k), x[order // top_k])
+    torch.autograd.gradcheck(lambda t: SortTokenCopies.apply(t, order, inverse, top_k), (x,))
     y = torch.randn(tokens * top_k, 6, dtype=torch.float64, requires_grad=True)
-    assert torch.equal(_PermuteRows.apply(y, inverse, order), y[inverse])
-    torch.autograd.gradcheck(lambda t: _PermuteRows.apply(t, inverse, order), (y,))
+    assert torch.equal(PermuteRows.apply(y, inverse, order), y[inverse])
+    torch.autograd.gradcheck(lambda t: PermuteRows.apply(t, inverse, order), (y,))
 
 
 # ---------------------------------------------------------------------------- wrappers

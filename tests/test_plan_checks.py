@@ -1,7 +1,7 @@
 """`trinity-train plan`'s trace against real runs of the same config (issue 29, "Checked against
 what can be measured here"): the bytes per collective of benchmarks/multinode.py's job within 5 %,
 and the peak memory of one rank within 10 %, both measured in real runs by the planner's own
-accounting (`tests/plan_runs.py`: `CollectiveLog`, and the tracker on the real tensors).
+accounting (`trinity_harness/plan_runs.py`: `CollectiveLog`, and the tracker on the real tensors).
 
 The EP all-to-all bytes of a real run follow its router's choices; the trace assumes balanced
 routing. The measured iteration (the 2nd; the run is seeded, so its bytes are the same every
@@ -14,31 +14,16 @@ memory, and the time check.
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-
 import pytest
 
-from conftest import ROOT
-from plan_runs import LAYOUTS, MEMORY_BATCH, measure_rank, trace_measured
-from ranks import run_ranks
+from trinity_harness.jobs import COMMON as MULTINODE_JOB  # benchmarks/multinode.py's job
+from trinity_harness.plan_runs import LAYOUTS, MEMORY_BATCH, measure_rank, trace_measured
+from trinity_harness.ranks import run_ranks
 from trinity_train.plan.collectives import (EP_ALL_TO_ALL, FSDP_ALL_GATHER, FSDP_EMBEDDING_ROWS_GATHER,
                                             FSDP_EMBEDDING_ROWS_REDUCE, FSDP_REDUCE_SCATTER, MUON_REDISTRIBUTE,
                                             sent_by_category)
 
 TRAFFIC_MARGIN, MEMORY_MARGIN = 0.05, 0.10
-
-
-def multinode_job() -> tuple[str, ...]:
-    """The overrides of benchmarks/multinode.py's job (`COMMON`), the job whose bytes are checked."""
-    spec = importlib.util.spec_from_file_location("multinode_benchmark", ROOT / "benchmarks" / "multinode.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up there
-    try:
-        spec.loader.exec_module(module)
-    finally:
-        del sys.modules[spec.name]
-    return module.COMMON
 
 
 def within(got: float, want: float, margin: float) -> bool:
@@ -47,7 +32,7 @@ def within(got: float, want: float, margin: float) -> bool:
 
 @pytest.mark.slow  # two gloo ranks train the default model (~25 s) and two traces (~6 s)
 def test_traced_bytes_per_collective_match_the_multinode_job(rank_pool, tmp_path):
-    job = multinode_job()
+    job = MULTINODE_JOB
     real = rank_pool(2).run(measure_rank, job, tmp_path / "run", False)
     for rank, measured in enumerate(real):
         traced = sent_by_category(trace_measured(job, tmp_path / "trace", 2, rank).collectives)

@@ -20,7 +20,7 @@ import torch.multiprocessing as mp
 
 from conftest import ONE_THREAD_ENV, ROOT, SUBPROCESS_ENV, run_config, run_python
 from goodput_check import checked_account
-from ranks import free_port
+from trinity_harness.ranks import free_port
 from trinity_train import exit_codes
 from trinity_train.config import load_config, save_config
 from trinity_train.launcher_verdict import restartable_marker_name

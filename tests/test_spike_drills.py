@@ -310,7 +310,7 @@ def fsdp_drill_runs(corpus, root):
     import torch
     import torch.distributed as dist
 
-    from ranks import init_gloo
+    from trinity_harness.ranks import init_gloo
     from trinity_train.parallel.mesh import ParallelDims
     from trinity_train.train import build_model_for_training
 

@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from synthetic_run import append_jsonl
+from trinity_harness.synthetic_run import append_jsonl
 from trinity_train.config import Config, TrainConfig
 from trinity_train.rundir import RunDir
 from trinity_train.study.measure import log_slope, measure_cell, spread

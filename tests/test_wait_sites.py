@@ -1,29 +1,26 @@
-"""benchmarks/wait_sites.py names each collective wait of a training step by where it waits
+"""trinity_harness/instruments.py names each collective wait of a training step by where it waits
 (`multinode.py --where` reads its table): on two gloo ranks of FSDP x EP, a forward, backward and
 Muon step wait in the FSDP all-gathers and reduce-scatters (the embedding's row exchanges under their
 own names), the EP all-to-alls of both passes and Muon's exchange, and nothing is left unnamed."""
 
 from __future__ import annotations
 
-import sys
-
 import torch
 
-from conftest import ROOT, TINY_MODEL
+from conftest import TINY_MODEL, benchmark_module
 
 
 def _one_step_by_site() -> dict:
     import torch.distributed as dist
 
-    from ranks import init_gloo
+    from trinity_harness.ranks import init_gloo
     from trinity_train.config import load_config
     from trinity_train.optim.groups import build_optimizer
     from trinity_train.parallel.gloo.communication import install_gloo_communication
     from trinity_train.parallel.mesh import ParallelDims
     from trinity_train.parallel.parallelize import build_parallel_model
 
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    from wait_sites import WaitSites
+    from trinity_harness.instruments import WaitSites
 
     init_gloo()
     cfg = load_config(None, {"model": dict(TINY_MODEL), "parallel": {"ep": 2}})
@@ -51,26 +48,25 @@ def test_every_wait_of_a_step_is_named_by_its_site(rank_pool):
 
 
 def test_the_benchmark_reads_each_ranks_measured_iterations_only(tmp_path, monkeypatch):
-    """`multinode.rank_iterations`: the tables of iterations first..last, in order, per rank; the
+    """`instruments.rank_iterations`: the tables of iterations first..last, in order, per rank; the
     collective counter's "setup" and "between" entries are not iterations."""
     import json
 
-    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
-    import multinode
+    from trinity_harness.instruments import rank_iterations
 
     for rank in (0, 1):
         table = {"setup": {"x": -1}, "1": {"x": rank}, "2": {"x": 2 + rank}, "between": {"x": -2}, "3": {"x": 3}}
         (tmp_path / f"waits{rank}.json").write_text(json.dumps(table))
-    assert multinode.rank_iterations(tmp_path, "waits", 2, 3) == [[{"x": 2}, {"x": 3}], [{"x": 3}, {"x": 3}]]
+    assert rank_iterations(tmp_path, "waits", 2, 3) == [[{"x": 2}, {"x": 3}], [{"x": 3}, {"x": 3}]]
 
 
 def test_the_where_table_says_what_each_shaped_link_adds(monkeypatch):
     """`multinode.report_where`: per site, each rank's seconds under every condition, and what
     1 Gbit/s and 200 Mbit/s each add over one host (the mean of the ranks), the sites ordered by
     the slower link's addition; the totals add the sites."""
-    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
-    import multinode
-    from wait_sites import ITERATION_WALL
+    from trinity_harness.instruments import ITERATION_WALL
+
+    multinode = benchmark_module("multinode")
 
     def row(name: str, ep: tuple[float, float], muon: tuple[float, float], wall: float) -> dict:
         return {"condition": name, "steps": 16, "load_start": "0.5", "load_end": "1.0",

@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 
 from conftest import TINY_MODEL
-from ranks import init_gloo
+from trinity_harness.ranks import init_gloo
 from trinity_train.config import load_config
 
 

@@ -23,13 +23,14 @@ from trinity_train.health.lost_peer import describe, is_lost_peer
 from trinity_train.launcher_verdict import hand_to_launcher, mark_restartable
 
 
-def cmd_train(args: argparse.Namespace, overrides: list[str], callbacks: list | None = None) -> int:
+def cmd_train(args: argparse.Namespace, overrides: list[str], callbacks: list | None = None,
+              gloo_overlap=None) -> int:
     from trinity_train.run_config import load_run_config
 
     cfg = load_run_config(args.config or default_config_path(), overrides)
     from trinity_train.train import train
 
-    summary = train(cfg, callbacks)
+    summary = train(cfg, callbacks) if gloo_overlap is None else train(cfg, callbacks, gloo_overlap)
     if os.environ.get("RANK", "0") == "0":  # under torchrun, one summary for the whole job
         print(summary.describe())
     return exit_codes.DONE
@@ -312,11 +313,11 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     return parser
 
 
-def run(argv: list[str], callbacks: list | None = None) -> int:
+def run(argv: list[str], callbacks: list | None = None, gloo_overlap=None) -> int:
     parser = build_parser(argv)
     args, extra = parser.parse_known_args(argv)
     if args.command == "train":
-        return cmd_train(args, extra, callbacks)
+        return cmd_train(args, extra, callbacks, gloo_overlap)
     if args.command == "plan":
         return cmd_plan(args, extra)
     if extra:
@@ -336,13 +337,15 @@ def passive_openmp_waits() -> None:
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
-def main(argv: list[str] | None = None, callbacks: list | None = None) -> int:
+def main(argv: list[str] | None = None, callbacks: list | None = None, gloo_overlap=None) -> int:
     """The console script. `callbacks` (`callbacks.TrainerCallback`s) attach to the training loop
-    of a `train` command: for programs that drive the CLI, such as the tests' fault scripts."""
+    of a `train` command: for programs that drive the CLI, such as the tests' fault scripts;
+    `gloo_overlap` (`parallel.gloo.communication.GlooOverlap`): a benchmark's ablation of a CPU
+    job's overlaps (trinity_harness/train_instrumented.py)."""
     passive_openmp_waits()
     argv = sys.argv[1:] if argv is None else list(argv)
     try:
-        return run(argv, callbacks)
+        return run(argv, callbacks, gloo_overlap)
     except UserError as e:
         message = " ".join(str(e).split())  # one line, whatever the message holds
         if hand_to_launcher(e.exit_code, message):  # under launch/: the launcher prints it once

@@ -145,9 +145,9 @@ def _halo_lists(seq_len: int, cp: int, rank: int, window: int) -> tuple[tuple[in
     return tuple(wanted), tuple(send), tuple(input_splits), tuple(output_splits), tuple(recv)
 
 
-def _kv_rows(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+def kv_rows(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """k, v [B, T, kv, hd] -> [T, B, kv, 2hd]: keys and values travel together, tokens along dim 0
-    (the dim collectives split)."""
+    (the dim collectives split). Public for benchmarks/cp_gather.py, which times the gather alone."""
     return torch.cat([k, v], dim=-1).transpose(0, 1).contiguous()
 
 
@@ -168,7 +168,7 @@ class GatheredKeys:
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
         """q [B, T/cp, heads, hd], k, v [B, T/cp, kv, hd] (this rank's) -> [B, T/cp, heads, hd]."""
-        gathered = self.exchange.all_gather(_kv_rows(k, v)).index_select(0, self.row_order)
+        gathered = self.exchange.all_gather(kv_rows(k, v)).index_select(0, self.row_order)
         k_row, v_row = _split_kv(gathered, k.shape[-1])
         return scaled_dot_product(q.transpose(1, 2), k_row.transpose(1, 2), v_row.transpose(1, 2), self.mask,
                                   scale).transpose(1, 2)
@@ -202,7 +202,7 @@ class HaloWindow:
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
         b, t, heads, head_dim = q.shape
         plan, c, h = self.plan, self.chunk, self.plan.halo
-        rows = _kv_rows(k, v)  # [T/cp, B, kv, 2hd]
+        rows = kv_rows(k, v)  # [T/cp, B, kv, 2hd]
         received = self.exchange.all_to_all(rows.index_select(0, plan.send_index), plan.output_splits,
                                             plan.input_splits)
         received = F.pad(received, (0, 0, 0, 0, 0, 0, 0, 1))  # the zero row padding points to

@@ -183,9 +183,10 @@ def sequence_aux_loss(scores: torch.Tensor, experts: torch.Tensor, batch: int, t
 # deterministic on GPUs.
 
 
-class _SortTokenCopies(torch.autograd.Function):
+class SortTokenCopies(torch.autograd.Function):
     """x [N, d] -> its N*k token copies in expert order, x[order // k]; copy i*k + j is the j-th
-    choice of token i, and `inverse` is the inverse permutation of `order`."""
+    choice of token i, and `inverse` is the inverse permutation of `order`. Public for the
+    benchmarks that time it alone (benchmarks/components.py) and the tests of its gradient."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, order: torch.Tensor, inverse: torch.Tensor,
@@ -202,8 +203,8 @@ class _SortTokenCopies(torch.autograd.Function):
         return grad_copies.view(-1, ctx.top_k, grad.shape[-1]).sum(dim=1), None, None, None
 
 
-class _PermuteRows(torch.autograd.Function):
-    """x[perm] for a permutation whose inverse `inverse` is known."""
+class PermuteRows(torch.autograd.Function):
+    """x[perm] for a permutation whose inverse `inverse` is known (public, as `SortTokenCopies`)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, perm: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
@@ -265,14 +266,14 @@ class MoE(nn.Module):
             0, chosen, torch.ones_like(chosen))
         # Under autocast the copies travel in the matmul dtype: one cast of the N tokens instead of
         # N*k copies, and half the bytes through the gathers (and the expert-parallel all-to-all).
-        copies = _SortTokenCopies.apply(flat.to(compute_dtype(flat)), order, inverse, self.top_k)
+        copies = SortTokenCopies.apply(flat.to(compute_dtype(flat)), order, inverse, self.top_k)
         # The shared expert needs no routed result: the experts' call runs it while the expert-
         # parallel all-to-all carries the tokens (nothing else to compute then). A compiled
         # block keeps it in its graph instead (the experts' call is eager).
         shared = (_Deferred(self.shared_expert, flat)
                   if self.shared_expert is not None and not torch.compiler.is_compiling() else None)
         routed = self.experts(copies, counts, shared)
-        routed = _PermuteRows.apply(routed, inverse, order).view(-1, self.top_k, hidden)
+        routed = PermuteRows.apply(routed, inverse, order).view(-1, self.top_k, hidden)
         # The k weighted copies of a token summed as one batched product (deterministic, unlike
         # index_add), in fp32 under autocast too: the routing weights stay exact, and a
         # mixed-dtype multiply would take the CPU's slow casting path.

@@ -118,7 +118,7 @@ def measure_rank(overrides: tuple[str, ...], run_dir: Path, memory: bool, rss: b
     "tracked" and "tracked_peak" with `memory`, and with `rss` the OS's view: "rss_growth" and
     "rss_peak_estimate" (the parameters, gradients and optimizer state before the step + the
     growth)."""
-    from ranks import rank_trainer
+    from trinity_harness.ranks import rank_trainer
     from trinity_train.train import Trainer
 
     measure = MeasureIteration(memory, rss)  # before the model is built: glibc's settings apply to it

@@ -1,7 +1,7 @@
 """Run a function on N gloo ranks on this machine, started the way torchrun starts them.
 
-The one process-spawn harness of the tests and benchmarks (benchmarks put this directory on
-their path): `run_ranks(n, fn, *args)` spawns n processes with torchrun's environment (RANK,
+The one process-spawn harness of the tests and benchmarks:
+`run_ranks(n, fn, *args)` spawns n processes with torchrun's environment (RANK,
 WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT on a free port), calls `fn(*args)` in each and returns
 what they return, by rank. A failure in any rank raises in the caller with that rank's traceback;
 ranks still running after `timeout_s` (a collective that hangs) are killed and the call fails, so

@@ -1,6 +1,13 @@
-"""Where a rank's exposed communication sits: the seconds its training thread waits in collectives,
-by the place that waits, per training iteration. Installed inside each rank of a benchmark job
-(`multinode.py --where`, through a sitecustomize on PYTHONPATH, as its collective counter).
+"""What a training rank of a benchmark job runs to measure itself, installed by
+`train_instrumented` (the job's entry, `TRAIN_MODULE=trinity_harness.train_instrumented` in the
+launchers) when the environment names an output folder:
+
+- `COUNTER_ENV`: the collective counter (`install_collective_counter`): the bytes this rank sends
+  in every collective, per iteration (`multinode.py`'s bytes per step);
+- `WAITS_ENV`: the wait profiler (`install_wait_profiler`, `multinode.py --where`), below.
+
+Where a rank's exposed communication sits: the seconds its training thread waits in collectives,
+by the place that waits, per training iteration.
 
 `trinity_train.health.collective_waits` times the waits (every collective of a step ends in
 `Work.wait()` or `_functional_collectives.wait_tensor`) and this module names each by the stack
@@ -25,6 +32,8 @@ from pathlib import Path
 from trinity_train.health.collective_waits import CollectiveWaits
 
 ITERATION_WALL = "iteration wall"
+COUNTER_ENV = "TRINITY_BENCH_COLLECTIVES"  # `install_collective_counter`'s output folder
+WAITS_ENV = "TRINITY_BENCH_WAITS"  # `install_wait_profiler`'s output folder
 
 
 def site(frame) -> str:
@@ -105,3 +114,55 @@ def install_wait_profiler(out_dir: str) -> None:
             tmp.replace(path)
 
     trainer_module.Trainer.train_one_iteration = profiled_iteration
+
+
+def install_collective_counter(out_dir: str) -> None:
+    """Count the bytes this rank sends in every collective, per training iteration, into
+    OUT_DIR/rank{RANK}.json (rewritten after every iteration), by the planner's rule
+    (`trinity_train.plan.collectives`: the same bytes and categories a plan reports)."""
+    from trinity_train.plan.collectives import CollectiveLog
+
+    rank = os.environ.get("RANK", "0")
+    path = Path(out_dir) / f"rank{rank}.json"
+    counts: dict = {}
+    log = CollectiveLog()
+
+    def file_calls(key) -> None:
+        """{category: [calls, bytes]} of the calls logged since the last filing, under `key`."""
+        entry = counts.setdefault(str(key), {})
+        for call in log.calls:
+            tally = entry.setdefault(call.category, [0, 0])
+            tally[0] += 1
+            tally[1] += call.sent
+        log.calls = []
+
+    def dump() -> None:
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(counts))
+        tmp.replace(path)
+
+    import trinity_train.train as trainer_module
+
+    original = trainer_module.Trainer.train_one_iteration
+
+    def counted_iteration(self):
+        file_calls("setup" if self.state.iteration == 0 else "between")
+        try:
+            return original(self)
+        finally:
+            file_calls(self.state.iteration)
+            dump()
+
+    trainer_module.Trainer.train_one_iteration = counted_iteration
+    log.__enter__()  # for the rest of the process (its main thread)
+
+
+def rank_iterations(out_dir: Path, name: str, first: int, last: int) -> list[list[dict]]:
+    """Per rank of the 2-rank job: the per-iteration tables its instrument wrote to
+    OUT_DIR/{name}{rank}.json ({iteration: table}, and the counter's "setup": what came before the
+    first iteration), iterations `first` to `last`."""
+    per_rank = []
+    for rank in (0, 1):
+        data = json.loads((out_dir / f"{name}{rank}.json").read_text())
+        per_rank.append([table for it, table in data.items() if it.isdigit() and first <= int(it) <= last])
+    return per_rank
