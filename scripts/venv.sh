@@ -5,7 +5,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-if ! .venv/bin/python -c "import trinity_train.cli, pytest, xdist, matplotlib, mkdocs, material" 2>/dev/null; then
+if ! .venv/bin/python -c "import trinity_train.cli, trinity_harness.jobs, pytest, xdist, matplotlib, mkdocs, material" 2>/dev/null; then
     python3 -m venv .venv
     .venv/bin/pip install torch==2.13.0
     .venv/bin/pip install -e '.[dev]'
