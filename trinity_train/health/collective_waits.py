@@ -5,7 +5,7 @@ Every collective of a step ends, for the thread that issued it, in one of two wa
 
 - `Work.wait()` (torch._C._distributed_c10d.Work): a synchronous `torch.distributed` call
   (`all_reduce`, `all_gather_single`, `all_to_all_single`, ... , and so FSDP2's all-gathers and
-  our reduce-scatter, parallel/gloo_reduce_scatter.py) waits on its work object before it
+  our reduce-scatter, parallel/gloo/reduce_scatter.py) waits on its work object before it
   returns, and an asynchronous one (`async_op=True`: FSDP2's prefetch, Muon's packed exchange in
   optim/muon_exchange.py) is waited by its caller;
 - `_functional_collectives.wait_tensor` (functional collectives: DTensor's redistribute, which

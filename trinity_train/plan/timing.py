@@ -14,7 +14,7 @@ full overlap (max of the two); a real step lies between.
 `price_measured` prices a job whose compute was measured (a CPU/gloo run: the 2-host bed's
 one-host step) and whose links are slow. Each collective's credited bytes are what gloo puts on
 the wire (benchmarks/multinode.py's calibration: 1.00-1.01 per kind; FSDP's reduce-scatter is an
-all-to-all there, `parallel/gloo_reduce_scatter.py`, since gloo's own sends 2x).
+all-to-all there, `parallel/gloo/reduce_scatter.py`, since gloo's own sends 2x).
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ default), the data order too (`data.seed` = the base's + the seed), so the sprea
 the run-to-run spread; the cells of one seed share both, so variants and learning rates compare
 seed by seed (paired). `data_order = "fixed"` keeps the base's `data.seed` in every cell (v1).
 `tokens` states the budget, steps x global batch x seq_len, and must equal what the base trains;
-`val_tokens` (optional) states the validation set, eval_batches x global batch x seq_len, checked
+`val_tokens` (optional) states the validation set, eval.batches x global batch x seq_len, checked
 the same way. `pinned = true` makes the base config state every setting itself (no `base =`
 chain, no key left to the code's defaults), so a default changed in the code or in another config
 file cannot change the study without its file changing: a key it leaves out is refused, by name.
@@ -19,7 +19,7 @@ to the cells they select.
     variants = ["prenorm", "sandwich", "trinity", "gemma3", "normformer"]
     seeds = [0, 1, 2]                           # train.seed, and data.seed = base + seed
     tokens = 51200                              # 100 steps x 4 sequences x 128 tokens
-    val_tokens = 32768                          # optional: 64 eval_batches x 4 x 128
+    val_tokens = 32768                          # optional: 64 eval.batches x 4 x 128
     pinned = true                               # optional: the base states every setting
 
     [[lrs]]
@@ -232,7 +232,7 @@ def load_study(path: str | Path) -> Study:
         r.fail("tokens", f"must be positive, got {tokens}")
     lrs = _read_lrs(path, r.get("lrs", list, "the learning-rate settings ([[lrs]] tables)"), variants)
     drills = _read_drills(path, r.get("drills", list, "a list of [[drills]] tables", []), variants, lrs, tuple(seeds))
-    val_tokens = r.get("val_tokens", int, "the validation tokens, eval_batches x global batch x seq_len", None)
+    val_tokens = r.get("val_tokens", int, "the validation tokens, eval.batches x global batch x seq_len", None)
     if val_tokens is not None and val_tokens <= 0:
         r.fail("val_tokens", f"must be positive, got {val_tokens}")
     data_order = r.get("data_order", str, f"one of {', '.join(DATA_ORDERS)}", "seed")
