@@ -1,5 +1,7 @@
 """The config tree: TOML loading, dotted overrides, validation messages, the shipped configs."""
 
+import re
+
 import pytest
 
 from conftest import CONFIGS, shipped_training_configs
@@ -172,3 +174,21 @@ def test_a_stored_config_of_an_earlier_version_is_upgraded_not_refused():
     assert upgraded.eval == load_config(CONFIGS / "debug.toml").eval
     assert upgraded.parallel.keep_gathered_gib == float("inf")
     assert (upgraded.parallel.ep_wire_dtype, upgraded.parallel.reduce_wire_dtype) == ("full", "full")
+
+
+def test_parallel_has_at_most_13_keys_and_none_only_for_cpu_jobs():
+    # A config key is one a GPU user could want: CPU-only switches (the gloo room's overlaps) have
+    # no key (parallel/gloo; a benchmark's ablation uses GlooOverlap).
+    import dataclasses
+
+    from conftest import ROOT
+    from test_docs_site import docs_site  # the config reference's reader of the keys' comments
+    from trinity_train.config import ParallelConfig
+
+    assert len(dataclasses.fields(ParallelConfig)) <= 13
+    comments = docs_site.field_comments((ROOT / "trinity_train" / "config.py").read_text())
+    meanings = {f"{cls}.{key}": text for cls, (_, keys) in comments.items() for key, text in keys.items()}
+    assert len(meanings) > 100  # every key's comment was read
+    cpu_only = [key for key, text in meanings.items()
+                if re.search(r"CPU \(gloo\) jobs:|only (on|for|matters on) CPU|CPU jobs only", text)]
+    assert cpu_only == []

@@ -152,3 +152,37 @@ def test_trinity_train_never_imports_the_development_harness():
         assert not bad, f"{module.relative_to(PACKAGE)} imports {sorted(bad)}"
     # the check is not vacuous: the walk sees the harness's imports where they are
     assert "trinity_harness.ranks" in tooling_imports(PACKAGE.parent / "tests" / "conftest.py")
+
+
+MUTATORS = {"append", "extend", "insert", "update", "setdefault", "add", "pop", "popitem", "remove", "discard",
+            "clear", "__setitem__"}
+
+
+def module_state_written(module: Path) -> list[str]:
+    """Module-level names of `module` that its code writes into after import: assigned through a
+    subscript or a mutating method, or rebound under `global` (a registry, not a constant table)."""
+    tree = ast.parse(module.read_text())
+    names = {t.id for node in tree.body if isinstance(node, (ast.Assign, ast.AnnAssign))
+             for t in (node.targets if isinstance(node, ast.Assign) else [node.target]) if isinstance(t, ast.Name)}
+    written = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Global):
+            written.update(n for n in node.names if n in names)
+        elif isinstance(node, (ast.Assign, ast.AugAssign, ast.Delete)):
+            targets = node.targets if isinstance(node, (ast.Assign, ast.Delete)) else [node.target]
+            written.update(t.value.id for t in targets if isinstance(t, ast.Subscript) and isinstance(t.value, ast.Name)
+                           and t.value.id in names)
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in MUTATORS
+              and isinstance(node.func.value, ast.Name) and node.func.value.id in names):
+            written.add(node.func.value.id)
+    return sorted(written)
+
+
+def test_parallel_keeps_no_module_level_mutable_state():
+    """What a job's parallel code holds lives in the objects it returns (the gloo room's
+    GlooCommunication, the model's FSDP state), never in a module-level registry every model in
+    the process would share (constant tables are fine)."""
+    found = {str(m.relative_to(PACKAGE)): module_state_written(m) for m in sorted((PACKAGE / "parallel").rglob("*.py"))}
+    assert {m: names for m, names in found.items() if names} == {}
+    # the check sees a registry where there is one
+    assert "_PARAMS_CACHE" in module_state_written(PACKAGE / "plan" / "formula.py")  # a cache, outside parallel/

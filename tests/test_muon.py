@@ -234,3 +234,13 @@ def test_only_a_plain_shard_of_a_matrix_dim_over_one_mesh_dim_is_packed():
     assert packed_dim(mesh, (_StridedShard(0, split_factor=2),), (0,), 2) is None
     assert packed_dim(mesh, (Replicate(),), (0,), 2) is None
     assert packed_dim(None, (), (), 2) is None
+
+
+def test_muon_step_takes_no_communication_hook():
+    # What runs inside the step is registered on the optimizer (register_while_orthogonalising_hook),
+    # as torch's own optimizer hooks: the step's signature is torch's.
+    import inspect
+
+    from trinity_train.optim.muon import Muon
+
+    assert list(inspect.signature(Muon.step).parameters) == ["self", "closure"]
