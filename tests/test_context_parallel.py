@@ -36,7 +36,7 @@ from trinity_train.model.context_attention import SequenceShard, context_attenti
 from trinity_train.model.transformer import layer_attention_mask
 from trinity_train.parallel.context_parallel import context_token_index, shard_micro_batch, split_for_context
 from trinity_train.parallel.mesh import ParallelDims
-from trinity_train.parallel.node_layout import Nodes
+from trinity_train.parallel.node_layout import Nodes, layout_on_nodes
 from trinity_train.records import RecordKind
 from trinity_train.train import Trainer
 
@@ -151,7 +151,7 @@ def test_a_layout_cp_cannot_split_is_refused_in_one_line(corpus, tmp_path):
     with pytest.raises(ConfigError, match=r"dp_shard=2 x cp=2 x tp=1 = 4 ranks, but 8 processes"):
         ParallelDims.from_config(cfg_with(corpus, tmp_path, cp=2, dp_shard=2), 8)
     with pytest.raises(ConfigError, match=r"^parallel.cp: cp=2 would put its groups across nodes"):
-        ParallelDims.from_config(cfg_with(corpus, tmp_path, cp=2), 4, Nodes(1, "test"))
+        layout_on_nodes(cfg_with(corpus, tmp_path, cp=2), 4, Nodes(1, "test"))
 
 
 def test_cp_ranks_shard_the_weights_and_lend_ranks_to_ep(corpus, tmp_path):
