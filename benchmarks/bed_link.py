@@ -24,6 +24,7 @@ from pathlib import Path
 
 from trinity_harness.cluster_bed import ClusterBed, bed_unavailable
 from trinity_harness.jobs import loadavg
+from trinity_harness.table import markdown_table
 
 ROOT = Path(__file__).resolve().parents[1]
 PREFIX, SUBNET, PORT = "tk", "10.214.0", 5999  # a prefix and /24 no test bed uses
@@ -93,8 +94,7 @@ def main() -> int:
         return 1
     bed = ClusterBed(2, PREFIX, SUBNET)
     print(f"# load: {loadavg()}")
-    print("| rate | queue | one stream, MB/s | two streams, one each way, MB/s | share of the rate (worse of the two) |")
-    print("|---|---|---:|---:|---:|")
+    rows = []
     try:
         bed.up()
         for rate in args.rates.split(","):
@@ -106,12 +106,16 @@ def main() -> int:
                 for _ in range(args.repeats):
                     one = streams(bed, [(0, 1)], mib)[0]
                     both = streams(bed, [(0, 1), (1, 0)], mib)
-                    print(f"| {rate} | {queue} | {one:.1f} | {both[0]:.1f}, {both[1]:.1f} | "
-                          f"{min(both) / rate_mb_s(rate):.2f} |", flush=True)
+                    rows.append([rate, queue, f"{one:.1f}", f"{both[0]:.1f}, {both[1]:.1f}",
+                                 f"{min(both) / rate_mb_s(rate):.2f}"])
+                    print(f"rate {rate}, queue {queue}: one stream {rows[-1][2]} MB/s, two {rows[-1][3]} MB/s",
+                          flush=True)
                 bed.shape(1, "off")
     finally:
         bed.down()
     print(f"# load after: {loadavg()}")
+    print(markdown_table(["rate", "queue", "one stream, MB/s", "two streams, one each way, MB/s",
+                          "share of the rate (worse of the two)"], rows))
     return 0
 
 

@@ -25,6 +25,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import torch  # noqa: E402
 
 from trinity_harness.jobs import loadavg  # noqa: E402
+from trinity_harness.table import markdown_table  # noqa: E402
 from trinity_train.checkpoint import CheckpointManager, ModelState, OptimizerState  # noqa: E402
 from trinity_train.config import default_config_path, load_config  # noqa: E402
 from trinity_train.model import build_model  # noqa: E402
@@ -97,11 +98,10 @@ def main(argv: list[str]) -> int:
     print(f"# load: {loadavg()}")
     print(f"checkpoint: {len(files)} files, {size / 1e6:.1f} MB; save (sync, DCP, incl. fsync) best "
           f"{min(saves):.3f} s, median {statistics.median(saves):.3f} s")
-    print("| hash | best s | MB/s | of the save time |")
-    print("|---|---|---|---|")
-    for name, seconds in sorted(costs.items(), key=lambda kv: min(kv[1])):
-        print(f"| {name} | {min(seconds):.4f} | {size / 1e6 / min(seconds):,.0f} | "
-              f"{100 * min(seconds) / min(saves):.1f} % |")
+    print(markdown_table(["hash", "best s", "MB/s", "of the save time"],
+                         [[name, f"{min(seconds):.4f}", f"{size / 1e6 / min(seconds):,.0f}",
+                           f"{100 * min(seconds) / min(saves):.1f} %"]
+                          for name, seconds in sorted(costs.items(), key=lambda kv: min(kv[1]))]))
     return 0
 
 

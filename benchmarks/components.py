@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from measure import Timings, timed
+from trinity_harness.table import markdown_table, ratio
 from trinity_train.config import load_config
 from trinity_train.model.attention import (build_attention_mask, sliding_window_attention,
                                            sliding_window_blocks)
@@ -51,7 +52,9 @@ class ModuleHead(nn.Module):
         return self.linear(x)
 
 
-def compare(title: str, cases: dict[str, Callable[[], None]], repeats: int) -> None:
+def compare(title: str, cases: dict[str, Callable[[], None]], repeats: int) -> list[list[str]]:
+    """Times the cases alternating, prints one line per case, and returns the table's rows:
+    (group, case, best ms, its ratio to the group's first case)."""
     timings = {name: Timings() for name in cases}
     for fn in cases.values():
         fn()  # warm-up
@@ -60,8 +63,11 @@ def compare(title: str, cases: dict[str, Callable[[], None]], repeats: int) -> N
             timings[name].add(timed(fn, torch.device("cpu"))[0])
     print(title)
     first = next(iter(timings.values())).best
+    rows = []
     for name, t in timings.items():
-        print(f"  {name:44s} {t.best * 1e3:8.1f} ms  ({t.best / first:.2f}x the first)")
+        print(f"  {name:44s} {t.best * 1e3:8.1f} ms  ({t.best / first:.2f}x the first)", flush=True)
+        rows.append([title.split(" (")[0].rstrip(":"), name, f"{t.best * 1e3:.1f}", ratio(t.best, first)])
+    return rows
 
 
 def attention_cases(cfg) -> dict[str, Callable[[], None]]:
@@ -191,13 +197,15 @@ def main(argv: list[str] | None = None) -> int:
     args, overrides = parser.parse_known_args(argv)
     cfg = load_config(args.config, overrides)
     print(f"{args.config}: forward + backward, best of {args.repeats}, {torch.get_num_threads()} threads")
-    compare(f"attention of one layer ({cfg.train.micro_batch_size}x{cfg.data.seq_len} tokens, "
+    rows = compare(f"attention of one layer ({cfg.train.micro_batch_size}x{cfg.data.seq_len} tokens, "
             f"window {cfg.model.sliding_window}):", attention_cases(cfg), args.repeats)
-    compare(f"cross entropy over {cfg.model.vocab_size} tokens:", loss_cases(cfg), args.repeats)
-    compare(f"routed experts of one layer ({cfg.model.num_experts} x width "
+    rows += compare(f"cross entropy over {cfg.model.vocab_size} tokens:", loss_cases(cfg), args.repeats)
+    rows += compare(f"routed experts of one layer ({cfg.model.num_experts} x width "
             f"{cfg.model.moe_intermediate_size}, top-{cfg.model.num_experts_per_tok}):",
             expert_cases(cfg), args.repeats)
-    compare("MoE dispatch + combine gathers:", gather_cases(cfg), args.repeats)
+    rows += compare("MoE dispatch + combine gathers:", gather_cases(cfg), args.repeats)
+    print()
+    print(markdown_table(["comparison", "case", "best ms (fwd + bwd)", "ratio to the comparison's first case"], rows))
     return 0
 
 

@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 from trinity_harness.jobs import loadavg
+from trinity_harness.table import markdown_table
 from trinity_harness.ranks import init_gloo, run_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -79,15 +80,17 @@ def main() -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     print(f"# load before: {loadavg()}")
-    print("| seq_len | cp | gather ms (fwd + bwd) | global-layer attention ms (fwd + bwd) | gather share | kv bytes gathered per rank |")
-    print("|---:|---:|---:|---:|---:|---:|")
+    rows = []
     for cp in map(int, args.cps.split(",")):
         for seq_len in map(int, args.seq_lens.split(",")):
             best = run_ranks(cp, time_rank, seq_len, args.repeats, timeout_s=1800)[0]
             received = (cp - 1) * seq_len // cp * KV_HEADS * HEAD_DIM * 2 * 4
-            print(f"| {seq_len:,} | {cp} | {best['gather'] * 1e3:,.1f} | {best['attention'] * 1e3:,.1f} | "
-                  f"{best['gather'] / best['attention']:.1%} | {received / 2 ** 20:.1f} MiB |", flush=True)
+            rows.append([f"{seq_len:,}", cp, f"{best['gather'] * 1e3:,.1f}", f"{best['attention'] * 1e3:,.1f}",
+                         f"{best['gather'] / best['attention']:.1%}", f"{received / 2 ** 20:.1f} MiB"])
+            print(f"seq_len {seq_len:,}, cp {cp}: gather {rows[-1][2]} ms, attention {rows[-1][3]} ms", flush=True)
     print(f"# load after: {loadavg()}")
+    print(markdown_table(["seq_len", "cp", "gather ms (fwd + bwd)", "global-layer attention ms (fwd + bwd)",
+                          "gather share", "kv bytes gathered per rank"], rows))
 
 
 if __name__ == "__main__":

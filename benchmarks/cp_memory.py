@@ -22,6 +22,7 @@ import tempfile
 from pathlib import Path
 
 from trinity_harness.jobs import loadavg
+from trinity_harness.table import markdown_table
 from trinity_harness.plan_runs import measure_rank, measured_config
 from trinity_harness.ranks import run_ranks
 
@@ -64,16 +65,16 @@ def main() -> None:
     base = rows[cps[0]]["tracked"]["activations"]
     print(f"\nseq_len {args.seq_len}, document masking, window 128, micro-batch 1; rank 0, MiB at the "
           f"iteration's peak")
-    print("| cp | activations | ratio | temporaries | parameters + gradients + state | peak | "
-          "plan: activations |")
-    print("|---:|---:|---:|---:|---:|---:|---:|")
+    table = []
     for cp, row in rows.items():
         t, p = row["tracked"], row["predicted"]
         state = t["parameters"] + t["gradients"] + t["optimizer state"] + t["gathered parameters"]
-        print(f"| {cp} | {t['activations'] / MIB:,.0f} | {base / max(t['activations'], 1):.2f}x | "
-              f"{t['temporaries'] / MIB:,.0f} | {state / MIB:,.0f} | {sum(t.values()) / MIB:,.0f} | "
-              f"{p['activations'] / MIB:,.0f} |")
+        table.append([cp, f"{t['activations'] / MIB:,.0f}", f"{base / max(t['activations'], 1):.2f}x",
+                      f"{t['temporaries'] / MIB:,.0f}", f"{state / MIB:,.0f}", f"{sum(t.values()) / MIB:,.0f}",
+                      f"{p['activations'] / MIB:,.0f}"])
     print(f"load after: {loadavg()}")
+    print(markdown_table(["cp", "activations", "ratio", "temporaries", "parameters + gradients + state", "peak",
+                          "plan: activations"], table))
 
 
 if __name__ == "__main__":

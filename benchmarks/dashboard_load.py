@@ -33,6 +33,7 @@ import urllib.request
 from pathlib import Path
 
 from trinity_harness.jobs import loadavg
+from trinity_harness.table import markdown_table, ratio
 from trinity_harness.synthetic_run import layers_record, train_record  # the tests' record shapes
 from trinity_train.columnar import MirrorWriter
 from trinity_train.dashboard import browser
@@ -125,23 +126,30 @@ def without_mirror(run_dir: Path) -> Path:
     return bare
 
 
-def dashboard_load(lines: int, keep: Path | None) -> None:
+def dashboard_load(lines: int, keep: Path | None) -> list[list[str]]:
+    """Measures, printing a line per figure as it comes, and returns the table's rows."""
+    rows = []
     work = keep or Path(tempfile.mkdtemp(prefix="dashboard-bench-"))
     run_dir = work / "long-run"
     t = time.perf_counter()
     size = write_long_run(run_dir, lines)
     print(f"wrote {lines:,} lines ({size / 2**20:.0f} MiB) in {time.perf_counter() - t:.0f} s")
+    rows.append(["metrics lines written", f"{lines:,} ({size / 2**20:.0f} MiB)"])
     t = time.perf_counter()
     run = RunDir(run_dir)
     MirrorWriter(run.metrics_mirror, run.metrics).close()
+    built = time.perf_counter() - t
     print(f"built the columnar mirror ({run.metrics_mirror.stat().st_size / 2**20:.0f} MiB) from the JSON in "
-          f"{time.perf_counter() - t:.1f} s (what a trainer start spends on a run this long)")
+          f"{built:.1f} s (what a trainer start spends on a run this long)")
+    rows.append([f"building the columnar mirror ({run.metrics_mirror.stat().st_size / 2**20:.0f} MiB), s",
+                 f"{built:.1f}"])
 
     bare_process, bare_url, bare_started = start_server(without_mirror(run_dir))
     try:
         answered, _ = first_full_range_answer(bare_url)
-        print(f"without the mirror: server start to first full-range answer: {answered - bare_started:.2f} s; "
-              f"peak RSS {peak_rss_mib(bare_process.pid):.0f} MiB")
+        bare_s, bare_rss = answered - bare_started, peak_rss_mib(bare_process.pid)
+        print(f"without the mirror: server start to first full-range answer: {bare_s:.2f} s; "
+              f"peak RSS {bare_rss:.0f} MiB")
     finally:
         bare_process.terminate()
         bare_process.wait(timeout=30)
@@ -149,32 +157,48 @@ def dashboard_load(lines: int, keep: Path | None) -> None:
     process, url, started = start_server(run_dir)
     try:
         answered, answer_bytes = first_full_range_answer(url)
-        print(f"with the mirror: server start to first full-range answer: {answered - started:.2f} s "
+        mirror_s = answered - started
+        print(f"with the mirror: server start to first full-range answer: {mirror_s:.2f} s "
               f"(every series, 1000 buckets: {answer_bytes / 1024:.0f} KiB)")
+        rows.append(["server start to first full-range answer, s", f"{mirror_s:.2f}", f"{bare_s:.2f}",
+                     ratio(mirror_s, bare_s)])
+        rows.append(["first full-range answer (every series, 1000 buckets), KiB", f"{answer_bytes / 1024:.0f}"])
         if browser.available():
             with browser.headless_chromium() as driver:
                 driver.get(url)
                 browser.wait_until_rendered(driver, timeout=300)
                 rendered_ms = driver.execute_script("return window.dashboardRenderedAt")
                 print(f"navigation start to charts drawn (headless Chromium, server already loaded): {rendered_ms / 1000:.2f} s")
-                print(f"bytes sent for the first view: {first_view_bytes(driver) / 2**20:.2f} MiB "
-                      f"(plotly.min.js alone {len(fetch(url + 'static/plotly.min.js')) / 2**20:.2f} MiB)")
+                view_mib = first_view_bytes(driver) / 2**20
+                plotly_mib = len(fetch(url + 'static/plotly.min.js')) / 2**20
+                print(f"bytes sent for the first view: {view_mib:.2f} MiB (plotly.min.js alone {plotly_mib:.2f} MiB)")
+                rows.append(["navigation start to charts drawn (headless Chromium), s", f"{rendered_ms / 1000:.2f}"])
+                rows.append(["bytes sent for the first view, MiB", f"{view_mib:.2f} (plotly.min.js {plotly_mib:.2f})"])
         else:
             print(f"no {browser.CHROMIUM}: time to first render not measured")
-        print(f"with the mirror: server peak RSS: {peak_rss_mib(process.pid):.0f} MiB")
+            rows.append(["navigation start to charts drawn, s", f"not measured (no {browser.CHROMIUM})"])
+        rss = peak_rss_mib(process.pid)
+        print(f"with the mirror: server peak RSS: {rss:.0f} MiB")
+        rows.append(["server peak RSS, MiB", f"{rss:.0f}", f"{bare_rss:.0f}", ratio(rss, bare_rss)])
     finally:
         process.terminate()
         process.wait(timeout=30)
+    return [row + [""] * (4 - len(row)) for row in rows]
 
 
-def layer_stats_overhead() -> None:
+def layer_stats_overhead() -> list[list[str]]:
     """Layer-statistics overhead per training step on the default model: the figure of
     benchmarks/layer_stats_cost.py (fewer repetitions: a few minutes on 2 CPU cores)."""
     from layer_stats_cost import measure_layer_stats_overhead
 
-    print("layer-statistics overhead per training step (benchmarks/layer_stats_cost.py, configs/debug.toml):")
-    for line in measure_layer_stats_overhead(pairs=10, rounds=4).lines():
-        print(f"  {line}")
+    result = measure_layer_stats_overhead(pairs=10, rounds=4)
+    rows = []
+    for cost in result.costs:
+        for interval, clock, share, quartiles, adds, plain, samples in cost.rows():
+            rows.append([f"layer statistics every {interval} iterations ({clock}, configs/debug.toml), % of the step",
+                         f"{share} (quartiles {quartiles}; adds {adds} ms to {plain} ms; median of {samples})", "", ""])
+            print(f"layer_stats_every={interval} {clock}: {rows[-1][1]} % of the step", flush=True)
+    return rows
 
 
 def main() -> None:
@@ -183,9 +207,12 @@ def main() -> None:
     parser.add_argument("--keep", type=Path, help="write the run directory here (default: a temporary one)")
     args = parser.parse_args()
     print(f"load before: {loadavg()}")
-    dashboard_load(args.lines, args.keep)
-    layer_stats_overhead()
+    rows = dashboard_load(args.lines, args.keep)
+    rows += layer_stats_overhead()
     print(f"load after: {loadavg()}")
+    print(markdown_table(["measurement", "figure (with the columnar mirror)", "without the mirror (JSON only)",
+                          "ratio with / without"],
+                         rows))
 
 
 if __name__ == "__main__":

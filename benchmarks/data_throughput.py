@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from trinity_harness.table import markdown_table, ratio
 from trinity_train.config import load_config
 from trinity_train.data import build_loaders
 from trinity_train.data.default_corpus import corpus_files, stdlib_root
@@ -111,10 +112,17 @@ def main(argv: list[str] | None = None) -> int:
           f"{tokens / stats['seconds']:12,.0f} tokens/s   ({mb:.1f} MB, {tokens:,} tokens, {stats['seconds']:.1f} s)")
     print(f"loader   (next_batch):     {loader_rate:14,.0f} tokens/s delivered")
     print(f"training (debug model):    {training_rate:14,.0f} tokens/s consumed (fwd + bwd + AdamW)")
-    ratio = loader_rate / training_rate
-    verdict = "ok" if ratio >= REQUIRED_RATIO else f"TOO SLOW (needs >= {REQUIRED_RATIO:.0f}x)"
-    print(f"loader / training = {ratio:,.0f}x  {verdict}")
-    return 0 if ratio >= REQUIRED_RATIO else 1
+    loader_over_training = loader_rate / training_rate
+    verdict = "ok" if loader_over_training >= REQUIRED_RATIO else f"TOO SLOW (needs >= {REQUIRED_RATIO:.0f}x)"
+    print(f"loader / training = {loader_over_training:,.0f}x  {verdict}")
+    prepare_rate = tokens / stats["seconds"]
+    print(markdown_table(
+        ["stage", "tokens/s", "ratio to training", "note"],
+        [[f"prepare ({args.num_proc} processes)", f"{prepare_rate:,.0f}", ratio(prepare_rate, training_rate, 0),
+          f"{mb / stats['seconds']:.2f} MB/s of input ({mb:.1f} MB, {tokens:,} tokens, {stats['seconds']:.1f} s)"],
+         ["loader (next_batch)", f"{loader_rate:,.0f}", ratio(loader_rate, training_rate, 0), verdict],
+         ["training (debug model)", f"{training_rate:,.0f}", "1x", "fwd + bwd + AdamW"]]))
+    return 0 if loader_over_training >= REQUIRED_RATIO else 1
 
 
 if __name__ == "__main__":

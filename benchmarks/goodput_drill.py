@@ -8,8 +8,8 @@ wall time and agree with the events.
 The drills (stability.inject): rank 1 SIGKILLed at iteration 8 (torchrun restarts the job from
 the checkpoint of step 5), rank 1 standing still at iteration 14 (both ranks' watchdogs fire
 after max(floor 4 s, 3 x the longest step); torchrun restarts from step 10), NaN losses at
-iterations 21-22 (skipped, then rolled back to a checkpoint from before them). Prints the table,
-the launcher's wall time beside the account's, and the load.
+iterations 21-22 (skipped, then rolled back to a checkpoint from before them). Prints the
+launcher's wall time beside the account's, the load, and last the goodput table in markdown.
 """
 
 from __future__ import annotations
@@ -23,6 +23,9 @@ import time
 from pathlib import Path
 
 from trinity_harness.jobs import loadavg
+from trinity_harness.table import markdown_table
+from trinity_train.goodput.account import CATEGORIES
+from trinity_train.goodput.table import LABELS
 from trinity_train.records import EventName
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -50,13 +53,10 @@ def main() -> int:
     if done.returncode != 0:
         print(done.stderr[-3000:], file=sys.stderr)
         return done.returncode
-    table = subprocess.run([sys.executable, "-m", "trinity_train.cli", "goodput", str(run_dir)], cwd=ROOT,
-                           capture_output=True, text=True, check=True).stdout
     account = json.loads(subprocess.run([sys.executable, "-m", "trinity_train.cli", "goodput", str(run_dir), "--json"],
                                         cwd=ROOT, capture_output=True, text=True, check=True).stdout)
     events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines() if line.strip()]
     names = [e["event"] for e in events]
-    print(table)
     accounted = sum(account["seconds"].values())
     print(f"categories {accounted:.1f} s, wall {account['wall_s']:.1f} s ({100 * (accounted / account['wall_s'] - 1):+.2f} %); "
           f"the launcher ran {launcher_wall:.1f} s (its own start before the first worker and its exit are outside)")
@@ -66,8 +66,27 @@ def main() -> int:
     write_s = timeline_write_seconds()
     print(f"writing an iteration's timeline line: {write_s * 1e6:.1f} us, {100 * write_s / step_s:.3f} % of the "
           f"drill's median step ({step_s * 1e3:.1f} ms), load {loadavg()}")
+    steps = account["steps"]
+    print(f"goodput {100 * account['goodput']:.1f}% (steps kept / wall); iterations: {steps['productive']} kept, "
+          f"{steps['undone']} undone, {steps['skipped']} skipped; {len(account['attempts'])} attempt(s)")
+    for a in account["attempts"]:
+        print(f"  #{a['attempt']}: {a['host']} pid {a['pid']}, {a['devices']} device(s), from iteration "
+              f"{a['start_iter']}, {a['status'] or 'killed or lost (no end record)'}")
     print(f"run directory: {run_dir}")
+    print(goodput_table(account))
     return 0
+
+
+def goodput_table(account: dict) -> str:
+    """`trinity-train goodput`'s table (its --json account) as markdown: a category a row, seconds
+    and share of the wall time, then each attempt's seconds."""
+    attempts = account["attempts"]
+    wall = account["wall_s"]
+    rows = [[LABELS[name], f"{account['seconds'][name]:.1f}",
+             f"{100 * account['seconds'][name] / wall:.1f}" if wall > 0 else "-",
+             *(f"{a['seconds'][name]:.1f}" for a in attempts)] for name in CATEGORIES]
+    rows.append(["wall", f"{wall:.1f}", "100.0", *(f"{a['wall_s']:.1f}" for a in attempts)])
+    return markdown_table(["category", "total s", "% of wall", *(f"attempt #{a['attempt']} s" for a in attempts)], rows)
 
 
 def median_step_seconds(run_dir: Path) -> float:

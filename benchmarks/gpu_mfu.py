@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from measure import Timings, matmul_probe, step_flops, timed
+from trinity_harness.table import markdown_table
 from trinity_train.config import load_config
 from trinity_train.model.counting import count_parameters
 from trinity_train.optim.groups import build_optimizer
@@ -132,15 +133,15 @@ def main(argv: list[str] | None = None) -> int:
           f"({counts.total / 1e9:.2f}B parameters, {counts.active / 1e9:.2f}B active), "
           f"{rows}x{cfg.data.seq_len} tokens/step, bf16, compile={cfg.train.compile}, "
           f"activation checkpointing={cfg.train.activation_checkpointing}, {cfg.optim.name}")
-    print(f"  {tokens_per_s:,.0f} tokens/s (median of {args.steps} steps, {timings.median:.3f} s/step; "
-          f"best {tokens_per_step / timings.best:,.0f})")
-    print(f"  MFU {result['mfu']:.1%} of {peak / 1e12:.0f} TFLOP/s bf16 peak; "
-          f"{result['mfu_vs_measured_matmul']:.1%} of a measured {probe_size}^3 bf16 matmul "
-          f"({measured / 1e12:.0f} TFLOP/s)")
-    if result["peak_memory_gib"] is not None:
-        print(f"  peak memory {result['peak_memory_gib']:.1f} GiB")
     if args.json:
         args.json.write_text(json.dumps(result, indent=2) + "\n")
+    memory = "-" if result["peak_memory_gib"] is None else f"{result['peak_memory_gib']:.1f}"
+    print(markdown_table(
+        ["device", "layers", f"tokens/s (median of {args.steps})", "tokens/s (best)", "s/step (median)",
+         f"MFU of {peak / 1e12:.0f} TFLOP/s bf16 peak",
+         f"MFU of a measured {probe_size}^3 bf16 matmul ({measured / 1e12:.0f} TFLOP/s)", "peak memory GiB"],
+        [[device_name, cfg.model.num_layers, f"{tokens_per_s:,.0f}", f"{tokens_per_step / timings.best:,.0f}",
+          f"{timings.median:.3f}", f"{result['mfu']:.1%}", f"{result['mfu_vs_measured_matmul']:.1%}", memory]]))
     return 0
 
 

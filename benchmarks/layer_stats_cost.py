@@ -40,6 +40,7 @@ from pathlib import Path
 
 from measure import synchronize
 from trinity_harness.jobs import loadavg
+from trinity_harness.table import markdown_table
 from trinity_train.config import load_config
 from trinity_train.train import Trainer
 
@@ -68,12 +69,14 @@ class Samples:
     def fraction(self, interval: int) -> float:
         return statistics.median(self.fractions(interval))
 
-    def describe(self, interval: int) -> str:
+    def cells(self, interval: int) -> list[str]:
+        """The table's figures: share of the step, its quartiles, ms a statistics iteration adds,
+        the plain step's ms, how many samples."""
         fractions = self.fractions(interval)
         low, _, high = statistics.quantiles(fractions, n=4) if len(fractions) > 1 else fractions * 3
-        return (f"{100 * self.fraction(interval):+6.2f} % of the step (quartiles {100 * low:+.2f} .. "
-                f"{100 * high:+.2f} %; a statistics iteration adds {statistics.median(self.extra) * 1e3:.1f} ms "
-                f"to {statistics.median(self.plain) * 1e3:.1f} ms; median of {len(self.extra)})")
+        return [f"{100 * self.fraction(interval):+.2f}", f"{100 * low:+.2f} .. {100 * high:+.2f}",
+                f"{statistics.median(self.extra) * 1e3:.1f}", f"{statistics.median(self.plain) * 1e3:.1f}",
+                str(len(self.extra))]
 
 
 # Wall-clock time, and on a CPU this process's CPU time (all its threads), which other processes'
@@ -93,12 +96,10 @@ class IntervalCost:
         """Of the step's wall-clock time."""
         return self.clocks["wall"].fraction(self.interval)
 
-    def lines(self) -> list[str]:
-        label = f"layer_stats_every={self.interval:<4d}"
-        out = [f"{label} costs {self.clocks['wall'].describe(self.interval)}"]
-        if "cpu" in self.clocks:
-            out.append(f"{' ' * len(label)} CPU time {self.clocks['cpu'].describe(self.interval)}")
-        return out
+    def rows(self) -> list[list[str]]:
+        names = {"wall": "wall clock", "cpu": "CPU time"}
+        return [[str(self.interval), names[clock], *samples.cells(self.interval)]
+                for clock, samples in self.clocks.items()]
 
 
 @dataclass
@@ -112,8 +113,11 @@ class LayerStatsOverhead:
     def fraction(self) -> dict[int, float]:
         return {c.interval: c.fraction for c in self.costs}
 
-    def lines(self) -> list[str]:
-        return [line for c in self.costs for line in c.lines()]
+    HEADERS = ["layer_stats_every", "clock", "% of the step (median)", "quartiles, %",
+               "ms a statistics iteration adds", "step ms without", "samples"]
+
+    def table(self) -> str:
+        return markdown_table(self.HEADERS, [row for c in self.costs for row in c.rows()])
 
 
 def measure_layer_stats_overhead(config: Path = DEFAULT_CONFIG, overrides: list[str] | None = None,
@@ -177,9 +181,8 @@ def main(argv: list[str]) -> None:
     result = measure_layer_stats_overhead(args.config, overrides, args.pairs, args.rounds)
     print(f"config: {args.config.relative_to(ROOT) if args.config.is_relative_to(ROOT) else args.config} "
           f"{' '.join(overrides)}")
-    for line in result.lines():
-        print(line)
     print(f"# load after: {result.load[-1]}")
+    print(result.table())
 
 
 if __name__ == "__main__":

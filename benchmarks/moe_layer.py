@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from measure import Timings, timed
+from trinity_harness.table import markdown_table, ratio
 from trinity_train.config import load_config
 from trinity_train.model.moe import FeedForward, MoE
 
@@ -101,9 +102,16 @@ def main(argv: list[str] | None = None) -> int:
           f"{flops['moe'] / timings['moe'].best / 1e9:6.1f} GFLOP/s")
     print(f"  dense SwiGLU (width {width}, same active FLOPs):   {timings['dense'].best * 1e3:8.1f} ms  "
           f"{flops['dense'] / timings['dense'].best / 1e9:6.1f} GFLOP/s")
-    ratio = timings["moe"].best / timings["dense"].best
-    verdict = "ok" if ratio <= TARGET_RATIO else f"ABOVE the {TARGET_RATIO} target"
-    print(f"MoE / dense time = {ratio:.2f}  {verdict}")
+    moe_over_dense = timings["moe"].best / timings["dense"].best
+    verdict = "ok" if moe_over_dense <= TARGET_RATIO else f"ABOVE the {TARGET_RATIO} target"
+    print(f"MoE / dense time = {moe_over_dense:.2f}  {verdict}")
+    labels = {"moe": f"MoE ({m.num_experts} experts, top-{m.num_experts_per_tok}, width {m.moe_intermediate_size}, "
+                     f"{m.num_shared_experts} shared)",
+              "dense": f"dense SwiGLU (width {width}, same active FLOPs)"}
+    print(markdown_table(
+        ["layer", f"best ms of {args.repeats} (fwd + bwd)", "GFLOP/s", "time ratio to dense"],
+        [[labels[name], f"{timings[name].best * 1e3:.1f}", f"{flops[name] / timings[name].best / 1e9:.1f}",
+          ratio(timings[name].best, timings["dense"].best)] for name in ("moe", "dense")]))
     return 0
 
 

@@ -33,6 +33,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.utils.flop_counter import FlopCounterMode
 
+from trinity_harness.table import markdown_table
 from trinity_train.config import Config, load_config
 from trinity_train.model import build_model
 from trinity_train.optim.groups import build_optimizer
@@ -130,21 +131,30 @@ def main(argv: list[str]) -> None:
     print(f"benchmark config: configs/debug.toml {' '.join(BENCHMARK_OVERRIDES + overrides)} "
           f"({tokens} tokens per optimizer step, {torch.get_num_threads()} CPU threads)")
 
+    rows = []
     print("\n1. optimizer step / forward+backward, one process (median of "
           f"{args.repeats}, after a warm-up)")
     for name in ("muon", "adamw"):
         fb, st, frac = step_fraction(benchmark_config(overrides, name), args.repeats)
         target = "  (target <= 0.15)" if name == "muon" else ""
         print(f"   {name:5s}: fwd+bwd {fb * 1e3:8.1f} ms   step {st * 1e3:7.1f} ms   "
-              f"fraction {frac:.3f}{target}")
+              f"fraction {frac:.3f}{target}", flush=True)
+        rows.append([f"{name}: optimizer step / fwd+bwd, one process", f"{fb * 1e3:.1f} ms", f"{st * 1e3:.1f} ms",
+                     f"{frac:.3f}", "<= 0.15" if name == "muon" else ""])
 
     print("\n2. Newton-Schulz FLOPs per rank / one process doing all of them, FSDP2 on 2 ranks")
     total = single_process_ns_flops(overrides)
     per_rank = per_rank_ns_flops(2, overrides)
     for rank, flops in enumerate(per_rank):
         print(f"   rank {rank}: {flops / 1e9:7.3f} GFLOP  fraction {flops / total:.3f}  (target ~0.5)")
+        rows.append([f"Newton-Schulz FLOPs, FSDP2 rank {rank} / one process", f"{total / 1e9:.3f} GFLOP",
+                     f"{flops / 1e9:.3f} GFLOP", f"{flops / total:.3f}", "~0.5"])
     print(f"   one process: {total / 1e9:7.3f} GFLOP; ranks together: {sum(per_rank) / total:.3f}")
-
+    rows.append(["Newton-Schulz FLOPs, the 2 ranks together / one process", f"{total / 1e9:.3f} GFLOP",
+                 f"{sum(per_rank) / 1e9:.3f} GFLOP", f"{sum(per_rank) / total:.3f}", ""])
+    print()
+    print(markdown_table(["measurement", "denominator (fwd+bwd, or one process)", "numerator (step, or ranks)",
+                          "fraction", "target"], rows))
 
 if __name__ == "__main__":
     main(sys.argv[1:])

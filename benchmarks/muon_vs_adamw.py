@@ -26,6 +26,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from trinity_harness.table import markdown_table
 from trinity_train.config import Config, load_config
 from trinity_train.train import train
 
@@ -48,9 +49,11 @@ def final_val_loss(cfg: Config) -> float:
     return summary.last_val_loss
 
 
-def sweep(label: str, lrs: list[float], make_cfg) -> tuple[float, float]:
-    """(best lr, its final validation loss), printing every run."""
-    results = []
+def sweep(label: str, lrs: list[float], make_cfg,
+          results: list[tuple[float, float]] | None = None) -> tuple[float, float]:
+    """(best lr, its final validation loss), printing every run; each run's (loss, lr) appended to
+    `results` where given."""
+    results = [] if results is None else results
     for lr in lrs:
         loss = final_val_loss(make_cfg(lr))
         print(f"   {label} lr {lr:8.1e}: final validation loss {loss:.4f}", flush=True)
@@ -84,14 +87,21 @@ def main(argv: list[str]) -> None:
               f"= {tokens} tokens per run", flush=True)
 
         print("AdamW sweep (optim.lr)", flush=True)
-        adamw_lr, adamw_loss = sweep("adamw", args.adamw_lrs, lambda lr: cfg_for("adamw", lr, 1e-3))
+        adamw_runs, muon_runs = [], []
+        adamw_lr, adamw_loss = sweep("adamw", args.adamw_lrs, lambda lr: cfg_for("adamw", lr, 1e-3), adamw_runs)
         print(f"Muon sweep (optim.muon_lr; AdamW part at optim.lr={adamw_lr:.1e})", flush=True)
-        muon_lr, muon_loss = sweep("muon ", args.muon_lrs, lambda lr: cfg_for("muon", adamw_lr, lr))
+        muon_lr, muon_loss = sweep("muon ", args.muon_lrs, lambda lr: cfg_for("muon", adamw_lr, lr), muon_runs)
 
     print(f"\nbest AdamW: lr {adamw_lr:.1e}       final validation loss {adamw_loss:.4f}")
     print(f"best Muon:  muon_lr {muon_lr:.1e}  final validation loss {muon_loss:.4f}")
     better = "Muon" if muon_loss < adamw_loss else "AdamW"
     print(f"lower: {better} (Muon - AdamW = {muon_loss - adamw_loss:+.4f})")
+    rows = [[name, key, f"{lr:.1e}", f"{loss:.4f}", f"{loss - adamw_loss:+.4f}", "best" if lr == best else ""]
+            for name, key, runs, best in (("AdamW", "optim.lr", adamw_runs, adamw_lr),
+                                          ("Muon", "optim.muon_lr", muon_runs, muon_lr))
+            for loss, lr in runs]
+    print(markdown_table(["optimizer", "swept", "learning rate", "final validation loss",
+                          "minus the best AdamW's", "best of its sweep"], rows))
 
 
 if __name__ == "__main__":

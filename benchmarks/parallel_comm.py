@@ -26,6 +26,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from trinity_harness.ranks import init_gloo, run_ranks
+from trinity_harness.table import markdown_table, ratio
 from trinity_train.config import Config, load_config
 from trinity_train.parallel.expert_parallel import EP_WAVES, cut_runs
 from trinity_train.parallel.mesh import ParallelDims
@@ -108,7 +109,7 @@ def measure_state_on_ranks(cfg: Config, rows: int) -> int:
     return measure_state(cfg, rows)
 
 
-def report_all_to_all(cfg: Config, ep: int, rows: int) -> None:
+def report_all_to_all(cfg: Config, ep: int, rows: int) -> list[list[str]]:
     cfg.parallel.ep, cfg.parallel.dp_shard = ep, ep
     per_rank = run_ranks(ep, measure_all_to_all, cfg, rows)
     m = cfg.model
@@ -139,20 +140,28 @@ def report_all_to_all(cfg: Config, ep: int, rows: int) -> None:
                 print(f"  {rank:>4} {layer:>5} {phase:>8} {direction:>9} {sent:>12,} "
                       f"{sent / theory:>9.2f}")
     calls = 2 * moe_layers * ep
+    found = []
     for phase, total in totals.items():
         print(f"  {phase}: mean {total / calls:,.0f} B per all-to-all = {total / calls / theory:.2f} "
               f"x theory (routing at init is near uniform, so near 1)")
+        found.append([f"EP={ep} all-to-all, {phase}: mean B per call", f"{total / calls:,.0f}",
+                      f"{theory:,.0f} (theory)", ratio(total / calls, theory),
+                      "near 1 (routing at init is near uniform)"])
+    return found
 
 
-def report_state(cfg: Config, sizes: list[int], rows: int) -> None:
+def report_state(cfg: Config, sizes: list[int], rows: int) -> list[list[str]]:
     print("parameters + AdamW state held by one rank (fp32)")
-    baseline = None
+    baseline, table = None, []
     for n in sizes:
         cfg.parallel.dp_shard, cfg.parallel.ep = n, 1
         held = measure_state(cfg, rows) if n == 1 else run_ranks(n, measure_state_on_ranks, cfg, rows)[0]
         baseline = baseline or held
         print(f"  FSDP={n}: {held / 2**20:8.2f} MiB = {held / baseline:.3f} x FSDP=1"
-              f"{'   (target <= 0.55)' if n == 2 else ''}")
+              f"{'   (target <= 0.55)' if n == 2 else ''}", flush=True)
+        table.append([f"FSDP={n}: parameters + AdamW state of one rank, MiB", f"{held / 2**20:.2f}",
+                      f"{baseline / 2**20:.2f} (FSDP=1)", ratio(held, baseline, 3), "<= 0.55" if n == 2 else ""])
+    return table
 
 
 def main() -> None:
@@ -163,8 +172,9 @@ def main() -> None:
     parser.add_argument("--fsdp", type=int, nargs="+", default=[1, 2, 4], help="FSDP sizes to compare")
     args, overrides = parser.parse_known_args()
     cfg = load_config(args.config, overrides)
-    report_all_to_all(cfg, args.ep, args.rows)
-    report_state(cfg, args.fsdp, args.rows)
+    rows = report_all_to_all(cfg, args.ep, args.rows)
+    rows += report_state(cfg, args.fsdp, args.rows)
+    print(markdown_table(["measurement", "measured", "against", "ratio", "target"], rows))
 
 
 if __name__ == "__main__":

@@ -37,6 +37,7 @@ from types import SimpleNamespace  # noqa: E402
 from layer_stats_cost import CLOCKS, DEFAULT_CONFIG, QUIET, ROOT, Samples  # noqa: E402
 from trinity_harness.jobs import loadavg  # noqa: E402
 from trinity_harness.ranks import rank_trainer, run_ranks  # noqa: E402
+from trinity_harness.table import markdown_table  # noqa: E402
 from trinity_train.config import load_config  # noqa: E402
 from trinity_train.callbacks import TrainerCallback  # noqa: E402
 from trinity_train.health.collective_waits import CollectiveWaits, timed_wait  # noqa: E402
@@ -140,20 +141,24 @@ def main(argv: list[str]) -> None:
     print(f"# load: {before}")
     print(f"config: {args.config.relative_to(ROOT) if args.config.is_relative_to(ROOT) else args.config} "
           f"{' '.join(overrides)} on {args.ranks} gloo ranks")
-    label = f"rank_stats_every={every:<4d}"
-    print(f"{label} costs {samples['wall'].describe(every)}")
-    print(f"{' ' * len(label)} CPU time {samples['cpu'].describe(every)}")
     step = statistics.median(samples["wall"].plain)
     report, hooks = statistics.median(phases), hook_seconds()
-    print(f"{' ' * len(label)} timed directly: a report's statistics phase {report * 1e3:.2f} ms (median of "
-          f"{len(phases)}, max {max(phases) * 1e3:.2f} ms), the hooks {hooks * 1e6:.1f} us per iteration: "
-          f"{100 * (report / every + hooks) / step:.3f} % of the {step * 1e3:.1f} ms step")
     per_wait = wait_timing_seconds()
-    print(f"{' ' * len(label)} exposed communication: {waits:.0f} waits timed per iteration x {per_wait * 1e6:.2f} us "
-          f"= {waits * per_wait * 1e6:.1f} us, {100 * waits * per_wait / step:.4f} % of the step "
-          f"(it measured {exposed_s * 1e3:.1f} ms exposed per iteration on rank 0)")
     print(f"# load after: {loadavg()}")
-
+    rows = [[f"{every}", "wall clock (paired rounds)", *samples["wall"].cells(every), ""],
+            [f"{every}", "CPU time (paired rounds)", *samples["cpu"].cells(every), ""],
+            [f"{every}", "timed directly", f"{100 * (report / every + hooks) / step:.3f}", "-", f"{report * 1e3:.2f}",
+             f"{step * 1e3:.1f}", f"{len(phases)}",
+             f"a report's statistics phase (max {max(phases) * 1e3:.2f} ms) "
+             f"+ the hooks {hooks * 1e6:.1f} us per iteration"],
+            [f"{every}", "exposed communication timing", f"{100 * waits * per_wait / step:.4f}", "-",
+             f"{waits * per_wait * 1e3:.4f}", f"{step * 1e3:.1f}", "-",
+             f"{waits:.0f} waits timed per iteration x {per_wait * 1e6:.2f} us (it measured {exposed_s * 1e3:.1f} ms "
+             f"exposed per iteration on rank 0)"]]
+    print(markdown_table(["rank_stats_every", "measured by", "% of the step (median)", "quartiles, %",
+                          "ms added (a report iteration; per iteration for the timing)", "step ms", "samples",
+                          "detail"],
+                         rows))
 
 if __name__ == "__main__":
     main(sys.argv[1:])

@@ -30,6 +30,7 @@ import time
 from pathlib import Path
 
 from trinity_harness.jobs import loadavg
+from trinity_harness.table import markdown_table
 from trinity_train.config import load_config, save_config
 from trinity_train.records import EventName
 
@@ -171,10 +172,8 @@ def main(argv: list[str]) -> int:
                 outcomes.append(outcome)
                 print(f"{variant} trial {trial + 1}: {outcome} in {seconds:.0f}s {reason}", flush=True)
             summary[variant] = outcomes.count("recovered")
-        print("| variant | recovered |")
-        print("|---|---|")
-        for variant, recovered in summary.items():
-            print(f"| {variant} | {recovered} / {args.trials} |")
+        print(markdown_table(["variant", "recovered"],
+                             [[variant, f"{recovered} / {args.trials}"] for variant, recovered in summary.items()]))
     return 0
 
 

@@ -9,6 +9,8 @@ rendezvous the restarted workers share the agent's TCPStore with the killed atte
 the dead worker's address and fail in connectFullMesh ("Connection refused") or wait in it.
 `TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1` gives every round a fresh store hosted by the new rank 0:
 see benchmarks/restart_recovery.py for the measured difference and benchmarks/README.md.
+Rank 0 ends with a one-row table of the attempt that finished (its only import from this
+repository: the harness's stdlib-only table formatter).
 """
 
 import datetime
@@ -20,13 +22,16 @@ import time
 import torch
 import torch.distributed as dist
 
+from trinity_harness.table import markdown_table
+
 timeout = datetime.timedelta(seconds=float(sys.argv[1]) if len(sys.argv) > 1 else 1800)
 attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 rank = int(os.environ["RANK"])
 dist.init_process_group("gloo", timeout=timeout)
 print(f"rank {rank} attempt {attempt} joined", flush=True)
 x = torch.ones(1)
-for i in range(20):
+ALL_REDUCES = 20
+for i in range(ALL_REDUCES):
     dist.all_reduce(x)
     if attempt == 0 and rank == 1 and i == 5:
         os.kill(os.getpid(), signal.SIGKILL)
@@ -35,3 +40,7 @@ dist.barrier()
 time.sleep(0.2)  # let gloo's threads drain (see parallel/process_group.py)
 dist.destroy_process_group()
 print(f"rank {rank} attempt {attempt} done", flush=True)
+if rank == 0:
+    print(markdown_table(["ranks", "attempt that finished (restarts)", "all-reduces", "process-group timeout s"],
+                         [[int(os.environ["WORLD_SIZE"]), attempt, ALL_REDUCES, f"{timeout.total_seconds():g}"]]),
+          flush=True)

@@ -31,6 +31,7 @@ import time
 from pathlib import Path
 
 from trinity_harness.jobs import loadavg
+from trinity_harness.table import markdown_table
 from trinity_train.checkpoint.layout import step_dir_name
 from trinity_train.config import Config, FaultConfig, load_config, validate
 from trinity_train.run_config import validate_rules
@@ -146,18 +147,14 @@ def main() -> None:
                                                       overrides, lr_factor=WARMUP_LR_FACTOR))))
     print(f"{warmup_name}: done", flush=True)
 
-    print(f"\nthe default model, {args.steps} steps; drills from the clean run's step {args.drill_from}\n")
-    print(f"{'scenario':<32} {'detected':>8} {'skipped':>8} {'rollbacks':>9} {'routing':>7} {'batches out':>11} "
-          f"{'final val loss':>14} {'vs clean':>9}")
-    print(f"{'clean (false positives)':<32} {'-':>8} {clean['skipped']:>8} {clean['rollbacks']:>9} "
-          f"{clean['routing']:>7} {clean['ruled_out']:>11} {clean['val_loss']:>14.4f} {'':>9}")
+    table = [["clean (false positives)", "-", clean["skipped"], clean["rollbacks"], clean["routing"],
+              clean["ruled_out"], f"{clean['val_loss']:.4f}", ""]]
     for name, r in rows:
         detected = "yes" if r["skipped"] or r["rollbacks"] or r["routing"] else "no"
         val = "halted" if r["halted"] else f"{r['val_loss']:.4f}"
         # Only a run that trained the clean run's steps compares with it.
         ratio = f"{(r['val_loss'] / clean['val_loss'] - 1) * 100:+.2f}%" if r["steps"] == args.steps else ""
-        print(f"{name:<32} {detected:>8} {r['skipped']:>8} {r['rollbacks']:>9} {r['routing']:>7} "
-              f"{r['ruled_out']:>11} {val:>14} {ratio:>9}")
+        table.append([name, detected, r["skipped"], r["rollbacks"], r["routing"], r["ruled_out"], val, ratio])
     print(f"\nfalse positives in the clean run: {clean['skipped']} skipped steps, {clean['rollbacks']} rollbacks, "
           f"{clean['routing']} routing-collapse incidents")
 
@@ -166,6 +163,9 @@ def main() -> None:
     print(f"guard verdict: {per_call * 1e6:.0f} us per step = {per_call / step * 100:.3f} % of the median "
           f"step ({step:.3f} s)")
     print(f"load after: {loadavg()}; wall {time.perf_counter() - started:.0f} s")
+    print(f"\nthe default model, {args.steps} steps; drills from the clean run's step {args.drill_from}\n")
+    print(markdown_table(["scenario", "detected", "skipped", "rollbacks", "routing", "batches out", "final val loss",
+                          "vs clean"], table))
     if args.out is None:
         shutil.rmtree(root, ignore_errors=True)
 

@@ -41,6 +41,7 @@ from datatrove.pipeline.tokens import DocumentTokenizer  # noqa: E402
 from loguru import logger  # noqa: E402
 
 from trinity_harness.jobs import loadavg  # noqa: E402
+from trinity_harness.table import markdown_table, ratio  # noqa: E402
 from trinity_train.data.default_corpus import corpus_files, stdlib_root  # noqa: E402
 from trinity_train.data.prepare_steps import (ENCODE_BATCH, DocumentEncoder, ShardOptions,  # noqa: E402
                                               TokenizeToShards, is_validation)
@@ -167,12 +168,13 @@ def main() -> int:
     base = min(seconds["bare_encode_batch"])
     print(f"{len(texts):,} documents (one per {args.documents}), {mb:.1f} MB, {total:,} tokens (EOS included), BPE {args.vocab}, "
           f"1 thread, best (median) of {args.repeats}")
-    print(f"{'variant':28s} {'seconds':>16s} {'tokens/s':>12s} {'vs bare encode_batch':>22s}")
+    print(f"# load after: {loadavg()}")
+    rows = []
     for name in seconds:
         best, median = min(seconds[name]), statistics.median(seconds[name])
-        rate = f"{total / best:12,.0f}" if not name.startswith("part_hash") else f"{'-':>12s}"
-        print(f"{name:28s} {best:7.3f} ({median:6.3f}) {rate} {best / base:21.2f}x time")
-    print(f"# load: {loadavg()}")
+        rate = f"{total / best:,.0f}" if not name.startswith("part_hash") else "-"
+        rows.append([name, f"{best:.3f}", f"{median:.3f}", rate, ratio(best, base)])
+    print(markdown_table(["variant", "best s", "median s", "tokens/s", "time vs bare encode_batch"], rows))
     return 0
 
 

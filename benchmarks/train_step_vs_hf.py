@@ -49,6 +49,7 @@ import torch
 
 from measure import Timings, matmul_probe, model_gemm_shapes, step_flops, timed
 from trinity_harness.jobs import loadavg
+from trinity_harness.table import markdown_table, ratio
 from trinity_train.config import Config, load_config
 from trinity_train.data import build_loaders
 from trinity_train.model import build_model
@@ -288,19 +289,14 @@ def report_throughput(args: argparse.Namespace, overrides: list[str]) -> int:
     for run in runs:
         run.close()
 
-    print(f"\n{'':34s} {'tokens/s best (median)':>24s} {'GFLOP/s':>9s} {'MFU':>7s}  first loss")
-    for run in runs:
-        dtype = torch.bfloat16 if run.cfg.train.dtype == "bf16" else torch.float32
-        achieved = flops / run.timings.best
-        print(f"{run.name:34s} {tokens / run.timings.best:12,.0f} "
-              f"({tokens / run.timings.median:8,.0f}) {achieved / 1e9:9.1f} {achieved / probes[dtype].peak:7.1%}  {run.losses[0]:.6f}")
-
     ok = True
     ours = runs if args.no_hf else runs[1:]
     fp32 = next((run for run in ours if run.cfg.train.dtype == "fp32"), None)
+    against: dict[str, tuple[str, str]] = {}  # a run's throughput ratio, and to which run
     if not args.no_hf and fp32 is not None:
         hf = runs[0]
         print(f"\nthroughput {fp32.name} / {hf.name}: {hf.timings.best / fp32.timings.best:.1f}x")
+        against[fp32.name] = (ratio(hf.timings.best, fp32.timings.best, 1), hf.name)
         diff = abs(fp32.losses[0] - hf.losses[0]) / hf.losses[0]
         agree = diff <= REQUIRED_FIRST_LOSS_AGREEMENT
         ok &= agree
@@ -314,7 +310,18 @@ def report_throughput(args: argparse.Namespace, overrides: list[str]) -> int:
             if run is not reference:
                 print(f"throughput {run.name} / {reference.name}: "
                       f"{reference.timings.best / run.timings.best:.2f}x")
+                against[run.name] = (ratio(reference.timings.best, run.timings.best), reference.name)
     print(f"# load after: {loadavg()}")
+    rows = []
+    for run in runs:
+        dtype = torch.bfloat16 if run.cfg.train.dtype == "bf16" else torch.float32
+        achieved = flops / run.timings.best
+        rows.append([run.name, f"{tokens / run.timings.best:,.0f}", f"{tokens / run.timings.median:,.0f}",
+                     f"{achieved / 1e9:.1f}", f"{achieved / probes[dtype].peak:.1%}", f"{run.losses[0]:.6f}",
+                     *against.get(run.name, ("", ""))])
+    print()
+    print(markdown_table(["model", "tokens/s best", "tokens/s median", "GFLOP/s", "MFU", "first loss",
+                          "throughput ratio", "to"], rows))
     return 0 if ok else 1
 
 
@@ -322,6 +329,7 @@ def report_profile(args: argparse.Namespace, overrides: list[str]) -> int:
     """Where a step's time goes: torch.profiler's busiest operators of one step per variant."""
     from torch.profiler import ProfilerActivity, profile
 
+    rows = []
     for variant in args.variants.split(","):
         cfg = variant_config(args, overrides, variant)
         data = batches(cfg, args.data, 2)
@@ -332,6 +340,11 @@ def report_profile(args: argparse.Namespace, overrides: list[str]) -> int:
         print(f"{trainee.name}, one step:")
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.profile,
                                         max_name_column_width=60))
+        events = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)[:args.profile]
+        total = sum(e.self_cpu_time_total for e in prof.key_averages())
+        rows += [[trainee.name, e.key, f"{e.self_cpu_time_total / 1e3:.2f}",
+                  f"{100 * e.self_cpu_time_total / max(total, 1e-9):.1f}%", e.count] for e in events]
+    print(markdown_table(["variant", "operator", "self CPU ms", "of the step's self CPU", "calls"], rows))
     return 0
 
 
@@ -346,12 +359,15 @@ def report_loss_agreement(args: argparse.Namespace, overrides: list[str]) -> int
         losses.append((trainee.name, [trainee.step(b) for b in data]))
         print(f"{trainee.name}: losses {losses[-1][1][0]:.4f} -> {losses[-1][1][-1]:.4f}", flush=True)
     reference_name, reference = losses[0]
+    rows = [[reference_name, f"{reference[0]:.4f}", f"{reference[-1]:.4f}", "(the reference)", "", "", ""]]
     for name, values in losses[1:]:
         rel = [abs(a - b) / abs(b) for a, b in zip(values, reference)]
         worst = max(range(len(rel)), key=rel.__getitem__)
-        print(f"{name} vs {reference_name} over {len(rel)} steps: max relative loss difference "
-              f"{rel[worst]:.2%} (step {worst}), mean {sum(rel) / len(rel):.2%}, "
-              f"{sum(r > LOSS_AGREEMENT for r in rel)} steps above {LOSS_AGREEMENT:.0%}")
+        rows.append([name, f"{values[0]:.4f}", f"{values[-1]:.4f}", f"{rel[worst]:.2%}", worst,
+                     f"{sum(rel) / len(rel):.2%}", sum(r > LOSS_AGREEMENT for r in rel)])
+    print(f"{args.loss_steps} steps on the same batches, each variant against {reference_name}")
+    print(markdown_table(["variant", "first loss", "last loss", f"max relative loss difference to {reference_name}",
+                          "at step", "mean relative difference", f"steps above {LOSS_AGREEMENT:.0%}"], rows))
     return 0
 
 
@@ -399,7 +415,7 @@ def report_memory(args: argparse.Namespace, overrides: list[str]) -> int:
     # A fixed mmap threshold makes glibc hand large freed blocks back to the OS at once, so the
     # resident size follows the live tensors instead of the allocator's high-water mark.
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
-    print(f"{'variant':18s} {'peak RSS':>10s} {'step peak above rest':>22s} {'saved for backward':>20s}")
+    rows = []
     for variant in args.variants.split(","):
         done = subprocess.run([sys.executable, __file__, "--config", str(args.config), "--data", args.data,
                                "--memory-child", variant, *overrides],
@@ -408,7 +424,14 @@ def report_memory(args: argparse.Namespace, overrides: list[str]) -> int:
             print(done.stderr[-3000:], file=sys.stderr)
             return done.returncode
         r = json.loads(done.stdout.strip().splitlines()[-1])
-        print(f"{r['variant']:18s} {r['peak_mib']:7.0f} MiB {r['step_mib']:19.0f} MiB {r['saved_mib']:17.0f} MiB")
+        print(f"  {r['variant']}: peak RSS {r['peak_mib']:.0f} MiB, step peak above rest {r['step_mib']:.0f} MiB, "
+              f"saved for backward {r['saved_mib']:.0f} MiB", flush=True)
+        rows.append(r)
+    first = rows[0]
+    print(markdown_table(["variant", "peak RSS MiB", "step peak above rest MiB", "saved for backward MiB",
+                          f"saved for backward, ratio to {first['variant']}"],
+                         [[r["variant"], f"{r['peak_mib']:.0f}", f"{r['step_mib']:.0f}", f"{r['saved_mib']:.0f}",
+                           ratio(r["saved_mib"], first["saved_mib"])] for r in rows]))
     return 0
 
 

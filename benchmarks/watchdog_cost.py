@@ -39,6 +39,7 @@ import torch.distributed as dist
 from layer_stats_cost import CLOCKS, QUIET, ROOT, Samples
 from measure import synchronize
 from trinity_harness.jobs import loadavg
+from trinity_harness.table import markdown_table
 from trinity_train.config import WatchdogConfig, load_config
 from trinity_train.health.watchdog import Watchdog
 from trinity_train.records import Phase
@@ -147,20 +148,24 @@ def main(argv: list[str]) -> None:
     print(f"config: {args.config.relative_to(ROOT) if args.config.is_relative_to(ROOT) else args.config} "
           f"{' '.join(overrides)}")
     print(f"watchdog tick {watchdog.tick_s:.2f} s (watchdog.floor_s={cfg.watchdog.floor_s:g})")
-    print(f"watchdog on   costs {result['wall'].describe(1).replace('a statistics iteration', 'an iteration with it')}")
-    if "cpu" in result:
-        print(f"              CPU time {result['cpu'].describe(1).replace('a statistics iteration', 'an iteration with it')}")
     entries = 2  # data and step; validation and saves add one more on their iterations
-    print(f"loop thread:  {enter_us:.2f} us per phase entry x {entries} per iteration = "
-          f"{100 * entries * enter_us * 1e-6 / step_s:.5f} % of the {step_s * 1e3:.0f} ms step")
     publishes = max(1.0, step_s / watchdog.tick_s)
-    print(f"heartbeat:    {publish_us:.1f} us per TCPStore.set (watchdog thread), at most one per tick: "
-          f"{publishes:.0f} per step = {100 * publishes * publish_us * 1e-6 / step_s:.4f} % of the step")
     wake_us = thread_wake_us(store)
-    print(f"thread:       {wake_us:.0f} us of CPU per wake-up (publishing), one per {watchdog.tick_s:.2f} s tick "
-          f"= {100 * wake_us * 1e-6 / watchdog.tick_s:.3f} % of one core, whatever the step")
     print(f"# load after: {loadavg()}")
-
+    names = {"wall": "wall clock (paired iterations)", "cpu": "CPU time (paired iterations)"}
+    rows = [[names[clock], *result[clock].cells(1), "per iteration with the watchdog on"] for clock in result]
+    rows.append(["loop thread, timed directly", f"{100 * entries * enter_us * 1e-6 / step_s:.5f}", "-",
+                 f"{entries * enter_us * 1e-3:.5f}", f"{step_s * 1e3:.0f}", "-",
+                 f"{enter_us:.2f} us per phase entry x {entries} per iteration"])
+    rows.append(["heartbeat, timed directly", f"{100 * publishes * publish_us * 1e-6 / step_s:.4f}", "-",
+                 f"{publishes * publish_us * 1e-3:.4f}", f"{step_s * 1e3:.0f}", "-",
+                 f"{publish_us:.1f} us per TCPStore.set (watchdog thread), at most one per tick: "
+                 f"{publishes:.0f} per step"])
+    rows.append(["thread wake-ups, timed directly", "-", "-", "-", "-", "-",
+                 f"{wake_us:.0f} us of CPU per wake-up (publishing), one per {watchdog.tick_s:.2f} s tick = "
+                 f"{100 * wake_us * 1e-6 / watchdog.tick_s:.3f} % of one core, whatever the step"])
+    print(markdown_table(["measured by", "% of the step (median)", "quartiles, %", "ms added per iteration",
+                          "step ms", "samples", "detail"], rows))
 
 if __name__ == "__main__":
     main(sys.argv[1:])

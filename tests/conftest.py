@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import subprocess
 import sys
 import tomllib
@@ -61,6 +62,18 @@ def run_python(*args, cwd: Path = ROOT, env: dict | None = None, timeout: float 
     if ok:
         assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     return done
+
+
+def last_table(out: str) -> list[str]:
+    """The markdown table a benchmark script ends its output with (benchmarks/README.md): its
+    header, separator and rows, asserting there is one and nothing follows it."""
+    lines = out.rstrip("\n").splitlines()
+    start = len(lines)
+    while start > 0 and lines[start - 1].startswith("|"):
+        start -= 1
+    table = lines[start:]
+    assert len(table) >= 3 and re.fullmatch(r"\|(-{3,}:?\|)+", table[1]), out[-3000:]
+    return table
 
 
 def run_cli(*args, **options) -> subprocess.CompletedProcess:

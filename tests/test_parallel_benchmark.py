@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from conftest import ROOT, run_python
+from conftest import ROOT, last_table, run_python
 
 pytestmark = pytest.mark.slow  # runs a benchmark script on gloo ranks in a subprocess
 TINY = ["--model.vocab_size=256", "--model.hidden_size=64", "--model.num_layers=2",
@@ -24,3 +24,10 @@ def test_benchmark_reports_all_to_all_bytes_and_fsdp_memory():
     assert len(ratios) == 2 and all(0.3 < r < 1.7 for r in ratios), out
     fsdp2 = float(re.search(r"FSDP=2: +[\d.]+ MiB = ([\d.]+) x FSDP=1", out).group(1))
     assert fsdp2 <= 0.55, out
+    table = last_table(out)
+    assert table[0] == "| measurement | measured | against | ratio | target |", out
+    assert re.fullmatch(r"\| EP=2 all-to-all, forward: mean B per call \| [\d,]+ \| 16,384 \(theory\) "
+                        r"\| [\d.]+x \| .+ \|", table[2]), out
+    row = re.fullmatch(r"\| FSDP=2: parameters \+ AdamW state of one rank, MiB \| [\d.]+ \| [\d.]+ \(FSDP=1\) \| "
+                       r"([\d.]+)x \| <= 0.55 \|", table[-1])
+    assert row and float(row.group(1)) == fsdp2, out

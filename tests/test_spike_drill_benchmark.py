@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from conftest import ONE_THREAD_ENV, ROOT, run_python
+from conftest import ONE_THREAD_ENV, ROOT, last_table, run_python
 
 TINY = ["--model.vocab_size=320", "--model.hidden_size=32", "--model.num_heads=2", "--model.num_kv_heads=1",
         "--model.head_dim=16", "--model.intermediate_size=64", "--model.num_experts=4",
@@ -24,13 +24,17 @@ def test_spike_drill_benchmark_prints_its_table(corpus):
     out = run_python(ROOT / "benchmarks" / "spike_drill.py", "--steps", "50", "--drill-from", "30",
                      "--checkpoint-every", "5", f"--data.path={corpus}", *TINY, timeout=900, env=ONE_THREAD_ENV,
                      ok=True).stdout
-    assert re.search(r"^clean \(false positives\) +- +0 +0 +0 ", out, re.M), out
+    table = last_table(out)
+    assert table[0] == ("| scenario | detected | skipped | rollbacks | routing | batches out | final val loss "
+                        "| vs clean |"), out
+    rows = "\n".join(table[2:])
+    assert re.search(r"^\| clean \(false positives\) \| - \| 0 \| 0 \| 0 \| \d+ \| [\d.]+ \|  \|$", rows, re.M), out
     for scenario in ("NaN loss", "gradient x1000", "loss x10", r"poisoned range \(random tokens\)",
                      r"poisoned range \(one token\)"):
-        assert re.search(rf"^{scenario} +yes +[1-9]", out, re.M), out
+        assert re.search(rf"^\| {scenario} \| yes \| [1-9]", rows, re.M), out
     # the learning-rate drills have their rows (on this tiny model they need not be caught: it
     # trains through rates the default model does not; tests/test_spike_drills.py has them caught)
-    assert re.search(r"^learning rate x20 to the end +(yes|no) +\d+ +\d+ +\d+ ", out, re.M), out
-    assert re.search(r"^lr x100 from step 0 \(50\) +(yes|no) ", out, re.M), out
+    assert re.search(r"^\| learning rate x20 to the end \| (yes|no) \| \d+ \| \d+ \| \d+ \| ", rows, re.M), out
+    assert re.search(r"^\| lr x100 from step 0 \(50\) \| (yes|no) \| ", rows, re.M), out
     assert "false positives in the clean run: 0 skipped steps, 0 rollbacks, 0 routing-collapse incidents" in out
     assert re.search(r"guard verdict: \d+ us per step = [\d.]+ % of the median step", out)
