@@ -19,10 +19,9 @@ the files written. Then, in a fresh process per size, data-parallel rank 2047 of
 What it does not measure: disk reads. A hole is served from the page cache as zeros, so a row
 costs what it costs on a warm cache; a cold read on a real file system adds its latency per row.
 
-    python benchmarks/loader_at_scale.py [--sizes 1e9,1e11,1e12,1.5e13] [--dir /tmp] [--legacy-upto 1e11]
+    python benchmarks/loader_at_scale.py [--sizes 1e9,1e11,1e12,1.5e13] [--dir /tmp]
 
-`--legacy-upto` also measures `data.sample_order = 1` (the materialised permutation) up to that
-size, for contrast. The files are deleted at the end, also on failure.
+The files are deleted at the end, also on failure.
 """
 
 from __future__ import annotations
@@ -106,33 +105,32 @@ def source_tokens(total: int, shard_tokens: int) -> list[int]:
     return out
 
 
-def loader_config(dirs: list[Path], work: Path, sample_order: int):
+def loader_config(dirs: list[Path], work: Path):
     from trinity_train.config import load_config
     run_tokens = BATCH * DP_SIZE * SEQ_LEN
     mix = [{"path": str(d), "weight": w} for d, w in zip(dirs, SOURCES.values())]
     phases = [{"start_tokens": int(run_tokens * at), "weights": w} for at, w in PHASES]
     return load_config(None, {
         "data": {"mix": mix, "phases": phases, "seq_len": SEQ_LEN, "cache_dir": str(work / "cache"),
-                 "verify_checksums": "stamp", "sample_order": sample_order},
+                 "verify_checksums": "stamp"},
         "model": {"vocab_size": VOCAB}, "train": {"micro_batch_size": 1, "grad_accum": 1},
         "run": {"dir": str(work / "run")}})
 
 
 def order_bytes(orders) -> int:
-    """Bytes of the arrays the sample order holds (cached permutations or round keys)."""
+    """Bytes of the arrays the sample order holds (the round keys of its cached epochs)."""
     total = 0
     for order in orders:
         for cached in order._perms.values():
-            arrays = [cached] if isinstance(cached, np.ndarray) else list(vars(cached).values())
-            total += sum(a.nbytes for a in arrays if isinstance(a, np.ndarray))
+            total += sum(a.nbytes for a in vars(cached).values() if isinstance(a, np.ndarray))
     return total
 
 
-def measure(dirs: list[Path], work: Path, sample_order: int) -> dict:
+def measure(dirs: list[Path], work: Path) -> dict:
     """Rank DP_RANK's start-ups, batch BATCH and a resume there (run in a fresh process)."""
     import torch
     from trinity_train.data import build_loaders
-    cfg = loader_config(dirs, work, sample_order)
+    cfg = loader_config(dirs, work)
     started = time.perf_counter()
     build_loaders(cfg, DP_RANK, DP_SIZE)
     first_start = time.perf_counter() - started
@@ -159,7 +157,7 @@ def measure(dirs: list[Path], work: Path, sample_order: int) -> dict:
         torch.equal(getattr(batch, k), getattr(again, k)) for k in ("input_ids", "labels", "position_ids", "document_ids"))
     return {"first_start_s": first_start, "start_s": start, "first_batch_ms": first_batch * 1e3,
             "batch_ms": float(np.median(times)) * 1e3, "global_origins_ms": origins * 1e3, "resume_equal": same,
-            "order_bytes": order_bytes(train._mixed.orders), "sample_order": train._mixed.sample_order,
+            "order_bytes": order_bytes(train._mixed.orders),
             "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
 
 
@@ -174,7 +172,7 @@ def disk_use(path: Path) -> tuple[int, int]:
     return apparent, real
 
 
-def run_size(total: int, args, base: Path, zero_hashes: ZeroHashes) -> list[dict]:
+def run_size(total: int, args, base: Path, zero_hashes: ZeroHashes) -> dict:
     work = Path(tempfile.mkdtemp(prefix=f"loader-at-scale-{total:.0e}-", dir=base))
     try:
         started = time.perf_counter()
@@ -185,29 +183,25 @@ def run_size(total: int, args, base: Path, zero_hashes: ZeroHashes) -> list[dict
         written = time.perf_counter() - started
         apparent, real = disk_use(work)
         manifests = sum((d / "manifest.json").stat().st_size for d in dirs)
-        rows = []
-        for order in ([2, 1] if total <= args.legacy_upto else [2]):
-            child = subprocess.run([sys.executable, __file__, "--measure", json.dumps([str(d) for d in dirs]),
-                                    "--work", str(work / f"order{order}"), "--order", str(order)],
-                                   capture_output=True, text=True)
-            if child.returncode != 0:
-                raise SystemExit(f"measuring {total:.0e} tokens failed:\n{child.stderr[-3000:]}")
-            result = json.loads(child.stdout.strip().splitlines()[-1])
-            rows.append({"tokens": sum(source_tokens(total, args.shard_tokens)), "shards": shards,
-                         "manifest_mb": manifests / 1e6, "apparent_tb": apparent / 1e12, "real_mb": real / 1e6,
-                         "write_s": written, **result})
-        return rows
+        child = subprocess.run([sys.executable, __file__, "--measure", json.dumps([str(d) for d in dirs]),
+                                "--work", str(work / "measure")], capture_output=True, text=True)
+        if child.returncode != 0:
+            raise SystemExit(f"measuring {total:.0e} tokens failed:\n{child.stderr[-3000:]}")
+        result = json.loads(child.stdout.strip().splitlines()[-1])
+        return {"tokens": sum(source_tokens(total, args.shard_tokens)), "shards": shards,
+                "manifest_mb": manifests / 1e6, "apparent_tb": apparent / 1e12, "real_mb": real / 1e6,
+                "write_s": written, **result}
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
 
 def table(rows: list[dict]) -> str:
-    head = (f"{'tokens':>8} {'order':>5} {'shards':>7} {'manifests MB':>12} {'apparent TB':>11} {'on disk MB':>10} "
+    head = (f"{'tokens':>8} {'shards':>7} {'manifests MB':>12} {'apparent TB':>11} {'on disk MB':>10} "
             f"{'1st start s':>11} {'start s':>7} {'peak RSS MiB':>12} {'order KiB':>9} {'batch ms':>8} "
             f"{'1st batch ms':>12} {'all rows ms':>11} {'resume':>6}")
     lines = [head]
     for r in rows:
-        lines.append(f"{r['tokens']:>8.1e} {r['sample_order']:>5} {r['shards']:>7,} {r['manifest_mb']:>12.1f} "
+        lines.append(f"{r['tokens']:>8.1e} {r['shards']:>7,} {r['manifest_mb']:>12.1f} "
                      f"{r['apparent_tb']:>11.2f} {r['real_mb']:>10.1f} {r['first_start_s']:>11.2f} "
                      f"{r['start_s']:>7.2f} {r['peak_rss_mib']:>12.0f} {r['order_bytes'] / 1024:>9.1f} "
                      f"{r['batch_ms']:>8.2f} {r['first_batch_ms']:>12.1f} {r['global_origins_ms']:>11.1f} "
@@ -220,21 +214,19 @@ def main() -> None:
     parser.add_argument("--sizes", default="1e9,1e11,1e12,1.5e13", help="training tokens per run, comma-separated")
     parser.add_argument("--shard-tokens", type=int, default=1 << 30, help="tokens per shard (2 GiB of uint16)")
     parser.add_argument("--docs-per-shard", type=int, default=1024)
-    parser.add_argument("--legacy-upto", type=float, default=1e11, help="also measure sample_order=1 up to here")
     parser.add_argument("--dir", default=tempfile.gettempdir(), help="where the sparse files go (deleted after)")
     parser.add_argument("--measure", help=argparse.SUPPRESS)
     parser.add_argument("--work", help=argparse.SUPPRESS)
-    parser.add_argument("--order", type=int, default=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.measure:  # the child: one size, one order, a fresh process so its peak RSS is its own
-        print(json.dumps(measure([Path(p) for p in json.loads(args.measure)], Path(args.work), args.order)))
+    if args.measure:  # the child: one size, a fresh process so its peak RSS is its own
+        print(json.dumps(measure([Path(p) for p in json.loads(args.measure)], Path(args.work))))
         return
     free = shutil.disk_usage(args.dir).free
     print(f"sparse files under {args.dir} ({free / 1e9:.0f} GB free); rank {DP_RANK} of {DP_SIZE}, "
           f"seq_len {SEQ_LEN}, batch {BATCH:,}; load {loadavg()}", flush=True)
     zero_hashes, rows = ZeroHashes(), []
     for total in (int(float(s)) for s in args.sizes.split(",")):
-        rows += run_size(total, args, Path(args.dir), zero_hashes)
+        rows.append(run_size(total, args, Path(args.dir), zero_hashes))
         print(f"{total:.1e} tokens done (writing took {rows[-1]['write_s']:.0f} s)", flush=True)
     print(table(rows))
     print(f"load after: {loadavg()}")

@@ -26,7 +26,7 @@ def test_rank_2047_of_2048_resumes_at_batch_3_6_million_with_flat_memory(tmp_pat
     out = run_python(ROOT / "benchmarks" / "loader_at_scale.py", "--measure", json.dumps([str(d) for d in dirs]),
                      "--work", tmp_path / "work", env=ONE_THREAD_ENV, ok=True).stdout
     result = json.loads(out.strip().splitlines()[-1])
-    assert result["resume_equal"] and result["sample_order"] == 2
+    assert result["resume_equal"]
     sequences = 10_000_000_000 // bench.SEQ_LEN
     assert result["order_bytes"] < 1024 < 8 * sequences  # keys, not a permutation (8 bytes a sequence)
     assert result["peak_rss_mib"] < 1024
