@@ -30,7 +30,7 @@ def cmd_train(args: argparse.Namespace, overrides: list[str], callbacks: list | 
     cfg = load_run_config(args.config or default_config_path(), overrides)
     from trinity_train.train import train
 
-    summary = train(cfg, callbacks) if gloo_overlap is None else train(cfg, callbacks, gloo_overlap)
+    summary = train(cfg, callbacks, gloo_overlap)
     if os.environ.get("RANK", "0") == "0":  # under torchrun, one summary for the whole job
         print(summary.describe())
     return exit_codes.DONE

@@ -188,10 +188,10 @@ class Trainer:
 
     def __init__(self, cfg: Config, dims: ParallelDims | None = None, device: torch.device | None = None,
                  model_builder: ModelBuilder = build_model_for_training,
-                 callbacks: list[TrainerCallback] | None = None, gloo_overlap: GlooOverlap = GlooOverlap()):
+                 callbacks: list[TrainerCallback] | None = None, gloo_overlap: GlooOverlap | None = None):
         """One process by default; a rank of a distributed launch passes its `dims` (with the
         mesh built) and its device. `callbacks` run after the built-in ones, in order.
-        `gloo_overlap`: a CPU job's overlaps, all on (a benchmark's ablation turns one off)."""
+        `gloo_overlap`: a CPU job's overlaps (None: all on; a benchmark's ablation turns one off)."""
         # Everything that can be checked without work is checked first.
         validate_rules(cfg)
         if dims is None and dist.is_initialized():
@@ -579,7 +579,7 @@ def step_record(result: StepResult, state: TrainerState, batch_index: int, throu
 
 
 def train(cfg: Config, callbacks: list[TrainerCallback] | None = None,
-          gloo_overlap: GlooOverlap = GlooOverlap()) -> TrainSummary:
+          gloo_overlap: GlooOverlap | None = None) -> TrainSummary:
     """Run (or resume) the training job `cfg` describes in this process, with `callbacks` attached
     to its loop; returns what it did. Under torchrun (see launch/) this process is one rank of the
     job. `gloo_overlap`: only a benchmark's ablation changes it (parallel/gloo)."""

@@ -88,12 +88,13 @@ class GlooCommunication:
 
 def install_gloo_communication(model: nn.Module, optimizer: torch.optim.Optimizer | None, dims: ParallelDims,
                                device: torch.device, reduce_wire_dtype: str = "full",
-                               overlap: GlooOverlap = GlooOverlap()) -> GlooCommunication:
+                               overlap: GlooOverlap | None = None) -> GlooCommunication:
     """Install a CPU job's collectives and overlaps on `model` (sharded by `apply_fsdp` over
     `dims`) and the next forward's prefetch in `optimizer`'s step (see the module; without an
-    optimizer, `GlooCommunication.prefetch_next_forward` issues it)."""
+    optimizer, `GlooCommunication.prefetch_next_forward` issues it). `overlap`: None, all of them."""
     if device.type != "cpu" or not isinstance(model, FSDPModule):
         return GlooCommunication()
+    overlap = overlap or GlooOverlap()
     wire = wire_dtype(reduce_wire_dtype)
     reduce_scatter = AllToAllReduceScatter(wire)
     for module in model.modules():
