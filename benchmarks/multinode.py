@@ -78,9 +78,8 @@ from pathlib import Path
 
 from trinity_harness.cluster_bed import bed_unavailable, surviving_train_records
 from trinity_harness.instruments import COUNTER_ENV, ITERATION_WALL, WAITS_ENV, rank_iterations
-from trinity_harness.train_instrumented import GLOO_OVERLAP_ENV
 from trinity_harness.jobs import (CALIBRATION_MB, COMMON, CONDITIONS, CPU_KINDS, PAIR, WARMUP_ITERS, Bench, Layout,
-                                  INSTRUMENTED_TRAIN, RecoveryJob, bench_on_bed, calibrate, exposed, instrumented_env,
+                                  RecoveryJob, bench_on_bed, calibrate, exposed, gloo_overlap_env, instrumented_env,
                                   kind_of, loadavg,
                                   median_step_s, tail, train_records)
 from trinity_train.config import default_config_path, load_config
@@ -103,13 +102,9 @@ HSDP = Layout(2, ("--parallel.dp_replicate=2", "--parallel.dp_shard=2", "--train
 # them on (parallel/gloo), ending at the default; `where_jobs` takes "no overlap" from here too.
 def ablation_settings() -> dict[str, tuple[tuple[str, ...], dict]]:
     last_block_kept_only = ("--parallel.keep_gathered_gib=0",)
-
-    def overlaps(setting: str) -> dict:
-        return {GLOO_OVERLAP_ENV: setting, "TRAIN_MODULE": INSTRUMENTED_TRAIN}
-
     return {
-        "no overlap": (last_block_kept_only, overlaps("none")),
-        "+ reduce-scatter overlapped": (last_block_kept_only, overlaps("reduce_scatter")),
+        "no overlap": (last_block_kept_only, gloo_overlap_env("none")),
+        "+ reduce-scatter overlapped": (last_block_kept_only, gloo_overlap_env("reduce_scatter")),
         "+ all-gather prefetched": (last_block_kept_only, {}),
         "+ blocks kept gathered within 1 GiB (default)": ((), {}),
     }

@@ -26,10 +26,12 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from trinity_harness.cluster_bed import ClusterBed
+from trinity_harness.cluster_bed import ClusterBed, wait_for
 from trinity_harness.instruments import COUNTER_ENV, WAITS_ENV
+from trinity_harness.train_instrumented import GLOO_OVERLAP_ENV
 from trinity_train.plan.collectives import (EP_ALL_TO_ALL, FSDP_ALL_GATHER, FSDP_EMBEDDING_ROWS_GATHER,
                                             FSDP_EMBEDDING_ROWS_REDUCE, FSDP_REDUCE_SCATTER, MUON_REDISTRIBUTE)
+from trinity_train.files import read_jsonl
 from trinity_train.records import EventName
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -78,26 +80,19 @@ def instrumented_env(env_name: str, out_dir: Path) -> dict:
     return {env_name: str(out_dir), "TRAIN_MODULE": INSTRUMENTED_TRAIN}
 
 
+def gloo_overlap_env(setting: str) -> dict:
+    """The environment of a job whose ranks run a CPU job's overlaps as `setting` says
+    (`train_instrumented.GLOO_OVERLAP_ENV`: "none", or some of "reduce_scatter,all_gather")."""
+    return {GLOO_OVERLAP_ENV: setting, "TRAIN_MODULE": INSTRUMENTED_TRAIN}
+
+
 def loadavg() -> str:
     """The machine's 1, 5 and 15 minute load averages (/proc/loadavg), as printed beside every figure."""
     return " ".join(Path("/proc/loadavg").read_text().split()[:3])
 
 
-def read_records(path: Path) -> list[dict]:
-    """Complete JSON lines of a file another process is appending to."""
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            pass  # a line being written
-    return out
-
-
 def train_records(run_dir: Path) -> list[dict]:
-    return [r for r in read_records(run_dir / "metrics.jsonl") if r.get("kind") == "train"]
+    return [r for r in read_jsonl(run_dir / "metrics.jsonl") if r.get("kind") == "train"]
 
 
 def wire_bytes(host: str | None) -> tuple[int, int]:
@@ -137,7 +132,7 @@ def exposed(row: dict) -> str:
 def median_exposed_s(run_dir: Path) -> float | None:
     """Seconds per iteration the most-blocked rank waited in collectives (`comm_exposed_s` of the
     `ranks` records after the warm-up), the median over the reports; None without reports."""
-    reports = [max(r["comm_exposed_s"]) for r in read_records(run_dir / "metrics.jsonl")
+    reports = [max(r["comm_exposed_s"]) for r in read_jsonl(run_dir / "metrics.jsonl")
                if r.get("kind") == "ranks" and r["iter"] - RANK_STATS_EVERY >= WARMUP_ITERS]
     return statistics.median(reports) if reports else None
 
@@ -283,15 +278,10 @@ class RecoveryJob:
         self.run_dir, self.deadline = run_dir, deadline
 
     def events(self) -> list[dict]:
-        return read_records(self.run_dir / "events.jsonl")
+        return read_jsonl(self.run_dir / "events.jsonl")
 
     def wait(self, predicate, what: str, interval: float = 0.25):
-        while time.monotonic() < self.deadline:
-            value = predicate()
-            if value:
-                return value
-            time.sleep(interval)
-        raise TimeoutError(f"{what} not reached before the recovery job's deadline")
+        return wait_for(predicate, self.deadline - time.monotonic(), interval, what)
 
     def checkpointed(self, step: int) -> bool:
         return any(e.get("event") == EventName.CHECKPOINT and e["step"] >= step for e in self.events())
