@@ -12,12 +12,11 @@ import subprocess
 import sys
 import signal
 import tempfile
-import time
 from pathlib import Path
 
 import pytest
 
-from trinity_harness.cluster_bed import ClusterBed, SlurmBed, bed_unavailable, leftovers, slurm_unavailable
+from trinity_harness.cluster_bed import ClusterBed, SlurmBed, bed_unavailable, leftovers, slurm_unavailable, wait_for
 from conftest import ONE_THREAD_ENV, ROOT, assert_one_line_error, cli_in_process
 from test_data_prepare import documents, write_jsonl
 from trinity_train.data.prepare_steps import KILL_TASK_ENV
@@ -157,19 +156,15 @@ def test_a_killed_run_leaves_no_process_behind(tmp_path, workers):
                             *prepare_args(corpus(tmp_path / "in"), tmp_path / "out", "--workers", workers)],
                            cwd=ROOT, env=ONE_THREAD_ENV, stdout=log, stderr=log, start_new_session=True)
     try:
-        for _ in range(1200):  # up to 120 s for the tokenizer, then `workers` tasks under way
-            if len(list(started.iterdir())) == workers or run.poll() is not None:
-                break
-            time.sleep(0.1)
+        with contextlib.suppress(TimeoutError):  # up to 120 s for the tokenizer, then `workers` tasks under way
+            wait_for(lambda: len(list(started.iterdir())) == workers or run.poll() is not None, 120, 0.1)
         assert run.poll() is None and len(list(started.iterdir())) == workers, (tmp_path / "log.txt").read_text()
         left = descendants(run.pid)
         assert len(left) >= workers  # the manager, and the pool's workers
         os.kill(run.pid, signal.SIGKILL)
         assert run.wait(timeout=30) == -signal.SIGKILL
-        for _ in range(100):  # up to 10 s for the kernel to deliver their SIGKILL
-            if not still_alive(left):
-                break
-            time.sleep(0.1)
+        with contextlib.suppress(TimeoutError):  # up to 10 s for the kernel to deliver their SIGKILL
+            wait_for(lambda: not still_alive(left), 10, 0.1)
         assert still_alive(left) == []
     finally:
         with contextlib.suppress(ProcessLookupError):

@@ -64,29 +64,34 @@ def _muon_steps() -> dict:
     from trinity_train.config import OptimConfig
     from trinity_train.optim.groups import build_optimizer
 
-    losses = {}
+    losses, gathers_in_step = {}, {}
     for prefetch in (False, True):
         torch.manual_seed(0)
         model, ids, communication = tiny_fsdp_job(GlooOverlap(all_gather=prefetch))
         opt = build_optimizer(model, OptimConfig(name="muon"))
         opt.register_while_orthogonalising_hook(communication.prefetch_next_forward)  # a no-op unprefetched
-        losses[prefetch] = []
+        losses[prefetch], gathers_in_step[prefetch] = [], 0
         for _ in range(3):
             loss = model(ids, labels=ids).ce_sum
             loss.backward()
-            opt.step()
+            with CollectiveLog() as log:
+                opt.step()
+            gathers_in_step[prefetch] += sum(call.category == FSDP_ALL_GATHER for call in log.calls)
             opt.zero_grad(set_to_none=True)
             losses[prefetch].append(loss.detach())
-    return losses
+    return {"losses": losses, "gathers_in_step": gathers_in_step}
 
 
 @pytest.mark.slow  # two-rank Muon runs with and without it (~11 s); the prefetched forward is checked fast below
 def test_the_prefetch_in_the_optimizer_step_gathers_only_final_values(rank_pool):
     """What it gathers must be final when it is issued: a block's matrices (Muon's, updated after
     the hook) gathered there would feed the next forward stale weights."""
-    for rank, losses in enumerate(rank_pool(2).run(_muon_steps)):
+    for rank, result in enumerate(rank_pool(2).run(_muon_steps)):
+        losses = result["losses"]
         assert all(torch.equal(a, b) for a, b in zip(losses[False], losses[True])), f"rank {rank}: {losses}"
         assert not torch.equal(losses[True][0], losses[True][2])  # the steps change the weights
+        # the prefetch did gather inside the optimizer step (the root unit's, each step), and only then
+        assert result["gathers_in_step"] == {False: 0, True: 3}, f"rank {rank}: {result['gathers_in_step']}"
 
 
 @pytest.fixture(scope="module")
