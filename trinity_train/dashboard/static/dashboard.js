@@ -86,6 +86,7 @@
     const note = document.querySelector(`.empty[data-for="${id}"]`);
     if (message) {
       if (plot.data) Plotly.purge(plot);
+      delete plot.dataset.listening;  // purge removed its listeners: the next draw attaches them again
       plot.style.display = "none";
       note.textContent = message;
       note.hidden = false;
@@ -442,7 +443,7 @@
       react("plot-position-loss", traces, baseLayout({ shapes: withBuckets.flatMap(rollbackBands), yaxis: { title: { text: "val loss" }, automargin: true } }));
     }
     const withProbes = runs.filter((r) => ofRun(r).passkey.iters.length);
-    const noProbes = "No passkey probes: a run probes at validation every metrics.passkey_every steps (0, the default, turns it off).";
+    const noProbes = "No passkey probes: a run probes at validation every eval.passkey_every steps (0, the default, turns it off).";
     if (!setEmpty("plot-passkey", !withProbes.length ? noProbes : null)) return;
     const lengths = new Set();
     const traces = withProbes.flatMap((r) => {
