@@ -331,7 +331,7 @@ def build_loaders(cfg: Config, dp_rank: int = 0, dp_size: int = 1,
                         f"{cfg.train.micro_batch_size} x grad_accum {rows // cfg.train.micro_batch_size} x "
                         f"{dp_size} ranks); "
                         "add data or lower the batch size or seq_len")
-    train_mixed = _MixedRows(train_readers, MixSchedule(phases, d.seed), datasets, True, d.seed)
+    train_mixed = _MixedRows(train_readers, MixSchedule(phases, d.seed), datasets, shuffled=True, seed=d.seed)
 
     ledger = ledger if ledger is not None else SkipLedger.load(RunDir(cfg.run.dir).ledger)
     skips = [ledger, SkipLedger.from_ranges(d.skip_ranges, reason="data.skip_ranges")]

@@ -114,7 +114,9 @@ def prepare(opts: PrepareOptions) -> Path:
     footprint = Footprint(out, _OWNED, _LOCK)
     out.mkdir(parents=True, exist_ok=True)
     with FileLock(str(out / _LOCK)):
-        footprint.snapshot()
+        if _reused(opts, out, build_key, started):
+            return out
+        footprint.snapshot()  # (after the reuse check: a finished dataset's shards need no listing)
         try:
             _prepare_locked(opts, out, inputs, build_key, started)
         except BaseException as e:
@@ -142,12 +144,17 @@ def _other_dataset(out: Path) -> ArgumentError:
                          "pass --overwrite to replace it")
 
 
+def _reused(opts: PrepareOptions, out: Path, build_key: str, started: float) -> bool:
+    """Whether `out` already holds this build, finished (under the lock: maybe by a run that held
+    it since _refuse_early looked)."""
+    if (out / MANIFEST).is_file() and read_manifest(out).get("build_key") == build_key:
+        opts.stats.update(reused=True, seconds=time.perf_counter() - started)
+        return True
+    return False
+
+
 def _prepare_locked(opts: PrepareOptions, out: Path, inputs: Inputs, build_key: str, started: float) -> None:
-    if (out / MANIFEST).is_file():
-        previous = read_manifest(out)
-        if previous.get("build_key") == build_key:
-            opts.stats.update(reused=True, seconds=time.perf_counter() - started)
-            return
+    if (out / MANIFEST).is_file():  # another build's (`_reused` said it is not this one)
         if not opts.overwrite:  # written by a run that held the lock since _refuse_early looked
             raise _other_dataset(out)
         (out / MANIFEST).unlink()  # from here on the directory no longer looks complete
