@@ -169,6 +169,11 @@ class ParallelConfig:
     #   their unsharded weights on a rank add up to at most this; 0: only the last block; inf:
     #   every block (no all-gather in backward, ZeRO-2's traffic; parallel/reshard_policy.py;
     #   `trinity-train plan` prices the memory)
+    expert_gather: str = "micro_batch"  # when the routed experts' FSDP units are all-gathered:
+    #   "micro_batch": for each micro-batch (again in its backward unless keep_gathered_gib keeps
+    #   them); "step": once a step, held gathered from the first micro-batch's forward to the last
+    #   one's backward, their gradients summed unsharded and reduced once (every MoE layer's
+    #   experts and their fp32 gradients alive through the step; `trinity-train plan` prices it)
     ep_wire_dtype: str = "full"  # the EP all-to-alls: "full" sends the routed tokens' activations
     #   (and, in backward, their gradients) as computed (bf16 already under train.dtype = "bf16"
     #   on a GPU); "bf16" casts them for the wire, half an fp32 job's dispatch and combine bytes
@@ -733,6 +738,7 @@ def _validate_optim(o: OptimConfig) -> None:
 
 
 WIRE_DTYPES = ("full", "bf16")  # parallel/wire_precision.py
+EXPERT_GATHERS = ("micro_batch", "step")  # parallel/fsdp.py
 
 
 def _validate_parallel(p: ParallelConfig) -> None:
@@ -743,6 +749,7 @@ def _validate_parallel(p: ParallelConfig) -> None:
         require(getattr(p, name) > 0, f"parallel.{name}", f"must be positive (seconds), got {getattr(p, name)}")
     for name in ("ep_wire_dtype", "reduce_wire_dtype"):
         one_of(getattr(p, name), WIRE_DTYPES, f"parallel.{name}")
+    one_of(p.expert_gather, EXPERT_GATHERS, "parallel.expert_gather")
     require(p.ranks_per_node >= 0, "parallel.ranks_per_node",
             f"must be >= 1, or 0 for the launcher's processes per node, got {p.ranks_per_node}")
 
