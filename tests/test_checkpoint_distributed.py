@@ -96,6 +96,16 @@ def test_two_rank_runs_reducing_once_a_step_resume_exactly(corpus, tmp_path, ran
     assert losses(tmp_path / "resumed") == expected  # bit-identical
 
 
+@pytest.mark.slow  # two two-rank runs (~12 s)
+def test_two_rank_runs_gathering_experts_once_a_step_resume_exactly(corpus, tmp_path, rank_pool):
+    # Two micro-batches a step, the experts held gathered from the first to the last and their
+    # gradients reduced once (parallel.expert_gather = "step"): nothing gathered outlives a step.
+    rank_pool(2).run(two_rank_runs, corpus, tmp_path, {"expert_gather": "step"})
+    expected = losses(tmp_path / "straight")
+    assert [s for s, _, _ in expected] == [1, 2, 3, 4]
+    assert losses(tmp_path / "resumed") == expected  # bit-identical
+
+
 def two_rank_rollback(corpus, root):
     """Batches 3 and 4 poisoned on rank 1 only: the global loss is NaN, so both ranks skip, and
     the second skip rolls both back to the (asynchronously saved) step-2 checkpoint. Then the

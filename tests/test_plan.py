@@ -111,6 +111,26 @@ def test_two_traced_micro_batches_stand_for_the_whole_step():
     full = trace_rank(cfg, 4, 1, gpu=True, micro_batches=3)
     short = trace_rank(cfg, 4, 1, gpu=True)
     assert (full.micro_batches_traced, short.micro_batches_traced) == (3, 2)
+    _assert_stands_for(short, full)
+
+
+@pytest.mark.slow  # two traces of 4 ranks
+def test_three_traced_micro_batches_stand_for_a_step_that_gathers_the_experts_once():
+    """The first micro-batch gathers the experts, the last reduces them: the middle one repeats."""
+    from trinity_train.config import load_config
+    from trinity_train.plan.trace import trace_rank
+
+    cfg = load_config(None, ["--parallel.ep=2", "--train.grad_accum=4", "--train.micro_batch_size=2",
+                             "--parallel.expert_gather=step"])
+    full = trace_rank(cfg, 4, 1, gpu=True, micro_batches=4)
+    short = trace_rank(cfg, 4, 1, gpu=True)
+    assert (full.micro_batches_traced, short.micro_batches_traced) == (4, 3)
+    _assert_stands_for(short, full)
+
+
+def _assert_stands_for(short, full) -> None:
+    """`short`, a trace of fewer micro-batches, counts the same collectives as the `full` one, and
+    misses only the untraced micro-batch's token ids in memory."""
 
     def calls(trace):
         return sorted((c.category, c.kind, c.dim or "", c.group_ranks, c.sent) for c in trace.collectives)

@@ -118,3 +118,51 @@ def test_steady_state_holds_the_optimizer_state_through_backward():
         assert later.moments[moment]["optimizer state"] > 0
         assert first.moments[moment]["optimizer state"] == 0
     assert later.peak > first.peak
+
+
+# Experts gathered once a step (parallel.expert_gather = "step"), four micro-batches a rank: with
+# EP (experts over efsdp = 2), on a GPU's numerics too, and under HSDP without EP (the experts
+# their own unit over the shard group).
+EXPERTS_ONCE = ["--parallel.expert_gather=step", "--train.micro_batch_size=1", "--train.global_batch_size=16"]
+
+
+@pytest.mark.parametrize("overrides, gpu", [
+    pytest.param(["--parallel.ep=2"], False, id="fsdp4-ep2"),
+    pytest.param(["--parallel.ep=2", "--train.dtype=bf16"], True, id="fsdp4-ep2-gpu-bf16"),
+    pytest.param(["--parallel.dp_replicate=2", "--parallel.dp_shard=2"], False, id="hsdp2x2"),
+])
+def test_experts_gathered_once_a_step_agree_with_the_trace_line_by_line(overrides, gpu):
+    from trinity_train.plan.report import disagrees
+    from trinity_train.plan.trace import CATEGORIES
+
+    cfg = load_config(None, [*overrides, *EXPERTS_ONCE])
+    traced = trace_rank(cfg, 4, 0, gpu=gpu)
+    dims = ParallelDims.from_config(cfg, 4)
+    model = memory_per_rank(cfg, dims, gpu=gpu)
+    for category in CATEGORIES:
+        assert not disagrees(traced.memory[category], model.by_category[category], traced.peak), category
+    assert model.peak == pytest.approx(traced.peak, rel=0.10)
+    sent = sent_by_category(traced.collectives)
+    predicted = sent_by_category(traffic_per_rank(cfg, dims, gpu=gpu))
+    for category in (FSDP_ALL_GATHER, FSDP_REDUCE_SCATTER, FSDP_EMBEDDING_ROWS_GATHER, FSDP_EMBEDDING_ROWS_REDUCE,
+                     FSDP_ALL_REDUCE, EP_ALL_TO_ALL, MUON_REDISTRIBUTE):
+        assert predicted.get(category, 0) == pytest.approx(sent.get(category, 0), rel=0.05), category
+    # One all-gather and one reduce-scatter of each MoE layer's experts a step, not one per micro-batch.
+    moe_layers = cfg.model.num_layers - cfg.model.num_dense_layers
+    if dims.ep > 1:  # (without EP the experts' group is the shard group, named dp_shard)
+        experts = [c.category for c in traced.collectives if c.dim == "efsdp"]
+        assert sorted(experts) == [FSDP_ALL_GATHER] * moe_layers + [FSDP_REDUCE_SCATTER] * moe_layers
+
+
+def test_experts_gathered_once_a_step_trade_memory_for_traffic():
+    """The closed form at four micro-batches: a quarter of the experts' all-gather and
+    reduce-scatter bytes, for their gathered weights and unsharded gradients held through the step."""
+    each = load_config(None, ["--parallel.ep=2", *EXPERTS_ONCE[1:]])
+    once = load_config(None, ["--parallel.ep=2", *EXPERTS_ONCE])
+    dims = ParallelDims.from_config(each, 4)
+
+    def expert_bytes(cfg):
+        return sum(f.sent for f in traffic_per_rank(cfg, dims, gpu=False) if f.dim == "efsdp")
+
+    assert expert_bytes(once) == pytest.approx(expert_bytes(each) / 4)
+    assert memory_per_rank(once, dims, gpu=False).peak > memory_per_rank(each, dims, gpu=False).peak

@@ -14,7 +14,9 @@ dims have no mesh and the sums are the identity, so one code path serves one and
 rank's loss is its share of the global token-weighted mean, so the data-parallel gradient
 reduction must SUM rank gradients, not average them (FSDP2: `set_gradient_divide_factor(1.0)`).
 FSDP reduces each micro-batch's gradients (HSDP all-reduces only the last's), or with
-`parallel.sync_every_micro_batch = false` only the last micro-batch's backward reduces the sum.
+`parallel.sync_every_micro_batch = false` only the last micro-batch's backward reduces the sum;
+with `parallel.expert_gather = "step"` the routed experts stay gathered through the step and
+only the last backward reduces theirs (`parallel.fsdp.gather_experts_once`).
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from trinity_train.model.attention import positions_from_documents
 from trinity_train.model.loss import GROUP_CE, GROUP_TOKENS, IGNORE_INDEX
 from trinity_train.observe.layer_stats import LayerStatsCollector, per_layer_grad_norms
 from trinity_train.parallel.context_parallel import sequence_shard, shard_micro_batch
-from trinity_train.parallel.fsdp import all_reduce_across_replicas, reduce_gradients
+from trinity_train.parallel.fsdp import all_reduce_across_replicas, gather_experts_once, reduce_gradients
 from trinity_train.parallel.gloo.communication import GlooCommunication
 from trinity_train.parallel.mesh import ParallelDims
 from trinity_train.parallel.reductions import (clip_grads_with_norm_, global_grad_norm, start_sum_over_data_parallel,
@@ -176,6 +178,8 @@ class TrainingStep:
                 reduce_gradients(self.model, now=last)
             elif self.dims.dp_replicate > 1:
                 all_reduce_across_replicas(self.model, now=last)
+            if self.cfg.parallel.expert_gather == "step":
+                gather_experts_once(self.model, last_micro_batch=last)
             # The reduced shards start out empty only in the first backward that reduces.
             self.communication.before_backward(fresh=i == 0 if sync_every else last)
             with self.layer_stats.recording(stats_due):  # the forward only: not recomputations in backward

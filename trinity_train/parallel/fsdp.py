@@ -29,6 +29,18 @@ in `parallel.keep_gathered_gib` (default 1 GiB: every block of a small model, fe
 large one; inf keeps every block: ZeRO-2's traffic, no all-gather in backward, for the whole
 unsharded model's parameters alive at the end of the forward).
 
+Experts gathered once a step (`parallel.expert_gather = "step"`): each MoE block's routed experts
+are their own unit (also without EP, sharded over the same dp_shard x cp ranks), never resharded
+after their forward, and, in every micro-batch but the last, neither resharded after their
+backward nor reduced: FSDP sums their unsharded gradients (in the reduce dtype) over the
+micro-batches and the last backward reduce-scatters the sum and reshards them (FSDP2's
+`set_reshard_after_backward` / `set_requires_gradient_sync`, its recipe in pytorch PR #124319;
+Megatron's distributed optimizer and ZeRO-1 move the same bytes over the expert-data-parallel
+group). One all-gather and one reduce-scatter of the experts a step instead of one each (and a
+second all-gather in backward) per micro-batch, for every MoE layer's experts and their fp32
+gradients alive through the step (`gather_experts_once`, called by the step; the planner prices
+both). The reshard policy then weighs each block without its experts, which stay gathered anyway.
+
 Gradients in bf16 on the wire (`parallel.reduce_wire_dtype = "bf16"`, off by default): half the
 bytes of every reduce-scatter and of HSDP's all-reduce, for the rounding of each rank's gradient
 to bf16. On CPUs gloo's all-to-all reduce-scatter (`parallel/gloo`) casts what it sends and sums what it
@@ -48,6 +60,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
 from trinity_train.config import ParallelConfig
+from trinity_train.model.moe import GroupedExperts
 from trinity_train.parallel.mesh import ParallelDims, expert_shard_dim
 from trinity_train.parallel.reshard_policy import gathered_numel, kept_gathered
 
@@ -97,14 +110,15 @@ def apply_fsdp(model: nn.Module, dims: ParallelDims, device: torch.device, dtype
     fully_shard(model.embed, mesh=mesh, mp_policy=mp_policy)
     # The embedding's backward reads only the token ids, never its weight: no all-gather for it.
     model.embed.set_unshard_in_backward(False)
-    kept = kept_gathered([_gathered_bytes(block, dims, mp_policy) for block in model.layers],
-                         parallel.keep_gathered_gib)
+    experts_once = parallel.expert_gather == "step"
+    kept = kept_gathered([_gathered_bytes(block, dims, mp_policy, with_experts=not experts_once)
+                          for block in model.layers], parallel.keep_gathered_gib)
     for block, keep in zip(model.layers, kept):
         block_placement = None
         reshard = not keep
-        if block.is_moe and dims.ep > 1:
+        if block.is_moe and (dims.ep > 1 or experts_once):
             fully_shard(block.mlp.experts, mesh=dims.expert_fsdp_mesh, mp_policy=mp_policy,
-                        shard_placement_fn=placement, reshard_after_forward=reshard)
+                        shard_placement_fn=placement, reshard_after_forward=reshard and not experts_once)
         elif block.is_moe:  # the experts are in the block's unit, sharded over dp_shard (= efsdp)
             block_placement = _for_params(block.mlp.experts.parameters(), placement)
         fully_shard(block, mesh=mesh, mp_policy=mp_policy, shard_placement_fn=block_placement,
@@ -117,13 +131,15 @@ def apply_fsdp(model: nn.Module, dims: ParallelDims, device: torch.device, dtype
             module.set_force_sum_reduction_for_comms(True)
 
 
-def _gathered_bytes(block: nn.Module, dims: ParallelDims, mp_policy: MixedPrecisionPolicy) -> int:
+def _gathered_bytes(block: nn.Module, dims: ParallelDims, mp_policy: MixedPrecisionPolicy,
+                    with_experts: bool = True) -> int:
     """A block's FSDP units gathered on a rank (padded, in the gathered dtype): what the reshard
-    policy weighs, as the planner counts it. Its routed experts are gathered over efsdp ranks."""
+    policy weighs, as the planner counts it. Its routed experts are gathered over efsdp ranks
+    (left out when `with_experts` is false: gathered once a step, whatever the policy says)."""
     experts = {id(p) for p in block.mlp.experts.parameters()} if block.is_moe else set()
     numel = sum(gathered_numel((p.to_local() if isinstance(p, DTensor) else p).shape,
                                dims.efsdp if id(p) in experts else dims.fsdp_shards, id(p) in experts)
-                for p in block.parameters())
+                for p in block.parameters() if with_experts or id(p) not in experts)
     return numel * (mp_policy.param_dtype or torch.float32).itemsize
 
 
@@ -146,3 +162,14 @@ def reduce_gradients(model: nn.Module, now: bool) -> None:
     (FSDP2's `set_requires_gradient_sync`). A no-op without FSDP."""
     if isinstance(model, FSDPModule):
         model.set_requires_gradient_sync(now)
+
+
+def gather_experts_once(model: nn.Module, last_micro_batch: bool) -> None:
+    """`parallel.expert_gather = "step"`: before each micro-batch, whether the routed experts'
+    units reshard after this backward and reduce its gradients: only in the step's last one, so
+    that they stay gathered, and their gradients summed unsharded, from the first micro-batch's
+    forward to the last one's backward (see the module). A no-op without such units."""
+    for module in model.modules():
+        if isinstance(module, GroupedExperts) and isinstance(module, FSDPModule):
+            module.set_reshard_after_backward(last_micro_batch, recurse=False)
+            module.set_requires_gradient_sync(last_micro_batch, recurse=False)

@@ -64,9 +64,10 @@ class Param:
     batch: int = 1  # whole matrices stacked in dim 0 (experts), for Muon
 
 
-def _block_params(m: ModelConfig, moe: bool, tp: int, ep: int) -> list[Param]:
+def _block_params(m: ModelConfig, moe: bool, tp: int, ep: int, experts_apart: bool) -> list[Param]:
     """A block's parameters, local to a tp (and ep) rank: column-split weights lose 1/tp of dim 0,
-    row-split ones of dim 1 (`tensor_parallel.py`); routed experts 1/ep of dim 0."""
+    row-split ones of dim 1 (`tensor_parallel.py`); routed experts 1/ep of dim 0, in their own
+    FSDP unit under EP or when `experts_apart` (gathered once a step: `parallel/fsdp.py`)."""
     style = block_style(m)
     d, hd, h, kv = m.hidden_size, m.head_dim, m.num_heads, m.num_kv_heads
 
@@ -95,7 +96,7 @@ def _block_params(m: ModelConfig, moe: bool, tp: int, ep: int) -> list[Param]:
     if moe:
         e, i = m.num_experts, m.moe_intermediate_size
         out.append(w("mlp.router.gate.weight", e, d, None))
-        unit = "experts" if ep > 1 else "block"
+        unit = "experts" if ep > 1 or experts_apart else "block"
         for name, rows, cols in (("gate_proj", i, d), ("up_proj", i, d), ("down_proj", d, i)):
             shape = (e // ep, rows // tp, cols) if name != "down_proj" else (e // ep, rows, cols // tp)
             out.append(Param(f"mlp.experts.{name}", unit, shape, e * rows * cols, batch=e // ep))
@@ -105,11 +106,18 @@ def _block_params(m: ModelConfig, moe: bool, tp: int, ep: int) -> list[Param]:
 _PARAMS_CACHE: dict[tuple[str, int, int], list[list[Param]]] = {}
 
 
-def block_gathered_bytes(layers: list[list[Param]], dims: ParallelDims, a: float) -> list[float]:
-    """Each block's FSDP units (the block, its routed experts) gathered on a rank, `a` bytes an
-    element: what the reshard policy weighs (`model_params`' layers)."""
-    return [sum(unsharded_numel(p, dims) for p in layer if p.unit in ("block", "experts")) * a
-            for layer in layers[1:-1]]
+def block_gathered_bytes(layers: list[list[Param]], dims: ParallelDims, a: float,
+                         experts_once: bool = False) -> list[float]:
+    """Each block's FSDP units (the block, its routed experts unless `experts_once`: gathered once
+    a step whatever the policy) gathered on a rank, `a` bytes an element: what the reshard policy
+    weighs (`model_params`' layers; `parallel/fsdp.py` `_gathered_bytes`)."""
+    units = ("block",) if experts_once else ("block", "experts")
+    return [sum(unsharded_numel(p, dims) for p in layer if p.unit in units) * a for layer in layers[1:-1]]
+
+
+def experts_once(cfg: Config) -> bool:
+    """Whether the routed experts are gathered once a step (`parallel.expert_gather = "step"`)."""
+    return cfg.parallel.expert_gather == "step"
 
 
 def blocks_kept_gathered(cfg: Config, block_bytes: list[float]) -> list[bool]:
@@ -117,41 +125,42 @@ def blocks_kept_gathered(cfg: Config, block_bytes: list[float]) -> list[bool]:
     return kept_gathered(block_bytes, cfg.parallel.keep_gathered_gib)
 
 
-def model_params(m: ModelConfig, tp: int, ep: int) -> list[list[Param]]:
+def model_params(m: ModelConfig, tp: int, ep: int, experts_apart: bool = False) -> list[list[Param]]:
     """Every parameter of a tp/ep rank, grouped by layer: [embed], one list per block, [root]
-    (cached: the layout search asks for the same few thousands of times)."""
-    key = (repr(m), tp, ep)
+    (`experts_apart`: the routed experts their own unit without EP too; cached: the layout search
+    asks for the same few thousands of times)."""
+    key = (repr(m), tp, ep, experts_apart)
     if key not in _PARAMS_CACHE:
-        _PARAMS_CACHE[key] = _model_params(m, tp, ep)
+        _PARAMS_CACHE[key] = _model_params(m, tp, ep, experts_apart)
     return _PARAMS_CACHE[key]
 
 
-_KINDS_CACHE: dict[tuple[str, int, int], tuple[Counter, list[tuple[Param, ...]]]] = {}
+_KINDS_CACHE: dict[tuple[str, int, int, bool], tuple[Counter, list[tuple[Param, ...]]]] = {}
 
 
-def _kinds(m: ModelConfig, tp: int, ep: int) -> tuple[Counter, list[tuple[Param, ...]]]:
-    key = (repr(m), tp, ep)
+def _kinds(m: ModelConfig, tp: int, ep: int, experts_apart: bool) -> tuple[Counter, list[tuple[Param, ...]]]:
+    key = (repr(m), tp, ep, experts_apart)
     if key not in _KINDS_CACHE:
-        layers = model_params(m, tp, ep)
+        layers = model_params(m, tp, ep, experts_apart)
         _KINDS_CACHE[key] = (Counter(p for layer in layers for p in layer), list({tuple(x) for x in layers[1:-1]}))
     return _KINDS_CACHE[key]
 
 
-def param_counts(m: ModelConfig, tp: int, ep: int) -> Counter:
+def param_counts(m: ModelConfig, tp: int, ep: int, experts_apart: bool = False) -> Counter:
     """How many of each distinct parameter a tp/ep rank holds (cached, as `model_params`)."""
-    return _kinds(m, tp, ep)[0]
+    return _kinds(m, tp, ep, experts_apart)[0]
 
 
-def block_kinds(m: ModelConfig, tp: int, ep: int) -> list[tuple[Param, ...]]:
+def block_kinds(m: ModelConfig, tp: int, ep: int, experts_apart: bool = False) -> list[tuple[Param, ...]]:
     """The distinct blocks of a tp/ep rank (dense, MoE), each once (cached)."""
-    return _kinds(m, tp, ep)[1]
+    return _kinds(m, tp, ep, experts_apart)[1]
 
 
-def _model_params(m: ModelConfig, tp: int, ep: int) -> list[list[Param]]:
+def _model_params(m: ModelConfig, tp: int, ep: int, experts_apart: bool) -> list[list[Param]]:
     embed = [Param("embed.weight", "embed", (m.vocab_size // tp, m.hidden_size), m.vocab_size * m.hidden_size)]
     root = [Param("norm.weight", "root", (m.hidden_size,), m.hidden_size),
             Param("lm_head.weight", "root", (m.vocab_size // tp, m.hidden_size), m.vocab_size * m.hidden_size)]
-    blocks = [_block_params(m, i >= m.num_dense_layers, tp, ep) for i in range(m.num_layers)]
+    blocks = [_block_params(m, i >= m.num_dense_layers, tp, ep, experts_apart) for i in range(m.num_layers)]
     return [embed, *blocks, root]
 
 
@@ -369,6 +378,7 @@ class BlockBytes(NamedTuple):
     """One block's bytes that the backward moments add up (0 for FSDP's buffers in one process)."""
 
     gathered: float  # its FSDP units gathered, in the compute dtype (= its unsharded gradients)
+    experts: float  # of which its routed experts' unit (0 when they are in the block's unit)
     grad_shards: float  # its fp32 gradient shards
     prefetched: float  # the all-gather buffer of the unit the backward gathers first (the experts under EP)
     reducing: float  # the fp32 reduce-scatter buffer of the unit it reduce-scatters last (the block's own)
@@ -398,8 +408,9 @@ def memory_per_rank(cfg: Config, dims: ParallelDims, *, gpu: bool,
     False models the first iteration, which the trace runs (the state is born in its step)."""
     m, nums = cfg.model, Numerics.of(cfg, gpu)
     a = nums.compute
-    layers = model_params(m, dims.tp, dims.ep)
-    counts = param_counts(m, dims.tp, dims.ep)
+    once = experts_once(cfg)
+    layers = model_params(m, dims.tp, dims.ep, once)
+    counts = param_counts(m, dims.tp, dims.ep, once)
     muon = cfg.optim.name == "muon"
     # Equal parameters of equal layers counted once, times how many there are (the search's speed).
     shard = [(p, shard_numel(p, dims) * count) for p, count in counts.items()]
@@ -416,12 +427,23 @@ def memory_per_rank(cfg: Config, dims: ParallelDims, *, gpu: bool,
     # until the last micro-batch all-reduces them into .grad: the tracker files them as temporaries.
     # Reduced after the last micro-batch only (parallel.sync_every_micro_batch = false), each unit
     # keeps its whole (unsharded) fp32 gradients instead.
+    # Gathered once a step (parallel.expert_gather = "step"), the routed experts keep their unsharded
+    # gradients instead, summed in FSDP's reduce dtype until the last micro-batch reduces them.
     kept_grads = grads if accum > 1 else 0.0
     partial = dims.dp_replicate > 1
+    experts_kept = 0.0
     if accum > 1 and distributed and not cfg.parallel.sync_every_micro_batch:
         kept_grads, partial = FP32 * sum(unsharded_numel(p, dims) * count for p, count in counts.items()), False
-    kept = {"gradients": 0.0 if partial else kept_grads,
-            "temporaries": kept_grads * nums.reduce_buffer(dims, gpu) / FP32 if partial else 0.0}
+    elif accum > 1 and distributed and once:
+        routed = [(p, count) for p, count in counts.items() if p.unit == "experts"]
+        kept_grads -= FP32 * sum(shard_numel(p, dims) * count for p, count in routed)
+        experts_kept = nums.reduce_buffer(dims, gpu) * sum(unsharded_numel(p, dims) * count for p, count in routed)
+    # FSDP sums them in the parameter's own .grad where the reduce dtype is the compute dtype, else
+    # in a buffer of its own, which the memory tracker cannot name (a temporary).
+    in_grad = nums.reduce_buffer(dims, gpu) == a
+    kept = {"gradients": (0.0 if partial else kept_grads) + (experts_kept if in_grad else 0.0),
+            "temporaries": (kept_grads * nums.reduce_buffer(dims, gpu) / FP32 if partial else 0.0)
+            + (0.0 if in_grad else experts_kept)}
 
     def unit_bytes(layer, unit_names=("block", "experts")):
         """A layer's FSDP units (the block, and its experts under EP) gathered, in the compute dtype."""
@@ -432,9 +454,15 @@ def memory_per_rank(cfg: Config, dims: ParallelDims, *, gpu: bool,
     for moe in {i >= m.num_dense_layers for i in range(m.num_layers)}:
         layer = layers[1 + (m.num_dense_layers if moe else 0)]
         own, experts = unit_bytes(layer, ("block",)), unit_bytes(layer, ("experts",))
-        kinds[moe] = BlockBytes(gathered=own + experts, grad_shards=FP32 * sum(shard_numel(p, dims) for p in layer),
-                                prefetched=max(own, experts), reducing=own * nums.reduce_buffer(dims, gpu) / a)
+        kinds[moe] = BlockBytes(gathered=own + experts, experts=experts,
+                                grad_shards=FP32 * sum(shard_numel(p, dims) for p in layer),
+                                prefetched=own if once else max(own, experts),
+                                reducing=own * nums.reduce_buffer(dims, gpu) / a)
     block = [kinds[i >= m.num_dense_layers] for i in range(m.num_layers)]
+    # Each block's routed experts held gathered through the step (gathered once a step), and the
+    # rest of its units, which the reshard policy decides on.
+    held = [b.experts if once else 0.0 for b in block]
+    own = [b.gathered - h for b, h in zip(block, held)]
     root = unit_bytes(layers[-1], ("root",))
     root_grads = FP32 * sum(shard_numel(p, dims) for p in layers[-1])
 
@@ -448,11 +476,10 @@ def memory_per_rank(cfg: Config, dims: ParallelDims, *, gpu: bool,
     forward_acts = m.num_layers * block_input if ac else sum(per_block)
     # The blocks the reshard policy keeps gathered from their forward to their backward (the last
     # one, those within parallel.keep_gathered_gib, or all: parallel/reshard_policy.py).
-    staying = (blocks_kept_gathered(cfg, [b.gathered for b in block]) if distributed
-               else [False] * len(block))
-    forward = {**static, **kept, "gathered parameters": root + sum(b.gathered for b, s in zip(block, staying) if s),
+    staying = (blocks_kept_gathered(cfg, own) if distributed else [False] * len(block))
+    forward = {**static, **kept, "gathered parameters": root + sum(o for o, s in zip(own, staying) if s) + sum(held),
                "activations": forward_acts + model_level_activation_bytes(cfg, dims, a) + loss_chunk_bytes(cfg, dims, a),
-               "communication buffers": max(b.gathered for b in block) if distributed and ac else 0.0}
+               "communication buffers": max(own) if distributed and ac else 0.0}
 
     # The backward of block i (last to first): blocks 0..i's activations kept (checkpointed: their
     # inputs, block i recomputed); the root and block i gathered, block i's unsharded gradients
@@ -481,13 +508,14 @@ def memory_per_rank(cfg: Config, dims: ParallelDims, *, gpu: bool,
             reducing = block[i + 1].reducing if i + 1 < m.num_layers else root_reducing
             comm = prefetched + reducing * in_flight
             gathered = (0.0 if early_root else root) + block[i].gathered + sum(
-                b.gathered for b, s in zip(block[:i], staying) if s)  # and the kept ones below it
+                o for o, s in zip(own[:i], staying) if s) + sum(held[:i])  # and the kept ones below it
         else:  # one process: gradients land in .grad directly, the head's in the loss's backward
             grads_now = kept_grads if accum > 1 else later_grads + root_grads + block[i].grad_shards
             temps, comm, gathered = per_block[i] if ac else 0.0, 0.0, 0.0
-        candidate = {**static, "gathered parameters": gathered, "gradients": 0.0 if partial else grads_now,
-                     "activations": acts + shared,
-                     "communication buffers": comm, "temporaries": temps + (kept_grads if partial else 0.0)}
+        candidate = {**static, "gathered parameters": gathered,
+                     "gradients": (0.0 if partial else grads_now) + (experts_kept if in_grad else 0.0),
+                     "activations": acts + shared, "communication buffers": comm,
+                     "temporaries": temps + (kept_grads if partial else 0.0) + (0.0 if in_grad else experts_kept)}
         if not backward or sum(candidate.values()) > sum(backward[1].values()):
             backward = (i, candidate)
         later_grads += block[i].grad_shards
@@ -577,12 +605,13 @@ def traffic_per_rank(cfg: Config, dims: ParallelDims, *, gpu: bool,
     m, nums = cfg.model, Numerics.of(cfg, gpu)
     a = nums.compute
     accum = grad_accum_for(cfg.train, dims.dp)
-    layers = model_params(m, dims.tp, dims.ep)
+    experts_apart = experts_once(cfg)
+    layers = model_params(m, dims.tp, dims.ep, experts_apart)
     flows: list[Flow] = []
     # Gathered once a micro-batch, not again in its backward: the embedding (whose backward does not read its
     # weight: `parallel/fsdp.py`), the root (never resharded) and the blocks the reshard policy
     # keeps gathered (parallel/reshard_policy.py).
-    once = [True, *blocks_kept_gathered(cfg, block_gathered_bytes(layers, dims, a)), True]
+    once = [True, *blocks_kept_gathered(cfg, block_gathered_bytes(layers, dims, a, experts_apart)), True]
     for unit, n, dim in (("dense", dims.fsdp_shards, dims.fsdp_dim), ("experts", dims.efsdp, "efsdp")):
         if n == 1 and dims.dp_replicate == 1:
             continue
@@ -592,10 +621,13 @@ def traffic_per_rank(cfg: Config, dims: ParallelDims, *, gpu: bool,
         kinds = Counter(u for _, u in units)  # equal units counted once, times their number
         shard_of = {u: sum(shard_numel(p, dims) for p in u) for u in kinds}
         shards = [shard_of[u] * c for u, c in kinds.items()]
-        gathers = sum(1 if once[i] else 2 for i, _ in units) * accum
-        ag = sum(shard_of[u] * (1 if once[i] else 2) for i, u in units) * a * (n - 1) * accum
+        # The routed experts gathered once a step are gathered and reduced once, whatever the accumulation.
+        step_once = unit == "experts" and experts_apart
+        passes = 1 if step_once else accum
+        gathers = sum(1 if once[i] or step_once else 2 for i, _ in units) * passes
+        ag = sum(shard_of[u] * (1 if once[i] or step_once else 2) for i, u in units) * a * (n - 1) * passes
         # fp32 (or bf16) gradients, (n-1)/n of the n-shard input: every micro-batch, or the last only
-        reductions = accum if cfg.parallel.sync_every_micro_batch else 1
+        reductions = accum if cfg.parallel.sync_every_micro_batch and not step_once else 1
         rs = sum(shards) * nums.grad_wire * (n - 1) * reductions
         # A CPU job's embedding gathers the rows its forward reads (parallel/gloo/embedding_all_gather.py)
         # and sends the rows its tokens touched (parallel/gloo/embedding_reduce_scatter.py): data-dependent, so
@@ -630,7 +662,7 @@ def traffic_per_rank(cfg: Config, dims: ParallelDims, *, gpu: bool,
     if dims.cp > 1:
         flows += _context_flows(cfg, dims, a, accum)
     if cfg.optim.name == "muon":
-        flows += _muon_flows(cfg, dims, param_counts(m, dims.tp, dims.ep), nums, gpu)
+        flows += _muon_flows(cfg, dims, param_counts(m, dims.tp, dims.ep, experts_apart), nums, gpu)
     dp = dims.dp * dims.cp  # every rank holding other tokens
     if dp > 1:  # token count, loss totals, tokens per expert
         small = (LONG + 3 * FP32 + FP32 * moe_layers * m.num_experts) * 2 * (dp - 1) / dp

@@ -15,11 +15,14 @@ What is recorded:
   loops (a `foreach` optimizer under fake tensors is mislabelled by the tracker);
 - collectives: every call at the dispatch level (`plan.collectives.CollectiveLog`), with the
   group's ranks and mesh dimension;
-- only the first two micro-batches of a longer step are traced (`TRACED_MICRO_BATCHES`): every
+- only the first two micro-batches of a longer step are traced (`traced_micro_batches`): every
   later one repeats the second's memory (the first finds no sharded gradients yet; FSDP
   reduce-scatters each micro-batch's) and the first's collectives, so the first's calls are
-  counted once more for each untraced micro-batch (`repeat_micro_batches`). A trace costs two
-  micro-batches whatever the gradient accumulation; tests check the shortcut against a full trace;
+  counted once more for each untraced micro-batch (`repeat_micro_batches`). With the experts
+  gathered once a step (`parallel.expert_gather = "step"`) the first micro-batch gathers them and
+  the last reduces them, so a third is traced and the middle one's calls stand for the untraced.
+  A trace costs two or three micro-batches whatever the gradient accumulation; tests check the
+  shortcut against a full trace;
 - the checkpoint: this rank's share of the model and optimizer state, as DCP writes it.
 """
 
@@ -69,6 +72,12 @@ CATEGORIES = ("parameters", "gathered parameters", "gradients", "optimizer state
 
 # Micro-batches a trace runs; the step's others repeat them (see the module doc).
 TRACED_MICRO_BATCHES = 2
+
+
+def traced_micro_batches(cfg: Config) -> int:
+    """How many of a step's micro-batches a trace runs: two, or three when the first and the last
+    differ from those between them (the experts gathered in the first, reduced in the last)."""
+    return TRACED_MICRO_BATCHES + (cfg.parallel.expert_gather == "step")
 
 
 @dataclass
@@ -163,12 +172,13 @@ def group_dim_namer(dims: ParallelDims):
 
 
 def trace_rank(cfg: Config, world_size: int, rank: int, *, gpu: bool,
-               routing: AssumedRouting = AssumedRouting(), micro_batches: int = TRACED_MICRO_BATCHES) -> RankTrace:
+               routing: AssumedRouting = AssumedRouting(), micro_batches: int | None = None) -> RankTrace:
     """Trace one iteration of `cfg` as rank `rank` of `world_size` (see the module doc).
     `gpu`: the job runs on GPUs (NCCL collectives; bf16 compute if `train.dtype` says so);
     otherwise on CPUs with gloo, as this machine's runs do. `micro_batches` (>= 2): how many of
-    the step's micro-batches run; the others repeat them."""
+    the step's micro-batches run (None: `traced_micro_batches`); the others repeat them."""
     started = time.perf_counter()
+    micro_batches = micro_batches or traced_micro_batches(cfg)
     cfg = _without_compile(cfg)
     device = torch.device("cuda" if gpu else "cpu")  # the precision policy, gloo's reduce-scatter
     with fake_world(world_size, rank), gpu_collectives_and_kernels(gpu), sharding_metadata_apart():
@@ -221,13 +231,14 @@ def marking_forwards(model, calls: list):
 
 
 def repeat_micro_batches(calls: list, forward_starts: list[int], grad_accum: int) -> list:
-    """A step of `grad_accum` micro-batches from a trace of fewer: the first micro-batch's calls
-    (from its forward to the second's) once more for each micro-batch not traced."""
+    """A step of `grad_accum` micro-batches from a trace of fewer: the calls of the last traced
+    micro-batch but one (from its forward to the next one's: the first of two, the middle of
+    three) once more for each micro-batch not traced."""
     missing = grad_accum - len(forward_starts)
     if missing <= 0:
         return calls
-    first, second = forward_starts[0], forward_starts[1]
-    return calls[:second] + calls[first:second] * missing + calls[second:]
+    start, end = forward_starts[-2], forward_starts[-1]
+    return calls[:end] + calls[start:end] * missing + calls[end:]
 
 
 @contextlib.contextmanager
