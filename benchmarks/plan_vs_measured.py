@@ -2,7 +2,7 @@
 what can be measured here"): memory, traffic and step time.
 
     python benchmarks/plan_vs_measured.py [--models default,100m] [--skip-memory] [--skip-traffic]
-                                          [--skip-time] [--rounds 2] [--steps 8]
+                                          [--skip-time] [--rounds 2] [--steps 8] [--experts]
 
 1. Memory: rank 0's traced peak (`trace_rank(..., gpu=False)`) and the closed form's
    (`formula.memory_per_rank`) against a real step of the same
@@ -25,6 +25,11 @@ what can be measured here"): memory, traffic and step time.
    1's link shaped to 1 Gbit/s. Rounds of (one host, two hosts), `--steps` each; the step time is
    the median after the warm-up. Needs root (the bed); skipped with a note otherwise.
 
+4. Experts gathered once a step (`--experts`, issue 46): FSDP 2 with the experts their own unit,
+   four micro-batches of one row a rank, `parallel.expert_gather` = "micro_batch" and "step":
+   rank 0's tracked peak and its bytes per collective category in iteration 2 of a real step, the
+   trace's and the closed form's beside them (targets: memory within 10 %, traffic within 5 %).
+
 Ratios are traced / measured (memory, traffic) and measured / predicted (time).
 """
 
@@ -46,7 +51,7 @@ from trinity_train.plan.collectives import (EP_ALL_TO_ALL, FSDP_ALL_GATHER, FSDP
                                             FSDP_EMBEDDING_ROWS_REDUCE, FSDP_REDUCE_SCATTER, MUON_REDISTRIBUTE,
                                             sent_by_category)
 from trinity_train.parallel.mesh import ParallelDims
-from trinity_train.plan.formula import memory_per_rank
+from trinity_train.plan.formula import memory_per_rank, traffic_per_rank
 from trinity_train.plan.timing import price_measured
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -103,6 +108,33 @@ def traffic_table(work: Path) -> None:
     print(f"(load {loadavg()})\n", flush=True)
 
 
+# Section 4: four micro-batches of one row on each of 2 ranks, the experts sharded over both.
+EXPERTS_JOB = ("--parallel.dp_shard=2", "--train.global_batch_size=8", "--train.micro_batch_size=1")
+
+
+def experts_table(work: Path) -> None:
+    print(f"experts gathered once a step against each micro-batch: rank 0 of 2 ranks ({' '.join(EXPERTS_JOB)}), "
+          "iteration 2 of a real step (memory in MiB = 2^20 B, traffic in MB = 1e6 B)")
+    print("| expert_gather | what | traced | formula | measured | traced / measured | formula / measured | load |")
+    print("|---|---|---|---|---|---|---|---|")
+    for policy in ("micro_batch", "step"):
+        overrides = (*EXPERTS_JOB, f"--parallel.expert_gather={policy}")
+        real = run_ranks(2, measure_rank, overrides, work / f"experts-{policy}", True)[0]
+        traced = trace_measured(overrides, work / f"experts-{policy}-trace", 2, 0)
+        cfg = measured_config(overrides, work / f"experts-{policy}-formula")
+        dims = ParallelDims.from_config(cfg, 2)
+        formula_sent = sent_by_category(traffic_per_rank(cfg, dims, gpu=False))
+        rows = [("peak memory", traced.peak, memory_per_rank(cfg, dims, gpu=False).peak, real["tracked_peak"], mib)]
+        traced_sent = sent_by_category(traced.collectives)
+        rows += [(category, traced_sent.get(category, 0.0), formula_sent.get(category, 0.0),
+                  real["traffic"].get(category, 0.0), lambda x: f"{x / 1e6:,.3f}")
+                 for category in CATEGORIES if real["traffic"].get(category)]
+        for what, got, predicted, measured, unit in rows:
+            print(f"| {policy} | {what} | {unit(got)} | {unit(predicted)} | {unit(measured)} | {got / measured:.3f} | "
+                  f"{predicted / measured:.3f} | {loadavg()} |", flush=True)
+    print()
+
+
 def time_check(rounds: int, steps: int, work: Path) -> None:
     reason = bed_unavailable()
     if reason is not None:
@@ -140,6 +172,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--skip-time", action="store_true")
     parser.add_argument("--rounds", type=int, default=2, help="rounds of (one host, two hosts at 1 Gbit)")
     parser.add_argument("--steps", type=int, default=8, help="steps per bed job (the first 3 are warm-up)")
+    parser.add_argument("--experts", action="store_true",
+                        help="also section 4: the experts gathered once a step against each micro-batch")
     args = parser.parse_args(argv)
     models = args.models.split(",")
     if unknown := set(models) - set(MODELS):
@@ -151,6 +185,8 @@ def main(argv: list[str]) -> int:
             traffic_table(work)
         if not args.skip_memory:
             memory_table(models, work)
+        if args.experts:
+            experts_table(work)
         if not args.skip_time:
             time_check(args.rounds, args.steps, work)
     print(f"# load after: {loadavg()}")

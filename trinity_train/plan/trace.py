@@ -20,7 +20,8 @@ What is recorded:
   reduce-scatters each micro-batch's) and the first's collectives, so the first's calls are
   counted once more for each untraced micro-batch (`repeat_micro_batches`). With the experts
   gathered once a step (`parallel.expert_gather = "step"`) the first micro-batch gathers them and
-  the last reduces them, so a third is traced and the middle one's calls stand for the untraced.
+  the last reduces them, and a CPU job's first micro-batch gathers less than the next ones, so
+  there a third is traced and the middle one's calls stand for the untraced.
   A trace costs two or three micro-batches whatever the gradient accumulation; tests check the
   shortcut against a full trace;
 - the checkpoint: this rank's share of the model and optimizer state, as DCP writes it.
@@ -74,10 +75,12 @@ CATEGORIES = ("parameters", "gathered parameters", "gradients", "optimizer state
 TRACED_MICRO_BATCHES = 2
 
 
-def traced_micro_batches(cfg: Config) -> int:
+def traced_micro_batches(cfg: Config, gpu: bool) -> int:
     """How many of a step's micro-batches a trace runs: two, or three when the first and the last
-    differ from those between them (the experts gathered in the first, reduced in the last)."""
-    return TRACED_MICRO_BATCHES + (cfg.parallel.expert_gather == "step")
+    differ from those between them: the experts gathered in the first and reduced in the last, or
+    a CPU job's all-gathers (its first micro-batch gathers less than the next ones: benchmarks/
+    plan_vs_measured.py section 4 measured the two-micro-batch shortcut 16 % short there)."""
+    return TRACED_MICRO_BATCHES + (cfg.parallel.expert_gather == "step" or not gpu)
 
 
 @dataclass
@@ -178,7 +181,7 @@ def trace_rank(cfg: Config, world_size: int, rank: int, *, gpu: bool,
     otherwise on CPUs with gloo, as this machine's runs do. `micro_batches` (>= 2): how many of
     the step's micro-batches run (None: `traced_micro_batches`); the others repeat them."""
     started = time.perf_counter()
-    micro_batches = micro_batches or traced_micro_batches(cfg)
+    micro_batches = micro_batches or traced_micro_batches(cfg, gpu)
     cfg = _without_compile(cfg)
     device = torch.device("cuda" if gpu else "cpu")  # the precision policy, gloo's reduce-scatter
     with fake_world(world_size, rank), gpu_collectives_and_kernels(gpu), sharding_metadata_apart():
