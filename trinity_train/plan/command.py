@@ -11,7 +11,8 @@ from trinity_train import exit_codes
 from trinity_train.config import default_config_path
 from trinity_train.errors import ConfigError
 from trinity_train.parallel.assumed_routing import parse_routing
-from trinity_train.plan.options import hardware_option, max_cp_option, mfu_option, nodes_option, top_option
+from trinity_train.plan.options import (across_nodes_option, fixed_sizes, hardware_option, max_cp_option, mfu_option,
+                                        nodes_option, top_option)
 
 
 def run_plan(args: argparse.Namespace, overrides: list[str]) -> int:
@@ -19,6 +20,7 @@ def run_plan(args: argparse.Namespace, overrides: list[str]) -> int:
 
     # Every option is checked before the config is loaded or anything traced.
     hardware, mfu, top, max_cp = hardware_option(args), mfu_option(args), top_option(args), max_cp_option(args)
+    across_nodes = across_nodes_option(args)
     try:
         routing = parse_routing(args.routing)
     except ValueError as e:
@@ -32,7 +34,9 @@ def run_plan(args: argparse.Namespace, overrides: list[str]) -> int:
         from trinity_train.plan.report import render_search, search_summary
         from trinity_train.plan.search import search
 
-        found = search(cfg, world, hardware, nodes=nodes, top=top, mfu=mfu, routing=routing, max_cp=max_cp)
+        # Layout sizes given on the command line are kept, the others searched.
+        found = search(cfg, world, hardware, nodes=nodes, top=top, mfu=mfu, routing=routing, max_cp=max_cp,
+                       fixed=fixed_sizes(overrides), across_nodes=across_nodes)
         data = search_summary(cfg, world, hardware, found, gpus_per_node=nodes.ranks, mfu=mfu,
                               routing=routing, config=str(config))
         print(json.dumps(data, indent=1) if args.json else render_search(data))

@@ -64,6 +64,10 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     search.add_argument("--max-cp", default=None, metavar="N",
                         help="--search also splits each row over up to N context-parallel ranks (long "
                              "sequences; default 1: no context parallelism)")
+    search.add_argument("--across-nodes", action="store_true",
+                        help="--search also proposes layouts whose tp, cp or ep groups span nodes (their "
+                             "collectives on the slow link, priced as exposed; configs with "
+                             "parallel.allow_ep_tp_across_nodes=true)")
     parser.add_argument("--json", action="store_true", help="print the plan (or the search) as JSON")
 
 
@@ -136,6 +140,26 @@ def max_cp_option(args: argparse.Namespace) -> int:
     except argparse.ArgumentTypeError:
         raise ConfigError(f"--max-cp {args.max_cp!r} must be a whole number >= 1 (the most ranks a row is "
                           "split over)") from None
+
+
+def across_nodes_option(args: argparse.Namespace) -> bool:
+    if args.across_nodes and not args.search:
+        raise ConfigError("--across-nodes only widens --search's layouts: add --search, or set "
+                          "parallel.allow_ep_tp_across_nodes=true to plan one such layout")
+    return args.across_nodes
+
+
+# The layout sizes a user can give `plan --search` on the command line: kept, the rest searched.
+LAYOUT_SIZES = ("dp_replicate", "dp_shard", "cp", "tp", "ep")
+
+
+def fixed_sizes(overrides: list[str]) -> dict[str, int]:
+    """The layout sizes given explicitly among the command line's overrides (dp_shard=-1, "what
+    is left", fixes nothing)."""
+    from trinity_train.config import parse_overrides
+
+    given = parse_overrides(overrides).get("parallel", {})
+    return {k: given[k] for k in LAYOUT_SIZES if k in given and given[k] != -1}
 
 
 def top_option(args: argparse.Namespace) -> int:

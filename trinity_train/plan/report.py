@@ -12,7 +12,7 @@ from trinity_train.parallel.assumed_routing import AssumedRouting
 from trinity_train.plan.formula import communicators, memory_per_rank, traffic_per_rank
 from trinity_train.plan.hardware import DEFAULT_MFU, DEFAULT_RESERVE, GPUS, Hardware, Reserve
 from trinity_train.plan.job import JobPlan
-from trinity_train.plan.search import Candidate
+from trinity_train.plan.search import Candidate, SearchResult
 from trinity_train.plan.timing import flops_per_gpu, split_by_link, step_time_of_bytes
 from trinity_train.plan.trace import CATEGORIES
 
@@ -255,49 +255,74 @@ def render(data: dict) -> str:
     return "\n".join(lines)
 
 
-def search_summary(cfg: Config, world: int, hardware: Hardware, candidates: list[Candidate], *,
+def _candidate(c: Candidate, prefix: str) -> dict:
+    """One search candidate as plain data; `prefix`: the command its overrides complete."""
+    t = c.time
+    return {"overrides": list(c.overrides), "command": prefix + " ".join(c.overrides),
+            "layout": {"dp_replicate": c.dims.dp_replicate, "dp_shard": c.dims.dp_shard, "cp": c.dims.cp,
+                       "tp": c.dims.tp, "ep": c.dims.ep, "efsdp": c.dims.efsdp},
+            "micro_batch_size": c.setting.micro_batch_size, "grad_accum": c.grad_accum,
+            "memory_with_reserve_bytes": c.memory_bytes, "compute_s": t.compute_s, "comm_s": t.comm_s,
+            "exposed_s": t.exposed_s, "overlap_s": t.overlap_s, "no_overlap_s": t.no_overlap_s,
+            "inside_bytes": t.intra_bytes, "across_bytes": t.inter_bytes, "bound": c.bound,
+            "tokens_per_s_per_gpu": {"overlap": t.tokens_per_s_per_gpu(True),
+                                     "no_overlap": t.tokens_per_s_per_gpu(False)}}
+
+
+def search_summary(cfg: Config, world: int, hardware: Hardware, found: SearchResult, *,
                    gpus_per_node: int, mfu: float, routing: AssumedRouting, config: str) -> dict:
-    """`--search`'s ranked layouts as plain data (what `--search --json` prints); `config`: the
-    config file the overrides apply to, for the ready command."""
+    """`--search`'s ranked candidates as plain data (what `--search --json` prints): `candidates`
+    with the config's numerics, `other_numerics` with a wire dtype changed; `config`: the config
+    file the overrides apply to, for the ready command."""
+    prefix = f"trinity-train plan --config {config} --world {world} --gpus-per-node {gpus_per_node} "
     return {
         "world": world, "gpus_per_node": gpus_per_node, "gpu": hardware.name,
         "memory_bytes": hardware.memory_bytes, "mfu": mfu, "routing": routing.describe(),
         "model": {"parameters": count_parameters(cfg.model).total},
-        "candidates": [
-            {"overrides": list(c.overrides),
-             "command": f"trinity-train plan --config {config} --world {world} --gpus-per-node {gpus_per_node} "
-                        + " ".join(c.overrides),
-             "layout": {"dp_replicate": c.dims.dp_replicate, "dp_shard": c.dims.dp_shard, "cp": c.dims.cp,
-                        "tp": c.dims.tp,
-                        "ep": c.dims.ep, "efsdp": c.dims.efsdp},
-             "memory_with_reserve_bytes": c.memory_bytes, "compute_s": c.time.compute_s, "comm_s": c.time.comm_s,
-             "overlap_s": c.time.overlap_s, "no_overlap_s": c.time.no_overlap_s,
-             "tokens_per_s_per_gpu": {"overlap": c.time.tokens_per_s_per_gpu(True),
-                                      "no_overlap": c.time.tokens_per_s_per_gpu(False)}}
-            for c in candidates],
+        "wires": {"reduce_wire_dtype": cfg.parallel.reduce_wire_dtype, "ep_wire_dtype": cfg.parallel.ep_wire_dtype},
+        "layouts": found.layouts, "priced": found.priced,
+        "candidates": [_candidate(c, prefix) for c in found.candidates],
+        "other_numerics": [_candidate(c, prefix) for c in found.other_numerics],
     }
 
 
-def render_search(data: dict) -> str:
-    """The text table of a `search_summary`."""
-    have = data["memory_bytes"] / GIB
-    lines = [f"layouts of {data['world']} GPUs ({data['gpus_per_node']} per node) that fit on {data['gpu']} "
-             f"({have:.1f} GiB), fastest first: closed form (no trace), MFU {data['mfu']:.2f}, routing "
-             f"{data['routing']}, the config's global batch",
-             "plan one without --search to trace it and check the formula", ""]
-    if not data["candidates"]:
-        return "\n".join(lines + [f"no layout fits on {data['gpu']}: try more GPUs or a GPU with more memory"])
-    with_cp = any(c["layout"]["cp"] > 1 for c in data["candidates"])  # a column only when some layout has it
-    lines.append(f"  {'#':>3}  {'step (overlap)':>15}{'(none)':>12}{'tokens/s/GPU':>14}{'GiB':>8}  "
-                 f"dp_replicate x dp_shard x {'cp x ' if with_cp else ''}tp x ep (efsdp)")
-    for i, c in enumerate(data["candidates"], 1):
+def _search_table(candidates: list[dict]) -> list[str]:
+    """The rows of one ranked list: the step, memory, batch split, layout and what bounds it, then
+    the overrides."""
+    with_cp = any(c["layout"]["cp"] > 1 for c in candidates)  # a column only when some layout has it
+    lines = [f"  {'#':>3}  {'step (overlap)':>15}{'(none)':>12}{'tokens/s/GPU':>14}{'GiB':>8}{'micro x accum':>15}  "
+             f"dp_replicate x dp_shard x {'cp x ' if with_cp else ''}tp x ep (efsdp); bound"]
+    for i, c in enumerate(candidates, 1):
         lay = c["layout"]
         cp = f"{lay['cp']} x " if with_cp else ""
+        exposed = f", {seconds(c['exposed_s'])} exposed" if c["exposed_s"] else ""
         lines.append(f"  {i:>3}  {seconds(c['overlap_s']):>15}{seconds(c['no_overlap_s']):>12}"
                      f"{c['tokens_per_s_per_gpu']['overlap']:>14,.0f}"
-                     f"{c['memory_with_reserve_bytes'] / GIB:>8.1f}  {lay['dp_replicate']} x {lay['dp_shard']} x "
-                     f"{cp}{lay['tp']} x {lay['ep']} ({lay['efsdp']})")
+                     f"{c['memory_with_reserve_bytes'] / GIB:>8.1f}{c['micro_batch_size']:>9} x {c['grad_accum']:<3}  "
+                     f"{lay['dp_replicate']} x {lay['dp_shard']} x {cp}{lay['tp']} x {lay['ep']} ({lay['efsdp']}); "
+                     f"{c['bound']}{exposed}")
         lines.append(f"       {' '.join(c['overrides'])}")
-    lines += ["", "GiB: the formula's peak plus the reserve (CUDA context, NCCL buffers, allocator headroom)"]
-    return "\n".join(lines)
+    return lines
 
+
+def render_search(data: dict) -> str:
+    """The text tables of a `search_summary`: the config's numerics, then the other numerics."""
+    have = data["memory_bytes"] / GIB
+    wires = data["wires"]
+    lines = [f"layouts of {data['world']} GPUs ({data['gpus_per_node']} per node) that fit on {data['gpu']} "
+             f"({have:.1f} GiB), fastest first: closed form (no trace), MFU {data['mfu']:.2f}, routing "
+             f"{data['routing']}, the config's global batch; {data['priced']:,} candidates priced of "
+             f"{data['layouts']:,} layouts",
+             "plan one without --search to trace it and check the formula", ""]
+    if not data["candidates"] and not data["other_numerics"]:
+        return "\n".join(lines + [f"no layout fits on {data['gpu']}: try more GPUs or a GPU with more memory"])
+    lines.append(f"the config's numerics (reduce_wire_dtype={wires['reduce_wire_dtype']}, "
+                 f"ep_wire_dtype={wires['ep_wire_dtype']})")
+    lines += _search_table(data["candidates"]) if data["candidates"] else ["  none fits"]
+    if data["other_numerics"]:
+        lines += ["", "other numerics: bf16 on the wire (a wire dtype changed: gradients or routed tokens "
+                      "rounded once more; ranked apart)"]
+        lines += _search_table(data["other_numerics"])
+    lines += ["", "GiB: the formula's peak plus the reserve (CUDA context, NCCL buffers, allocator headroom); "
+                  "bound: compute-bound, or the link whose bytes take longest and its largest flow"]
+    return "\n".join(lines)

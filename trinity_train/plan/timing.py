@@ -11,6 +11,17 @@ ranks they tile divides the node (`parallel.node_layout`, the rule training chec
 algorithms of `plan/collectives.py`). Two bounds are reported: no overlap (compute + comm) and
 full overlap (max of the two); a real step lies between.
 
+Exposed time (layouts with `parallel.allow_ep_tp_across_nodes`, `plan --search --across-nodes`):
+a tp, cp or ep collective sits on the critical path of its layer (the next matmul needs its
+result), which NVLink makes short but the slow link does not. So the seconds of tp, cp and ep
+flows whose groups span nodes are *exposed*: the full-overlap step is max(compute, the other
+communication) + exposed. The one overlap the code has there is the EP exchange's waves
+(`parallel/expert_parallel.py`, `EP_WAVES`): wave w+1's tokens travel while wave w's experts
+compute, so of an across-node EP all-to-all split into W waves, (W-1)/W of its time hides behind
+the routed experts' compute (at most that compute's time) and the rest (the first wave's
+dispatch, the last wave's combine) is exposed. A layout whose tp, cp and ep groups stay inside
+nodes has nothing exposed: its step is priced as above.
+
 `price_measured` prices a job whose compute was measured (a CPU/gloo run: the 2-host bed's
 one-host step) and whose links are slow. Each collective's credited bytes are what gloo puts on
 the wire (benchmarks/multinode.py's calibration: 1.00-1.01 per kind; FSDP's reduce-scatter is an
@@ -19,10 +30,12 @@ all-to-all there, `parallel/gloo/reduce_scatter.py`, since gloo's own sends 2x).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from trinity_train.config import Config, grad_accum_for
 from trinity_train.model.counting import training_flops_per_token
+from trinity_train.parallel.expert_parallel import EP_WAVES, cut_runs
 from trinity_train.parallel.mesh import ParallelDims
 from trinity_train.parallel.node_layout import within_nodes
 from trinity_train.plan.formula import Flow
@@ -36,6 +49,7 @@ class StepTime:
     intra_bytes: float  # bytes this rank sends inside its node per step
     inter_bytes: float  # ... and across nodes
     tokens_per_gpu: float  # the job's tokens per step / its GPUs (a tp group shares its ranks' tokens)
+    exposed_s: float = 0.0  # the part of comm_s nothing overlaps (across-node tp/cp/ep; module doc)
 
     @property
     def no_overlap_s(self) -> float:
@@ -43,7 +57,7 @@ class StepTime:
 
     @property
     def overlap_s(self) -> float:
-        return max(self.compute_s, self.comm_s)
+        return max(self.compute_s, self.comm_s - self.exposed_s) + self.exposed_s
 
     def tokens_per_s_per_gpu(self, overlap: bool = True) -> float:
         return self.tokens_per_gpu / (self.overlap_s if overlap else self.no_overlap_s)
@@ -72,17 +86,59 @@ def compute_seconds(cfg: Config, dims: ParallelDims, hardware: Hardware, mfu: fl
     return flops_per_gpu(cfg, dims) / (hardware.peak_tflops * 1e12 * mfu)
 
 
+def routed_expert_seconds(cfg: Config, dims: ParallelDims, hardware: Hardware, mfu: float = DEFAULT_MFU) -> float:
+    """The part of `compute_seconds` the routed experts take (gate, up and down matmuls of each
+    token's top-k experts in every MoE layer; recomputed once more under activation checkpointing):
+    what the EP waves can hide an exchange behind."""
+    m = cfg.model
+    per_token = 6 * 3 * m.hidden_size * m.moe_intermediate_size * m.num_experts_per_tok
+    per_token *= (m.num_layers - m.num_dense_layers) * (8 / 6 if cfg.train.activation_checkpointing else 1)
+    return per_token * tokens_per_rank(cfg, dims) / dims.tp / (hardware.peak_tflops * 1e12 * mfu)
+
+
+# The mesh dims whose collectives block the next matmul (exposed when their groups span nodes).
+LAYER_DIMS = ("tp", "cp", "ep")
+
+
+def exposed_seconds(cfg: Config, dims: ParallelDims, flows: list[Flow], hardware: Hardware,
+                    gpus_per_node: int, mfu: float = DEFAULT_MFU) -> float:
+    """Seconds of tp, cp and ep collectives across nodes that nothing overlaps (the module doc's
+    rule: an EP exchange's waves hide all but 1/W of it behind the routed experts' compute)."""
+    across = [f for f in flows if f.dim in LAYER_DIMS and not within_nodes(f.dim, dims, gpus_per_node)]
+    exposed = sum(f.sent for f in across if f.dim != "ep") / hardware.inter_bytes_s
+    ep_s = sum(f.sent for f in across if f.dim == "ep") / hardware.inter_bytes_s
+    if ep_s:
+        waves = len(cut_runs(cfg.model.num_experts // dims.ep, EP_WAVES))
+        hidden = min(ep_s * (waves - 1) / waves, routed_expert_seconds(cfg, dims, hardware, mfu))
+        exposed += ep_s - hidden
+    return exposed
+
+
 def split_by_link(flows: list[Flow], dims: ParallelDims, gpus_per_node: int) -> tuple[float, float]:
     """(bytes inside a node, bytes across nodes) this rank sends per step."""
     intra = sum(f.sent for f in flows if within_nodes(f.dim, dims, gpus_per_node))
     return intra, sum(f.sent for f in flows) - intra
 
 
+def bottleneck(flows: list[Flow], dims: ParallelDims, time: StepTime, hardware: Hardware, gpus_per_node: int) -> str:
+    """What bounds the step: "compute-bound" when compute takes at least as long as the
+    communication, else the link whose bytes take longer and its largest flow there, e.g.
+    "bound by across nodes: FSDP all-gather over efsdp"."""
+    if time.compute_s >= time.comm_s:
+        return "compute-bound"
+    across = time.inter_bytes / hardware.inter_bytes_s >= time.intra_bytes / hardware.intra_bytes_s
+    on_link = [f for f in flows if within_nodes(f.dim, dims, gpus_per_node) != across]
+    top = max(on_link, key=lambda f: f.sent)
+    return f"bound by {'across nodes' if across else 'inside nodes'}: {top.category} over {top.dim}"
+
+
 def step_time(cfg: Config, dims: ParallelDims, flows: list[Flow], hardware: Hardware,
               gpus_per_node: int = 8, mfu: float = DEFAULT_MFU) -> StepTime:
     """The predicted step of one rank on `hardware` (see the module doc)."""
     intra, inter = split_by_link(flows, dims, gpus_per_node)
-    return step_time_of_bytes(cfg, dims, intra, inter, hardware, mfu)
+    timing = step_time_of_bytes(cfg, dims, intra, inter, hardware, mfu)
+    exposed = exposed_seconds(cfg, dims, flows, hardware, gpus_per_node, mfu)
+    return dataclasses.replace(timing, exposed_s=exposed) if exposed else timing
 
 
 def step_time_of_bytes(cfg: Config, dims: ParallelDims, intra_bytes: float, inter_bytes: float,
