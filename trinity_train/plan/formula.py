@@ -431,19 +431,21 @@ def memory_per_rank(cfg: Config, dims: ParallelDims, *, gpu: bool,
     # gradients instead, summed in FSDP's reduce dtype until the last micro-batch reduces them.
     kept_grads = grads if accum > 1 else 0.0
     partial = dims.dp_replicate > 1
-    experts_kept = 0.0
+    summed = 0.0  # unsharded gradients FSDP sums over the micro-batches (reduced after the last)
     if accum > 1 and distributed and not cfg.parallel.sync_every_micro_batch:
-        kept_grads, partial = FP32 * sum(unsharded_numel(p, dims) * count for p, count in counts.items()), False
+        summed = nums.reduce_buffer(dims, gpu) * sum(unsharded_numel(p, dims) * count for p, count in counts.items())
+        kept_grads, partial = 0.0, False
     elif accum > 1 and distributed and once:
         routed = [(p, count) for p, count in counts.items() if p.unit == "experts"]
         kept_grads -= FP32 * sum(shard_numel(p, dims) * count for p, count in routed)
-        experts_kept = nums.reduce_buffer(dims, gpu) * sum(unsharded_numel(p, dims) * count for p, count in routed)
-    # FSDP sums them in the parameter's own .grad where the reduce dtype is the compute dtype, else
-    # in a buffer of its own, which the memory tracker cannot name (a temporary).
+        summed = nums.reduce_buffer(dims, gpu) * sum(unsharded_numel(p, dims) * count for p, count in routed)
+    # FSDP sums them in the parameter's own .grad where its reduce dtype is the compute dtype, else
+    # in a buffer of its own (fp32 beside bf16 compute), which the memory tracker cannot name: a
+    # temporary.
     in_grad = nums.reduce_buffer(dims, gpu) == a
-    kept = {"gradients": (0.0 if partial else kept_grads) + (experts_kept if in_grad else 0.0),
+    kept = {"gradients": (0.0 if partial else kept_grads) + (summed if in_grad else 0.0),
             "temporaries": (kept_grads * nums.reduce_buffer(dims, gpu) / FP32 if partial else 0.0)
-            + (0.0 if in_grad else experts_kept)}
+            + (0.0 if in_grad else summed)}
 
     def unit_bytes(layer, unit_names=("block", "experts")):
         """A layer's FSDP units (the block, and its experts under EP) gathered, in the compute dtype."""
@@ -513,9 +515,9 @@ def memory_per_rank(cfg: Config, dims: ParallelDims, *, gpu: bool,
             grads_now = kept_grads if accum > 1 else later_grads + root_grads + block[i].grad_shards
             temps, comm, gathered = per_block[i] if ac else 0.0, 0.0, 0.0
         candidate = {**static, "gathered parameters": gathered,
-                     "gradients": (0.0 if partial else grads_now) + (experts_kept if in_grad else 0.0),
+                     "gradients": (0.0 if partial else grads_now) + (summed if in_grad else 0.0),
                      "activations": acts + shared, "communication buffers": comm,
-                     "temporaries": temps + (kept_grads if partial else 0.0) + (0.0 if in_grad else experts_kept)}
+                     "temporaries": temps + (kept_grads if partial else 0.0) + (0.0 if in_grad else summed)}
         if not backward or sum(candidate.values()) > sum(backward[1].values()):
             backward = (i, candidate)
         later_grads += block[i].grad_shards
