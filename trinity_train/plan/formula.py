@@ -292,21 +292,48 @@ def _ffn_saved(tokens: float, d: int, width: int, a: int) -> float:
     return tokens * (a * d + 4 * a * width)
 
 
-def _moe_saved(m: ModelConfig, tokens: float, dims: ParallelDims, a: int, skew: float) -> float:
-    """Bytes one MoE sublayer keeps: the fp32 router (logits, scores, the balance loss's
-    normalised scores), the sort's index, the routed token copies this rank's experts receive
-    (skew x the mean when ep > 1), their expert activations, the returned copies in fp32 for the
-    weighted sum, and the shared expert."""
+class MoeSaved(NamedTuple):
+    """What one MoE sublayer keeps for backward, by part (bytes)."""
+
+    router: float  # fp32 logits, scores, the balance loss's normalised scores; the top-k
+    sort: float  # the sort's index
+    experts: float  # the routed copies this rank's experts receive (and the dispatch's permuted copy), their activations
+    combine: float  # the returned copies in fp32 for the weighted sum
+    shared: float  # the shared expert's
+
+
+def _moe_saved_parts(m: ModelConfig, tokens: float, dims: ParallelDims, a: int, skew: float) -> MoeSaved:
+    """The parts of `_moe_saved`; the routed copies a rank's experts receive are skew x the mean
+    when ep > 1."""
     d, e, k = m.hidden_size, m.num_experts, m.num_experts_per_tok
     i = m.moe_intermediate_size // dims.tp
     copies = tokens * k
     received = copies * (skew if dims.ep > 1 else 1.0)
-    router = tokens * (FP32 * (3 * e + d) + (LONG + 2 * FP32) * k)
-    sort = copies * LONG * (2 if dims.ep > 1 else 1)
-    experts = received * (a * d + 4 * a * i) + (received * a * d if dims.ep > 1 else 0)  # + the dispatch's permuted copy
-    combine = copies * FP32 * d
-    shared = _ffn_saved(tokens, d, m.moe_intermediate_size * m.num_shared_experts // dims.tp, a) if m.num_shared_experts else 0
-    return router + sort + experts + combine + shared
+    return MoeSaved(
+        router=tokens * (FP32 * (3 * e + d) + (LONG + 2 * FP32) * k),
+        sort=copies * LONG * (2 if dims.ep > 1 else 1),
+        experts=received * (a * d + 4 * a * i) + (received * a * d if dims.ep > 1 else 0),
+        combine=copies * FP32 * d,
+        shared=_ffn_saved(tokens, d, m.moe_intermediate_size * m.num_shared_experts // dims.tp, a)
+        if m.num_shared_experts else 0.0)
+
+
+def _moe_saved(m: ModelConfig, tokens: float, dims: ParallelDims, a: int, skew: float) -> float:
+    """Bytes one MoE sublayer keeps (`MoeSaved`: the router, the sort, the experts' copies and
+    activations, the combine, the shared expert)."""
+    return sum(_moe_saved_parts(m, tokens, dims, a, skew))
+
+
+def recomputed_in_expert_unit(cfg: Config, dims: ParallelDims, a: int, skew: float) -> float:
+    """Of a checkpointed MoE block recomputed in its backward, what its routed experts' own FSDP
+    unit (under EP, or gathered once a step) creates and keeps:
+    the call that dispatches the tokens, runs the experts and the shared expert beside them and
+    combines (`model/moe.py`), with the routed result as it returns and unpermuted. The memory
+    tracker (torch's FSDPMemTracker) files what an FSDP unit's forward creates during backward
+    as activations (a recomputation) and the rest of the recomputed block as temporaries."""
+    parts = _moe_saved_parts(cfg.model, local_tokens(cfg, dims), dims, a, skew)
+    returned = 2 * local_tokens(cfg, dims) * cfg.model.num_experts_per_tok * a * cfg.model.hidden_size
+    return parts.experts + parts.shared + parts.combine + returned
 
 
 def block_activation_bytes(cfg: Config, dims: ParallelDims, layer: int, a: int, skew: float, gpu: bool) -> float:
@@ -499,6 +526,9 @@ def memory_per_rank(cfg: Config, dims: ParallelDims, *, gpu: bool,
     early_root = distributed and in_flight == 2 and accum == 1
     root_reducing = root * nums.reduce_buffer(dims, gpu) / a if early_root else 0.0
     shared = shared_activation_bytes(cfg, dims, a)
+    # In a checkpointed MoE block's backward, what its experts' own unit recomputed is filed as
+    # activations, the rest of the recomputed block as temporaries (`recomputed_in_expert_unit`).
+    inside = recomputed_in_expert_unit(cfg, dims, a, routing.skew) if ac and distributed and (dims.ep > 1 or once) else 0.0
     backward, later_grads, below = {}, 0.0, sum(per_block)
     for i in reversed(range(m.num_layers)):
         below -= per_block[i]
@@ -514,12 +544,13 @@ def memory_per_rank(cfg: Config, dims: ParallelDims, *, gpu: bool,
         else:  # one process: gradients land in .grad directly, the head's in the loss's backward
             grads_now = kept_grads if accum > 1 else later_grads + root_grads + block[i].grad_shards
             temps, comm, gathered = per_block[i] if ac else 0.0, 0.0, 0.0
+        unit = inside if i >= m.num_dense_layers else 0.0
         candidate = {**static, "gathered parameters": gathered,
                      "gradients": (0.0 if partial else grads_now) + (summed if in_grad else 0.0),
-                     "activations": acts + shared, "communication buffers": comm,
-                     "temporaries": temps + (kept_grads if partial else 0.0) + (0.0 if in_grad else summed)}
+                     "activations": acts + shared + unit, "communication buffers": comm,
+                     "temporaries": temps - unit + (kept_grads if partial else 0.0) + (0.0 if in_grad else summed)}
         if not backward or sum(candidate.values()) > sum(backward[1].values()):
-            backward = (i, candidate)
+            backward = (f"backward of block {i}", candidate)
         later_grads += block[i].grad_shards
 
     step = {"parameters": params, "gathered parameters": 0.0, "gradients": grads,
@@ -527,7 +558,7 @@ def memory_per_rank(cfg: Config, dims: ParallelDims, *, gpu: bool,
             "temporaries": muon_temporaries(cfg, dims, counts, nums) if muon else 0.0}
     moments = {"end of forward": forward, "backward": backward[1], "optimizer step": step}
     moment = max(moments, key=lambda k: sum(moments[k].values()))
-    name = f"backward of block {backward[0]}" if moment == "backward" else moment
+    name = backward[0] if moment == "backward" else moment
     return MemoryModel({c: moments[moment].get(c, 0.0) for c in CATEGORIES}, name, moments)
 
 
