@@ -121,10 +121,10 @@ def split_by_link(flows: list[Flow], dims: ParallelDims, gpus_per_node: int) -> 
 
 
 def bottleneck(flows: list[Flow], dims: ParallelDims, time: StepTime, hardware: Hardware, gpus_per_node: int) -> str:
-    """What bounds the step: "compute-bound" when compute takes at least as long as the
-    communication, else the link whose bytes take longer and its largest flow there, e.g.
-    "bound by across nodes: FSDP all-gather over efsdp"."""
-    if time.compute_s >= time.comm_s:
+    """What bounds the step: "compute-bound" when the step with full overlap is its compute (the
+    communication takes no longer and none of it is exposed), else the link whose bytes take
+    longer and its largest flow there, e.g. "bound by across nodes: FSDP all-gather over efsdp"."""
+    if time.overlap_s <= time.compute_s:
         return "compute-bound"
     across = time.inter_bytes / hardware.inter_bytes_s >= time.intra_bytes / hardware.intra_bytes_s
     on_link = [f for f in flows if within_nodes(f.dim, dims, gpus_per_node) != across]
