@@ -37,6 +37,7 @@ from pathlib import Path
 from trinity_train.cli import main as cli_main
 from trinity_train.config import load_config
 from trinity_train.plan.report import render
+from trinity_train.plan.search_space import LAYOUT_KEYS
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGE = ROOT / "docs" / "guides" / "released-sizes.md"
@@ -71,7 +72,6 @@ SIZES = [
 LARGE_B300 = ["--config", "configs/large.toml", "--world", "2048", *LARGE_MESH, "--gpu", "b300"]
 # The search's whole list at Arcee's Large mesh on B300: every class's best is in it.
 CLASS_SEARCH = [*LARGE_B300, "--search", "--top", "500"]
-SIZE_KEYS = ("dp_replicate", "dp_shard", "cp", "tp", "ep")
 BATCH_KEYS = ("micro_batch_size", "grad_accum", "global_batch_size")
 TIMES: list[tuple[str, float]] = []
 
@@ -162,7 +162,7 @@ def policies(config: str, overrides: list[str]) -> list[str]:
     for o in overrides:
         key = o[2:].split("=", 1)[0]
         section, name = key.split(".")
-        if name in SIZE_KEYS or name in BATCH_KEYS:
+        if name in LAYOUT_KEYS or name in BATCH_KEYS:
             continue
         if getattr(getattr(load_config(config, [o]), section), name) != getattr(getattr(base, section), name):
             out.append(o[2:].split(".", 1)[1])

@@ -34,7 +34,8 @@ from trinity_train.model.attention import positions_from_documents
 from trinity_train.model.loss import GROUP_CE, GROUP_TOKENS, IGNORE_INDEX
 from trinity_train.observe.layer_stats import LayerStatsCollector, per_layer_grad_norms
 from trinity_train.parallel.context_parallel import sequence_shard, shard_micro_batch
-from trinity_train.parallel.fsdp import all_reduce_across_replicas, gather_experts_once, reduce_gradients
+from trinity_train.parallel.fsdp import (all_reduce_across_replicas, expert_units, gather_experts_once,
+                                         reduce_gradients)
 from trinity_train.parallel.gloo.communication import GlooCommunication
 from trinity_train.parallel.mesh import ParallelDims
 from trinity_train.parallel.reductions import (clip_grads_with_norm_, global_grad_norm, start_sum_over_data_parallel,
@@ -125,6 +126,8 @@ class TrainingStep:
         self.dims = dims or ParallelDims.one_process()
         self.lr_backoff = lr_backoff or LRBackoff()
         self.faults = faults if faults is not None else StepFaults()  # the drills' hooks; no-ops without
+        # The units held gathered through the step (parallel.expert_gather = "step"), found once.
+        self.experts_held = expert_units(model) if cfg.parallel.expert_gather == "step" else []
         # A CPU job's overlapped collectives (parallel/gloo); no-ops elsewhere.
         self.communication = communication or GlooCommunication()
         self.params = [p for p in model.parameters() if p.requires_grad]
@@ -178,8 +181,7 @@ class TrainingStep:
                 reduce_gradients(self.model, now=last)
             elif self.dims.dp_replicate > 1:
                 all_reduce_across_replicas(self.model, now=last)
-            if self.cfg.parallel.expert_gather == "step":
-                gather_experts_once(self.model, last_micro_batch=last)
+            gather_experts_once(self.experts_held, last_micro_batch=last)
             # The reduced shards start out empty only in the first backward that reduces.
             self.communication.before_backward(fresh=i == 0 if sync_every else last)
             with self.layer_stats.recording(stats_due):  # the forward only: not recomputations in backward

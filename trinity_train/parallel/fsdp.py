@@ -164,12 +164,16 @@ def reduce_gradients(model: nn.Module, now: bool) -> None:
         model.set_requires_gradient_sync(now)
 
 
-def gather_experts_once(model: nn.Module, last_micro_batch: bool) -> None:
+def expert_units(model: nn.Module) -> list[FSDPModule]:
+    """The routed experts' own FSDP units of `model` (under EP, or gathered once a step)."""
+    return [m for m in model.modules() if isinstance(m, GroupedExperts) and isinstance(m, FSDPModule)]
+
+
+def gather_experts_once(units: list[FSDPModule], last_micro_batch: bool) -> None:
     """`parallel.expert_gather = "step"`: before each micro-batch, whether the routed experts'
-    units reshard after this backward and reduce its gradients: only in the step's last one, so
-    that they stay gathered, and their gradients summed unsharded, from the first micro-batch's
-    forward to the last one's backward (see the module). A no-op without such units."""
-    for module in model.modules():
-        if isinstance(module, GroupedExperts) and isinstance(module, FSDPModule):
-            module.set_reshard_after_backward(last_micro_batch, recurse=False)
-            module.set_requires_gradient_sync(last_micro_batch, recurse=False)
+    `units` (`expert_units`) reshard after this backward and reduce its gradients: only in the
+    step's last one, so that they stay gathered, and their gradients summed unsharded, from the
+    first micro-batch's forward to the last one's backward (see the module)."""
+    for unit in units:
+        unit.set_reshard_after_backward(last_micro_batch, recurse=False)
+        unit.set_requires_gradient_sync(last_micro_batch, recurse=False)

@@ -149,17 +149,15 @@ def across_nodes_option(args: argparse.Namespace) -> bool:
     return args.across_nodes
 
 
-# The layout sizes a user can give `plan --search` on the command line: kept, the rest searched.
-LAYOUT_SIZES = ("dp_replicate", "dp_shard", "cp", "tp", "ep")
-
-
 def fixed_sizes(overrides: list[str]) -> dict[str, int]:
-    """The layout sizes given explicitly among the command line's overrides (dp_shard=-1, "what
-    is left", fixes nothing)."""
+    """The layout sizes (`search_space.LAYOUT_KEYS`) given explicitly among the command line's
+    overrides: `plan --search` keeps them and searches the rest (dp_shard=-1, "what is left",
+    fixes nothing)."""
     from trinity_train.config import parse_overrides
+    from trinity_train.plan.search_space import LAYOUT_KEYS
 
     given = parse_overrides(overrides).get("parallel", {})
-    return {k: given[k] for k in LAYOUT_SIZES if k in given and given[k] != -1}
+    return {k: given[k] for k in LAYOUT_KEYS if k in given and given[k] != -1}
 
 
 def top_option(args: argparse.Namespace) -> int:
