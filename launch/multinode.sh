@@ -2,6 +2,7 @@
 # Start this node's share of a multi-node job; run it once on every node.
 #
 #   launch/multinode.sh NNODES NODE_RANK HEAD_ADDR[:PORT] [NPROC_PER_NODE] -- [--max-restarts R] [train args ...]
+#   launch/multinode.sh NNODES NODE_RANK HEAD_ADDR[:PORT] [NPROC_PER_NODE] -- calibrate [calibrate args ...]
 #   NNODES=2 NODE_RANK=0 MASTER_ADDR=10.0.0.1 launch/multinode.sh -- [train args ...]
 #
 # Positional values win; missing ones come from the environment: NNODES, NODE_RANK,
@@ -80,8 +81,13 @@ export GLOO_SOCKET_IFNAME="${GLOO_SOCKET_IFNAME:-$route_dev}" NCCL_SOCKET_IFNAME
 # An impossible layout for the whole job fails here, with one line, before anything starts (with
 # NPROC_PER_NODE ranks per node: tp and ep groups inside a node, unless
 # parallel.allow_ep_tp_across_nodes); it also says how long joining may take (parallel.init_timeout_s).
-init_timeout="$(python -m trinity_train.parallel.preflight --print-init-timeout --ranks-per-node "$nproc" "$((max_nodes * nproc))" ${train_args[@]+"${train_args[@]}"})"
-if (( min_nodes < max_nodes )); then
+# (calibrate checks the job's layout itself, and waits for the other nodes up to CALIBRATE_WAIT_S.)
+if [[ "$command" == train ]]; then
+    init_timeout="$(python -m trinity_train.parallel.preflight --print-init-timeout --ranks-per-node "$nproc" "$((max_nodes * nproc))" ${train_args[@]+"${train_args[@]}"})"
+else
+    init_timeout="${CALIBRATE_WAIT_S:-300}"
+fi
+if [[ "$command" == train ]] && (( min_nodes < max_nodes )); then
     python -m trinity_train.parallel.preflight --ranks-per-node "$nproc" "$((min_nodes * nproc))" ${train_args[@]+"${train_args[@]}"}
 fi
 
@@ -105,4 +111,4 @@ is_host=$([[ "$node_rank" == 0 ]] && echo true || echo false)
 run_torchrun --nnodes="$nnodes" --nproc-per-node="$nproc" --max-restarts="$max_restarts" \
     --rdzv-backend=c10d --rdzv-endpoint="$head_ip:$port" --rdzv-id="${RDZV_ID:-trinity-train}" \
     --rdzv-conf="is_host=$is_host,last_call_timeout=${RDZV_LAST_CALL_S:-30}" --local-addr="$node_addr" \
-    -m "${TRAIN_MODULE:-trinity_train.cli}" train ${train_args[@]+"${train_args[@]}"}
+    -m "${TRAIN_MODULE:-trinity_train.cli}" "$command" ${train_args[@]+"${train_args[@]}"}

@@ -1,6 +1,7 @@
 # Sourced by the launchers: how torchrun restarts a failed job. Defines `max_restarts`,
-# `train_args` (the arguments with a launcher-level --max-restarts N / --max-restarts=N taken out)
-# and `run_torchrun ARGS...`, which runs torchrun and ends the launcher with its outcome.
+# `train_args` (the arguments with a launcher-level --max-restarts N / --max-restarts=N taken out),
+# `command` (what each rank runs: `train`, or `calibrate` when the arguments start with it) and
+# `run_torchrun ARGS...`, which runs torchrun and ends the launcher with its outcome.
 #
 # When a worker dies (a crash, SIGKILL, a collective that times out), torchrun stops every worker
 # and starts them all again, up to max_restarts times (the MAX_RESTARTS environment variable, or
@@ -22,6 +23,14 @@ while [[ $# -gt 0 ]]; do
     esac
     shift
 done
+# `calibrate` first: the ranks measure the nodes (trinity-train calibrate) instead of training, once
+# (a measurement that failed is rerun by hand, not restarted).
+command=train
+if [[ ${#train_args[@]} -gt 0 && "${train_args[0]}" == calibrate ]]; then
+    command=calibrate
+    train_args=("${train_args[@]:1}")
+    max_restarts=0
+fi
 [[ "$max_restarts" =~ ^[0-9]+$ ]] || { echo "launcher: --max-restarts must be a number >= 0, got '$max_restarts'" >&2; exit 2; }
 export TORCH_DISABLE_SHARE_RDZV_TCP_STORE="${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}"
 

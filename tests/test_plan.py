@@ -276,7 +276,7 @@ def test_a_cpu_plan_has_no_gpu_lines(eight_ranks):
     data["fit"] = data["step_time"] = data["on_every_gpu"] = None
     del data["formula"]["reserve"], data["formula"]["total_with_reserve"]
     text = render(data)
-    assert "a CPU plan (--cpu): no GPU reserve, fit or step time" in text
+    assert "a CPU plan (--cpu): no fit or step time without a profile of its nodes (--hardware)" in text
     assert "fit on" not in text and "reserve:" not in text and "tokens/s" not in text
 
 

@@ -1,4 +1,4 @@
-"""`trinity-train <command>`: train, plan, prepare-data, import-data, export-hf, import-hf,
+"""`trinity-train <command>`: train, plan, calibrate, prepare-data, import-data, export-hf, import-hf,
 ckpt inspect|verify, probe-context, incidents, goodput, dashboard, report, ablate.
 
 A user mistake (any `UserError`) ends with one line `error: <message>` on stderr and the error's
@@ -40,6 +40,12 @@ def cmd_plan(args: argparse.Namespace, overrides: list[str]) -> int:
     from trinity_train.plan.command import run_plan
 
     return run_plan(args, overrides)
+
+
+def cmd_calibrate(args: argparse.Namespace, overrides: list[str]) -> int:
+    from trinity_train.calibrate.command import run_calibrate
+
+    return run_calibrate(args, overrides)
 
 
 def cmd_prepare_data(args: argparse.Namespace) -> int:
@@ -222,6 +228,23 @@ def _add_plan(subparsers) -> None:
     add_plan_arguments(plan)
 
 
+def _add_calibrate(subparsers) -> None:
+    from trinity_train.calibrate.command import add_calibrate_arguments
+
+    calibrate = subparsers.add_parser(
+        "calibrate", allow_abbrev=False,
+        help="measure the job's nodes (links, matmul and training-step rate, memory) into a hardware profile "
+             "for plan --hardware",
+        description="Started like the training job it prepares (launch/local.sh N calibrate ..., launch/"
+                    "multinode.sh ... -- calibrate ..., launch/slurm.sbatch calibrate ..., or torchrun -m "
+                    "trinity_train.cli calibrate ...), with the job's config and overrides: measure each "
+                    "collective kind the plan prices inside a node and across nodes at the plan's message sizes, "
+                    "the matmul and grouped-matmul rate at the config's shapes, a training step's rate on one "
+                    "rank and the usable memory, within a time limit, one line per measurement; rank 0 writes "
+                    "one JSON hardware profile. `trinity-train plan --hardware PROFILE` prices with it.")
+    add_calibrate_arguments(calibrate)
+
+
 def _add_prepare_data(subparsers) -> None:
     parser = subparsers.add_parser("prepare-data", help="tokenize a dataset into packed token shards")
     from trinity_train.data.prepare import add_prepare_arguments
@@ -260,6 +283,7 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     train.add_argument("--config", type=user_path, help="TOML config file (default: configs/debug.toml)")
 
     _add_plan(sub)
+    _add_calibrate(sub)
 
     # Only the command being run imports its dependencies; prepare-data's and import-data's options
     # come from the data package, so it is loaded only for those commands (and the top-level --help).
@@ -320,6 +344,8 @@ def run(argv: list[str], callbacks: list | None = None, gloo_overlap=None) -> in
         return cmd_train(args, extra, callbacks, gloo_overlap)
     if args.command == "plan":
         return cmd_plan(args, extra)
+    if args.command == "calibrate":
+        return cmd_calibrate(args, extra)
     if extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     handlers = {"prepare-data": cmd_prepare_data, "import-data": cmd_import_data, "export-hf": cmd_export_hf,

@@ -11,6 +11,7 @@ from trinity_train import exit_codes
 from trinity_train.config import default_config_path
 from trinity_train.errors import ConfigError
 from trinity_train.parallel.assumed_routing import parse_routing
+from trinity_train.plan.hardware import CPU_RESERVE, DEFAULT_RESERVE
 from trinity_train.plan.options import (across_nodes_option, fixed_sizes, hardware_option, max_cp_option, mfu_option,
                                         nodes_option, top_option)
 
@@ -19,7 +20,8 @@ def run_plan(args: argparse.Namespace, overrides: list[str]) -> int:
     from trinity_train.run_config import load_run_config
 
     # Every option is checked before the config is loaded or anything traced.
-    hardware, mfu, top, max_cp = hardware_option(args), mfu_option(args), top_option(args), max_cp_option(args)
+    hardware = hardware_option(args)
+    mfu, top, max_cp = mfu_option(args, hardware), top_option(args), max_cp_option(args)
     across_nodes = across_nodes_option(args)
     try:
         routing = parse_routing(args.routing)
@@ -28,7 +30,9 @@ def run_plan(args: argparse.Namespace, overrides: list[str]) -> int:
     config = args.config or default_config_path()
     cfg = load_run_config(config, overrides)
     world = args.world or _world_from_layout(cfg)
-    nodes = nodes_option(args, cfg.parallel.ranks_per_node)
+    nodes = nodes_option(args, cfg.parallel.ranks_per_node, hardware)
+    # A CPU job (a gloo profile) holds no CUDA context or NCCL buffers besides its tensors.
+    reserve = CPU_RESERVE if args.cpu else DEFAULT_RESERVE
 
     if args.search:
         from trinity_train.plan.report import render_search, search_summary
@@ -36,7 +40,7 @@ def run_plan(args: argparse.Namespace, overrides: list[str]) -> int:
 
         # Layout sizes given on the command line are kept, the others searched.
         found = search(cfg, world, hardware, nodes=nodes, top=top, mfu=mfu, routing=routing, max_cp=max_cp,
-                       fixed=fixed_sizes(overrides), across_nodes=across_nodes)
+                       fixed=fixed_sizes(overrides), across_nodes=across_nodes, gpu=not args.cpu, reserve=reserve)
         data = search_summary(cfg, world, hardware, found, gpus_per_node=nodes.ranks, mfu=mfu,
                               routing=routing, config=str(config))
         print(json.dumps(data, indent=1) if args.json else render_search(data))
@@ -59,7 +63,7 @@ def run_plan(args: argparse.Namespace, overrides: list[str]) -> int:
 
     plan = plan_job(cfg, world, nodes=nodes, gpu=not args.cpu, routing=routing,
                     progress=progress)
-    data = summary(plan, hardware, mfu)
+    data = summary(plan, hardware, mfu, reserve)
     print(json.dumps(data, indent=1) if args.json else render(data))
     return exit_codes.DONE
 

@@ -37,6 +37,16 @@ class Hardware:
     def inter_bytes_s(self) -> float:
         return self.inter_gbits_s * 1e9 / 8
 
+    # A datasheet GPU's collectives run beside its compute (NCCL's own streams): the plan's
+    # predicted step is the full-overlap bound (a profile of a gloo job says otherwise: profile.py).
+    overlaps_communication = True
+
+    def flow_seconds(self, category: str, kind: str, inside: bool, sent: float, calls: int) -> float:
+        """Seconds of `calls` collectives of `kind` that send `sent` bytes from this rank in all,
+        over NVLink (`inside` a node) or the NIC: the datasheet rate, whatever the kind and size
+        (a calibrated profile prices each by its measured curve: `profile.ProfiledHardware`)."""
+        return sent / (self.intra_bytes_s if inside else self.inter_bytes_s)
+
 
 # Datasheet values (NVIDIA product pages and HGX platform specs; "with sparsity" figures halved).
 GPUS: dict[str, Hardware] = {
@@ -99,13 +109,15 @@ class Reserve:
 
     def lines(self, tensor_peak: float, communicators: int) -> dict[str, float]:
         """The reserve lines (bytes) for a rank whose tensors peak at `tensor_peak` and that
-        uses `communicators` NCCL communicators."""
-        return {"CUDA context": float(self.cuda_context_bytes),
-                "NCCL buffers": float(self.nccl_bytes_per_communicator * communicators),
-                "allocator headroom": self.allocator_fraction * tensor_peak}
+        uses `communicators` NCCL communicators (a line this reserve does not hold is left out)."""
+        lines = {"CUDA context": (self.cuda_context_bytes, float(self.cuda_context_bytes)),
+                 "NCCL buffers": (self.nccl_bytes_per_communicator, float(self.nccl_bytes_per_communicator * communicators)),
+                 "allocator headroom": (self.allocator_fraction, self.allocator_fraction * tensor_peak)}
+        return {name: value for name, (rate, value) in lines.items() if rate}
 
     def total(self, tensor_peak: float, communicators: int) -> float:
         return sum(self.lines(tensor_peak, communicators).values())
 
 
 DEFAULT_RESERVE = Reserve()
+CPU_RESERVE = Reserve(0, 0, 0.0)  # a CPU job's ranks (a gloo profile): their tensors are what they hold

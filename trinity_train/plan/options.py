@@ -55,6 +55,13 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
                      help="a custom GPU's NIC rate across nodes, Gbit/s")
     gpu.add_argument("--mfu", default=None, metavar="F",
                      help=f"model FLOPs utilisation the step time assumes, in (0, 1] (default {DEFAULT_MFU})")
+    gpu.add_argument("--hardware", default=None, metavar="PROFILE", type=user_path,
+                     help="price on a hardware profile `trinity-train calibrate` measured on the job's nodes instead "
+                          "of a datasheet GPU: memory, the measured training-step rate (the MFU is measured, not "
+                          "assumed) and each collective by its kind, link and size; a profile of a CPU job (gloo) "
+                          "prices a --cpu plan")
+    gpu.add_argument("--nodes", default=None, metavar="NAME,NAME",
+                     help="the job's node names, checked against --hardware's: a profile of other nodes is refused")
     search = parser.add_argument_group("layout search")
     search.add_argument("--search", action="store_true",
                         help="rank the layouts of --world GPUs that fit the GPU by predicted step time (closed "
@@ -71,14 +78,24 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print the plan (or the search) as JSON")
 
 
-def nodes_option(args: argparse.Namespace, ranks_per_node: int) -> Nodes:
+def nodes_option(args: argparse.Namespace, ranks_per_node: int, hardware: Hardware | None = None) -> Nodes:
     """The node a plan places its ranks on: --gpus-per-node, else the config's
-    `parallel.ranks_per_node` (as training takes it), else 8 GPUs."""
+    `parallel.ranks_per_node` (as training takes it), else a profile's ranks per node, else 8 GPUs.
+    A profile measured its links with its own ranks per node sharing them: another count is refused."""
+    profile = getattr(hardware, "profile", None)
     if args.gpus_per_node is not None:
-        return Nodes(args.gpus_per_node, "--gpus-per-node")
-    if ranks_per_node:
-        return Nodes(ranks_per_node, "parallel.ranks_per_node")
-    return DEFAULT_NODES
+        nodes = Nodes(args.gpus_per_node, "--gpus-per-node")
+    elif ranks_per_node:
+        nodes = Nodes(ranks_per_node, "parallel.ranks_per_node")
+    elif profile is not None:
+        return Nodes(profile.ranks_per_node, f"--hardware {profile.path}'s ranks per node")
+    else:
+        return DEFAULT_NODES
+    if profile is not None and nodes.ranks != profile.ranks_per_node:
+        raise ConfigError(f"{nodes.source} places {nodes.ranks} ranks on a node, but --hardware '{profile.path}' was "
+                          f"measured with {profile.ranks_per_node} (its links shared by that many ranks): calibrate "
+                          "with the job's ranks per node")
+    return nodes
 
 
 def _number(args: argparse.Namespace, dest: str) -> float:
@@ -95,15 +112,22 @@ def _number(args: argparse.Namespace, dest: str) -> float:
 
 
 def hardware_option(args: argparse.Namespace) -> Hardware | None:
-    """The GPU `args` name: the four custom values (all or none of them), else `--gpu` (default
-    h200); None for a --cpu plan, which refuses the GPU options."""
+    """The GPU `args` name: a calibrated profile (`--hardware`, checked against this torch and the
+    plan's kind of job), the four custom values (all or none of them), else `--gpu` (default h200);
+    None for a --cpu plan without a profile, which refuses the GPU options."""
     given = [d for d in CUSTOM_HARDWARE if getattr(args, d) is not None]
+    if args.hardware is not None:
+        return profile_option(args, given)
+    if args.nodes is not None:
+        raise ConfigError("--nodes names the job's nodes to check a calibrated profile against: add --hardware "
+                          "PROFILE, or drop --nodes")
     if args.cpu:
         named = [o for o, v in (("--gpu", args.gpu), ("--mfu", args.mfu), ("--search", args.search or None))
                  if v is not None] + ["--" + d.replace("_", "-") for d in given]
         if named:
             raise ConfigError(f"{', '.join(named)} only apply to a GPU job, but --cpu plans a CPU job: drop "
-                              f"--cpu, or drop {', '.join(named)}")
+                              f"--cpu, or drop {', '.join(named)} (a CPU job is priced and searched on a profile "
+                              "calibrated on its nodes: --hardware PROFILE)")
         return None
     if given:
         missing = ["--" + d.replace("_", "-") for d in CUSTOM_HARDWARE if d not in given]
@@ -117,7 +141,28 @@ def hardware_option(args: argparse.Namespace) -> Hardware | None:
         raise ConfigError(f"--gpu: {e}") from None
 
 
-def mfu_option(args: argparse.Namespace) -> float:
+def profile_option(args: argparse.Namespace, given: list[str]) -> Hardware:
+    """`--hardware PROFILE` as the plan's hardware; the datasheet options alongside it are refused
+    (the profile measured what they would state)."""
+    import torch
+
+    from trinity_train.plan.profile import as_hardware, check_profile, load_profile
+
+    named = [o for o, v in (("--gpu", args.gpu), ("--mfu", args.mfu)) if v is not None]
+    named += ["--" + d.replace("_", "-") for d in given]
+    if named:
+        raise ConfigError(f"--hardware prices on what a calibration measured, so {', '.join(named)} would contradict "
+                          f"it: drop {', '.join(named)}, or drop --hardware")
+    profile = load_profile(args.hardware)
+    node_names = [n for n in args.nodes.split(",") if n] if args.nodes else None
+    check_profile(profile, torch_version=torch.__version__, cpu_plan=args.cpu, node_names=node_names)
+    return as_hardware(profile)
+
+
+def mfu_option(args: argparse.Namespace, hardware: Hardware | None = None) -> float:
+    profile = getattr(hardware, "profile", None)
+    if profile is not None:
+        return profile.mfu  # measured: the training step's rate over the matmul rate
     if args.mfu is None:
         return DEFAULT_MFU
     try:

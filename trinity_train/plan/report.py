@@ -10,10 +10,12 @@ from trinity_train.config import Config
 from trinity_train.model.counting import count_parameters
 from trinity_train.parallel.assumed_routing import AssumedRouting
 from trinity_train.plan.formula import communicators, memory_per_rank, traffic_per_rank
-from trinity_train.plan.hardware import DEFAULT_MFU, DEFAULT_RESERVE, GPUS, Hardware, Reserve
+from trinity_train.plan.hardware import CPU_RESERVE, DEFAULT_MFU, DEFAULT_RESERVE, GPUS, Hardware, Reserve
 from trinity_train.plan.job import JobPlan
+from trinity_train.plan.profile import LINK_NAMES, ProfiledHardware
 from trinity_train.plan.search import Candidate, SearchResult
-from trinity_train.plan.timing import flops_per_gpu, split_by_link, step_time_of_bytes
+from trinity_train.plan.formula import Flow
+from trinity_train.plan.timing import flops_per_gpu, split_by_link, step_time_of_flows
 from trinity_train.plan.trace import CATEGORIES
 
 GIB = 2 ** 30
@@ -64,14 +66,12 @@ def traffic_rows(plan: JobPlan, trace_index: int = 0) -> list[dict]:
 
 def formula_memory(plan: JobPlan, reserve: Reserve = DEFAULT_RESERVE) -> dict:
     """The closed form's memory per rank (the hottest rank under the plan's routing), with its
-    reserve lines on a GPU plan."""
+    reserve lines (a CPU plan's reserve holds none)."""
     model = memory_per_rank(plan.cfg, plan.dims, gpu=plan.gpu, routing=plan.routing)
-    formula = {"memory": model.by_category, "peak": model.peak, "moment": model.moment}
-    if plan.gpu:
-        n_comms = communicators(plan.dims)
-        formula["reserve"] = reserve.lines(model.peak, n_comms)
-        formula["total_with_reserve"] = model.peak + reserve.total(model.peak, n_comms)
-    return formula
+    n_comms = communicators(plan.dims)
+    return {"memory": model.by_category, "peak": model.peak, "moment": model.moment,
+            "reserve": reserve.lines(model.peak, n_comms),
+            "total_with_reserve": model.peak + reserve.total(model.peak, n_comms)}
 
 
 def traffic_totals(plan: JobPlan, rows: list[dict]) -> dict:
@@ -112,26 +112,45 @@ def fit_verdict(classes: list[dict], n_communicators: int, hardware: Hardware,
             "classes": lines, "needed_bytes": needed, "fits": needed <= hardware.memory_bytes}
 
 
-def timing_summary(plan: JobPlan, traffic: dict, hardware: Hardware, mfu: float) -> dict:
-    """The predicted step of the traced rank: its traced bytes inside and across nodes priced on
-    `hardware`, its compute at `mfu`."""
-    t = step_time_of_bytes(plan.cfg, plan.dims, traffic["inside_bytes"], traffic["across_bytes"], hardware, mfu)
+def traced_flows(plan: JobPlan, trace_index: int = 0) -> list[tuple[Flow, bool]]:
+    """The traced rank's collectives as flows of one call each (a profile prices each call by its
+    size), with whether the call's group stays inside a node."""
+    return [(Flow(c.category, c.kind, c.dim or "?", len(c.group_ranks), 1, c.sent), not plan.crosses_nodes(c.group_ranks))
+            for c in plan.traces[trace_index].collectives]
+
+
+def timing_summary(plan: JobPlan, hardware: Hardware, mfu: float) -> dict:
+    """The predicted step of the traced rank: its traced collectives priced on `hardware` (by link,
+    and on a profile by kind and size), its compute at `mfu`."""
+    t = step_time_of_flows(plan.cfg, plan.dims, traced_flows(plan), hardware, mfu)
     return {"gpu": hardware.name, "mfu": mfu, "flops_per_gpu": flops_per_gpu(plan.cfg, plan.dims),
             "compute_s": t.compute_s, "comm_s": t.comm_s,
-            "no_overlap_s": t.no_overlap_s, "overlap_s": t.overlap_s,
+            "no_overlap_s": t.no_overlap_s, "overlap_s": t.overlap_s, "predicted_s": t.predicted_s,
+            "overlaps": t.overlaps,
             "tokens_per_s_per_gpu": {"overlap": t.tokens_per_s_per_gpu(True),
                                      "no_overlap": t.tokens_per_s_per_gpu(False)},
             "intra_gbytes_s": hardware.intra_gbytes_s, "inter_gbits_s": hardware.inter_gbits_s,
-            "peak_tflops": hardware.peak_tflops}
+            "peak_tflops": hardware.peak_tflops, "profile": profile_summary(hardware)}
+
+
+def profile_summary(hardware: Hardware) -> dict | None:
+    """What a calibrated profile says of the hardware it measured (None for a datasheet GPU)."""
+    if not isinstance(hardware, ProfiledHardware):
+        return None
+    p = hardware.profile
+    return {"path": p.path, "device": p.device, "backend": p.backend, "torch": p.torch, "dtype": p.dtype,
+            "nodes": sorted(p.nodes), "ranks_per_node": p.ranks_per_node, "matmul_flops": p.matmul_flops,
+            "step_flops": p.step_flops, "overlaps": p.overlaps_communication,
+            "bandwidth": {link: p.link_bandwidth(link) for link in LINK_NAMES if p.link_bandwidth(link)}}
 
 
 def on_every_gpu(plan: JobPlan, data: dict, mfu: float, reserve: Reserve = DEFAULT_RESERVE) -> list[dict]:
     """The same trace priced on each GPU of the table (`hardware.GPUS`): the fit and the step,
     so one trace answers "which GPU" (the memory and the bytes do not depend on it)."""
     out = []
-    for hardware in GPUS.values():
+    for hardware in GPUS.values():  # datasheet GPUs: a GPU plan's numerics and reserve
         fit = fit_verdict(data["rank_classes"], communicators(plan.dims), hardware, reserve)
-        time = timing_summary(plan, data["traffic_totals"]["traced"], hardware, mfu)
+        time = timing_summary(plan, hardware, mfu)
         out.append({"gpu": hardware.name, "mfu": mfu, "fits": fit["fits"], "needed_bytes": fit["needed_bytes"],
                     "memory_bytes": hardware.memory_bytes, "overlap_s": time["overlap_s"],
                     "no_overlap_s": time["no_overlap_s"], "tokens_per_s_per_gpu": time["tokens_per_s_per_gpu"]})
@@ -146,7 +165,8 @@ def summary(plan: JobPlan, hardware: Hardware | None = None, mfu: float = DEFAUL
     counts = count_parameters(cfg.model)
     rows = traffic_rows(plan)
     traffic = traffic_totals(plan, rows)
-    priced = hardware is not None and plan.gpu
+    # A GPU plan is priced on a datasheet GPU or a profile; a CPU plan only on a (gloo) profile.
+    priced = hardware is not None and (plan.gpu or isinstance(hardware, ProfiledHardware))
     data = {
         "layout": {"world": dims.world_size, "dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard,
                    "cp": dims.cp, "tp": dims.tp, "ep": dims.ep, "efsdp": dims.efsdp, "gpus_per_node": plan.gpus_per_node,
@@ -163,18 +183,19 @@ def summary(plan: JobPlan, hardware: Hardware | None = None, mfu: float = DEFAUL
              "memory": t.memory, "peak": t.peak, "checkpoint_bytes": t.checkpoint_bytes,
              "trace_seconds": round(t.seconds, 1)}
             for c, t in zip(plan.classes, plan.traces)],
-        "formula": formula_memory(plan, reserve),
+        "formula": formula_memory(plan, reserve if plan.gpu else CPU_RESERVE),
         "fit": None,  # below: from the classes' peaks
         "traffic": rows,
         "traffic_totals": traffic,
         "checkpoint": {"files": dims.world_size + 1, "total_bytes": plan.checkpoint_bytes,
                        "bytes_per_rank_max": max(t.checkpoint_bytes for t in plan.traces)},
-        "step_time": timing_summary(plan, traffic["traced"], hardware, mfu) if priced else None,
+        "step_time": timing_summary(plan, hardware, mfu) if priced else None,
         "comparison_rule": RULE,
         "warnings": [],  # below: from the memory and traffic above
     }
     data["fit"] = fit_verdict(data["rank_classes"], communicators(dims), hardware, reserve) if priced else None
-    data["on_every_gpu"] = on_every_gpu(plan, data, mfu, reserve) if priced else None
+    data["on_every_gpu"] = on_every_gpu(plan, data, mfu) if priced and plan.gpu and data["step_time"]["profile"] is None \
+        else None
     data["warnings"] = comparison_warnings(data)
     return data
 
@@ -213,7 +234,7 @@ def render(data: dict) -> str:
         lines.append(f"fits on {fit['gpu']} ({needed:.1f} of {have:.1f} GiB with the reserve)" if fit["fits"] else
                      f"does NOT fit on {fit['gpu']}: needs {needed:.1f} GiB with the reserve, the GPU has {have:.1f}")
     else:
-        lines.append("a CPU plan (--cpu): no GPU reserve, fit or step time")
+        lines.append("a CPU plan (--cpu): no fit or step time without a profile of its nodes (--hardware)")
     lines.append("")
     lines.append(f"traffic per step, sent by rank {classes[0]['rank']} (GB = 1e9 B)")
     lines.append(f"  {'collective':<28}{'mesh dim':<18}{'group':>6}{'calls':>7}{'inside node':>13}{'across nodes':>14}")
@@ -232,14 +253,14 @@ def render(data: dict) -> str:
                   f"+ .metadata); at most {ck['bytes_per_rank_max'] / GB:.2f} GB written by one rank"]
     st = data["step_time"]
     if st is not None:
-        lines += ["", f"step time on {st['gpu']} at MFU {st['mfu']:.2f} ({st['peak_tflops']:,.0f} TFLOPS peak; rank "
-                      f"{classes[0]['rank']}'s traced traffic at {st['intra_gbytes_s']:g} GB/s inside a node, "
-                      f"{st['inter_gbits_s']:g} Gbit/s across)",
+        lines += ["", *step_time_heading(st, classes[0]["rank"]),
                   f"  compute {seconds(st['compute_s'])} ({st['flops_per_gpu']:.3g} FLOPs per GPU), communication "
                   f"{seconds(st['comm_s'])}"]
         for label, key in (("no overlap", "no_overlap"), ("full overlap", "overlap")):
             lines.append(f"  {label:<14}{seconds(st[key + '_s']):>12}{st['tokens_per_s_per_gpu'][key]:>14,.0f} "
                          "tokens/s per GPU")
+        lines.append(f"  predicted: {seconds(st['predicted_s'])} (the "
+                     f"{'full-overlap bound: NCCL overlaps collectives with compute' if st['overlaps'] else 'no-overlap bound: a gloo job runs its collectives beside little compute'})")
     if data.get("on_every_gpu"):
         lines += ["", f"the same trace on every GPU of the table (MFU {data['on_every_gpu'][0]['mfu']:.2f}; GiB with the "
                   "reserve)",
@@ -255,6 +276,21 @@ def render(data: dict) -> str:
     return "\n".join(lines)
 
 
+def step_time_heading(st: dict, rank: int) -> list[str]:
+    """What the step time is priced on: a datasheet GPU at an assumed MFU, or a profile's measurements."""
+    p = st["profile"]
+    if p is None:
+        return [f"step time on {st['gpu']} at MFU {st['mfu']:.2f} ({st['peak_tflops']:,.0f} TFLOPS peak; rank "
+                f"{rank}'s traced traffic at {st['intra_gbytes_s']:g} GB/s inside a node, {st['inter_gbits_s']:g} Gbit/s "
+                "across)"]
+    links = ", ".join(f"{LINK_NAMES[link]} {bw / 1e6:,.1f} MB/s" for link, bw in p["bandwidth"].items())
+    return [f"step time on {st['gpu']}: calibrated on {', '.join(p['nodes'])} ({p['ranks_per_node']} ranks a node; "
+            f"{p['device']}, {p['backend']}, torch {p['torch']}, {p['dtype']})",
+            f"  compute at the measured training step's {p['step_flops'] / 1e9:,.1f} GFLOP/s (MFU {st['mfu']:.2f} of "
+            f"the {p['matmul_flops'] / 1e9:,.1f} GFLOP/s matmul rate at the config's shapes); rank {rank}'s traced "
+            f"collectives priced by kind, link and size as measured (largest all-gather: {links or 'no links'})"]
+
+
 def _candidate(c: Candidate, prefix: str) -> dict:
     """One search candidate as plain data; `prefix`: the command its overrides complete."""
     t = c.time
@@ -264,7 +300,7 @@ def _candidate(c: Candidate, prefix: str) -> dict:
             "micro_batch_size": c.setting.micro_batch_size, "grad_accum": c.grad_accum,
             "memory_with_reserve_bytes": c.memory_bytes, "compute_s": t.compute_s, "comm_s": t.comm_s,
             "exposed_s": t.exposed_s, "overlap_s": t.overlap_s, "no_overlap_s": t.no_overlap_s,
-            "inside_bytes": t.intra_bytes, "across_bytes": t.inter_bytes, "bound": c.bound,
+            "predicted_s": t.predicted_s, "inside_bytes": t.intra_bytes, "across_bytes": t.inter_bytes, "bound": c.bound,
             "tokens_per_s_per_gpu": {"overlap": t.tokens_per_s_per_gpu(True),
                                      "no_overlap": t.tokens_per_s_per_gpu(False)}}
 
@@ -278,6 +314,7 @@ def search_summary(cfg: Config, world: int, hardware: Hardware, found: SearchRes
     return {
         "world": world, "gpus_per_node": gpus_per_node, "gpu": hardware.name,
         "memory_bytes": hardware.memory_bytes, "mfu": mfu, "routing": routing.describe(),
+        "profile": profile_summary(hardware), "overlaps": hardware.overlaps_communication,
         "model": {"parameters": count_parameters(cfg.model).total},
         "wires": {"reduce_wire_dtype": cfg.parallel.reduce_wire_dtype, "ep_wire_dtype": cfg.parallel.ep_wire_dtype},
         "layouts": found.layouts, "priced": found.priced,
@@ -286,18 +323,21 @@ def search_summary(cfg: Config, world: int, hardware: Hardware, found: SearchRes
     }
 
 
-def _search_table(candidates: list[dict]) -> list[str]:
-    """The rows of one ranked list: the step, memory, batch split, layout and what bounds it, then
-    the overrides."""
+def _search_table(candidates: list[dict], overlaps: bool = True) -> list[str]:
+    """The rows of one ranked list: the step (the predicted bound first: full overlap, or none for a
+    gloo profile), memory, batch split, layout and what bounds it, then the overrides."""
+    first, other = ("overlap", "no_overlap") if overlaps else ("no_overlap", "overlap")
     with_cp = any(c["layout"]["cp"] > 1 for c in candidates)  # a column only when some layout has it
-    lines = [f"  {'#':>3}  {'step (overlap)':>15}{'(none)':>12}{'tokens/s/GPU':>14}{'GiB':>8}{'micro x accum':>15}  "
+    label = {"overlap": "overlap", "no_overlap": "none"}
+    lines = [f"  {'#':>3}  {'step (' + label[first] + ')':>15}{'(' + label[other] + ')':>12}"
+             f"{'tokens/s/GPU':>14}{'GiB':>8}{'micro x accum':>15}  "
              f"dp_replicate x dp_shard x {'cp x ' if with_cp else ''}tp x ep (efsdp); bound"]
     for i, c in enumerate(candidates, 1):
         lay = c["layout"]
         cp = f"{lay['cp']} x " if with_cp else ""
         exposed = f", {seconds(c['exposed_s'])} exposed" if c["exposed_s"] else ""
-        lines.append(f"  {i:>3}  {seconds(c['overlap_s']):>15}{seconds(c['no_overlap_s']):>12}"
-                     f"{c['tokens_per_s_per_gpu']['overlap']:>14,.0f}"
+        lines.append(f"  {i:>3}  {seconds(c[first + '_s']):>15}{seconds(c[other + '_s']):>12}"
+                     f"{c['tokens_per_s_per_gpu'][first]:>14,.0f}"
                      f"{c['memory_with_reserve_bytes'] / GIB:>8.1f}{c['micro_batch_size']:>9} x {c['grad_accum']:<3}  "
                      f"{lay['dp_replicate']} x {lay['dp_shard']} x {cp}{lay['tp']} x {lay['ep']} ({lay['efsdp']}); "
                      f"{c['bound']}{exposed}")
@@ -313,16 +353,22 @@ def render_search(data: dict) -> str:
              f"({have:.1f} GiB), fastest first: closed form (no trace), MFU {data['mfu']:.2f}, routing "
              f"{data['routing']}, the config's global batch; {data['priced']:,} candidates priced of "
              f"{data['layouts']:,} layouts",
-             "plan one without --search to trace it and check the formula", ""]
+             "plan one without --search to trace it and check the formula"]
+    if data.get("profile"):
+        prof = data["profile"]
+        lines.append(f"priced on {data['gpu']} (calibrated on {', '.join(prof['nodes'])}: MFU measured, collectives "
+                     f"by kind, link and size){'' if data['overlaps'] else '; ranked by the no-overlap step, as a gloo job runs'}")
+    lines.append("")
     if not data["candidates"] and not data["other_numerics"]:
         return "\n".join(lines + [f"no layout fits on {data['gpu']}: try more GPUs or a GPU with more memory"])
     lines.append(f"the config's numerics (reduce_wire_dtype={wires['reduce_wire_dtype']}, "
                  f"ep_wire_dtype={wires['ep_wire_dtype']})")
-    lines += _search_table(data["candidates"]) if data["candidates"] else ["  none fits"]
+    overlaps = data.get("overlaps", True)
+    lines += _search_table(data["candidates"], overlaps) if data["candidates"] else ["  none fits"]
     if data["other_numerics"]:
         lines += ["", "other numerics: bf16 on the wire (a wire dtype changed: gradients or routed tokens "
                       "rounded once more; ranked apart)"]
-        lines += _search_table(data["other_numerics"])
+        lines += _search_table(data["other_numerics"], overlaps)
     lines += ["", "GiB: the formula's peak plus the reserve (CUDA context, NCCL buffers, allocator headroom); "
                   "bound: compute-bound, or the link whose bytes take longest and its largest flow"]
     return "\n".join(lines)

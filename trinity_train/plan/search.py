@@ -56,7 +56,7 @@ class Candidate:
 
     @property
     def key(self) -> tuple[float, float, float]:
-        return self.time.overlap_s, self.time.no_overlap_s, self.memory_bytes
+        return (*self.time.rank_key, self.memory_bytes)
 
 
 @dataclass
@@ -163,7 +163,7 @@ def search(cfg: Config, world: int, hardware: Hardware, *, nodes: Nodes = DEFAUL
                 for same in (True, False):
                     if any(p.same_numerics(cfg) == same for p in pols):
                         t, _ = priced(base, _extreme(pols, cfg, "traffic", same))
-                        base.bounds[same] = (t.overlap_s, t.no_overlap_s)
+                        base.bounds[same] = t.rank_key
                 bases.append(base)
 
     lists, count = {True: _Top(top), False: _Top(top)}, 0
@@ -183,7 +183,7 @@ def search(cfg: Config, world: int, hardware: Hardware, *, nodes: Nodes = DEFAUL
                 time, flows = priced(base, policy)
                 count += 1
                 for chunk, total in sized:
-                    mark = (total, time.overlap_s, time.no_overlap_s)
+                    mark = (total, *time.rank_key)
                     if mark in seen:
                         continue
                     seen.add(mark)

@@ -7,9 +7,14 @@ matmuls cost 8/6 of their training FLOPs (the head's do not).
 A collective goes at NVLink speed when every rank of its group sits in one node, else at the
 NIC's: the world's rank order is (dp_replicate, dp_shard, cp, tp) with tp innermost, so rank r lives
 on node r // gpus_per_node, and a dim's groups stay inside nodes when the block of neighbouring
-ranks they tile divides the node (`parallel.node_layout`, the rule training checks). The time is bytes sent / link rate (the bytes already follow the ring
-algorithms of `plan/collectives.py`). Two bounds are reported: no overlap (compute + comm) and
-full overlap (max of the two); a real step lies between.
+ranks they tile divides the node (`parallel.node_layout`, the rule training checks). A datasheet
+GPU (`hardware.Hardware`) prices a collective at bytes sent / link rate (the bytes already follow
+the ring algorithms of `plan/collectives.py`); a calibrated profile (`profile.ProfiledHardware`)
+by the seconds measured for its kind, link class and size per call. Two bounds are reported: no
+overlap (compute + comm) and full overlap (max of the two); a real step lies between. The
+*predicted* step is the full-overlap bound where the backend overlaps collectives with compute
+(NCCL: datasheet GPUs and NCCL profiles) and the no-overlap bound where it does not (a gloo
+profile's CPU job).
 
 Exposed time (layouts with `parallel.allow_ep_tp_across_nodes`, `plan --search --across-nodes`):
 a tp, cp or ep collective sits on the critical path of its layer (the next matmul needs its
@@ -22,10 +27,9 @@ the routed experts' compute (at most that compute's time) and the rest (the firs
 dispatch, the last wave's combine) is exposed. A layout whose tp, cp and ep groups stay inside
 nodes has nothing exposed: its step is priced as above.
 
-`price_measured` prices a job whose compute was measured (a CPU/gloo run: the 2-host bed's
-one-host step) and whose links are slow. Each collective's credited bytes are what gloo puts on
-the wire (benchmarks/multinode.py's calibration: 1.00-1.01 per kind; FSDP's reduce-scatter is an
-all-to-all there, `parallel/gloo/reduce_scatter.py`, since gloo's own sends 2x).
+With a profile the compute is measured too: its `step_flops` is the rate a training step of the
+config's model reached on one rank, so `compute_seconds` at the profile's MFU (step / matmul rate)
+is the model's FLOPs over that rate.
 """
 
 from __future__ import annotations
@@ -50,6 +54,7 @@ class StepTime:
     inter_bytes: float  # ... and across nodes
     tokens_per_gpu: float  # the job's tokens per step / its GPUs (a tp group shares its ranks' tokens)
     exposed_s: float = 0.0  # the part of comm_s nothing overlaps (across-node tp/cp/ep; module doc)
+    overlaps: bool = True  # whether the backend overlaps collectives with compute (the predicted bound)
 
     @property
     def no_overlap_s(self) -> float:
@@ -58,6 +63,16 @@ class StepTime:
     @property
     def overlap_s(self) -> float:
         return max(self.compute_s, self.comm_s - self.exposed_s) + self.exposed_s
+
+    @property
+    def predicted_s(self) -> float:
+        """The step the plan predicts: the bound the backend's overlap gives (module doc)."""
+        return self.overlap_s if self.overlaps else self.no_overlap_s
+
+    @property
+    def rank_key(self) -> tuple[float, float]:
+        """How the search orders steps: the predicted bound, then the other one."""
+        return (self.overlap_s, self.no_overlap_s) if self.overlaps else (self.no_overlap_s, self.overlap_s)
 
     def tokens_per_s_per_gpu(self, overlap: bool = True) -> float:
         return self.tokens_per_gpu / (self.overlap_s if overlap else self.no_overlap_s)
@@ -105,13 +120,17 @@ def exposed_seconds(cfg: Config, dims: ParallelDims, flows: list[Flow], hardware
     """Seconds of tp, cp and ep collectives across nodes that nothing overlaps (the module doc's
     rule: an EP exchange's waves hide all but 1/W of it behind the routed experts' compute)."""
     across = [f for f in flows if f.dim in LAYER_DIMS and not within_nodes(f.dim, dims, gpus_per_node)]
-    exposed = sum(f.sent for f in across if f.dim != "ep") / hardware.inter_bytes_s
-    ep_s = sum(f.sent for f in across if f.dim == "ep") / hardware.inter_bytes_s
+    exposed = sum(_seconds(f, False, hardware) for f in across if f.dim != "ep")
+    ep_s = sum(_seconds(f, False, hardware) for f in across if f.dim == "ep")
     if ep_s:
         waves = len(cut_runs(cfg.model.num_experts // dims.ep, EP_WAVES))
         hidden = min(ep_s * (waves - 1) / waves, routed_expert_seconds(cfg, dims, hardware, mfu))
         exposed += ep_s - hidden
     return exposed
+
+
+def _seconds(flow: Flow, inside: bool, hardware: Hardware) -> float:
+    return hardware.flow_seconds(flow.category, flow.kind, inside, flow.sent, flow.calls)
 
 
 def split_by_link(flows: list[Flow], dims: ParallelDims, gpus_per_node: int) -> tuple[float, float]:
@@ -120,38 +139,39 @@ def split_by_link(flows: list[Flow], dims: ParallelDims, gpus_per_node: int) -> 
     return intra, sum(f.sent for f in flows) - intra
 
 
+def placed(flows: list[Flow], dims: ParallelDims, gpus_per_node: int) -> list[tuple[Flow, bool]]:
+    """Each flow with whether its groups stay inside a node."""
+    return [(f, within_nodes(f.dim, dims, gpus_per_node)) for f in flows]
+
+
 def bottleneck(flows: list[Flow], dims: ParallelDims, time: StepTime, hardware: Hardware, gpus_per_node: int) -> str:
     """What bounds the step: "compute-bound" when the step with full overlap is its compute (the
-    communication takes no longer and none of it is exposed), else the link whose bytes take
+    communication takes no longer and none of it is exposed), else the link whose collectives take
     longer and its largest flow there, e.g. "bound by across nodes: FSDP all-gather over efsdp"."""
     if time.overlap_s <= time.compute_s:
         return "compute-bound"
-    across = time.inter_bytes / hardware.inter_bytes_s >= time.intra_bytes / hardware.intra_bytes_s
-    on_link = [f for f in flows if within_nodes(f.dim, dims, gpus_per_node) != across]
-    top = max(on_link, key=lambda f: f.sent)
+    on = placed(flows, dims, gpus_per_node)
+    across_s = sum(_seconds(f, inside, hardware) for f, inside in on if not inside)
+    inside_s = sum(_seconds(f, inside, hardware) for f, inside in on if inside)
+    across = across_s >= inside_s
+    top = max((f for f, inside in on if inside != across), key=lambda f: f.sent)
     return f"bound by {'across nodes' if across else 'inside nodes'}: {top.category} over {top.dim}"
 
 
 def step_time(cfg: Config, dims: ParallelDims, flows: list[Flow], hardware: Hardware,
               gpus_per_node: int = 8, mfu: float = DEFAULT_MFU) -> StepTime:
     """The predicted step of one rank on `hardware` (see the module doc)."""
-    intra, inter = split_by_link(flows, dims, gpus_per_node)
-    timing = step_time_of_bytes(cfg, dims, intra, inter, hardware, mfu)
+    timing = step_time_of_flows(cfg, dims, placed(flows, dims, gpus_per_node), hardware, mfu)
     exposed = exposed_seconds(cfg, dims, flows, hardware, gpus_per_node, mfu)
     return dataclasses.replace(timing, exposed_s=exposed) if exposed else timing
 
 
-def step_time_of_bytes(cfg: Config, dims: ParallelDims, intra_bytes: float, inter_bytes: float,
-                       hardware: Hardware, mfu: float = DEFAULT_MFU) -> StepTime:
-    """The predicted step of one rank that sends `intra_bytes` inside its node and `inter_bytes`
-    across nodes per step (a trace's split, or `split_by_link`'s of the formula's flows)."""
-    comm = intra_bytes / hardware.intra_bytes_s + inter_bytes / hardware.inter_bytes_s
-    return StepTime(compute_seconds(cfg, dims, hardware, mfu), comm, intra_bytes, inter_bytes,
-                    tokens_per_rank(cfg, dims) / dims.tp)
-
-
-def price_measured(flows: list[Flow], compute_s: float, link_gbits_s: float) -> StepTime:
-    """A job whose compute time was measured (`compute_s`, a one-host step) and whose every
-    collective crosses one link of `link_gbits_s` (the 2-host bed: 1 Gbit/s)."""
-    wire = sum(f.sent for f in flows)
-    return StepTime(compute_s, wire / (link_gbits_s * 1e9 / 8), 0.0, wire, 0.0)
+def step_time_of_flows(cfg: Config, dims: ParallelDims, flows: list[tuple[Flow, bool]], hardware: Hardware,
+                       mfu: float = DEFAULT_MFU) -> StepTime:
+    """The predicted step of one rank that sends `flows` per step, each with whether its group
+    stays inside a node (the formula's flows placed by `placed`, or a trace's calls)."""
+    comm = sum(_seconds(f, inside, hardware) for f, inside in flows)
+    intra = sum(f.sent for f, inside in flows if inside)
+    inter = sum(f.sent for f, inside in flows if not inside)
+    return StepTime(compute_seconds(cfg, dims, hardware, mfu), comm, intra, inter, tokens_per_rank(cfg, dims) / dims.tp,
+                    overlaps=hardware.overlaps_communication)
