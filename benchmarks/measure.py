@@ -14,10 +14,10 @@ from typing import Callable
 
 import torch
 
-from trinity_train.config import Config, ModelConfig
+from trinity_train.calibrate.compute import LARGE_SQUARE, gemm_shapes, matmul_rates, synchronize
+from trinity_train.config import Config
 from trinity_train.model.counting import training_flops_per_token
 
-LARGE_SQUARE = 2048  # the probe's large square matmul (the CPU's best case)
 
 
 @dataclass
@@ -38,11 +38,6 @@ class Timings:
         return statistics.median(self.seconds)
 
 
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def timed(fn: Callable[[], object], device: torch.device) -> tuple[float, object]:
     """(wall seconds, result) of one call, with the device's queue drained on both ends."""
     synchronize(device)
@@ -59,19 +54,8 @@ def step_flops(cfg: Config) -> float:
     return training_flops_per_token(cfg.model, cfg.data.seq_len) * tokens
 
 
-def model_gemm_shapes(m: ModelConfig, tokens: int, loss_chunk_tokens: int) -> list[tuple[int, int, int]]:
-    """(rows, inner, cols) of the forward matmuls of one micro-batch of `tokens` tokens: attention
-    projections, dense and shared FFNs, one routed expert at its mean load, the head chunk."""
-    d, inner = m.hidden_size, m.num_heads * m.head_dim
-    per_expert = max(tokens * m.num_experts_per_tok // m.num_experts, 1)
-    shared = m.moe_intermediate_size * m.num_shared_experts
-    shapes = [(tokens, d, inner), (tokens, d, m.num_kv_heads * m.head_dim), (tokens, inner, d),
-              (tokens, d, m.intermediate_size), (tokens, m.intermediate_size, d),
-              (per_expert, d, m.moe_intermediate_size), (per_expert, m.moe_intermediate_size, d),
-              (min(loss_chunk_tokens, tokens), d, m.vocab_size)]
-    if shared:
-        shapes += [(tokens, d, shared), (tokens, shared, d)]
-    return sorted(set(shapes))
+# The forward matmul shapes of one micro-batch: the ones calibrate measures (one owner).
+model_gemm_shapes = gemm_shapes
 
 
 @dataclass
@@ -98,16 +82,7 @@ class ProbeResult:
 def matmul_probe(shapes: list[tuple[int, int, int]], dtype: torch.dtype, device: torch.device,
                  repeats: int, min_seconds: float = 0.5, square: int = LARGE_SQUARE) -> ProbeResult:
     """Best FLOP/s of `torch.mm` at each shape and at a `square` one, over at least `repeats`
-    calls and `min_seconds` per shape (on a shared machine a quiet moment must come along)."""
-    generator = torch.Generator(device=device).manual_seed(0)  # leaves the global RNG alone
-    flops = {}
-    for m, k, n in [*shapes, (square, square, square)]:
-        a = torch.randn(m, k, device=device, generator=generator).to(dtype)
-        b = torch.randn(k, n, device=device, generator=generator).to(dtype)
-        torch.mm(a, b)  # warm-up: kernel choice, page faults
-        best, spent, calls = float("inf"), 0.0, 0
-        while calls < repeats or spent < min_seconds:
-            seconds = timed(lambda: torch.mm(a, b), device)[0]
-            best, spent, calls = min(best, seconds), spent + seconds, calls + 1
-        flops[(m, k, n)] = 2.0 * m * k * n / max(best, 1e-9)
-    return ProbeResult(dtype, flops)
+    calls and `min_seconds` per shape (on a shared machine a quiet moment must come along):
+    calibrate's measurement (`calibrate.compute.matmul_rates`)."""
+    return ProbeResult(dtype, matmul_rates([*shapes, (square, square, square)], dtype, device, min_seconds,
+                                           min_calls=repeats))

@@ -12,7 +12,7 @@
 # runs (default trinity_train.cli; the benchmarks' trinity_harness.train_instrumented measures it).
 set -euo pipefail
 
-usage="usage: launch/local.sh N|gpus [--max-restarts R] [--config FILE] [--section.key=value ...]"
+usage="usage: launch/local.sh N|gpus [--max-restarts R] [calibrate] [--config FILE] [--section.key=value ...]"
 nproc="${1:?$usage}"
 shift
 if [[ "$nproc" == "gpus" ]]; then

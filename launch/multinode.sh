@@ -20,7 +20,7 @@
 #   other$  launch/multinode.sh 2 1 10.0.0.1 8 -- --config configs/mini.toml
 set -euo pipefail
 
-usage="usage: launch/multinode.sh NNODES NODE_RANK HEAD_ADDR[:PORT] [NPROC_PER_NODE] -- [train args]"
+usage="usage: launch/multinode.sh NNODES NODE_RANK HEAD_ADDR[:PORT] [NPROC_PER_NODE] -- [calibrate] [train args]"
 positional=()
 while [[ $# -gt 0 && "$1" != "--" ]]; do
     positional+=("$1")

@@ -14,6 +14,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "trinity_train"
 # Top to bottom. A package may import its own layer's packages only where listed in SIDEWAYS.
 LAYERS = [
     {"cli"},
+    {"calibrate"},  # measures a job's nodes: a training step (train) and the plan's flows and profile (plan)
     {"train", "study", "plan"},
     {"evaluation"},  # probes that run a model as validation does (the passkey probe)
     {"step", "run_config"},

@@ -240,6 +240,46 @@ class Bench:
                 result["wire_iters"] = (i0, i1)
         return result
 
+    def calibrate_nodes(self, name: str, settings: tuple[str, ...] | None, out: Path, ranks_per_host: int = 1,
+                        args: tuple[str, ...] = (), time_limit: float = 60.0) -> dict:
+        """`trinity-train calibrate` started as the benchmark's job starts (`launch/local.sh` on this
+        host for `settings` None, else `launch/multinode.sh` on both bed hosts with host 1's link
+        shaped by `settings`), with COMMON and `args`; rank 0 writes the profile to `out`. Returns
+        the wall seconds from start to the last launcher's exit and rank 0's output."""
+        run_dir, head, env = self.next_job(name.split(":")[0])
+        run_dir.mkdir(parents=True)
+        command = ("calibrate", f"--out={out}", f"--time-limit={time_limit:g}", *COMMON, *args)
+        logs: list[Path] = []
+        start = time.monotonic()
+        try:
+            if settings is None:
+                logs.append(run_dir / "local.log")
+                with open(logs[0], "w") as log:
+                    proc = subprocess.Popen(["launch/local.sh", str(2 * ranks_per_host), *command], cwd=ROOT,
+                                            env={**self.env, **env}, stdout=log, stderr=subprocess.STDOUT,
+                                            start_new_session=True)
+                self.local_procs.append(proc)
+                procs = [proc]
+            else:
+                self.shape(settings)
+                procs = []
+                for i in (0, 1):
+                    logs.append(run_dir / f"node{i}.log")
+                    procs.append(self.bed.start(i, "launch/multinode.sh", "2", str(i), head, str(ranks_per_host), "--",
+                                                *command, log=logs[-1], env=env))
+            for proc in procs:
+                try:
+                    proc.wait(timeout=max(1.0, start + time_limit + JOB_TIMEOUT_S - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    raise RuntimeError(f"{name}: calibrate did not end\n" + tail(logs)) from None
+                if proc.returncode != 0:
+                    raise RuntimeError(f"{name}: calibrate exited {proc.returncode}\n" + tail(logs))
+            seconds = time.monotonic() - start
+        finally:
+            if settings:
+                self.bed.shape(1, "off")
+        return {"seconds": seconds, "output": logs[0].read_text(), "profile": out}
+
     def kill_local(self) -> None:
         for proc in self.local_procs:
             stop_session(proc)

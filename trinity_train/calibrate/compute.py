@@ -63,14 +63,16 @@ def best_seconds(fn: Callable[[], object], device: torch.device, seconds: float,
 
 
 def matmul_rates(shapes: list[tuple[int, int, int]], dtype: torch.dtype, device: torch.device,
-                 seconds_each: float) -> dict[tuple[int, int, int], float]:
-    """FLOP/s of `torch.mm` at each (rows, inner, cols) shape: the best call of `seconds_each`."""
+                 seconds_each: float, min_calls: int = 3) -> dict[tuple[int, int, int], float]:
+    """FLOP/s of `torch.mm` at each (rows, inner, cols) shape: the best of at least `min_calls`
+    calls and `seconds_each`."""
     generator = torch.Generator(device=device).manual_seed(0)
     rates = {}
     for m, k, n in shapes:
         a = torch.randn(m, k, device=device, generator=generator).to(dtype)
         b = torch.randn(k, n, device=device, generator=generator).to(dtype)
-        rates[(m, k, n)] = 2.0 * m * k * n / max(best_seconds(lambda: torch.mm(a, b), device, seconds_each), 1e-9)
+        best = best_seconds(lambda: torch.mm(a, b), device, seconds_each, min_calls)
+        rates[(m, k, n)] = 2.0 * m * k * n / max(best, 1e-9)
     return rates
 
 
@@ -85,8 +87,11 @@ def grouped_rate(m: ModelConfig, tokens: int, ep: int, dtype: torch.dtype, devic
                  seconds: float) -> float | None:
     """FLOP/s of the routed experts' forward (`torch._grouped_mm`, gate, up and down) on a rank's
     local experts (num_experts / ep) at the mean load of `tokens` tokens from each of the ep ranks;
-    None for a model without routed experts."""
-    if m.num_layers == m.num_dense_layers or m.num_experts == 0:
+    None for a model without routed experts, experts run as a loop (`model.expert_impl`), or fp32 on
+    a GPU (the CUDA kernel takes bf16 only)."""
+    if m.num_layers == m.num_dense_layers or m.num_experts == 0 or m.expert_impl != "grouped":
+        return None
+    if device.type == "cuda" and dtype != torch.bfloat16:
         return None
     local = max(m.num_experts // ep, 1)
     rows = max(tokens * m.num_experts_per_tok * ep // m.num_experts, 1)  # per local expert
@@ -182,9 +187,11 @@ def step_rate(cfg: Config, device: torch.device, seconds: float, max_steps: int 
 
 
 def usable_memory(device: torch.device, ranks_on_node: int) -> int:
-    """Bytes a rank can use: a GPU's free memory now; on a CPU the node's available memory
+    """Bytes a rank can use: a GPU's free memory now (this process's CUDA context already taken:
+    a plan on the profile reserves no second one); on a CPU the node's available memory
     (/proc/meminfo's MemAvailable) shared by its ranks."""
     if device.type == "cuda":
+        torch.cuda.empty_cache()  # the measured step's cached blocks are the job's to use
         free, _total = torch.cuda.mem_get_info(device)
         return int(free)
     for line in Path("/proc/meminfo").read_text().splitlines():

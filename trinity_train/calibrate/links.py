@@ -4,7 +4,11 @@ Two link classes: inside a node (the ranks of one node, one group per node) and 
 i-th rank of every node, one group per i). Each class is measured with all its groups at once, as a
 job's collectives run (a node's ranks share its NIC across nodes). For each collective kind the
 plan prices (all-gather, reduce-scatter, all-reduce, all-to-all) and each size, the seconds of one
-call, where the size is the bytes a rank sends by `plan/collectives.py`'s rule.
+call, where the size is the bytes a rank sends by `plan/collectives.py`'s rule. Each call is timed
+alone, after a barrier (the median of up to `MAX_REPEATS`): a step's collectives start between its
+compute on a link that has drained, and back-to-back calls measure something else (on the CPU
+bed's shaped link, calls both ways back to back lose up to 40 % to each other's acknowledgements,
+benchmarks/bed_link.py).
 
 Every rank takes every decision from values all ranks agree on (an all-reduced maximum): how long
 a call took, how much time is left. A size's first call is its warm-up and its probe: one that
@@ -15,6 +19,7 @@ sizes of that kind and class are not tried.
 from __future__ import annotations
 
 import socket
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -150,7 +155,9 @@ class LinkCalibration:
                     left -= len(self.sizes) - i
                     break
                 repeats = int(max(1, min(MAX_REPEATS, (allowed - first) // max(first, 1e-6))))
-                per_call = agreed_max(self._timed(op, repeats) / repeats)[0]
+                # Each call timed alone after a barrier, on an idle link, as a step's collectives
+                # start between its compute; the median of the slowest rank's times.
+                per_call = statistics.median(agreed_max(*(self._timed(op, 1) for _ in range(repeats))))
                 points.append((float(size), per_call))
                 self.report(Measurement(link, kind, size, per_call, allowed, repeats))
                 left -= 1

@@ -11,7 +11,7 @@ from trinity_train import exit_codes
 from trinity_train.config import default_config_path
 from trinity_train.errors import ConfigError
 from trinity_train.parallel.assumed_routing import parse_routing
-from trinity_train.plan.hardware import CPU_RESERVE, DEFAULT_RESERVE
+from trinity_train.plan.hardware import CPU_RESERVE, DEFAULT_RESERVE, PROFILE_RESERVE
 from trinity_train.plan.options import (across_nodes_option, fixed_sizes, hardware_option, max_cp_option, mfu_option,
                                         nodes_option, top_option)
 
@@ -31,8 +31,9 @@ def run_plan(args: argparse.Namespace, overrides: list[str]) -> int:
     cfg = load_run_config(config, overrides)
     world = args.world or _world_from_layout(cfg)
     nodes = nodes_option(args, cfg.parallel.ranks_per_node, hardware)
-    # A CPU job (a gloo profile) holds no CUDA context or NCCL buffers besides its tensors.
-    reserve = CPU_RESERVE if args.cpu else DEFAULT_RESERVE
+    # A CPU job (a gloo profile) holds no CUDA context or NCCL buffers besides its tensors; a GPU
+    # profile's memory was measured with the context made.
+    reserve = CPU_RESERVE if args.cpu else PROFILE_RESERVE if args.hardware else DEFAULT_RESERVE
 
     if args.search:
         from trinity_train.plan.report import render_search, search_summary

@@ -121,3 +121,5 @@ class Reserve:
 
 DEFAULT_RESERVE = Reserve()
 CPU_RESERVE = Reserve(0, 0, 0.0)  # a CPU job's ranks (a gloo profile): their tensors are what they hold
+# A GPU profile's memory is what was free with the calibrating process's CUDA context already made.
+PROFILE_RESERVE = Reserve(cuda_context_bytes=0)

@@ -369,6 +369,7 @@ def render_search(data: dict) -> str:
         lines += ["", "other numerics: bf16 on the wire (a wire dtype changed: gradients or routed tokens "
                       "rounded once more; ranked apart)"]
         lines += _search_table(data["other_numerics"], overlaps)
-    lines += ["", "GiB: the formula's peak plus the reserve (CUDA context, NCCL buffers, allocator headroom); "
-                  "bound: compute-bound, or the link whose bytes take longest and its largest flow"]
+    held = ("the formula's peak (a CPU job holds no reserve)" if data.get("profile") and not data["overlaps"] else
+            "the formula's peak plus the reserve (CUDA context, NCCL buffers, allocator headroom)")
+    lines += ["", f"GiB: {held}; bound: compute-bound, or the link whose bytes take longest and its largest flow"]
     return "\n".join(lines)
