@@ -207,7 +207,7 @@ class Calibration:
             if per_rank:  # across nodes, a node's ranks send at once through its NIC
                 node = (f" ({per_rank * profile.ranks_per_node * 8 / 1e9:.3g} Gbit/s a node, its "
                         f"{profile.ranks_per_node} ranks at once)" if link == "across" else "")
-                self.say(f"  {name}: {per_rank / 1e6:,.1f} MB/s a rank at the largest all-gather{node}")
+                self.say(f"  {name}: {per_rank / 1e6:,.1f} MB/s a rank one way at the largest send{node}")
         self.say(f"calibrate: wrote {self.out} in {elapsed:.1f} s (limit {self.limit:g} s); price a job on it with "
                  f"`trinity-train plan --hardware {self.out}`")
         if elapsed > self.limit:

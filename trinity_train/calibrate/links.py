@@ -3,7 +3,8 @@
 Two link classes: inside a node (the ranks of one node, one group per node) and across nodes (the
 i-th rank of every node, one group per i). Each class is measured with all its groups at once, as a
 job's collectives run (a node's ranks share its NIC across nodes). For each collective kind the
-plan prices (all-gather, reduce-scatter, all-reduce, all-to-all) and each size, the seconds of one
+plan prices (all-gather, reduce-scatter, all-reduce, all-to-all), and a one-way send (the link's
+own rate, up to a bulk `SEND_UP_TO`), and each size, the seconds of one
 call, where the size is the bytes a rank sends by `plan/collectives.py`'s rule. Each call is timed
 alone, after a barrier (the median of up to `MAX_REPEATS`): a step's collectives start between its
 compute on a link that has drained, and back-to-back calls measure something else (on the CPU
@@ -27,11 +28,12 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from trinity_train.plan.profile import KINDS, LINK_NAMES, Curve
+from trinity_train.plan.profile import KINDS, LINK_NAMES, SEND, Curve
 
 MAX_REPEATS = 10  # timed calls of one size, at most
 MIN_SIZE = 16 * 2 ** 10  # the ladder's smallest message: 16 KiB a rank sends
 LADDER_STEP = 4  # each size 4x the last
+SEND_UP_TO = 64 * 2 ** 20  # a link's one-way rate is measured up to at least this (a bulk transfer)
 
 
 def node_map() -> dict[str, list[int]]:
@@ -88,6 +90,15 @@ def collective(kind: str, group: dist.ProcessGroup, sent: int, device: torch.dev
         full = torch.ones(elements(sent * n / (n - 1)) // n * n or n, device=device)
         out = torch.empty_like(full)
         return lambda: dist.all_to_all_single(out, full, group=group)
+    if kind == SEND:  # the group's first half sends to its second half, one way (an odd last rank idles)
+        ranks, me = dist.get_process_group_ranks(group), dist.get_rank(group)
+        half = n // 2
+        buffer = torch.ones(elements(sent), device=device)
+        if me < half:
+            return lambda: dist.send(buffer, dst=ranks[me + half], group=group)
+        if me < 2 * half:
+            return lambda: dist.recv(buffer, src=ranks[me - half], group=group)
+        return lambda: None
     raise ValueError(f"unknown collective {kind!r}")
 
 
@@ -116,10 +127,11 @@ class LinkCalibration:
     def __init__(self, groups: dict[str, dist.ProcessGroup | None], device: torch.device, largest: float,
                  seconds: float, report: Callable[[Measurement], None]):
         self.groups, self.device, self.report = groups, device, report
-        self.sizes = sizes_up_to(largest)
+        self.sizes = {kind: sizes_up_to(largest) for kind in KINDS}
+        self.sizes[SEND] = sizes_up_to(max(largest, SEND_UP_TO))
         # Every rank walks the same list (a rank without a group of a class takes part in the agreement).
         links = [link for link in LINK_NAMES if self._someone_has(link)]
-        self.todo = [(link, kind) for link in links for kind in KINDS]
+        self.todo = [(link, kind) for link in links for kind in (*KINDS, SEND)]
         self.seconds = seconds
 
     def _someone_has(self, link: str) -> bool:
@@ -139,20 +151,21 @@ class LinkCalibration:
 
     def run(self) -> dict[tuple[str, str], Curve]:
         start = time.perf_counter()
-        left = len(self.todo) * len(self.sizes)  # measurements still to come
+        left = sum(len(self.sizes[kind]) for _, kind in self.todo)  # measurements still to come
         curves: dict[tuple[str, str], Curve] = {}
         for link, kind in self.todo:
             group = self.groups.get(link)
             points: list[tuple[float, float]] = []
             too_slow = None
-            for i, size in enumerate(self.sizes):
+            sizes = self.sizes[kind]
+            for i, size in enumerate(sizes):
                 op = collective(kind, group, size, self.device) if group is not None else None
                 first, elapsed = agreed_max(self._timed(op, 1), time.perf_counter() - start)
                 allowed = max(self.seconds - elapsed, 0.0) / left
                 if first > allowed:
                     too_slow = (float(size), allowed)
                     self.report(Measurement(link, kind, size, None, allowed, 1))
-                    left -= len(self.sizes) - i
+                    left -= len(sizes) - i
                     break
                 repeats = int(max(1, min(MAX_REPEATS, (allowed - first) // max(first, 1e-6))))
                 # Each call timed alone after a barrier, on an idle link, as a step's collectives

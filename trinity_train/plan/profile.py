@@ -14,8 +14,9 @@ that share a node's CPU, memory bus or NIC share it here too):
   the optimizer). The plan's compute time is the model's FLOPs over `step_flops`, and the MFU it
   reports is `step_flops / matmul_flops`: measured, not assumed;
 - per link class (inside a node, across nodes) and collective kind (all-gather, reduce-scatter,
-  all-reduce, all-to-all), the seconds of one call at the sizes measured, sizes in bytes a rank
-  sends by `plan/collectives.py`'s rule (so a flow's bytes divide by it directly). A size whose
+  all-reduce, all-to-all, and a one-way send: the link's headline rate), the seconds of one call
+  at the sizes measured, sizes in bytes a rank sends by `plan/collectives.py`'s rule (so a flow's
+  bytes divide by it directly). A size whose
   first call outlasted its share of the time is stored as too slow, and larger sizes were not
   tried: a plan that needs that link at that size says so instead of pricing it.
 
@@ -38,7 +39,10 @@ from trinity_train.plan.hardware import Hardware
 
 FORMAT = "trinity-train hardware profile"
 VERSION = 1
-KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
+KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")  # the collectives a plan prices
+# One direction, point to point (half a group's ranks send, the other half receive): the link's own
+# rate, the headline of each class, comparable with a single stream's (and a plan's sends).
+SEND = "send"
 LINKS = ("inside", "across")  # a group inside one node; a group spanning nodes
 LINK_NAMES = {"inside": "inside a node", "across": "across nodes"}
 
@@ -114,9 +118,9 @@ class HardwareProfile:
         return self.backend != "gloo"
 
     def link_bandwidth(self, link: str) -> float:
-        """Bytes per second one rank sends over `link` at the largest all-gather measured (the
+        """Bytes per second one rank sends over `link` one way, at the largest send measured (the
         headline figure; 0 where the class was not measured)."""
-        curve = self.curves.get((link, "all_gather"))
+        curve = self.curves.get((link, SEND))
         return curve.bandwidth if curve else 0.0
 
     def call_seconds(self, kind: str, link: str, size: float) -> float:
@@ -140,11 +144,11 @@ class HardwareProfile:
 def wire_kind(category: str, kind: str, backend: str) -> str:
     """The collective a flow or traced call runs as on `backend`: a CPU job's FSDP reduce-scatter
     and its embedding's rows both ways are all-to-alls (parallel/gloo); a broadcast is priced as an
-    all-gather, a send as an all-to-all."""
+    all-gather."""
     if backend == "gloo" and category in (FSDP_REDUCE_SCATTER, FSDP_EMBEDDING_ROWS_GATHER,
                                           FSDP_EMBEDDING_ROWS_REDUCE):
         return "all_to_all"
-    return {"broadcast": "all_gather", "send": "all_to_all"}.get(kind, kind)
+    return {"broadcast": "all_gather"}.get(kind, kind)
 
 
 @dataclass(frozen=True)
@@ -215,7 +219,7 @@ def load_profile(path: str | Path) -> HardwareProfile:
         curves = {}
         for link, kinds in data["links"].items():
             for kind, c in kinds.items():
-                if link not in LINKS or kind not in KINDS:
+                if link not in LINKS or kind not in (*KINDS, SEND):
                     raise ValueError(f"unknown link class or collective {link}/{kind}")
                 points = tuple(sorted((float(p["bytes"]), float(p["seconds"])) for p in c["points"]))
                 if any(not (s > 0 and t > 0 and math.isfinite(s) and math.isfinite(t)) for s, t in points):

@@ -288,7 +288,7 @@ def step_time_heading(st: dict, rank: int) -> list[str]:
             f"{p['device']}, {p['backend']}, torch {p['torch']}, {p['dtype']})",
             f"  compute at the measured training step's {p['step_flops'] / 1e9:,.1f} GFLOP/s (MFU {st['mfu']:.2f} of "
             f"the {p['matmul_flops'] / 1e9:,.1f} GFLOP/s matmul rate at the config's shapes); rank {rank}'s traced "
-            f"collectives priced by kind, link and size as measured (largest all-gather: {links or 'no links'})"]
+            f"collectives priced by kind, link and size as measured (one way: {links or 'no links'})"]
 
 
 def _candidate(c: Candidate, prefix: str) -> dict:
