@@ -225,6 +225,8 @@ def load_profile(path: str | Path) -> HardwareProfile:
                 if any(not (s > 0 and t > 0 and math.isfinite(s) and math.isfinite(t)) for s, t in points):
                     raise ValueError(f"{link}/{kind}: sizes and seconds must be finite numbers > 0")
                 slow = c.get("too_slow")
+                if not points and slow is None:
+                    raise ValueError(f"{link}/{kind}: neither a measured point nor a too-slow size")
                 curves[(link, kind)] = Curve(points, None if slow is None else
                                              (float(slow["bytes"]), float(slow["seconds_allowed"])))
         compute = data["compute"]
@@ -238,9 +240,10 @@ def load_profile(path: str | Path) -> HardwareProfile:
     except (KeyError, TypeError, ValueError, AttributeError) as e:
         raise ConfigError(f"--hardware '{path}': a damaged hardware profile ({type(e).__name__}: {e}); "
                           "calibrate again") from None
-    if not (profile.matmul_flops > 0 and profile.step_flops > 0 and profile.memory_bytes > 0 and profile.nodes):
-        raise ConfigError(f"--hardware '{path}': a damaged hardware profile (rates, memory and nodes must be "
-                          "positive); calibrate again")
+    rates = (profile.matmul_flops, profile.step_flops, profile.peak_flops, profile.memory_bytes)
+    if not (all(0 < r < math.inf for r in rates) and profile.nodes):
+        raise ConfigError(f"--hardware '{path}': a damaged hardware profile (rates and memory must be finite "
+                          "numbers > 0, and nodes given); calibrate again")
     return profile
 
 
