@@ -17,7 +17,7 @@ from conftest import assert_one_line_error, run_cli
 from trinity_train import exit_codes
 from trinity_train.errors import ConfigError
 from trinity_train.plan.hardware import DEFAULT_MFU, GPUS
-from trinity_train.plan.profile import (FORMAT, KINDS, VERSION, Curve, HardwareProfile, ProfiledHardware, as_hardware,
+from trinity_train.plan.profile import (FORMAT, KINDS, SEND, VERSION, Curve, HardwareProfile, ProfiledHardware, as_hardware,
                                         load_profile, profile_record, wire_kind)
 from trinity_train.plan.timing import StepTime
 
@@ -130,7 +130,7 @@ def test_gloo_runs_fsdp_reduce_scatters_and_embedding_rows_as_all_to_alls():
         assert wire_kind(category, "reduce_scatter", "nccl") == "reduce_scatter"
     assert wire_kind("FSDP all-gather", "all_gather", "gloo") == "all_gather"
     assert wire_kind("EP all-to-all", "all_to_all", "nccl") == "all_to_all"
-    assert wire_kind("x", "broadcast", "nccl") == "all_gather" and wire_kind("x", "send", "gloo") == "all_to_all"
+    assert wire_kind("x", "broadcast", "nccl") == "all_gather" and wire_kind("x", "send", "gloo") == SEND
 
 
 def test_a_profile_prices_a_flow_call_by_call_and_a_datasheet_by_bytes(tmp_path):
@@ -166,13 +166,14 @@ def test_the_predicted_step_is_the_bound_the_backend_overlaps_to():
 def test_a_profile_survives_its_json_file(tmp_path):
     curves = {**two_point_curves(),
               ("across", "all_gather"): Curve(((16384.0, 0.01), (65536.0, 0.02)), too_slow=(262144.0, 0.125)),
-              ("across", "all_to_all"): Curve((), too_slow=(16384.0, 0.05))}
+              ("across", "all_to_all"): Curve((), too_slow=(16384.0, 0.05)),
+              ("across", SEND): Curve(((16384.0, 0.01), (2 ** 26, 0.5)))}
     profile = a_profile(tmp_path / "p.json", nodes={"a": [0, 1], "b": [2, 3]}, curves=curves, config="c.toml",
                         seconds=12.5, time_limit_s=20.0)
     loaded = load_profile(written(profile))
     assert loaded == profile
     assert loaded.ranks_per_node == 2 and loaded.name == "profile p.json"
-    assert loaded.link_bandwidth("across") == pytest.approx(65536 / 0.02)
+    assert loaded.link_bandwidth("across") == pytest.approx(2 ** 26 / 0.5)  # one way, the largest send
     record = json.loads((tmp_path / "p.json").read_text())
     assert record["format"] == FORMAT and record["version"] == VERSION
     assert record["links"]["across"]["all_gather"]["too_slow"] == {"bytes": 262144.0, "seconds_allowed": 0.125}

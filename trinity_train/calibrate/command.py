@@ -144,7 +144,7 @@ class Calibration:
             self.say(f"  grouped matmul (routed experts, {max(cfg.model.num_experts // dims.ep, 1)} a rank): "
                      f"{grouped / 1e9:,.1f} GFLOP/s")
         measured = step_model(cfg, dims.ep, grad_accum)
-        step = step_rate(measured, device, budget * 0.7 - each)
+        step = step_rate(measured, device, budget - (time.perf_counter() - self.started))
         # Each rank of the job steps its shards only (FSDP; Muon deals its matrices over the group).
         shards = dims.fsdp_shards
         rate = step.flops_per_s(shards)

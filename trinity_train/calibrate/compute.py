@@ -47,12 +47,13 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def best_seconds(fn: Callable[[], object], device: torch.device, seconds: float, min_calls: int = 3) -> float:
-    """The fastest of repeated calls of `fn` (after one warm-up call): at least `min_calls`, and
-    more while they take less than `seconds` together."""
+def best_seconds(fn: Callable[[], object], device: torch.device, seconds: float, min_calls: int = 1) -> float:
+    """The fastest of repeated calls of `fn` (after one warm-up call, which counts against
+    `seconds`): at least `min_calls`, and more while all of them take less than `seconds`."""
+    start = time.perf_counter()
     fn()
     synchronize(device)
-    best, spent, calls = float("inf"), 0.0, 0
+    best, spent, calls = float("inf"), time.perf_counter() - start, 0
     while calls < min_calls or spent < seconds:
         start = time.perf_counter()
         fn()
@@ -148,7 +149,7 @@ def step_rate(cfg: Config, device: torch.device, seconds: float, max_steps: int 
     """A training step of `cfg` (a `step_model`) on this rank alone: forward, backward and the
     optimizer step on random tokens, timed apart; FLOPs by the planner's accounting
     (`plan.timing.flops_per_gpu`: activation checkpointing's recomputation included). One warm-up
-    step, then at least 2 and at most `max_steps` while they fit `seconds`."""
+    step, then at most `max_steps` while all of them fit `seconds` (none: the warm-up's times)."""
     from trinity_train.optim.groups import build_optimizer
     from trinity_train.parallel.mesh import ParallelDims
     from trinity_train.plan.timing import flops_per_gpu
@@ -177,10 +178,11 @@ def step_rate(cfg: Config, device: torch.device, seconds: float, max_steps: int 
         synchronize(device)
         return middle - start, time.perf_counter() - middle
 
-    one_step()  # warm-up: allocations, kernel choice
+    warm_up = one_step()  # allocations, kernel choice
     times: list[tuple[float, float]] = []
-    while len(times) < 2 or (sum(a + b for a, b in times) < seconds and len(times) < max_steps):
+    while sum(warm_up) + sum(a + b for a, b in times) < seconds and len(times) < max_steps:
         times.append(one_step())
+    times = times or [warm_up]  # no time for a second step: the warm-up's (a lower rate)
     del model, optimizer
     return StepRate(flops_per_gpu(cfg, dims), statistics.median(a for a, _ in times),
                     statistics.median(b for _, b in times), len(times), cfg.model.num_layers, cfg.model.num_experts)

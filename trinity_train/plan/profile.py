@@ -237,13 +237,14 @@ def load_profile(path: str | Path) -> HardwareProfile:
             None if compute["grouped_flops"] is None else float(compute["grouped_flops"]),
             float(compute["step_flops"]), curves, str(data.get("config", "")), float(data.get("seconds", 0.0)),
             float(data.get("time_limit_s", 0.0)))
-    except (KeyError, TypeError, ValueError, AttributeError) as e:
+    except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as e:
         raise ConfigError(f"--hardware '{path}': a damaged hardware profile ({type(e).__name__}: {e}); "
                           "calibrate again") from None
-    rates = (profile.matmul_flops, profile.step_flops, profile.peak_flops, profile.memory_bytes)
+    rates = (profile.matmul_flops, profile.step_flops, profile.peak_flops, profile.memory_bytes,
+             1.0 if profile.grouped_flops is None else profile.grouped_flops)
     if not (all(0 < r < math.inf for r in rates) and profile.nodes):
-        raise ConfigError(f"--hardware '{path}': a damaged hardware profile (rates and memory must be finite "
-                          "numbers > 0, and nodes given); calibrate again")
+        raise ConfigError(f"--hardware '{path}': a damaged hardware profile (rates, memory and nodes must be "
+                          "finite and positive); calibrate again")
     return profile
 
 
