@@ -126,6 +126,8 @@ class Calibration:
 
         from trinity_train.calibrate.compute import (LARGE_SQUARE, gemm_shapes, grouped_rate, matmul_rates,
                                                      step_model, step_rate, usable_memory, weighted_rate)
+        from trinity_train.parallel.node_layout import layout_on_nodes
+        from trinity_train.parallel.process_group import nodes_from_env
         from trinity_train.calibrate.links import agreed_max
 
         cfg, budget = self.cfg, self.limit * COMPUTE_SHARE
@@ -143,15 +145,17 @@ class Calibration:
         if grouped is not None:
             self.say(f"  grouped matmul (routed experts, {max(cfg.model.num_experts // dims.ep, 1)} a rank): "
                      f"{grouped / 1e9:,.1f} GFLOP/s")
-        measured = step_model(cfg, dims.ep, grad_accum)
-        step = step_rate(measured, device, budget - (time.perf_counter() - self.started))
-        # Each rank of the job steps its shards only (FSDP; Muon deals its matrices over the group).
-        shards = dims.fsdp_shards
-        rate = step.flops_per_s(shards)
-        self.say(f"  training step on one rank ({step.layers} blocks, {step.experts} routed experts, "
-                 f"{measured.train.micro_batch_size} x {grad_accum} micro-batches of {cfg.data.seq_len} tokens): "
-                 f"forward and backward {step.backward_s * 1e3:,.1f} ms, optimizer {step.optimizer_s * 1e3:,.1f} ms "
-                 f"(/{shards}: FSDP's shards) -> {rate / 1e9:,.1f} GFLOP/s (medians of {step.steps})")
+        measured = step_model(cfg)
+        step_dims = layout_on_nodes(measured, dims.world_size, nodes_from_env(measured))
+        if step_dims.is_distributed:
+            step_dims.build_mesh(device.type)
+        step = step_rate(measured, step_dims, device, budget - (time.perf_counter() - self.started))
+        rate = step.flops_per_s
+        how = "the loop thread's CPU time" if device.type == "cpu" else "wall"
+        self.say(f"  training step on the job's ranks and layout ({step.layers} of {cfg.model.num_layers} blocks, "
+                 f"{cfg.train.micro_batch_size} x {grad_accum} micro-batches of {cfg.data.seq_len} tokens a rank): "
+                 f"compute {step.compute_s * 1e3:,.1f} ms ({how}) of "
+                 f"{step.wall_s * 1e3:,.1f} ms -> {rate / 1e9:,.1f} GFLOP/s (medians of {step.steps})")
         ranks_here = next(len(r) for r in nodes.values() if self.rank in r)
         memory = usable_memory(device, ranks_here)
         # The job runs at its slowest rank and fits in its fullest: the least of each over the ranks.

@@ -1,6 +1,7 @@
 """What one rank computes, measured at the config's shapes: the matmul rate (`matmul_rates`), the
-routed experts' grouped matmul (`grouped_rate`), the rate a whole training step reaches
-(`step_rate`), and the memory a rank can use (`usable_memory`).
+routed experts' grouped matmul (`grouped_rate`), the rate a training step of the config's model,
+cut to a few blocks, reaches on the job's own ranks and layout (`step_rate`), and the memory a
+rank can use (`usable_memory`).
 
 Every rank measures at once, as the job's ranks will compute at once (ranks that share a CPU or a
 memory bus share it here too). Rates are the best of repeated calls within the time given (a
@@ -17,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from trinity_train.config import Config, ModelConfig, validate
+from trinity_train.config import Config, ModelConfig, grad_accum_for, validate
 from trinity_train.errors import ConfigError
 
 # The training step is measured on the config's model cut to its first dense block and the next
@@ -111,81 +112,85 @@ def grouped_rate(m: ModelConfig, tokens: int, ep: int, dtype: torch.dtype, devic
     return flops / max(best_seconds(experts, device, seconds), 1e-9)
 
 
-def step_model(cfg: Config, ep: int, grad_accum: int) -> Config:
-    """The config a rank's training step is measured on: the model cut to one dense block and
-    `MOE_BLOCKS` more, its routed experts cut to one rank's share (num_experts / ep, at least
-    top-k: each local expert then sees the rows it sees in the job), `grad_accum` micro-batches of
-    the config's size a step. The whole model where the cut is not a valid config."""
+def step_model(cfg: Config) -> Config:
+    """The config a rank's training step is measured on: the model cut to its first dense block and
+    `MOE_BLOCKS` more (the whole model where it has no more, or where the cut is not a valid
+    config); the batch, the layout and every other setting the job's."""
     m = cfg.model
     dense = min(m.num_dense_layers, 1)
     layers = min(m.num_layers, dense + MOE_BLOCKS)
-    experts = max(m.num_experts // ep, m.num_experts_per_tok)
-    train = dataclasses.replace(cfg.train, global_batch_size=0, grad_accum=grad_accum)
-    cut = dataclasses.replace(cfg, train=train, model=dataclasses.replace(
-        m, num_layers=layers, num_dense_layers=dense, num_experts=experts))
+    cut = dataclasses.replace(cfg, model=dataclasses.replace(m, num_layers=layers, num_dense_layers=dense))
     try:
         validate(cut)
     except ConfigError:
-        return dataclasses.replace(cfg, train=train)
+        return cfg
     return cut
 
 
 @dataclasses.dataclass(frozen=True)
 class StepRate:
-    flops: float  # the measured step's FLOPs (`plan.timing.flops_per_gpu`)
-    backward_s: float  # median seconds of its forwards and backwards
-    optimizer_s: float  # median seconds of its optimizer step (the whole measured model's)
+    flops: float  # the measured step's FLOPs on this rank (`plan.timing.flops_per_gpu`)
+    compute_s: float  # median seconds of its compute (module doc)
+    wall_s: float  # median wall seconds of the step
     steps: int  # steps measured (after the warm-up)
     layers: int  # blocks of the measured model
-    experts: int  # its routed experts
 
-    def flops_per_s(self, optimizer_shards: int) -> float:
-        """The step's rate on a rank of a job whose optimizer work is split `optimizer_shards` ways
-        (FSDP: each rank steps its shards, and Muon deals its matrices over the group)."""
-        return self.flops / (self.backward_s + self.optimizer_s / optimizer_shards)
+    @property
+    def flops_per_s(self) -> float:
+        return self.flops / self.compute_s
 
 
-def step_rate(cfg: Config, device: torch.device, seconds: float, max_steps: int = 20) -> StepRate:
-    """A training step of `cfg` (a `step_model`) on this rank alone: forward, backward and the
-    optimizer step on random tokens, timed apart; FLOPs by the planner's accounting
-    (`plan.timing.flops_per_gpu`: activation checkpointing's recomputation included). One warm-up
-    step, then at most `max_steps` while all of them fit `seconds` (none: the warm-up's times)."""
+def step_rate(cfg: Config, dims, device: torch.device, seconds: float, max_steps: int = 20) -> StepRate:
+    """A training step of `cfg` (a `step_model`) on the job's own ranks and layout (`dims`, its mesh
+    built): the trainer's `TrainingStep` (forward, backward, the guard's verdict, the optimizer)
+    with the job's FSDP, EP and TP and, on a CPU, its gloo overlaps, on random tokens. Its compute is
+    what the trainer's rank statistics call compute: on a CPU the loop thread's CPU time
+    (`health.rank_stats`: a rank blocked in a collective spends none, so the links' time is left
+    out); on a GPU the step's wall time (the host does not see the device's work apart from its
+    waits: an upper bound that includes any communication left exposed). FLOPs by the planner's
+    accounting (`plan.timing.flops_per_gpu`: activation checkpointing's recomputation included).
+    One warm-up step, then at most `max_steps` while all of them fit `seconds` (none: the
+    warm-up's times)."""
+    import types
+
+    import torch.distributed as dist
+
     from trinity_train.optim.groups import build_optimizer
-    from trinity_train.parallel.mesh import ParallelDims
+    from trinity_train.optim.schedule import build_scheduler
+    from trinity_train.parallel.gloo.communication import install_gloo_communication
     from trinity_train.plan.timing import flops_per_gpu
-    from trinity_train.step import forward_micro_batch
+    from trinity_train.stability.guard import StepGuard
+    from trinity_train.step import TrainingStep
     from trinity_train.train import build_model_for_training
 
-    dims = ParallelDims.one_process()
-    model = build_model_for_training(cfg, device)
+    model = build_model_for_training(cfg, device, dims)
     optimizer = build_optimizer(model, cfg.optim)
-    generator = torch.Generator().manual_seed(cfg.train.seed)
-    rows, length = cfg.train.micro_batch_size, cfg.data.seq_len
-    ids = torch.randint(0, cfg.model.vocab_size, (cfg.train.grad_accum, rows, length + 1), generator=generator)
-    parts = [{"input_ids": ids[i, :, :-1], "labels": ids[i, :, 1:]} for i in range(cfg.train.grad_accum)]
-    tokens = rows * length * cfg.train.grad_accum
+    communication = install_gloo_communication(model, optimizer, dims, device, cfg.parallel.reduce_wire_dtype)
+    step = TrainingStep(model, optimizer, build_scheduler(optimizer, cfg), StepGuard.for_config(cfg), cfg, device,
+                        dims, communication=communication)
+    generator = torch.Generator().manual_seed(cfg.train.seed + dims.rank)
+    rows = cfg.train.micro_batch_size * grad_accum_for(cfg.train, dims.dp)
+    ids = torch.randint(0, cfg.model.vocab_size, (rows, cfg.data.seq_len + 1), generator=generator)
+    batch = types.SimpleNamespace(input_ids=ids[:, :-1], labels=ids[:, 1:])
 
-    def one_step() -> tuple[float, float]:
+    def one_step(i: int) -> tuple[float, float]:
+        if dist.is_initialized():
+            dist.barrier()
         synchronize(device)
-        start = time.perf_counter()
-        for mb in parts:
-            out = forward_micro_batch(model, mb, cfg, device, dims)
-            (out.ce_sum / tokens + out.aux_loss + out.z_loss).backward()
+        wall, cpu = time.perf_counter(), time.thread_time()
+        step(batch, i, i)
         synchronize(device)
-        middle = time.perf_counter()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        synchronize(device)
-        return middle - start, time.perf_counter() - middle
+        wall, cpu = time.perf_counter() - wall, time.thread_time() - cpu
+        return wall, (cpu if device.type == "cpu" else wall)
 
-    warm_up = one_step()  # allocations, kernel choice
+    warm_up = one_step(0)  # allocations, kernel choice, the first gathers
     times: list[tuple[float, float]] = []
-    while sum(warm_up) + sum(a + b for a, b in times) < seconds and len(times) < max_steps:
-        times.append(one_step())
+    while warm_up[0] + sum(w for w, _ in times) < seconds and len(times) < max_steps:
+        times.append(one_step(len(times) + 1))
     times = times or [warm_up]  # no time for a second step: the warm-up's (a lower rate)
-    del model, optimizer
-    return StepRate(flops_per_gpu(cfg, dims), statistics.median(a for a, _ in times),
-                    statistics.median(b for _, b in times), len(times), cfg.model.num_layers, cfg.model.num_experts)
+    del step, optimizer, model
+    return StepRate(flops_per_gpu(cfg, dims), statistics.median(c for _, c in times),
+                    statistics.median(w for w, _ in times), len(times), cfg.model.num_layers)
 
 
 def usable_memory(device: torch.device, ranks_on_node: int) -> int:

@@ -6,10 +6,13 @@ job's collectives run (a node's ranks share its NIC across nodes). For each coll
 plan prices (all-gather, reduce-scatter, all-reduce, all-to-all), and a one-way send (the link's
 own rate, up to a bulk `SEND_UP_TO`), and each size, the seconds of one
 call, where the size is the bytes a rank sends by `plan/collectives.py`'s rule. Each call is timed
-alone, after a barrier (the median of up to `MAX_REPEATS`): a step's collectives start between its
-compute on a link that has drained, and back-to-back calls measure something else (on the CPU
-bed's shaped link, calls both ways back to back lose up to 40 % to each other's acknowledgements,
-benchmarks/bed_link.py).
+alone, after a barrier, as a step's collectives start between its compute, and a size keeps the
+fastest of up to `MAX_REPEATS` calls: what the link gives, as a matmul's rate is its fastest call.
+Calls that send both ways at once vary from call to call on a TCP link: on the CPU bed's shaped
+link, a 4 MiB all-to-all between two hosts took the time of 12.7 to 22.9 MB/s a rank at 200 Mbit/s
+(25 MB/s) from one call to the next (docs/results/2026-12-07-calibrate.md), while the bed's
+training job exposed less than its bytes' wire time at the full rate: the median call would price
+its collectives at half the rate the job gets.
 
 Every rank takes every decision from values all ranks agree on (an all-reduced maximum): how long
 a call took, how much time is left. A size's first call is its warm-up and its probe: one that
@@ -20,7 +23,6 @@ sizes of that kind and class are not tried.
 from __future__ import annotations
 
 import socket
-import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -168,9 +170,9 @@ class LinkCalibration:
                     left -= len(sizes) - i
                     break
                 repeats = int(max(1, min(MAX_REPEATS, (allowed - first) // max(first, 1e-6))))
-                # Each call timed alone after a barrier, on an idle link, as a step's collectives
-                # start between its compute; the median of the slowest rank's times.
-                per_call = statistics.median(agreed_max(*(self._timed(op, 1) for _ in range(repeats))))
+                # Each call timed alone after a barrier (a step's collectives start between its
+                # compute), the slowest rank's time; the fastest of those calls (module doc).
+                per_call = min(agreed_max(*(self._timed(op, 1) for _ in range(repeats))))
                 points.append((float(size), per_call))
                 self.report(Measurement(link, kind, size, per_call, allowed, repeats))
                 left -= 1
