@@ -57,7 +57,7 @@ from measure import matmul_probe, model_gemm_shapes
 
 from trinity_harness.cluster_bed import bed_unavailable
 from trinity_harness.jobs import COMMON as MULTINODE_JOB
-from trinity_harness.jobs import CONDITIONS, PAIR, bench_on_bed, job_environment, loadavg
+from trinity_harness.jobs import PAIR, bench_on_bed, job_environment, loadavg
 from trinity_harness.table import markdown_table
 from trinity_harness.plan_runs import LAYOUTS, MEMORY_BATCH, measure_rank, measured_config, trace_measured
 from trinity_harness.ranks import run_ranks
@@ -78,7 +78,7 @@ ROOT = Path(__file__).resolve().parents[1]
 HUNDRED_M = ("--model.hidden_size=512", "--model.num_layers=7", "--model.num_heads=8", "--model.num_kv_heads=4",
              "--model.intermediate_size=2048", "--model.num_experts=16", "--model.moe_intermediate_size=512")
 MODELS = {"default": (), "100m": HUNDRED_M}
-ONE_HOST, ONE_GBIT, TWO_HUNDRED = CONDITIONS[0][0], "c: 2 hosts, 1 Gbit", "d: 2 hosts, 200 Mbit"
+ONE_HOST, ONE_GBIT, TWO_HUNDRED = "a: 1 host x 2 ranks", "c: 2 hosts, 1 Gbit", "d: 2 hosts, 200 Mbit"
 CATEGORIES = (FSDP_ALL_GATHER, FSDP_REDUCE_SCATTER, FSDP_EMBEDDING_ROWS_GATHER, FSDP_EMBEDDING_ROWS_REDUCE,
               EP_ALL_TO_ALL, MUON_REDISTRIBUTE)
 
@@ -155,15 +155,15 @@ def experts_table(work: Path) -> None:
 CALIBRATE_S = 60.0  # each calibration's --time-limit
 
 
-def plan_predicted(profile: Path, args: tuple[str, ...]) -> float:
-    """`trinity-train plan --cpu --hardware PROFILE --world 2` of the job (COMMON + `args`): the
-    step it predicts."""
+def plan_predicted(profile: Path, args: tuple[str, ...]) -> dict:
+    """`trinity-train plan --cpu --hardware PROFILE --world 2` of the job (COMMON + `args`): its
+    step time (`predicted_s`, `compute_s`, `comm_s`)."""
     done = subprocess.run([sys.executable, "-m", "trinity_train.cli", "plan", "--cpu", "--hardware", str(profile),
                            "--world", "2", *MULTINODE_JOB, *args, "--json"], capture_output=True, text=True,
                           timeout=600, cwd=ROOT)
     if done.returncode != 0:
         raise RuntimeError(f"plan on {profile}: {done.stderr.strip()}")
-    return json.loads(done.stdout)["step_time"]["predicted_s"]
+    return json.loads(done.stdout)["step_time"]
 
 
 def link_check(bench, work: Path) -> None:
@@ -182,7 +182,7 @@ def link_check(bench, work: Path) -> None:
     shape = rate_mb_s("1gbit")
     across = profile.link_bandwidth("across") * profile.ranks_per_node / 1e6  # a node's ranks at once
     inside = profile.link_bandwidth("inside") / 1e6
-    print("calibrate on 2 hosts x 2 ranks, host 1's link shaped to 1 Gbit/s (largest all-gather; MB = 1e6 B)")
+    print("calibrate on 2 hosts x 2 ranks, host 1's link shaped to 1 Gbit/s (one-way send at its largest size; MB = 1e6 B)")
     print(markdown_table(
         ["class", "measured MB/s", "shape MB/s", "measured / shape", "one stream MB/s (bed_link)",
          "measured / one stream", "calibrate s (limit)", "load"],
@@ -208,17 +208,18 @@ def time_check(rounds: int, steps: int, work: Path) -> None:
             for name, shaped in cases:
                 out = work / f"profile-{rnd}-{name.split(':')[0]}.json"
                 bench.calibrate_nodes(name, shaped, out, args=PAIR.args, time_limit=CALIBRATE_S)
-                predicted = plan_predicted(out, PAIR.args)
+                plan = plan_predicted(out, PAIR.args)
                 measured = bench.throughput_job(name, shaped, steps)
-                ratio = measured["step_s"] / predicted
+                ratio = measured["step_s"] / plan["predicted_s"]
                 ratios[name].append(ratio)
-                rows.append([str(rnd), name, out.name, f"{predicted:.3f}", f"{measured['step_s']:.3f}", f"{ratio:.3f}",
-                             f"{measured['load_start']} -> {measured['load_end']}"])
+                rows.append([str(rnd), name, f"{plan['compute_s']:.3f}", f"{plan['comm_s']:.3f}",
+                             f"{plan['predicted_s']:.3f}", f"{measured['compute_s']:.3f}", f"{measured['step_s']:.3f}",
+                             f"{ratio:.3f}", f"{measured['load_start']} -> {measured['load_end']}"])
                 print(" | ".join(rows[-1]), flush=True)
     print(f"step time of benchmarks/multinode.py's job, --train.steps={steps}: `plan --cpu --hardware PROFILE` "
           "(profile calibrated just before on the same hosts, same link) against the measured median step")
-    print(markdown_table(["round", "condition", "profile", "predicted s", "measured s", "measured / predicted",
-                          "load"], rows))
+    print(markdown_table(["round", "condition", "predicted compute s", "predicted comm s", "predicted step s",
+                          "measured compute s (rank stats)", "measured step s", "measured / predicted", "load"], rows))
     for name, values in ratios.items():
         print(f"{name}: median measured / predicted {statistics.median(values):.3f} (target: within 20 %)")
     print()

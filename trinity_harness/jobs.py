@@ -129,10 +129,11 @@ def exposed(row: dict) -> str:
     return "-" if row.get("exposed_s") is None else f"{row['exposed_s']:.2f}"
 
 
-def median_exposed_s(run_dir: Path) -> float | None:
-    """Seconds per iteration the most-blocked rank waited in collectives (`comm_exposed_s` of the
-    `ranks` records after the warm-up), the median over the reports; None without reports."""
-    reports = [max(r["comm_exposed_s"]) for r in read_jsonl(run_dir / "metrics.jsonl")
+def median_rank_stat(run_dir: Path, field: str) -> float | None:
+    """A `ranks` record's `field` of its largest rank (`comm_exposed_s`: seconds per iteration the
+    most-blocked rank waited in collectives; `compute_s`: the busiest rank's compute), the median
+    over the reports after the warm-up; None without reports."""
+    reports = [max(r[field]) for r in read_jsonl(run_dir / "metrics.jsonl")
                if r.get("kind") == "ranks" and r["iter"] - RANK_STATS_EVERY >= WARMUP_ITERS]
     return statistics.median(reports) if reports else None
 
@@ -229,7 +230,8 @@ class Bench:
                 self.bed.shape(1, "off")
         records = train_records(run_dir)
         result = {"condition": name, "shaping": shaped, "tokens_per_s": median_tokens_per_s(records),
-                  "step_s": median_step_s(records), "steps": len(records), "exposed_s": median_exposed_s(run_dir),
+                  "step_s": median_step_s(records), "steps": len(records),
+                  "exposed_s": median_rank_stat(run_dir, "comm_exposed_s"), "compute_s": median_rank_stat(run_dir, "compute_s"),
                   "load_start": load_start, "load_end": loadavg()}
         if len(marks) == 2:
             (i0, wire0, cpu0), (i1, wire1, cpu1) = marks[WARMUP_ITERS], marks[steps - 1]

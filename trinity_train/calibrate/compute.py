@@ -183,9 +183,18 @@ def step_rate(cfg: Config, dims, device: torch.device, seconds: float, max_steps
         wall, cpu = time.perf_counter() - wall, time.thread_time() - cpu
         return wall, (cpu if device.type == "cpu" else wall)
 
+    def out_of_time(spent: float) -> bool:
+        """Whether any rank is out of `seconds`: every rank runs the same steps (a rank that stopped
+        alone would leave the others in a collective)."""
+        if not dist.is_initialized():
+            return spent >= seconds
+        from trinity_train.calibrate.links import agreed_max
+
+        return agreed_max(1.0 if spent >= seconds else 0.0)[0] > 0
+
     warm_up = one_step(0)  # allocations, kernel choice, the first gathers
     times: list[tuple[float, float]] = []
-    while warm_up[0] + sum(w for w, _ in times) < seconds and len(times) < max_steps:
+    while len(times) < max_steps and not out_of_time(warm_up[0] + sum(w for w, _ in times)):
         times.append(one_step(len(times) + 1))
     times = times or [warm_up]  # no time for a second step: the warm-up's (a lower rate)
     del step, optimizer, model

@@ -134,7 +134,7 @@ class LinkCalibration:
         # Every rank walks the same list (a rank without a group of a class takes part in the agreement).
         links = [link for link in LINK_NAMES if self._someone_has(link)]
         self.todo = [(link, kind) for link in links for kind in (*KINDS, SEND)]
-        self.seconds = seconds
+        self.seconds = -agreed_max(-seconds)[0]  # the least any rank has left: one budget for all
 
     def _someone_has(self, link: str) -> bool:
         return agreed_max(1.0 if self.groups.get(link) is not None else 0.0)[0] > 0
