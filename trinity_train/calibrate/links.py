@@ -8,11 +8,10 @@ own rate, up to a bulk `SEND_UP_TO`), and each size, the seconds of one
 call, where the size is the bytes a rank sends by `plan/collectives.py`'s rule. Each call is timed
 alone, after a barrier, as a step's collectives start between its compute, and a size keeps the
 fastest of up to `MAX_REPEATS` calls: what the link gives, as a matmul's rate is its fastest call.
-Calls that send both ways at once vary from call to call on a TCP link: on the CPU bed's shaped
-link, a 4 MiB all-to-all between two hosts took the time of 12.7 to 22.9 MB/s a rank at 200 Mbit/s
-(25 MB/s) from one call to the next (docs/results/2026-12-07-calibrate.md), while the bed's
-training job exposed less than its bytes' wire time at the full rate: the median call would price
-its collectives at half the rate the job gets.
+Calls that send both ways at once vary from call to call on a TCP link (on the CPU bed's shaped
+link, two opposite streams lost 25-41 % one way in 4 of 16 tries: benchmarks/bed_link.py,
+docs/results/2026-12-03-multinode.md), while the bed's training job gets the full rate over a step
+(docs/results/2026-12-07-calibrate.md): the median call priced its collectives well below it.
 
 Every rank takes every decision from values all ranks agree on (an all-reduced maximum): how long
 a call took, how much time is left. A size's first call is its warm-up and its probe: one that
