@@ -239,9 +239,10 @@ def _add_calibrate(subparsers) -> None:
                     "multinode.sh ... -- calibrate ..., launch/slurm.sbatch calibrate ..., or torchrun -m "
                     "trinity_train.cli calibrate ...), with the job's config and overrides: measure each "
                     "collective kind the plan prices inside a node and across nodes at the plan's message sizes, "
-                    "the matmul and grouped-matmul rate at the config's shapes, a training step's rate on one "
-                    "rank and the usable memory, within a time limit, one line per measurement; rank 0 writes "
-                    "one JSON hardware profile. `trinity-train plan --hardware PROFILE` prices with it.")
+                    "the matmul and grouped-matmul rate at the config's shapes, a training step's rate on the "
+                    "job's own ranks and layout (the model cut to 4 blocks) and the usable memory, within a time "
+                    "limit, one line per measurement; rank 0 writes one JSON hardware profile. `trinity-train plan "
+                    "--hardware PROFILE` prices with it.")
     add_calibrate_arguments(calibrate)
 
 
