@@ -9,9 +9,9 @@ that share a node's CPU, memory bus or NIC share it here too):
 - the rank-to-node map (node names), torch's version, the backend (gloo or NCCL), the device;
 - the usable memory of a rank (a GPU's free memory; a CPU node's available memory over its ranks);
 - compute: the matmul rate at the config's shapes in its dtype (`matmul_flops`, a FLOP-weighted
-  mean), the grouped matmul of the routed experts, and the rate a whole training step of the
-  config's model achieves on one rank without communication (`step_flops`: forward, backward and
-  the optimizer). The plan's compute time is the model's FLOPs over `step_flops`, and the MFU it
+  mean), the grouped matmul of the routed experts, and the rate a training step of the config's
+  model (cut to a few blocks) reaches on the job's own ranks and layout, its compute without the
+  time blocked in collectives (`step_flops`: forward, backward and the optimizer). The plan's compute time is the model's FLOPs over `step_flops`, and the MFU it
   reports is `step_flops / matmul_flops`: measured, not assumed;
 - per link class (inside a node, across nodes) and collective kind (all-gather, reduce-scatter,
   all-reduce, all-to-all, and a one-way send: the link's headline rate), the seconds of one call
@@ -91,7 +91,7 @@ class HardwareProfile:
     matmul_flops: float  # FLOP/s at the config's matmul shapes (FLOP-weighted)
     peak_flops: float  # FLOP/s of a large square matmul
     grouped_flops: float | None  # FLOP/s of the routed experts' grouped matmul (None: dense model)
-    step_flops: float  # FLOP/s a training step of the config's model reaches on one rank
+    step_flops: float  # FLOP/s a training step of the config's model reaches on a rank of the job's layout
     curves: dict[tuple[str, str], Curve] = field(default_factory=dict)  # (link, kind) -> curve
     config: str = ""
     seconds: float = 0.0  # how long the calibration took

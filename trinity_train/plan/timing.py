@@ -28,8 +28,8 @@ dispatch, the last wave's combine) is exposed. A layout whose tp, cp and ep grou
 nodes has nothing exposed: its step is priced as above.
 
 With a profile the compute is measured too: its `step_flops` is the rate a training step of the
-config's model reached on one rank, so `compute_seconds` at the profile's MFU (step / matmul rate)
-is the model's FLOPs over that rate.
+config's model reached on the job's own ranks and layout, so `compute_seconds` at the profile's
+MFU (step / matmul rate) is the model's FLOPs over that rate.
 """
 
 from __future__ import annotations
