@@ -123,14 +123,14 @@ class Measurement:
 
 
 class LinkCalibration:
-    """Measures every (link class, kind, size) of `plan` within `seconds`, all ranks together."""
+    """Measures every (link class, kind, size) within `seconds`, all ranks together, every rank
+    walking the same measurements (a rank without a group of a class takes part in the agreement)."""
 
     def __init__(self, groups: dict[str, dist.ProcessGroup | None], device: torch.device, largest: float,
                  seconds: float, report: Callable[[Measurement], None]):
         self.groups, self.device, self.report = groups, device, report
         self.sizes = {kind: sizes_up_to(largest) for kind in KINDS}
         self.sizes[SEND] = sizes_up_to(max(largest, SEND_UP_TO))
-        # Every rank walks the same list (a rank without a group of a class takes part in the agreement).
         links = [link for link in LINK_NAMES if self._someone_has(link)]
         self.todo = [(link, kind) for link in links for kind in (*KINDS, SEND)]
         self.seconds = -agreed_max(-seconds)[0]  # the least any rank has left: one budget for all
