@@ -47,8 +47,8 @@ def test_one_process_measures_compute_and_memory_into_a_profile(one_process):
     assert profile.grouped_flops is not None and profile.grouped_flops > 0  # the default model has routed experts
     assert 0 < profile.mfu < 2  # a training step reaches a fraction of the matmul rate (a little over: noise)
     # Whether it kept the limit is a measurement (benchmarks/plan_vs_measured.py prints it beside
-    # the limit), not a test: the profile states both.
-    assert profile.time_limit_s == LIMIT_S and profile.seconds > 0
+    # the limit), not a test.
+    assert profile.time_limit_s == LIMIT_S
     out = one_process["done"].stdout
     assert "links: one process, nothing to measure" in out
     assert f"calibrate: wrote {one_process['out']} in " in out
@@ -116,7 +116,7 @@ def test_two_ranks_measure_every_kind_inside_their_node_and_price_their_plan(tmp
         assert sizes == [MIN_SIZE * LADDER_STEP ** i for i in range(len(sizes))], (kind, sizes)  # the ladder
         assert all(t > 0 for _, t in curve.points)
     assert profile.link_bandwidth("inside") > 0
-    assert profile.time_limit_s == 20 and profile.seconds > 0, done.stdout
+    assert profile.time_limit_s == 20, done.stdout
     lines = done.stdout.splitlines()
     for kind in KINDS:  # a line per measurement, on rank 0 only
         assert any(line.startswith(f"  inside a node {kind.replace('_', '-')} ") for line in lines), done.stdout

@@ -79,24 +79,15 @@ class Calibration:
 
     def run(self) -> int:
         import torch
-        import torch.distributed as dist
 
         from trinity_train.config import grad_accum_for
-        from trinity_train.parallel.node_layout import layout_on_nodes
-        from trinity_train.parallel.process_group import (destroy_distributed, leave_together, nodes_from_env,
-                                                         resolve_device, world_size_from_env)
+        from trinity_train.parallel.process_group import destroy_distributed, init_distributed, leave_together
 
-        world = world_size_from_env()
-        dims = layout_on_nodes(self.cfg, world, nodes_from_env(self.cfg))  # the job's layout, checked
-        device = resolve_device(self.cfg)
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
+        # Joined as training joins (the layout checked, the ranks' configs compared, the job's mesh
+        # built): the training step below runs on that mesh, the links on subgroups of the world.
+        dims, device = init_distributed(self.cfg)
+        world = dims.world_size
         backend = "nccl" if device.type == "cuda" else "gloo"
-        if world > 1:
-            import datetime
-
-            dist.init_process_group(backend, device_id=device if device.type == "cuda" else None,
-                                    timeout=datetime.timedelta(seconds=self.cfg.parallel.init_timeout_s))
         try:
             nodes = self._nodes(world)
             self.say(f"calibrate: {world} rank(s) on {len(nodes)} node(s) ({', '.join(sorted(nodes))}); {device.type}, "
@@ -106,7 +97,7 @@ class Calibration:
             if world > 1:
                 leave_together()
         finally:
-            if world > 1:
+            if dims.is_distributed:
                 destroy_distributed()
         if self.rank == 0:
             self._write(torch.__version__, backend, device, nodes, compute, curves)
@@ -126,8 +117,6 @@ class Calibration:
 
         from trinity_train.calibrate.compute import (LARGE_SQUARE, gemm_shapes, grouped_rate, matmul_rates,
                                                      step_model, step_rate, usable_memory, weighted_rate)
-        from trinity_train.parallel.node_layout import layout_on_nodes
-        from trinity_train.parallel.process_group import nodes_from_env
         from trinity_train.calibrate.links import agreed_max
 
         cfg, budget = self.cfg, self.limit * COMPUTE_SHARE
@@ -145,11 +134,8 @@ class Calibration:
         if grouped is not None:
             self.say(f"  grouped matmul (routed experts, {max(cfg.model.num_experts // dims.ep, 1)} a rank): "
                      f"{grouped / 1e9:,.1f} GFLOP/s")
-        measured = step_model(cfg)
-        step_dims = layout_on_nodes(measured, dims.world_size, nodes_from_env(measured))
-        if step_dims.is_distributed:
-            step_dims.build_mesh(device.type)
-        step = step_rate(measured, step_dims, device, budget - (time.perf_counter() - self.started))
+        measured = step_model(cfg)  # the job's layout and batch: its mesh serves
+        step = step_rate(measured, dims, device, budget - (time.perf_counter() - self.started))
         rate = step.flops_per_s
         how = "the loop thread's CPU time" if device.type == "cpu" else "wall"
         self.say(f"  training step on the job's ranks and layout ({step.layers} of {cfg.model.num_layers} blocks, "
@@ -159,7 +145,7 @@ class Calibration:
         ranks_here = next(len(r) for r in nodes.values() if self.rank in r)
         memory = usable_memory(device, ranks_here)
         # The job runs at its slowest rank and fits in its fullest: the least of each over the ranks.
-        if len(nodes) > 1 or ranks_here > 1:
+        if dims.is_distributed:
             lows = agreed_max(-matmul, -peak, -(grouped or 0.0), -rate, -float(memory))
             matmul, peak, grouped_low, step_flops, memory = (-v for v in lows)
             grouped = grouped_low if grouped is not None else None

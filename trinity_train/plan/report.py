@@ -194,8 +194,9 @@ def summary(plan: JobPlan, hardware: Hardware | None = None, mfu: float = DEFAUL
         "warnings": [],  # below: from the memory and traffic above
     }
     data["fit"] = fit_verdict(data["rank_classes"], communicators(dims), hardware, reserve) if priced else None
-    data["on_every_gpu"] = on_every_gpu(plan, data, mfu) if priced and plan.gpu and data["step_time"]["profile"] is None \
-        else None
+    # The datasheet table beside a datasheet price only (a profile is one cluster's measurement).
+    datasheet = priced and plan.gpu and not isinstance(hardware, ProfiledHardware)
+    data["on_every_gpu"] = on_every_gpu(plan, data, mfu) if datasheet else None
     data["warnings"] = comparison_warnings(data)
     return data
 
